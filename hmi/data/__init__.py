@@ -1,0 +1,73 @@
+"""Real tasks and domain corpora, read from the cache that ``hmi data prepare`` writes.
+
+The loader API used by calibration, PLOT building, fine-tuning, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "license-category", "pos-tagging"]
+CORPORA = ["news", "legal", "reviews", "social", "software", "literature", "general"]
+TASK_DOMAIN = {"news-topic": "news", "review-sentiment": "reviews", "tweet-sentiment": "social",
+               "license-category": "legal", "pos-tagging": "literature"}
+
+
+class DataMissingError(RuntimeError):
+    """The data cache has not been prepared."""
+
+
+def data_dir() -> Path:
+    """Where prepared data lives: ``HMI_DATA_DIR``, else ``data/cache`` of the checkout."""
+    env = os.environ.get("HMI_DATA_DIR")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data" / "cache"
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        raise DataMissingError(f"{path} is missing: run `hmi data prepare` first")
+    return path
+
+
+def task_labels(task: str) -> list[str]:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    return json.loads(_need(data_dir() / "tasks" / task / "labels.json").read_text())
+
+
+def is_tagging(task: str) -> bool:
+    return task == "pos-tagging"
+
+
+def load_task(task: str, split: str, max_n: int | None = None) -> list[dict]:
+    """Rows of a task split: ``{"text", "label"}`` or, for tagging, ``{"tokens", "tags"}``.
+
+    ``max_n`` keeps the first ``max_n`` rows; the split order is a fixed hash order, so a
+    capped split is a stable subset of the full one, with every label kept in proportion.
+    """
+    if split not in ("train", "dev", "test"):
+        raise ValueError(f"unknown split {split!r}; use train, dev or test")
+    task_labels(task)
+    path = _need(data_dir() / "tasks" / task / f"{split}.jsonl")
+    rows = []
+    with open(path) as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if max_n is not None and len(rows) >= max_n:
+                break
+    return rows
+
+
+def load_corpus(name: str, max_lines: int | None = None) -> list[str]:
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; known: {', '.join(CORPORA)}")
+    out = []
+    with open(_need(data_dir() / "corpora" / f"{name}.txt")) as f:
+        for line in f:
+            if line.strip():
+                out.append(line.rstrip("\n"))
+                if max_lines is not None and len(out) >= max_lines:
+                    break
+    return out

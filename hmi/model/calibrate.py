@@ -1,0 +1,151 @@
+"""Root calibration (DESIGN section 5): distill the windowed lower stack from the full model.
+
+Trained: the windowed lower layers, the gate, the merge embeddings and LayerNorm.  Targets, from
+the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE) and its final
+hidden states after the shared upper layers (MSE plus one minus the cosine of the mean-pooled
+output).  Checkpoints let a killed run resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hmi.home import hmi_home
+from hmi.io import atomic_write_text
+from hmi.model.artifact import Root, save_artifact
+from hmi.model.hplm import HPLM
+from hmi.model.root import full_forward, mean_pool
+
+
+@dataclass
+class CalibrationConfig:
+    steps: int = 300
+    batch_size: int = 32
+    max_len: int = 128
+    lr: float = 2e-4
+    warmup: int = 20
+    weight_lower: float = 1.0
+    weight_output: float = 1.0
+    weight_pooled: float = 1.0
+    seed: int = 0
+    eval_texts: int = 256
+    checkpoint_every: int = 25
+    max_minutes: float | None = None
+
+
+def tokenize(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    enc = tokenizer(texts, truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+    return enc["input_ids"], enc["attention_mask"]
+
+
+@torch.no_grad()
+def quality(root: Root, texts: list[str], max_len: int = 128, batch_size: int = 32) -> dict:
+    """Cosine of the merged representation to the full model's layer-``L_low`` states (per token),
+    and of the final mean-pooled output to the full model's (per text), averaged."""
+    hplm = HPLM(root.bert, root.windowed)
+    lower_cos, pooled_cos, n_tok, n_txt = 0.0, 0.0, 0, 0
+    for i in range(0, len(texts), batch_size):
+        ids, mask = tokenize(root.tokenizer, texts[i:i + batch_size], max_len)
+        hs = full_forward(root.bert, ids, mask)
+        merged, out = hplm(ids, mask)
+        m = mask.bool()
+        lower_cos += F.cosine_similarity(merged[m], hs[root.spec.l_low][m], dim=-1).sum().item()
+        pooled_cos += F.cosine_similarity(mean_pool(out, mask), mean_pool(hs[-1], mask), dim=-1).sum().item()
+        n_tok += int(m.sum())
+        n_txt += ids.shape[0]
+    return {"lower_cosine": round(lower_cos / n_tok, 4), "pooled_cosine": round(pooled_cos / n_txt, 4)}
+
+
+def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig) -> tuple[torch.Tensor, dict]:
+    with torch.no_grad():
+        hs = full_forward(root.bert, ids, mask)
+    merged, out = hplm(ids, mask)
+    m = mask.bool()
+    l_lower = F.mse_loss(merged[m], hs[root.spec.l_low][m])
+    l_out = F.mse_loss(out[m], hs[-1][m])
+    l_pool = (1 - F.cosine_similarity(mean_pool(out, mask), mean_pool(hs[-1], mask), dim=-1)).mean()
+    loss = cfg.weight_lower * l_lower + cfg.weight_output * l_out + cfg.weight_pooled * l_pool
+    return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
+
+
+def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
+              work_dir: Path | None = None, home: Path | None = None, log=print) -> tuple[str, dict]:
+    """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata)."""
+    work_dir = work_dir or (home or hmi_home()) / "calibration" / f"l{root.spec.l_low}-seed{cfg.seed}"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work_dir / "checkpoint.pt"
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+
+    windowed = root.windowed
+    for p in windowed.parameters():
+        p.requires_grad_(True)
+    params = [p for p in windowed.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
+
+    before = None
+    step = 0
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=True)
+        if ck["config"] == asdict(cfg):
+            windowed.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["optimizer"])
+            sched.load_state_dict(ck["scheduler"])
+            step, before = ck["step"], json.loads(ck["before"])
+            log(f"resuming calibration at step {step}/{cfg.steps}")
+    if before is None:
+        windowed.eval()
+        before = quality(root, eval_texts, cfg.max_len)
+        log(f"before calibration: {before}")
+
+    order = np.random.default_rng(cfg.seed).permutation(len(train_texts))
+    hplm = HPLM(root.bert, windowed)
+    windowed.train()
+    start = time.time()
+    bar = tqdm(total=cfg.steps, initial=step, desc="calibrate", unit="step")
+    while step < cfg.steps:
+        if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
+            log(f"time budget of {cfg.max_minutes} min reached at step {step}")
+            break
+        idx = [order[(step * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
+        ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
+        loss, parts = calibration_loss(root, hplm, ids, mask, cfg)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.4f}", **{k: f"{v:.4f}" for k, v in parts.items()})
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"model": windowed.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg),
+                        "before": json.dumps(before)}, tmp)
+            tmp.replace(ckpt_path)
+    bar.close()
+    seconds = time.time() - start
+    windowed.eval()
+    for p in windowed.parameters():
+        p.requires_grad_(False)
+    after = quality(root, eval_texts, cfg.max_len)
+    log(f"after calibration: {after}")
+    meta = {"calibration": {**asdict(cfg), "steps_done": step, "train_seconds_this_run": round(seconds, 1),
+                            "torch_threads": torch.get_num_threads()},
+            "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}
+    artifact_id = save_artifact(windowed, root.spec, meta, home)
+    atomic_write_text(work_dir / "done", artifact_id)
+    return artifact_id, meta

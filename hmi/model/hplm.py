@@ -1,0 +1,152 @@
+"""The hPLM of DESIGN section 1: windowed lower layers, gate, merge, shared upper layers."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import BertModel
+
+from hmi.model.root import extended_mask
+from hmi.model.windows import encoder_windows, unique_windows
+
+
+class WindowedLower(nn.Module):
+    """The root's embeddings and lower ``L_low`` layers run on length-3 windows, then gated.
+
+    Each window is its own sequence with local positions 0, 1, 2, token type 0 and the
+    attention mask ``id > 0`` (the centre always attended).  Output row k of a window is
+    ``h_k * sigmoid(gate(h_k)) * mask_k``: the ``(3, H)`` block the PLOT stores.
+    """
+
+    def __init__(self, bert: BertModel, l_low: int):
+        super().__init__()
+        self.embeddings = copy.deepcopy(bert.embeddings)
+        self.layers = nn.ModuleList(copy.deepcopy(bert.encoder.layer[i]) for i in range(l_low))
+        hidden = bert.config.hidden_size
+        self.gate = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.gate.weight)
+        nn.init.constant_(self.gate.bias, 2.0)
+        self.register_buffer("local_positions", torch.arange(3).unsqueeze(0), persistent=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.gate.in_features
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        """Representations of windows.
+
+        Semantics: rep[n] = gated lower-layer output of the sequence windows[n] (3 tokens).
+        Shapes: windows (N, 3) int64 -> rep (N, 3, H) float.
+        """
+        mask = windows > 0
+        mask[:, 1] = True
+        h = self.embeddings(
+            input_ids=windows,
+            token_type_ids=torch.zeros_like(windows),
+            position_ids=self.local_positions.expand(windows.shape[0], 3),
+        )
+        ext = extended_mask(mask.long(), h.dtype)
+        for layer in self.layers:
+            h = layer(h, attention_mask=ext)[0]
+        return h * torch.sigmoid(self.gate(h)) * mask.unsqueeze(-1).to(h.dtype)
+
+
+class Merge(nn.Module):
+    """Adds the three rows that describe each token, a global position and type embedding, then LayerNorm."""
+
+    def __init__(self, bert: BertModel):
+        super().__init__()
+        emb = bert.embeddings
+        self.position_embeddings = copy.deepcopy(emb.position_embeddings)
+        self.token_type_embeddings = copy.deepcopy(emb.token_type_embeddings)
+        self.LayerNorm = copy.deepcopy(emb.LayerNorm)
+
+    def forward(self, reps: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Merge window representations into token inputs of the upper layers.
+
+        Semantics: out[b, j] = LN(reps[b, j, 1] + reps[b, j+1, 0] + reps[b, j-1, 2]
+                                  + pos[j] + type[token_type[b, j]]), out-of-range terms 0.
+        Shapes: reps (B, T, 3, H) (zeros at padding) -> out (B, T, H).
+        """
+        B, T = reps.shape[:2]
+        s = reps[:, :, 1].clone()
+        s[:, :-1] += reps[:, 1:, 0]
+        s[:, 1:] += reps[:, :-1, 2]
+        if token_type_ids is None:
+            token_type_ids = torch.zeros((B, T), dtype=torch.long, device=reps.device)
+        positions = torch.arange(T, device=reps.device)
+        s = s + self.position_embeddings(positions).unsqueeze(0) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(s)
+
+
+class UpperLayers(nn.Module):
+    """The root's upper layers, shared (the very same modules as the root's, not copies)."""
+
+    def __init__(self, bert: BertModel, l_low: int):
+        super().__init__()
+        self.layers = nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Shapes: hidden (B, T, H); mask (B, T) {0,1} -> (B, T, H)."""
+        ext = extended_mask(mask, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=ext)[0]
+        return hidden
+
+
+class WindowedEncoder(nn.Module):
+    """The calibrated part of the root: windowed lower layers, gate and merge."""
+
+    def __init__(self, bert: BertModel, l_low: int):
+        super().__init__()
+        self.l_low = l_low
+        self.lower = WindowedLower(bert, l_low)
+        self.merge = Merge(bert)
+
+    def represent_batch(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Window representations of a padded batch, each distinct window computed once.
+
+        Shapes: ids (B, T); mask (B, T) -> reps (B, T, 3, H), zeros at padding.
+        """
+        win = encoder_windows(ids.cpu().numpy(), mask.cpu().numpy())
+        uniq, inverse = unique_windows(win, mask.cpu().numpy())
+        rep = self.lower(torch.from_numpy(uniq).to(ids.device))
+        out = rep.new_zeros(ids.shape + rep.shape[1:])
+        real = torch.from_numpy(inverse >= 0).to(ids.device)
+        out[real] = rep[torch.from_numpy(inverse[inverse >= 0]).to(ids.device)]
+        return out
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Merged lower-layer output. Shapes: ids (B, T); mask (B, T) -> (B, T, H)."""
+        return self.merge(self.represent_batch(ids, mask))
+
+
+class HPLM(nn.Module):
+    """Root hPLM: windowed lower path (computed directly) + shared upper layers, no adapters."""
+
+    def __init__(self, bert: BertModel, windowed: WindowedEncoder):
+        super().__init__()
+        self.windowed = windowed
+        self.upper = UpperLayers(bert, windowed.l_low)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (merged lower output, final hidden states), each (B, T, H)."""
+        merged = self.windowed(ids, mask)
+        return merged, self.upper(merged, mask)
+
+
+def as_numpy_ids(texts_ids: list[list[int]], max_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Pads lists of token ids into (ids, mask) arrays of shape (B, T)."""
+    T = max(len(t) for t in texts_ids) if texts_ids else 0
+    if max_len is not None:
+        T = min(T, max_len)
+    ids = np.zeros((len(texts_ids), T), dtype=np.int64)
+    mask = np.zeros((len(texts_ids), T), dtype=np.int64)
+    for b, t in enumerate(texts_ids):
+        t = t[:T]
+        ids[b, : len(t)] = t
+        mask[b, : len(t)] = 1
+    return ids, mask

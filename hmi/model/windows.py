@@ -1,0 +1,61 @@
+"""Token windows of the lower layers (DESIGN section 1).
+
+Encoder window of token i: ``(x[i-1], x[i], x[i+1])``, id 0 at the sequence edges and for
+padding neighbours; padding positions get no window.  Causal window of token i:
+``(x[i-2], x[i-1], x[i])``.  Everything is vectorized numpy: no per-token Python loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def encoder_windows(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Encoder tri-gram windows of a padded batch.
+
+    Semantics: win[b, i] = (x[b, i-1], x[b, i], x[b, i+1]) with x = ids * mask and id 0 outside
+    the sequence; win[b, i] = (0, 0, 0) where mask[b, i] == 0.
+    Shapes: ids (B, T) int; mask (B, T) {0,1} -> win (B, T, 3) int64.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.asarray(mask).astype(bool)
+    x = np.where(mask, ids, 0)
+    win = np.zeros(x.shape + (3,), dtype=np.int64)
+    win[:, :, 1] = x
+    win[:, 1:, 0] = x[:, :-1]
+    win[:, :-1, 2] = x[:, 1:]
+    win[~mask] = 0
+    return win
+
+
+def causal_windows(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Causal tri-gram windows of a padded batch.
+
+    Semantics: win[b, i] = (x[b, i-2], x[b, i-1], x[b, i]), id 0 before the sequence start;
+    win[b, i] = (0, 0, 0) where mask[b, i] == 0.
+    Shapes: ids (B, T) int; mask (B, T) {0,1} -> win (B, T, 3) int64.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.asarray(mask).astype(bool)
+    x = np.where(mask, ids, 0)
+    win = np.zeros(x.shape + (3,), dtype=np.int64)
+    win[:, :, 2] = x
+    win[:, 1:, 1] = x[:, :-1]
+    win[:, 2:, 0] = x[:, :-2]
+    win[~mask] = 0
+    return win
+
+
+def unique_windows(win: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct windows of a batch and, for each real position, the index of its window.
+
+    Shapes: win (B, T, 3); mask (B, T) -> uniq (U, 3) int64, inverse (B, T) int64 (-1 at padding).
+    """
+    mask = np.asarray(mask).astype(bool)
+    flat = win[mask]
+    if flat.shape[0] == 0:
+        return np.zeros((0, 3), dtype=np.int64), np.full(mask.shape, -1, dtype=np.int64)
+    uniq, inv = np.unique(flat, axis=0, return_inverse=True)
+    inverse = np.full(mask.shape, -1, dtype=np.int64)
+    inverse[mask] = inv.reshape(-1)
+    return uniq.astype(np.int64), inverse

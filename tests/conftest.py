@@ -1,0 +1,37 @@
+import os
+
+import pytest
+import torch
+from transformers import BertConfig, BertModel
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def tiny_bert(layers: int = 4, hidden: int = 32, vocab: int = 120, seed: int = 0) -> BertModel:
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                     intermediate_size=hidden * 2, max_position_embeddings=64, attn_implementation="eager",
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture
+def bert():
+    return tiny_bert()
+
+
+@pytest.fixture(scope="session")
+def real_root():
+    """The packaged MiniLM-L6, uncalibrated (loaded once per test session)."""
+    from hmi.model.artifact import uncalibrated_root
+
+    return uncalibrated_root()
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HMI_HOME", str(tmp_path / "hmi_home"))

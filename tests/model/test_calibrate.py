@@ -1,0 +1,94 @@
+import torch
+
+from hmi.model.artifact import Root, artifact_config, current_artifact_id, load_root, save_artifact
+from hmi.model.calibrate import CalibrationConfig, calibrate, quality
+from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import RootSpec
+from tests.conftest import tiny_bert
+
+
+class CharTokenizer:
+    """A tiny real tokenizer for a tiny model: characters to ids, with [CLS]=1 and [SEP]=2."""
+
+    def __call__(self, texts, truncation=True, max_length=32, padding=True, return_tensors="pt"):
+        rows = [[1] + [3 + (ord(c) % 100) for c in t][: max_length - 2] + [2] for t in texts]
+        T = max(map(len, rows))
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        mask = torch.zeros(len(rows), T, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+def tiny_root() -> Root:
+    bert = tiny_bert(layers=4, hidden=32, vocab=110)
+    return Root(RootSpec("tiny", 2), bert, CharTokenizer(), WindowedEncoder(bert, 2), "uncalibrated", {})
+
+
+TEXTS = ["the cat sat on the mat", "a dog ran in the park", "stocks fell sharply today",
+         "the film was a delight", "licenses permit copying", "python functions return values"] * 4
+
+
+def test_calibration_reduces_loss_and_improves_cosine_on_tiny_config(tmp_path):
+    root = tiny_root()
+    before = quality(root, TEXTS[:6], max_len=32)
+    cfg = CalibrationConfig(steps=40, batch_size=8, max_len=32, lr=3e-3, warmup=2, eval_texts=6)
+    aid, meta = calibrate(root, TEXTS, TEXTS[:6], cfg, work_dir=tmp_path / "cal", home=tmp_path, log=lambda *_: None)
+    after = meta["quality"]["after"]
+    assert after["lower_cosine"] > before["lower_cosine"] + 0.05
+    assert after["pooled_cosine"] >= before["pooled_cosine"]
+    assert current_artifact_id(tmp_path) == aid
+    assert artifact_config(aid, tmp_path)["quality"]["after"] == after
+
+
+def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path):
+    cfg = CalibrationConfig(steps=6, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=3)
+    a = tiny_root()
+    calibrate(a, TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "a", home=tmp_path / "ha", log=lambda *_: None)
+
+    # Interrupted run: stop after the step-3 checkpoint, then resume with a fresh process state.
+    b = tiny_root()
+    short = CalibrationConfig(**{**cfg.__dict__, "max_minutes": None})
+    import hmi.model.calibrate as cal
+
+    calls = {"n": 0}
+    orig = cal.calibration_loss
+
+    def crash_after_three(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise KeyboardInterrupt
+        return orig(*args, **kw)
+
+    cal.calibration_loss = crash_after_three
+    try:
+        calibrate(b, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cal.calibration_loss = orig
+    c = tiny_root()
+    calibrate(c, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
+    for (k, x), (_, y) in zip(a.windowed.state_dict().items(), c.windowed.state_dict().items()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_saved_artifact_round_trips_weights(tmp_path):
+    root = tiny_root()
+    aid = save_artifact(root.windowed, root.spec, {"note": "x"}, home=tmp_path)
+    assert aid.startswith("minilm-l2-")
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(tmp_path / "roots" / aid / "windowed.safetensors"))
+    for k, v in root.windowed.state_dict().items():
+        assert torch.equal(loaded[k], v)
+
+
+def test_load_root_without_artifact_says_to_calibrate(tmp_path):
+    import pytest
+
+    from hmi.model.artifact import ArtifactMissingError
+
+    with pytest.raises(ArtifactMissingError, match="hmi calibrate"):
+        load_root(home=tmp_path)

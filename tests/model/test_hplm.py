@@ -1,0 +1,106 @@
+import numpy as np
+import torch
+
+from hmi.model.hplm import HPLM, Merge, WindowedEncoder, WindowedLower
+from hmi.model.root import extended_mask
+
+
+def test_windowed_lower_runs_each_window_as_its_own_sequence(bert):
+    """A window's representation equals the root's embeddings + lower layers on that 3-token
+    sequence alone (local positions 0..2, mask id>0), gated."""
+    lower = WindowedLower(bert, 2)
+    win = torch.tensor([[0, 5, 9], [3, 5, 9], [4, 7, 0], [0, 8, 0]])
+    rep = lower(win)
+    for n in range(win.shape[0]):
+        seq = win[n : n + 1]
+        m = (seq > 0).long()
+        m[0, 1] = 1
+        h = bert.embeddings(input_ids=seq, position_ids=torch.arange(3)[None], token_type_ids=torch.zeros_like(seq))
+        for layer in bert.encoder.layer[:2]:
+            h = layer(h, attention_mask=extended_mask(m))[0]
+        g = h * torch.sigmoid(lower.gate(h)) * m[..., None]
+        torch.testing.assert_close(rep[n], g[0], atol=1e-5, rtol=1e-5)
+    assert (rep[0, 0] == 0).all() and (rep[2, 2] == 0).all() and (rep[3, 0] == 0).all()
+
+
+def test_gate_scales_rows_by_sigmoid_of_linear(bert):
+    lower = WindowedLower(bert, 1)
+    torch.nn.init.constant_(lower.gate.bias, -50.0)
+    assert lower(torch.tensor([[1, 2, 3]])).abs().max() < 1e-12
+
+
+def ref_merge(reps, mask, merge):
+    B, T = mask.shape
+    out = torch.zeros(B, T, reps.shape[-1])
+    for b in range(B):
+        for j in range(T):
+            s = reps[b, j, 1].clone()
+            if j + 1 < T:
+                s += reps[b, j + 1, 0]
+            if j > 0:
+                s += reps[b, j - 1, 2]
+            s += merge.position_embeddings.weight[j] + merge.token_type_embeddings.weight[0]
+            out[b, j] = merge.LayerNorm(s)
+    return out
+
+
+def test_merge_matches_explicit_per_token_loop(bert):
+    merge = Merge(bert)
+    torch.manual_seed(1)
+    reps = torch.randn(2, 5, 3, bert.config.hidden_size)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    reps[1, 3:] = 0
+    torch.testing.assert_close(merge(reps), ref_merge(reps, mask, merge), atol=1e-5, rtol=1e-5)
+
+
+def test_represent_batch_computes_each_window_once_and_matches_direct(bert):
+    enc = WindowedEncoder(bert, 2)
+    ids = torch.tensor([[1, 5, 6, 5, 6, 2], [1, 5, 6, 2, 0, 0]])
+    mask = (ids > 0).long()
+    reps = enc.represent_batch(ids, mask)
+    from hmi.model.windows import encoder_windows
+
+    win = torch.from_numpy(encoder_windows(ids.numpy(), mask.numpy()))
+    direct = enc.lower(win.reshape(-1, 3)).reshape(2, 6, 3, -1) * mask[..., None, None]
+    torch.testing.assert_close(reps, direct, atol=1e-5, rtol=1e-5)
+
+
+def test_split_upper_layers_are_the_roots_own_modules(bert):
+    enc = WindowedEncoder(bert, 2)
+    hplm = HPLM(bert, enc)
+    assert all(a is b for a, b in zip(hplm.upper.layers, bert.encoder.layer[2:]))
+    for a, b in zip(hplm.upper.layers.parameters(), bert.encoder.layer[2:].parameters()):
+        assert torch.equal(a, b)
+    # the windowed copy of the lower layers is independent of the root's
+    next(enc.lower.layers.parameters()).data.add_(1.0)
+    assert not torch.equal(next(enc.lower.layers.parameters()), next(bert.encoder.layer[0].parameters()))
+
+
+def test_upper_layers_equal_full_model_from_layer_l_low(bert):
+    """Feeding the full model's layer-L_low states through the split's upper layers reproduces
+    the full model's output, so the split itself loses nothing."""
+    enc = WindowedEncoder(bert, 2)
+    hplm = HPLM(bert, enc)
+    ids = torch.tensor([[1, 5, 6, 7, 2], [1, 8, 2, 0, 0]])
+    mask = (ids > 0).long()
+    hs = bert(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    out = hplm.upper(hs[2], mask)
+    m = mask.bool()
+    torch.testing.assert_close(out[m], hs[-1][m], atol=1e-5, rtol=1e-5)
+
+
+def test_padding_does_not_change_real_token_outputs(bert):
+    hplm = HPLM(bert, WindowedEncoder(bert, 2))
+    ids = torch.tensor([[1, 5, 6, 7, 2]])
+    _, a = hplm(ids, torch.ones_like(ids))
+    padded = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+    _, b = hplm(padded, (padded > 0).long())
+    torch.testing.assert_close(a[0], b[0, :5], atol=1e-5, rtol=1e-5)
+
+
+def test_as_numpy_ids_pads_and_masks():
+    from hmi.model.hplm import as_numpy_ids
+
+    ids, mask = as_numpy_ids([[1, 2, 3], [4]])
+    assert ids.tolist() == [[1, 2, 3], [4, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert np.asarray(as_numpy_ids([[1, 2, 3]], max_len=2)[0]).shape == (1, 2)

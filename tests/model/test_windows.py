@@ -1,0 +1,56 @@
+import numpy as np
+
+from hmi.model.windows import causal_windows, encoder_windows, unique_windows
+
+
+def ref_encoder_windows(ids, mask):
+    """Obvious per-token loop: (x[i-1], x[i], x[i+1]), 0 outside the real tokens."""
+    B, T = ids.shape
+    out = np.zeros((B, T, 3), dtype=np.int64)
+    for b in range(B):
+        n = int(mask[b].sum())
+        for i in range(n):
+            out[b, i] = (ids[b, i - 1] if i > 0 else 0, ids[b, i], ids[b, i + 1] if i + 1 < n else 0)
+    return out
+
+
+def test_encoder_windows_match_per_token_loop_with_padding():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 1000, size=(5, 9))
+    mask = np.zeros((5, 9), dtype=np.int64)
+    for b, n in enumerate([9, 1, 4, 2, 7]):
+        mask[b, :n] = 1
+    ids = ids * mask + 7 * (1 - mask)  # garbage at padding must not leak into windows
+    np.testing.assert_array_equal(encoder_windows(ids, mask), ref_encoder_windows(ids, mask))
+
+
+def test_encoder_windows_edges_cls_sep_are_ordinary_tokens():
+    ids = np.array([[101, 5, 6, 102]])
+    win = encoder_windows(ids, np.ones_like(ids))
+    assert win[0, 0].tolist() == [0, 101, 5]
+    assert win[0, 3].tolist() == [6, 102, 0]
+
+
+def test_padding_positions_get_no_window():
+    ids = np.array([[101, 5, 102, 0, 0]])
+    mask = np.array([[1, 1, 1, 0, 0]])
+    win = encoder_windows(ids, mask)
+    assert (win[0, 3:] == 0).all()
+    assert win[0, 2].tolist() == [5, 102, 0]
+
+
+def test_causal_windows_look_back_two_tokens():
+    ids = np.array([[11, 12, 13, 14, 0]])
+    mask = np.array([[1, 1, 1, 1, 0]])
+    win = causal_windows(ids, mask)
+    assert win[0].tolist() == [[0, 0, 11], [0, 11, 12], [11, 12, 13], [12, 13, 14], [0, 0, 0]]
+
+
+def test_unique_windows_inverse_reconstructs_batch():
+    ids = np.array([[1, 2, 1, 2, 1, 2], [1, 2, 1, 0, 0, 0]])
+    mask = (ids > 0).astype(np.int64)
+    win = encoder_windows(ids, mask)
+    uniq, inv = unique_windows(win, mask)
+    assert len(uniq) < mask.sum()
+    np.testing.assert_array_equal(uniq[inv[mask.astype(bool)]], win[mask.astype(bool)])
+    assert (inv[~mask.astype(bool)] == -1).all()
