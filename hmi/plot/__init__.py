@@ -1,0 +1,1 @@
+"""PLOT: precomputed lookup tables of the windowed lower layers (DESIGN section 2)."""

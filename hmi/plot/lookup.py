@@ -1,0 +1,114 @@
+"""Lower-layer output from PLOT lookups along a version chain (DESIGN sections 1-3).
+
+Order for each distinct window of a batch: the tri-gram in each version of the chain
+(branch, parent, ..., root), then the bi-gram ``(0, c, r)`` along the chain, then the uni-gram
+``(0, c, 0)``, then zeros.  Miss policies: ``backoff`` (the paper's), ``compute`` (run the
+first version's windowed lower layers on the windows no version holds, exact) and
+``compute+insert`` (also write them to the first version's PLOT).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hmi.model.hplm import WindowedEncoder
+from hmi.plot.keys import bigram_backoff, encoder_windows, pack, unigram_backoff, unique_windows, unpack
+from hmi.plot.store import PlotStore
+
+POLICIES = ("backoff", "compute", "compute+insert")
+
+
+@dataclass
+class PlotVersion:
+    """One node of a domain chain: its PLOT and the windowed encoder (lower layers, gate, merge)
+    that produced it."""
+
+    name: str
+    store: PlotStore
+    encoder: WindowedEncoder
+
+
+@dataclass
+class LookupResult:
+    """Window representations of a batch and where each distinct window came from."""
+
+    reps: torch.Tensor  # (B, T, 3, H) float32, zeros at padding
+    hits: Counter = field(default_factory=Counter)  # level name -> distinct windows served there
+
+
+class PlotLookup:
+    """Batched PLOT lookup along a chain. Thread-safe: counters are guarded by a lock."""
+
+    def __init__(self, chain: list[PlotVersion], policy: str = "backoff"):
+        if not chain:
+            raise ValueError("a lookup chain needs at least one version")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown miss policy {policy!r}; use one of {', '.join(POLICIES)}")
+        self.chain = chain
+        self.policy = policy
+        self.hits: Counter = Counter()
+        self._lock = threading.Lock()
+
+    @property
+    def merge(self):
+        return self.chain[0].encoder.merge
+
+    def window_reps(self, windows: np.ndarray) -> tuple[np.ndarray, Counter]:
+        """Representations of distinct windows.
+
+        Shapes: windows (U, 3) int64 -> reps (U, 3, H) float16; plus hits per level.
+        """
+        keys = pack(windows)
+        meta = self.chain[0].store.meta
+        out = np.zeros((len(keys), meta.n, meta.hidden_size), dtype=np.float16)
+        todo = np.ones(len(keys), dtype=bool)
+        hits: Counter = Counter()
+
+        def serve(level: str, lookup_keys: np.ndarray) -> None:
+            for v in self.chain:
+                idx = np.flatnonzero(todo)
+                if idx.size == 0:
+                    return
+                vals, found = v.store.get_many(lookup_keys[idx])
+                out[idx[found]] = vals[found]
+                todo[idx[found]] = False
+                hits[f"{level}:{v.name}"] += int(found.sum())
+
+        serve("trigram", keys)
+        if todo.any() and self.policy != "backoff":
+            idx = np.flatnonzero(todo)
+            with torch.no_grad():
+                computed = self.chain[0].encoder.lower(torch.from_numpy(unpack(keys[idx])))
+            out[idx] = computed.numpy().astype(np.float16)
+            todo[idx] = False
+            hits["computed"] += int(idx.size)
+            if self.policy == "compute+insert":
+                self.chain[0].store.put_many(keys[idx], out[idx])
+        if todo.any():
+            serve("bigram", bigram_backoff(keys))
+        if todo.any():
+            serve("unigram", unigram_backoff(keys))
+        hits["zeros"] += int(todo.sum())
+        return out, hits
+
+    def represent(self, ids: np.ndarray, mask: np.ndarray) -> LookupResult:
+        """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, 3, H) float32."""
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        uniq, inverse = unique_windows(encoder_windows(ids, mask), mask)
+        reps, hits = self.window_reps(uniq)
+        full = np.zeros(ids.shape + reps.shape[1:], dtype=np.float32)
+        real = inverse >= 0
+        full[real] = reps[inverse[real]]
+        with self._lock:
+            self.hits.update(hits)
+        return LookupResult(torch.from_numpy(full), hits)
+
+    @torch.no_grad()
+    def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
+        """The upper layers' input for a batch. Shapes: ids, mask (B, T) -> (B, T, H) float32."""
+        return self.merge(self.represent(ids, mask).reps)

@@ -1,0 +1,166 @@
+"""One LMDB environment per domain version: packed n-gram key -> fp16 ``(3, H)`` representation.
+
+Named databases: ``entries`` (the table), ``meta`` (JSON records: the metadata checked on open,
+build progress, statistics).  Readers open read-only and many at once; the writer grows the map
+when it fills.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from hmi.plot.keys import ngram_order, to_bytes
+
+INITIAL_MAP_SIZE = 1 << 30
+
+
+class PlotMismatchError(RuntimeError):
+    """The PLOT was built for another root (artifact, split or hidden size) than the one in use."""
+
+
+class PlotMissingError(RuntimeError):
+    """No PLOT at the given location."""
+
+
+@dataclass(frozen=True)
+class PlotMeta:
+    """What a PLOT was built for; checked whenever it is opened for serving."""
+
+    root_artifact: str
+    l_low: int
+    hidden_size: int
+    dtype: str = "float16"
+    n: int = 3
+    kind: str = "encoder"  # or "causal"
+
+    @property
+    def value_bytes(self) -> int:
+        return self.n * self.hidden_size * np.dtype(self.dtype).itemsize
+
+
+class PlotStore:
+    """A PLOT on disk. Contract: ``get_many`` may be called from many threads and processes at
+    once; ``put_many`` from one writer at a time (LMDB serializes writers)."""
+
+    def __init__(self, path: Path | str, meta: PlotMeta | None = None, readonly: bool = True,
+                 expect: PlotMeta | None = None):
+        self.path = Path(path)
+        self.readonly = readonly
+        if readonly and not (self.path / "data.mdb").exists():
+            raise PlotMissingError(f"no PLOT at {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=INITIAL_MAP_SIZE, max_dbs=4, readonly=readonly,
+                             subdir=True, readahead=False, max_readers=256, lock=True)
+        if not readonly:
+            self._grow_to_fit()
+        self._entries = self.env.open_db(b"entries", create=not readonly)
+        self._meta = self.env.open_db(b"meta", create=not readonly)
+        stored = self.get_record("plot")
+        if stored is None:
+            if meta is None:
+                raise PlotMissingError(f"PLOT at {self.path} has no metadata record")
+            self.put_record("plot", asdict(meta))
+            stored = asdict(meta)
+        self.meta = PlotMeta(**stored)
+        if meta is not None and self.meta != meta:
+            raise PlotMismatchError(f"PLOT at {self.path} holds {self.meta}, not {meta}")
+        if expect is not None:
+            self.check(expect)
+
+    def check(self, expect: PlotMeta) -> None:
+        """Refuses a PLOT built for another root: serving it would give wrong representations."""
+        if self.meta != expect:
+            diffs = [f"{k}: PLOT has {getattr(self.meta, k)!r}, expected {getattr(expect, k)!r}"
+                     for k in asdict(expect) if getattr(self.meta, k) != getattr(expect, k)]
+            raise PlotMismatchError(f"PLOT at {self.path} was built for another root ({'; '.join(diffs)}); "
+                                    "rebuild it with `hmi plot build`")
+
+    # -- records -------------------------------------------------------------------------------
+    def get_record(self, name: str):
+        with self.env.begin(db=self._meta) as txn:
+            raw = txn.get(name.encode())
+        return None if raw is None else json.loads(bytes(raw))
+
+    def put_record(self, name: str, value) -> None:
+        self._write(lambda txn: txn.put(name.encode(), json.dumps(value).encode(), db=self._meta))
+
+    # -- entries -------------------------------------------------------------------------------
+    def put_many(self, keys: np.ndarray, values: np.ndarray, records: dict | None = None) -> None:
+        """Writes entries (and optional meta records) in one transaction: all or nothing.
+
+        Shapes: keys (N,) uint64; values (N, n, H), stored as the PLOT's dtype.
+        """
+        vals = np.ascontiguousarray(values, dtype=self.meta.dtype).reshape(len(keys), -1)
+        if vals.shape[1] * vals.itemsize != self.meta.value_bytes:
+            raise ValueError(f"values of {vals.shape[1] * vals.itemsize} bytes; this PLOT stores {self.meta.value_bytes}")
+        kb = to_bytes(keys)
+        items = [(k, vals[i].tobytes()) for i, k in enumerate(kb)]
+
+        def write(txn):
+            txn.cursor(db=self._entries).putmulti(items)
+            for name, value in (records or {}).items():
+                txn.put(name.encode(), json.dumps(value).encode(), db=self._meta)
+
+        self._write(write)
+
+    def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Batched lookup in one read transaction.
+
+        Shapes: keys (N,) uint64 -> values (N, n, H) in the PLOT's dtype (zeros where missing),
+        found (N,) bool.
+        """
+        n = len(keys)
+        out = np.zeros((n, self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype)
+        if n == 0:
+            return out, np.zeros(0, dtype=bool)
+        with self.env.begin(db=self._entries, buffers=True) as txn:
+            get = txn.get
+            vals = [get(k) for k in to_bytes(keys)]
+            found = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
+            if found.any():
+                joined = b"".join(v for v in vals if v is not None)
+                out[found] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
+        return out, found
+
+    def __len__(self) -> int:
+        with self.env.begin(db=self._entries) as txn:
+            return txn.stat(self._entries)["entries"]
+
+    def keys(self) -> np.ndarray:
+        """All keys in order (uint64)."""
+        with self.env.begin(db=self._entries, buffers=True) as txn:
+            raw = b"".join(bytes(k) for k in txn.cursor().iternext(keys=True, values=False))
+        return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
+
+    def stats(self) -> dict:
+        """Entries by n-gram order and bytes (values and the file on disk)."""
+        order = ngram_order(self.keys())
+        n = int(order.size)
+        return {"entries": n, "trigrams": int((order == 3).sum()), "bigrams": int((order == 2).sum()),
+                "unigrams": int((order == 1).sum()), "value_bytes": n * self.meta.value_bytes,
+                "file_bytes": (self.path / "data.mdb").stat().st_size}
+
+    def close(self) -> None:
+        self.env.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _grow_to_fit(self) -> None:
+        used = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
+        if used * 2 > self.env.info()["map_size"]:
+            self.env.set_mapsize(max(INITIAL_MAP_SIZE, used * 2))
+
+    def _write(self, fn) -> None:
+        if self.readonly:
+            raise PermissionError(f"PLOT at {self.path} is open read-only")
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    fn(txn)
+                return
+            except lmdb.MapFullError:
+                self.env.set_mapsize(self.env.info()["map_size"] * 2)
