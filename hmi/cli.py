@@ -102,6 +102,113 @@ def cmd_info(args) -> int:
     return 0
 
 
+def parse_selection(text: str):
+    from hmi.plot.build import Selection
+
+    if text == "all":
+        return Selection("all")
+    kind, _, value = text.partition(":")
+    try:
+        if kind == "alpha":
+            return Selection("alpha", alpha=float(value))
+        if kind == "top_k":
+            return Selection("top_k", top_k=int(value))
+    except ValueError as exc:
+        raise SystemExit(f"hmi: bad --select {text!r}: {exc}")
+    raise SystemExit(f"hmi: bad --select {text!r}; use all, alpha:A or top_k:K")
+
+
+def read_corpus_arg(corpus: str) -> list[str]:
+    from hmi.data import CORPORA, load_corpus
+
+    if corpus in CORPORA:
+        ensure_data()
+        return load_corpus(corpus)
+    path = Path(corpus)
+    if not path.exists():
+        raise SystemExit(f"hmi: corpus {corpus!r} is neither a prepared corpus ({', '.join(CORPORA)}) nor a file")
+    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def load_current_root():
+    _quiet_transformers()
+    from hmi.model.artifact import ArtifactMissingError, load_root
+
+    try:
+        return load_root()
+    except ArtifactMissingError as exc:
+        raise SystemExit(f"hmi: {exc}")
+
+
+def cmd_plot_build(args) -> int:
+    from hmi.plot.build import build_from_corpus
+    from hmi.plot.default import plot_meta, root_plot_path
+    from hmi.plot.store import PlotStore
+
+    root = load_current_root()
+    sel = parse_selection(args.select)
+    lines = read_corpus_arg(args.corpus)
+    out = Path(args.out) if args.out else root_plot_path(root)
+    store = PlotStore(out, meta=plot_meta(root), readonly=False)
+    try:
+        summary = build_from_corpus(store, root.windowed, root.tokenizer, lines, sel, max_len=args.max_len)
+    finally:
+        store.close()
+    if summary.get("up_to_date"):
+        print(f"PLOT at {out} is already complete ({summary['entries']} entries)")
+    else:
+        print(f"PLOT at {out}: {summary['entries']} entries, {summary['file_bytes'] / 2**20:.1f} MiB on disk, "
+              f"{summary['written']} computed in {summary['seconds']} s ({summary['ngrams_per_s']} n-grams/s), "
+              f"selection {summary['selection']}, {summary['distinct_trigrams']} distinct corpus tri-grams")
+    return 0
+
+
+def cmd_plot_stats(args) -> int:
+    from hmi.plot.store import PlotStore
+
+    store = PlotStore(args.path, readonly=True)
+    print(json.dumps({"meta": store.meta.__dict__, "stats": store.stats(), "build": store.get_record("build")},
+                     indent=1))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Set-up of the embedded default and a look at what it computes."""
+    _quiet_transformers()
+    import torch
+
+    from hmi.model.artifact import current_artifact_id
+    from hmi.plot.default import ensure_root_plot, open_root_version
+    from hmi.plot.lookup import PlotLookup
+
+    ensure_data()
+    if current_artifact_id() is None:
+        print("calibrating the root (first run only)")
+        cmd_calibrate(build_parser().parse_args(["calibrate"]))
+    root = load_current_root()
+    print(f"root artifact {root.artifact_id}")
+    print_quality(root.meta)
+    summary = ensure_root_plot(root)
+    if not summary.get("up_to_date"):
+        print(f"root PLOT: {summary['entries']} entries built in {summary['seconds']} s")
+    lookup = PlotLookup([open_root_version(root)], policy="compute")
+    texts = held_out_texts(8)
+    enc = root.tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="np")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    from hmi.model.root import full_forward, mean_pool
+
+    with torch.no_grad():
+        out = root.hplm().upper(lookup.merged(ids, mask), torch.from_numpy(mask))
+        ref = full_forward(root.bert, torch.from_numpy(ids), torch.from_numpy(mask))[-1]
+    cos = torch.nn.functional.cosine_similarity(mean_pool(out, torch.from_numpy(mask)),
+                                                mean_pool(ref, torch.from_numpy(mask)))
+    print(f"\n{'text (held-out)':60s} {'cos to full model':>18s}")
+    for t, c in zip(texts, cos.tolist()):
+        print(f"{t[:58]:60s} {c:18.4f}")
+    print(f"PLOT hits: {dict(lookup.hits)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hmi", description="HMI: hierarchical multi-tenant inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -113,15 +220,29 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_data_prepare)
 
     cal = sub.add_parser("calibrate", help="distill the windowed lower layers from the full root")
-    cal.add_argument("--steps", type=int, default=300)
+    cal.add_argument("--steps", type=int, default=250)
     cal.add_argument("--batch-size", type=int, default=32)
-    cal.add_argument("--lr", type=float, default=2e-4)
+    cal.add_argument("--lr", type=float, default=5e-4)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--l-low", type=int, default=3)
-    cal.add_argument("--max-minutes", type=float, default=None, help="stop early after this many minutes")
+    cal.add_argument("--max-minutes", type=float, default=10.0, help="training time budget (default 10)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.set_defaults(func=cmd_calibrate)
+
+    plot = sub.add_parser("plot", help="PLOT lookup tables").add_subparsers(dest="plot_cmd", required=True)
+    pb = plot.add_parser("build", help="build (or resume) a PLOT from a corpus")
+    pb.add_argument("--corpus", default="general", help="a prepared corpus name or a text file (one line each)")
+    pb.add_argument("--out", help="LMDB folder (default: the current root's root PLOT)")
+    pb.add_argument("--select", default="all", help="all, alpha:A (coverage) or top_k:K")
+    pb.add_argument("--max-len", type=int, default=128)
+    pb.set_defaults(func=cmd_plot_build)
+    ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
+    ps.add_argument("path")
+    ps.set_defaults(func=cmd_plot_stats)
+
+    demo = sub.add_parser("demo", help="set up the embedded default and encode held-out texts through it")
+    demo.set_defaults(func=cmd_demo)
 
     info = sub.add_parser("info", help="home directory, root artifact and its quality figures")
     info.add_argument("--json", action="store_true")

@@ -28,18 +28,18 @@ from hmi.model.root import full_forward, mean_pool
 
 @dataclass
 class CalibrationConfig:
-    steps: int = 300
+    steps: int = 250
     batch_size: int = 32
     max_len: int = 128
-    lr: float = 2e-4
+    lr: float = 5e-4
     warmup: int = 20
     weight_lower: float = 1.0
     weight_output: float = 1.0
-    weight_pooled: float = 1.0
+    weight_pooled: float = 2.0
     seed: int = 0
     eval_texts: int = 256
     checkpoint_every: int = 25
-    max_minutes: float | None = None
+    max_minutes: float | None = 10.0
 
 
 def tokenize(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -93,7 +93,7 @@ class UpperLayers(nn.Module):
         """Shapes: hidden (B, T, H); mask (B, T) {0,1} -> (B, T, H)."""
         ext = extended_mask(mask, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=ext)[0]
+            hidden = layer(hidden, ext)[0]  # positional: the adapters library hooks read args[1]
         return hidden
 
 

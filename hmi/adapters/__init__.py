@@ -1,0 +1,1 @@
+"""Per-tenant adapters in the shared upper layers (DESIGN section 4)."""

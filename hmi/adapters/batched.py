@@ -1,0 +1,192 @@
+"""The shared upper layers run once for a batch that mixes tenants, each with its own adapter.
+
+Each group of requests with the same adapter signature (kind and size) reads its weights from
+one stacked pool: per-request slot indices select the weights (``index_select``), and one
+``bmm``/``baddbmm`` applies all of them.  Requests of the same tenant form one segment, so a
+tenant's weights are gathered once per batch, not once per request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hmi.model.root import extended_mask
+
+
+def segment_bmm(x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Each request's rows times its own weight matrix, all requests at once.
+
+    Semantics: y[n] = x[n] @ w[slots[n]] (+ b[slots[n]])
+    Shapes: x (N, T, Din); slots (N,) int64 in [0, S); w (S, Din, Dout); b (S, Dout) -> y (N, T, Dout).
+    Requests sharing a slot are stacked into one segment of a padded (U, k*T, Din) operand, so each
+    distinct weight matrix is gathered once.
+    """
+    n, t, d_in = x.shape
+    uniq, inv, counts = torch.unique(slots, return_inverse=True, return_counts=True)
+    u = uniq.numel()
+    if u == n:
+        wg = w.index_select(0, slots)
+        if b is None:
+            return torch.bmm(x, wg)
+        return torch.baddbmm(b.index_select(0, slots).unsqueeze(1), x, wg)
+    order = torch.argsort(inv, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(inv)
+    rank[order] = torch.arange(n, device=x.device) - starts[inv[order]]
+    cmax = int(counts.max())
+    buf = x.new_zeros(u, cmax, t, d_in)
+    buf[inv, rank] = x
+    wg = w.index_select(0, uniq)
+    flat = buf.view(u, cmax * t, d_in)
+    if b is None:
+        y = torch.bmm(flat, wg)
+    else:
+        y = torch.baddbmm(b.index_select(0, uniq).unsqueeze(1), flat, wg)
+    return y.view(u, cmax, t, -1)[inv, rank]
+
+
+def batched_bottleneck(a: torch.Tensor, slots: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
+    """Bottleneck adapter branch of each request.
+
+    Semantics: u[n] = relu(a[n] @ down_w[slots[n]] + down_b[slots[n]]) @ up_w[slots[n]] + up_b[slots[n]]
+    Shapes: a (N, T, H); slots (N,); down_w (S, H, r); down_b (S, r); up_w (S, r, H); up_b (S, H) -> (N, T, H).
+    """
+    return segment_bmm(torch.relu(segment_bmm(a, slots, down_w, down_b)), slots, up_w, up_b)
+
+
+def batched_lora(x: torch.Tensor, slots: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, scaling: float) -> torch.Tensor:
+    """LoRA update of a projection for each request.
+
+    Semantics: delta[n] = scaling * x[n] @ A[slots[n]]^T @ B[slots[n]]^T
+    Shapes: x (N, T, H); a_t (S, H, r) (= A^T); b_t (S, r, H) (= B^T) -> (N, T, H).
+    """
+    return segment_bmm(segment_bmm(x, slots, a_t), slots, b_t) * scaling
+
+
+@dataclass
+class Group:
+    """Requests of one batch that use one pool: their row indices and slot indices."""
+
+    rows: torch.Tensor  # (n,) int64 rows of the batch
+    slots: torch.Tensor  # (n,) int64 slots in the pool
+    pool: object  # hmi.adapters.pool.SlotPool
+    all_rows: bool = False  # the group covers the whole batch in order (no gather/scatter needed)
+
+
+def _apply(out: torch.Tensor, g: Group, fn) -> None:
+    """out[g.rows] = fn(out[g.rows]) without copies when the group is the whole batch."""
+    if g.all_rows:
+        out.copy_(fn(out))
+    else:
+        out[g.rows] = fn(out.index_select(0, g.rows))
+
+
+def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, groups: list[Group],
+                  scaling: dict | None = None) -> torch.Tensor:
+    """The shared BERT upper layers with each request's adapter applied.
+
+    Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual + LayerNorm)
+    with the adapter sites of the ``adapters`` library: LoRA on the query/value projections, IA3
+    scaling of keys, values and the FFN's intermediate projection (before its activation), and
+    the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
+    attention output projection and x the layer input (the library's default BnConfig).
+    Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
+    """
+    ext = extended_mask(mask, hidden.dtype)
+    kinds = {g.pool.kind for g in groups}
+    for li, layer in enumerate(layers):
+        att = layer.attention.self
+        x = hidden
+        q, k, v = att.query(x), att.key(x), att.value(x)
+        for g in groups:
+            p = g.pool
+            if p.kind == "lora":
+                xs = x if g.all_rows else x.index_select(0, g.rows)
+                lw = p.layer(li)
+                dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling)
+                dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling)
+                if g.all_rows:
+                    q, v = q + dq, v + dv
+                else:
+                    q = q.index_add(0, g.rows, dq)
+                    v = v.index_add(0, g.rows, dv)
+            elif p.kind == "ia3":
+                lw = p.layer(li)
+                ks = lw["k"].index_select(0, g.slots).unsqueeze(1)
+                vs = lw["v"].index_select(0, g.slots).unsqueeze(1)
+                if g.all_rows:
+                    k, v = k * ks, v * vs
+                else:
+                    k = k.index_copy(0, g.rows, k.index_select(0, g.rows) * ks)
+                    v = v.index_copy(0, g.rows, v.index_select(0, g.rows) * vs)
+        B, T, H = x.shape
+        nh, hd = att.num_attention_heads, att.attention_head_size
+        qh = q.view(B, T, nh, hd).transpose(1, 2)
+        kh = k.view(B, T, nh, hd).transpose(1, 2)
+        vh = v.view(B, T, nh, hd).transpose(1, 2)
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
+        ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
+        so = layer.attention.output
+        h = so.dense(ctx)
+        pre = h + x
+        if "bottleneck" in kinds:
+            ys = []
+            y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
+            for g in groups:
+                if g.pool.kind != "bottleneck":
+                    continue
+                lw = g.pool.layer(li)
+                rows_h = h if g.all_rows else h.index_select(0, g.rows)
+                rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
+                out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
+                                                                 lw["up_w"], lw["up_b"]))
+                ys.append((g, out))
+            if y is None and len(ys) == 1 and ys[0][0].all_rows:
+                y = ys[0][1]
+            else:
+                y = so.LayerNorm(pre) if y is None else y
+                for g, out in ys:
+                    y[g.rows] = out
+        else:
+            y = so.LayerNorm(pre)
+        inter = layer.intermediate.dense(y)
+        for g in groups:
+            if g.pool.kind == "ia3":
+                fs = g.pool.layer(li)["ffn"].index_select(0, g.slots).unsqueeze(1)
+                if g.all_rows:
+                    inter = inter * fs
+                else:
+                    inter = inter.index_copy(0, g.rows, inter.index_select(0, g.rows) * fs)
+        inter = layer.intermediate.intermediate_act_fn(inter)
+        hidden = layer.output.LayerNorm(layer.output.dense(inter) + y)
+    return hidden
+
+
+def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tensor) -> torch.Tensor:
+    """Each request's own head: classification on [CLS] or per-token tagging.
+
+    Semantics: logits[n] = hidden[n, 0] @ W[slot] + b[slot] (classification), or
+               hidden[n] @ W[slot] + b[slot] for every token (tagging); padded to C_max labels.
+    Shapes: hidden (B, T, H); tagging (B,) bool -> logits (B, T, C_max) (classification rows
+    carry their logits at position 0).
+    """
+    B, T, _ = hidden.shape
+    cmax = max(g.pool.max_labels for g in groups)
+    logits = hidden.new_zeros(B, T, cmax)
+    for g in groups:
+        hs = hidden if g.all_rows else hidden.index_select(0, g.rows)
+        tag = tagging if g.all_rows else tagging.index_select(0, g.rows)
+        w, b = g.pool.head_w, g.pool.head_b
+        out = hs.new_zeros(hs.shape[0], T, g.pool.max_labels)
+        if bool(tag.any()):
+            tr = torch.nonzero(tag).squeeze(1)
+            out[tr] = segment_bmm(hs.index_select(0, tr), g.slots.index_select(0, tr), w, b)
+        if not bool(tag.all()):
+            cr = torch.nonzero(~tag).squeeze(1)
+            out[cr, :1] = segment_bmm(hs.index_select(0, cr)[:, :1], g.slots.index_select(0, cr), w, b)
+        logits[g.rows, :, : g.pool.max_labels] = out
+    return logits

@@ -1,0 +1,148 @@
+"""Device slot pools: pre-allocated stacked adapter tensors, LRU over slots, pinning.
+
+One pool per adapter signature (kind and size).  A tenant is resident when its weights occupy a
+slot; a batch pins its slots until it finishes, so they are never evicted under it.  A batch
+needing more slots than the pool can free is refused (the scheduler splits it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+
+import torch
+
+from hmi.adapters.spec import AdapterSpec
+
+
+class PoolExhaustedError(RuntimeError):
+    """More distinct tenants in one batch than the pool has unpinned slots."""
+
+
+def layer_shapes(signature: tuple, hidden: int, intermediate: int) -> dict[str, tuple]:
+    """Per-layer tensor shapes of one slot, in the pool's (compute-ready) orientation."""
+    kind = signature[0]
+    if kind == "bottleneck":
+        r = signature[1]
+        return {"down_w": (hidden, r), "down_b": (r,), "up_w": (r, hidden), "up_b": (hidden,)}
+    if kind == "lora":
+        r = signature[1]
+        return {"q_A": (hidden, r), "q_B": (r, hidden), "v_A": (hidden, r), "v_B": (r, hidden)}
+    return {"k": (hidden,), "v": (hidden,), "ffn": (intermediate,)}
+
+
+def to_pool_layout(kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """Canonical weights (see hmi.adapters.spec) to the pool's orientation: LoRA A and B are
+    stored transposed so that ``x @ A^T @ B^T`` becomes two plain ``bmm``."""
+    if kind == "lora":
+        return t.t()
+    return t
+
+
+class SlotPool:
+    """Stacked weights of ``n_slots`` tenants of one signature, for ``n_layers`` upper layers."""
+
+    def __init__(self, signature: tuple, n_slots: int, n_layers: int, hidden: int, intermediate: int,
+                 max_labels: int = 32, device: str | torch.device = "cpu", dtype=torch.float32,
+                 scaling: float = 1.0, pin_memory: bool = False):
+        self.signature = signature
+        self.kind = signature[0]
+        self.n_slots = n_slots
+        self.max_labels = max_labels
+        self.device = torch.device(device)
+        self.scaling = scaling
+        shapes = layer_shapes(signature, hidden, intermediate)
+        self.layers = [{k: torch.zeros((n_slots, *s), device=self.device, dtype=dtype) for k, s in shapes.items()}
+                       for _ in range(n_layers)]
+        self.head_w = torch.zeros(n_slots, hidden, max_labels, device=self.device, dtype=dtype)
+        self.head_b = torch.zeros(n_slots, max_labels, device=self.device, dtype=dtype)
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
+        self._free = list(range(n_slots - 1, -1, -1))
+        self._pins: Counter = Counter()
+        self._retired: set[int] = set()  # slots of evicted tenants still pinned by a batch
+        self._lock = threading.Lock()
+        self.stats = Counter()
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        return self.layers[i]
+
+    def slot_of(self, tenant: str) -> int | None:
+        return self._slot_of.get(tenant)
+
+    def acquire(self, tenants: list[str]) -> tuple[dict[str, int], list[str]]:
+        """Pins a slot for every distinct tenant; returns the slots and the tenants whose weights
+        must be written (newly assigned).  Raises PoolExhaustedError, pinning nothing, when the
+        pool cannot hold them all at once."""
+        with self._lock:
+            distinct = list(dict.fromkeys(tenants))
+            missing = [t for t in distinct if t not in self._slot_of]
+            evictable = [t for t in self._slot_of if self._pins[self._slot_of[t]] == 0 and t not in distinct]
+            if len(missing) > len(self._free) + len(evictable):
+                raise PoolExhaustedError(
+                    f"{len(distinct)} distinct tenants in one batch but only "
+                    f"{len(self._free) + len(evictable) + len(distinct) - len(missing)} slots can be used")
+            for t in missing:
+                if not self._free:
+                    victim = evictable.pop(0)
+                    self._free.append(self._slot_of.pop(victim))
+                    self.stats["evictions"] += 1
+                self._slot_of[t] = self._free.pop()
+            for t in distinct:
+                self._slot_of.move_to_end(t)
+                self._pins[self._slot_of[t]] += 1
+            self.stats["device_hits"] += len(distinct) - len(missing)
+            self.stats["device_misses"] += len(missing)
+            return {t: self._slot_of[t] for t in distinct}, missing
+
+    def release(self, slots: dict[str, int]) -> None:
+        with self._lock:
+            for s in slots.values():
+                self._pins[s] -= 1
+                if self._pins[s] <= 0:
+                    del self._pins[s]
+                    if s in self._retired:
+                        self._retired.discard(s)
+                        self._free.append(s)
+
+    def evict(self, tenant: str) -> None:
+        """Forgets a tenant (deleted or updated); its slot is reused once no batch pins it."""
+        with self._lock:
+            slot = self._slot_of.pop(tenant, None)
+            if slot is not None:
+                if self._pins[slot]:
+                    self._retired.add(slot)
+                else:
+                    self._free.append(slot)
+
+    def write_layer(self, slot: int, layer: int, weights: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
+        """Copies one upper layer of a tenant's canonical weights into its slot."""
+        dst = self.layers[layer]
+        for name in dst:
+            src = weights[f"layers.{layer}.{self._site}.{name}"]
+            dst[name][slot].copy_(to_pool_layout(self.kind, name, src), non_blocking=non_blocking)
+
+    def write_head(self, slot: int, weights: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
+        w, b = weights["head.w"], weights["head.b"]
+        c = w.shape[1]
+        if c > self.max_labels:
+            raise ValueError(f"head with {c} labels; this pool holds at most {self.max_labels}")
+        self.head_w[slot].zero_()
+        self.head_b[slot].zero_()
+        self.head_w[slot, :, :c].copy_(w, non_blocking=non_blocking)
+        self.head_b[slot, :c].copy_(b, non_blocking=non_blocking)
+
+    def write(self, slot: int, weights: dict[str, torch.Tensor]) -> None:
+        for li in range(len(self.layers)):
+            self.write_layer(slot, li, weights)
+        self.write_head(slot, weights)
+
+    @property
+    def _site(self) -> str:
+        return {"bottleneck": "bn", "lora": "lora", "ia3": "ia3"}[self.kind]
+
+    def resident(self) -> list[str]:
+        return list(self._slot_of)
+
+
+def lora_scaling(spec: AdapterSpec) -> float:
+    return spec.alpha / spec.rank if spec.kind == "lora" else 1.0

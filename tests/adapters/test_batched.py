@@ -1,0 +1,184 @@
+"""The batched multi-tenant forward against the ``adapters`` library run one tenant at a time."""
+
+import numpy as np
+import pytest
+import torch
+
+from hmi.adapters.batched import Group, batched_heads, segment_bmm, upper_forward
+from hmi.adapters.interop import attach, from_library, library_model
+from hmi.adapters.pool import PoolExhaustedError, SlotPool, lora_scaling
+from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.model.hplm import UpperLayers
+from tests.conftest import tiny_bert
+
+L_LOW, H = 2, 32
+
+
+def ref_segment_bmm(x, slots, w, b=None):
+    return torch.stack([x[n] @ w[s] + (0 if b is None else b[s]) for n, s in enumerate(slots.tolist())])
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 2, 2, 2], [1, 0, 1, 3], [3, 1, 3, 1]])
+def test_segment_bmm_matches_per_request_loop(slots):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 5, 6), torch.randn(4, 6, 3), torch.randn(4, 3)
+    s = torch.tensor(slots)
+    torch.testing.assert_close(segment_bmm(x, s, w, b), ref_segment_bmm(x, s, w, b))
+    torch.testing.assert_close(segment_bmm(x, s, w), ref_segment_bmm(x, s, w))
+
+
+TENANTS = {  # name -> spec; mixed kinds, sizes and label counts
+    "t0": AdapterSpec("bottleneck", labels=("a", "b")),
+    "t1": AdapterSpec("bottleneck", labels=("a", "b", "c")),
+    "t2": AdapterSpec("lora", rank=4, alpha=8, labels=("x", "y")),
+    "t3": AdapterSpec("lora", rank=4, alpha=8, head="tagging", labels=("N", "V", "D")),
+    "t4": AdapterSpec("ia3", labels=("p", "q", "r", "s")),
+    "t5": AdapterSpec("bottleneck", head="tagging", labels=("N", "V")),
+    "t6": AdapterSpec("ia3", head="tagging", labels=("N", "V", "D", "X", "Y")),
+    "t7": AdapterSpec("bottleneck", reduction_factor=8, labels=("a", "b")),
+}
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """A library model with every tenant's adapter (random, non-trivial weights) and canonical copies."""
+    bert = tiny_bert(layers=4, hidden=H)
+    lib = library_model(bert)
+    weights = {}
+    g = torch.Generator().manual_seed(1)
+    for name, spec in TENANTS.items():
+        attach(lib, name, spec, L_LOW)
+        with torch.no_grad():
+            for pname, p in lib.named_parameters():
+                if f".{name}." in pname:
+                    base = 1.0 if spec.kind == "ia3" else 0.0
+                    p.copy_(base + 0.3 * torch.randn(p.shape, generator=g))
+        w = from_library(lib, name, spec, L_LOW)
+        w["head.w"] = torch.randn(H, spec.num_labels, generator=g)
+        w["head.b"] = torch.randn(spec.num_labels, generator=g)
+        weights[name] = w
+    lib.eval()
+    return bert, lib, weights
+
+
+def reference(lib, name, spec, weights, hidden, mask):
+    lib.set_active_adapters(name)
+    out = UpperLayers(lib, L_LOW)(hidden, mask)
+    lib.set_active_adapters(None)
+    logits = out @ weights["head.w"] + weights["head.b"]
+    return out, (logits if spec.head == "tagging" else logits[:, :1])
+
+
+def pools_for(bert, specs, n_slots=4):
+    pools = {}
+    for spec in specs:
+        sig = spec.signature(H)
+        if sig not in pools:
+            pools[sig] = SlotPool(sig, n_slots, 2, H, bert.config.intermediate_size, max_labels=6,
+                                  scaling=lora_scaling(spec))
+    return pools
+
+
+def run_batched(bert, weights, batch, hidden, mask, pools):
+    groups, acquired = [], []
+    by_sig = {}
+    for row, name in enumerate(batch):
+        by_sig.setdefault(TENANTS[name].signature(H), []).append((row, name))
+    for sig, members in by_sig.items():
+        pool = pools[sig]
+        slots, missing = pool.acquire([n for _, n in members])
+        for n in missing:
+            pool.write(slots[n], weights[n])
+        acquired.append((pool, slots))
+        rows = torch.tensor([r for r, _ in members])
+        groups.append(Group(rows, torch.tensor([slots[n] for _, n in members]), pool,
+                            all_rows=len(by_sig) == 1))
+    tagging = torch.tensor([TENANTS[n].head == "tagging" for n in batch])
+    with torch.no_grad():
+        out = upper_forward(UpperLayers(bert, L_LOW).layers, hidden, mask, groups)
+        logits = batched_heads(out, groups, tagging)
+    for pool, slots in acquired:
+        pool.release(slots)
+    return out, logits
+
+
+def test_batched_forward_of_mixed_tenants_equals_library_one_at_a_time(setup):
+    bert, lib, weights = setup
+    batch = ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t2", "t0", "t6", "t0"]  # repeats included
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 9, size=len(batch))
+    T = int(lengths.max())
+    mask = torch.zeros(len(batch), T, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    torch.manual_seed(3)
+    hidden = torch.randn(len(batch), T, H)
+    out, logits = run_batched(bert, weights, batch, hidden, mask, pools_for(bert, TENANTS.values()))
+    with torch.no_grad():
+        for i, name in enumerate(batch):
+            n = int(lengths[i])
+            ref_out, ref_logits = reference(lib, name, TENANTS[name], weights[name], hidden[i:i + 1, :n], mask[i:i + 1, :n])
+            torch.testing.assert_close(out[i, :n], ref_out[0], atol=1e-4, rtol=0)
+            c = TENANTS[name].num_labels
+            want = ref_logits[0] if TENANTS[name].head == "tagging" else ref_logits[0, :1]
+            torch.testing.assert_close(logits[i, : want.shape[0], :c], want, atol=1e-4, rtol=0)
+
+
+def test_single_kind_batch_uses_whole_batch_path(setup):
+    bert, lib, weights = setup
+    batch = ["t0", "t1", "t0", "t5"]
+    mask = torch.ones(4, 6, dtype=torch.long)
+    hidden = torch.randn(4, 6, H)
+    out, _ = run_batched(bert, weights, batch, hidden, mask, pools_for(bert, [TENANTS[n] for n in batch]))
+    with torch.no_grad():
+        for i, name in enumerate(batch):
+            ref_out, _ = reference(lib, name, TENANTS[name], weights[name], hidden[i:i + 1], mask[i:i + 1])
+            torch.testing.assert_close(out[i], ref_out[0], atol=1e-4, rtol=0)
+
+
+def test_pool_evicts_lru_and_never_evicts_pinned_slots():
+    pool = SlotPool(("ia3",), 2, 1, 4, 8)
+    s1, miss1 = pool.acquire(["a"])
+    assert miss1 == ["a"]
+    s2, _ = pool.acquire(["b"])
+    pool.release(s2)
+    s3, miss3 = pool.acquire(["c"])  # evicts b (a is pinned)
+    assert miss3 == ["c"] and pool.slot_of("b") is None and pool.slot_of("a") == s1["a"]
+    with pytest.raises(PoolExhaustedError):
+        pool.acquire(["d"])  # a and c pinned, no slot can be freed
+    assert pool.slot_of("a") == s1["a"] and pool.slot_of("c") == s3["c"]
+    pool.release(s1)
+    pool.release(s3)
+    s4, miss4 = pool.acquire(["a", "d"])
+    assert miss4 == ["d"] and s4["a"] == s1["a"] and pool.stats["device_hits"] >= 1
+
+
+def test_batch_needing_more_slots_than_pool_is_refused_not_wrong():
+    pool = SlotPool(("ia3",), 3, 1, 4, 8)
+    with pytest.raises(PoolExhaustedError, match="4 distinct tenants"):
+        pool.acquire(["a", "b", "c", "d"])
+    assert pool.resident() == []
+
+
+def test_evicting_a_pinned_tenant_frees_its_slot_only_after_release():
+    pool = SlotPool(("ia3",), 1, 1, 4, 8)
+    s, _ = pool.acquire(["a"])
+    pool.evict("a")
+    with pytest.raises(PoolExhaustedError):
+        pool.acquire(["b"])
+    pool.release(s)
+    assert pool.acquire(["b"])[1] == ["b"]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"kind": "prefix"}, "unknown adapter kind"),
+    ({"kind": "lora", "rank": 0}, "rank"),
+    ({"labels": ()}, "at least 2 labels"),
+    ({"labels": ("a", "a")}, "distinct"),
+    ({"head": "span"}, "unknown head"),
+    ({"reduction_factor": 0}, "reduction_factor"),
+])
+def test_spec_validation_gives_clear_errors(kw, msg):
+    args = {"labels": ("a", "b"), **kw}
+    with pytest.raises(SpecError, match=msg):
+        AdapterSpec(**args)
