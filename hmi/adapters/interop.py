@@ -116,7 +116,7 @@ def import_library_format(root_bert: BertModel, in_dir: Path, l_low: int,
     import adapters
 
     adapters.init(model)
-    name = model.load_adapter(str(in_dir), load_as="imported", set_active=True)
+    name = model.load_adapter(str(in_dir), load_as="imported", set_active=True, use_safetensors=True)
     lib_cfg = model.adapters_config.get(name)
     arch = lib_cfg.get("architecture") if isinstance(lib_cfg, dict) else getattr(lib_cfg, "architecture", None)
     kind = {"lora": "ia3" if getattr(lib_cfg, "composition_mode", "add") == "scale" else "lora"}.get(arch, "bottleneck")
