@@ -86,7 +86,7 @@ def _apply(out: torch.Tensor, g: Group, fn) -> None:
 
 
 def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, groups: list[Group],
-                  scaling: dict | None = None) -> torch.Tensor:
+                  before_layer=None) -> torch.Tensor:
     """The shared BERT upper layers with each request's adapter applied.
 
     Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual + LayerNorm)
@@ -94,76 +94,87 @@ def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tenso
     scaling of keys, values and the FFN's intermediate projection (before its activation), and
     the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
     attention output projection and x the layer input (the library's default BnConfig).
+    ``before_layer(i)``, when given, is called before layer i runs (the scheduler waits there for
+    that layer's adapter weights to be resident).
     Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
     """
     ext = extended_mask(mask, hidden.dtype)
-    kinds = {g.pool.kind for g in groups}
     for li, layer in enumerate(layers):
-        att = layer.attention.self
-        x = hidden
-        q, k, v = att.query(x), att.key(x), att.value(x)
-        for g in groups:
-            p = g.pool
-            if p.kind == "lora":
-                xs = x if g.all_rows else x.index_select(0, g.rows)
-                lw = p.layer(li)
-                dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling)
-                dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling)
-                if g.all_rows:
-                    q, v = q + dq, v + dv
-                else:
-                    q = q.index_add(0, g.rows, dq)
-                    v = v.index_add(0, g.rows, dv)
-            elif p.kind == "ia3":
-                lw = p.layer(li)
-                ks = lw["k"].index_select(0, g.slots).unsqueeze(1)
-                vs = lw["v"].index_select(0, g.slots).unsqueeze(1)
-                if g.all_rows:
-                    k, v = k * ks, v * vs
-                else:
-                    k = k.index_copy(0, g.rows, k.index_select(0, g.rows) * ks)
-                    v = v.index_copy(0, g.rows, v.index_select(0, g.rows) * vs)
-        B, T, H = x.shape
-        nh, hd = att.num_attention_heads, att.attention_head_size
-        qh = q.view(B, T, nh, hd).transpose(1, 2)
-        kh = k.view(B, T, nh, hd).transpose(1, 2)
-        vh = v.view(B, T, nh, hd).transpose(1, 2)
-        scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
-        ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
-        so = layer.attention.output
-        h = so.dense(ctx)
-        pre = h + x
-        if "bottleneck" in kinds:
-            ys = []
-            y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
-            for g in groups:
-                if g.pool.kind != "bottleneck":
-                    continue
-                lw = g.pool.layer(li)
-                rows_h = h if g.all_rows else h.index_select(0, g.rows)
-                rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
-                out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
-                                                                 lw["up_w"], lw["up_b"]))
-                ys.append((g, out))
-            if y is None and len(ys) == 1 and ys[0][0].all_rows:
-                y = ys[0][1]
-            else:
-                y = so.LayerNorm(pre) if y is None else y
-                for g, out in ys:
-                    y[g.rows] = out
-        else:
-            y = so.LayerNorm(pre)
-        inter = layer.intermediate.dense(y)
-        for g in groups:
-            if g.pool.kind == "ia3":
-                fs = g.pool.layer(li)["ffn"].index_select(0, g.slots).unsqueeze(1)
-                if g.all_rows:
-                    inter = inter * fs
-                else:
-                    inter = inter.index_copy(0, g.rows, inter.index_select(0, g.rows) * fs)
-        inter = layer.intermediate.intermediate_act_fn(inter)
-        hidden = layer.output.LayerNorm(layer.output.dense(inter) + y)
+        if before_layer is not None:
+            before_layer(li)
+        hidden = layer_forward(li, layer, hidden, ext, groups)
     return hidden
+
+
+def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """One upper layer (index ``li`` into the pools) for a mixed-tenant batch.
+
+    Shapes: x (B, T, H); ext (B, 1, 1, T) additive mask -> (B, T, H).
+    """
+    kinds = {g.pool.kind for g in groups}
+    att = layer.attention.self
+    q, k, v = att.query(x), att.key(x), att.value(x)
+    for g in groups:
+        p = g.pool
+        if p.kind == "lora":
+            xs = x if g.all_rows else x.index_select(0, g.rows)
+            lw = p.layer(li)
+            dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling)
+            dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling)
+            if g.all_rows:
+                q, v = q + dq, v + dv
+            else:
+                q = q.index_add(0, g.rows, dq)
+                v = v.index_add(0, g.rows, dv)
+        elif p.kind == "ia3":
+            lw = p.layer(li)
+            ks = lw["k"].index_select(0, g.slots).unsqueeze(1)
+            vs = lw["v"].index_select(0, g.slots).unsqueeze(1)
+            if g.all_rows:
+                k, v = k * ks, v * vs
+            else:
+                k = k.index_copy(0, g.rows, k.index_select(0, g.rows) * ks)
+                v = v.index_copy(0, g.rows, v.index_select(0, g.rows) * vs)
+    B, T, H = x.shape
+    nh, hd = att.num_attention_heads, att.attention_head_size
+    qh = q.view(B, T, nh, hd).transpose(1, 2)
+    kh = k.view(B, T, nh, hd).transpose(1, 2)
+    vh = v.view(B, T, nh, hd).transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
+    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
+    so = layer.attention.output
+    h = so.dense(ctx)
+    pre = h + x
+    if "bottleneck" in kinds:
+        ys = []
+        y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
+        for g in groups:
+            if g.pool.kind != "bottleneck":
+                continue
+            lw = g.pool.layer(li)
+            rows_h = h if g.all_rows else h.index_select(0, g.rows)
+            rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
+            out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
+                                                             lw["up_w"], lw["up_b"]))
+            ys.append((g, out))
+        if y is None and len(ys) == 1 and ys[0][0].all_rows:
+            y = ys[0][1]
+        else:
+            y = so.LayerNorm(pre) if y is None else y
+            for g, out in ys:
+                y[g.rows] = out
+    else:
+        y = so.LayerNorm(pre)
+    inter = layer.intermediate.dense(y)
+    for g in groups:
+        if g.pool.kind == "ia3":
+            fs = g.pool.layer(li)["ffn"].index_select(0, g.slots).unsqueeze(1)
+            if g.all_rows:
+                inter = inter * fs
+            else:
+                inter = inter.index_copy(0, g.rows, inter.index_select(0, g.rows) * fs)
+    inter = layer.intermediate.intermediate_act_fn(inter)
+    return layer.output.LayerNorm(layer.output.dense(inter) + y)
 
 
 def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tensor) -> torch.Tensor:

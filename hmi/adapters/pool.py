@@ -114,6 +114,17 @@ class SlotPool:
                 else:
                     self._free.append(slot)
 
+    def evict_slot(self, slot: int) -> None:
+        """Forgets whichever tenant holds ``slot`` (its weights may be incomplete)."""
+        with self._lock:
+            for t, s in list(self._slot_of.items()):
+                if s == slot:
+                    del self._slot_of[t]
+                    if self._pins[slot]:
+                        self._retired.add(slot)
+                    else:
+                        self._free.append(slot)
+
     def write_layer(self, slot: int, layer: int, weights: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
         """Copies one upper layer of a tenant's canonical weights into its slot."""
         dst = self.layers[layer]

@@ -44,11 +44,13 @@ def weights_bytes(weights: dict[str, torch.Tensor]) -> int:
 class AdapterStore:
     """Disk tier + host tier of tenant adapters. Thread-safe."""
 
-    def __init__(self, root: Path | str, host_cache_mb: float = 1024, dtype: torch.dtype = torch.float16):
+    def __init__(self, root: Path | str, host_cache_mb: float = 1024, dtype: torch.dtype = torch.float16,
+                 pin_memory: bool = False):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity = int(host_cache_mb * 2**20)
         self.dtype = dtype
+        self.pin_memory = pin_memory  # page-locked host copies for asynchronous GPU transfers
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
         self._bytes = 0
         self._sizes: dict[str, int] = {}
@@ -117,6 +119,8 @@ class AdapterStore:
         if not p.exists():
             raise TenantMissingError(tenant)
         w = load_file(str(p))
+        if self.pin_memory:
+            w = {k: v.pin_memory() for k, v in w.items()}
         size = weights_bytes(w)
         with self._lock:
             self.stats["disk_loads"] += 1

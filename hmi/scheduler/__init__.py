@@ -1,0 +1,1 @@
+"""Batches of infer requests through the pipeline R (lookup) -> A (adapter residency) -> C (upper layers)."""

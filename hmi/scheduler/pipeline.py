@@ -1,0 +1,318 @@
+"""The scheduler: batches of infer requests through R -> A -> C, pipelined.
+
+* R (retrieval, a thread pool): tokenize, check, read adapters into host memory, PLOT lookup +
+  merge per domain chain.  R of batch k+1 runs while C of batch k computes.
+* A (residency, a staging worker or a CUDA copy stream): copy the batch's missing adapters into
+  the device pools layer by layer; C of layer l starts once layer l has landed.
+* C (compute, one thread): the shared upper layers with batched adapters, then the heads.
+
+Contract: ``submit`` is called by the dispatcher (any thread) and returns one future per request;
+a failing request fails alone.  ``shutdown`` finishes queued work (or fails it with
+``cancel=True``) and never hangs.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import queue
+import threading
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hmi.adapters.batched import batched_heads, upper_forward
+from hmi.adapters.pool import PoolExhaustedError
+from hmi.adapters.store import AdapterStore, TenantMissingError
+from hmi.plot.lookup import PlotLookup
+from hmi.scheduler.residency import ResidencyManager
+from hmi.scheduler.trace import Tracer
+from hmi.scheduler.types import (
+    InferRequest, Prepared, QueueFullError, RequestError, SchedulerClosedError, TenantEntry,
+)
+
+_STOP = object()
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch: int = 32
+    max_len: int = 128
+    pool_slots: int = 64
+    pipeline_retrieval: bool = True
+    pipeline_swap: bool = True
+    batched_adapters: bool = True
+    retrieval_threads: int = 2
+    queue_depth: int = 2  # prepared batches waiting for compute
+    max_pending: int = 256  # submitted batches waiting for retrieval
+    device: str = "auto"
+    trace: bool = False
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Scheduler:
+    def __init__(self, bert, l_low: int, tokenizer, store: AdapterStore,
+                 tenants: Callable[[str], TenantEntry], lookups: Callable[[str], PlotLookup],
+                 cfg: SchedulerConfig | None = None):
+        self.cfg = cfg or SchedulerConfig()
+        self.device = pick_device(self.cfg.device)
+        layers = torch.nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
+        self.layers = copy.deepcopy(layers).to(self.device) if self.device.type != "cpu" else layers
+        self.tokenizer = tokenizer
+        self.store = store
+        self.tenants = tenants
+        self.lookups = lookups
+        self.hidden = bert.config.hidden_size
+        self.residency = ResidencyManager(len(layers), self.hidden, bert.config.intermediate_size,
+                                          self.cfg.pool_slots, self.device)
+        self.tracer = Tracer(self.cfg.trace)
+        self.stats = defaultdict(int)
+        self._ids = itertools.count()
+        self._in: queue.Queue = queue.Queue(maxsize=self.cfg.max_pending)
+        self._ready: queue.Queue = queue.Queue(maxsize=self.cfg.queue_depth)
+        self._retrievers = ThreadPoolExecutor(self.cfg.retrieval_threads, thread_name_prefix="stage-R")
+        self._closed = False
+        self._feeder = threading.Thread(target=self._feed, name="feeder", daemon=True)
+        self._computer = threading.Thread(target=self._compute_loop, name="stage-C", daemon=True)
+        self._feeder.start()
+        self._computer.start()
+
+    # -- public ----------------------------------------------------------------------------------
+    def submit(self, requests: list[InferRequest]) -> list[Future]:
+        """Queues one batch; returns its futures. Raises QueueFullError when the queue is full."""
+        if self._closed:
+            raise SchedulerClosedError("the scheduler is shut down")
+        for i in range(0, len(requests), self.cfg.max_batch):
+            part = requests[i:i + self.cfg.max_batch]
+            try:
+                self._in.put_nowait((next(self._ids), part))
+            except queue.Full:
+                raise QueueFullError("too many batches waiting") from None
+        return [r.future for r in requests]
+
+    def infer(self, pairs: list[tuple[str, str]], timeout: float | None = 120) -> list:
+        """Convenience: run (tenant, text) pairs and wait; exceptions are returned in place."""
+        reqs = [InferRequest(t, x) for t, x in pairs]
+        self.submit(reqs)
+        out = []
+        for r in reqs:
+            try:
+                out.append(r.future.result(timeout))
+            except Exception as exc:  # noqa: BLE001 - returned to the caller as the result
+                out.append(exc)
+        return out
+
+    def forget(self, tenant: str) -> None:
+        """Drops a tenant's cached copies (after an update or delete)."""
+        self.store.invalidate(tenant)
+        self.residency.evict(tenant)
+
+    def queue_depth(self) -> int:
+        return self._in.qsize() + self._ready.qsize()
+
+    def shutdown(self, cancel: bool = False, timeout: float = 60.0) -> None:
+        """Stops taking work; finishes what is queued (or fails it with ``cancel``)."""
+        if self._closed:
+            return
+        self._closed = True
+        if cancel:
+            while True:
+                try:
+                    item = self._in.get_nowait()
+                except queue.Empty:
+                    break
+                for r in item[1]:
+                    _fail(r, SchedulerClosedError("the scheduler shut down before this request ran"))
+        self._in.put(_STOP)
+        self._feeder.join(timeout)
+        self._computer.join(timeout)
+        self._retrievers.shutdown(wait=True)
+        self.residency.shutdown()
+
+    # -- stage R ---------------------------------------------------------------------------------
+    def _feed(self) -> None:
+        while True:
+            item = self._in.get()
+            if item is _STOP:
+                self._ready.put(_STOP)
+                return
+            batch_id, reqs = item
+            if self.cfg.pipeline_retrieval:
+                self._ready.put(self._retrievers.submit(self._retrieve_safe, batch_id, reqs))
+            else:
+                self._ready.put((batch_id, reqs))
+
+    def _retrieve_safe(self, batch_id: int, reqs: list[InferRequest]) -> Prepared | None:
+        try:
+            return self.retrieve(batch_id, reqs)
+        except Exception as exc:  # noqa: BLE001 - a bug here must fail the batch, not the server
+            for r in reqs:
+                _fail(r, exc)
+            return None
+
+    def retrieve(self, batch_id: int, reqs: list[InferRequest]) -> Prepared | None:
+        with self.tracer.span("R:lookup", batch_id, size=len(reqs)):
+            valid, entries, id_lists, word_starts, weights = [], [], [], [], {}
+            texts = [r.text for r in reqs]
+            enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True) if texts else {"input_ids": []}
+            for i, r in enumerate(reqs):
+                if r.future.done():
+                    continue
+                try:
+                    entry = self.tenants(r.tenant)
+                    ids = enc["input_ids"][i]
+                    if len(ids) > self.cfg.max_len:
+                        raise RequestError("input_too_long", f"input {i} has {len(ids)} tokens; the limit is "
+                                           f"{self.cfg.max_len}", 413)
+                    if r.tenant not in weights:
+                        weights[r.tenant] = self.store.load(r.tenant)
+                except RequestError as exc:
+                    _fail(r, exc)
+                    continue
+                except TenantMissingError:
+                    _fail(r, RequestError("adapter_missing", f"tenant {r.tenant!r} has no stored adapter", 404))
+                    continue
+                valid.append(r)
+                entries.append(entry)
+                id_lists.append(ids)
+                word_starts.append(_word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else [])
+            if not valid:
+                return None
+            T = max(len(x) for x in id_lists)
+            ids = np.zeros((len(valid), T), dtype=np.int64)
+            mask = np.zeros((len(valid), T), dtype=np.int64)
+            for i, x in enumerate(id_lists):
+                ids[i, :len(x)] = x
+                mask[i, :len(x)] = 1
+            hidden = torch.zeros(len(valid), T, self.hidden)
+            by_domain = defaultdict(list)
+            for i, e in enumerate(entries):
+                by_domain[e.domain].append(i)
+            for domain, rows in by_domain.items():
+                hidden[rows] = self.lookups(domain).merged(ids[rows], mask[rows])
+            mask_t = torch.from_numpy(mask)
+            if self.device.type == "cuda":
+                hidden, mask_t = hidden.pin_memory(), mask_t.pin_memory()
+        return Prepared(batch_id, valid, entries, hidden, mask_t, word_starts, weights)
+
+    # -- stages A and C --------------------------------------------------------------------------
+    def _compute_loop(self) -> None:
+        while True:
+            item = self._ready.get()
+            if item is _STOP:
+                return
+            if isinstance(item, Future):
+                prepared = item.result()
+            else:
+                prepared = self._retrieve_safe(*item)
+            if prepared is None:
+                continue
+            try:
+                self.compute(prepared)
+            except Exception as exc:  # noqa: BLE001
+                for r in prepared.requests:
+                    _fail(r, exc)
+
+    def compute(self, p: Prepared) -> None:
+        """Stages A and C for one prepared batch, split when it holds more tenants than slots."""
+        for rows in self._split(p):
+            if self.cfg.batched_adapters:
+                self._compute_rows(p, rows)
+            else:
+                by_tenant = defaultdict(list)
+                for r in rows:
+                    by_tenant[p.entries[r].name].append(r)
+                for tenant_rows in by_tenant.values():
+                    self._compute_rows(p, tenant_rows)
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(p.requests)
+
+    def _split(self, p: Prepared) -> list[list[int]]:
+        """Row subsets whose distinct tenants per adapter signature fit the pools."""
+        parts, current, seen = [], [], defaultdict(set)
+        for r, e in enumerate(p.entries):
+            sig = e.spec.signature(self.hidden)
+            if e.name not in seen[sig] and len(seen[sig]) >= self.cfg.pool_slots:
+                parts.append(current)
+                current, seen = [], defaultdict(set)
+            seen[sig].add(e.name)
+            current.append(r)
+        if current:
+            parts.append(current)
+        return parts
+
+    def _compute_rows(self, p: Prepared, rows: list[int]) -> None:
+        entries = [p.entries[r] for r in rows]
+        whole = len(rows) == len(p.requests)
+        idx = torch.tensor(rows)
+        hidden = (p.hidden if whole else p.hidden.index_select(0, idx)).to(self.device, non_blocking=True)
+        mask = (p.mask if whole else p.mask.index_select(0, idx)).to(self.device, non_blocking=True)
+        T = int(mask.sum(1).max())
+        hidden, mask = hidden[:, :T], mask[:, :T]
+        with self.tracer.span("A:acquire", p.batch_id):
+            try:
+                res = self.residency.acquire(entries, p.weights, pipelined=self.cfg.pipeline_swap)
+            except PoolExhaustedError as exc:
+                for r in rows:
+                    _fail(p.requests[r], exc)
+                return
+        self.stats["adapters_loaded"] += res.loaded
+        try:
+            with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
+                with torch.no_grad():
+                    out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer)
+                    res.wait_head()
+                    tagging = torch.tensor([e.spec.head == "tagging" for e in entries], device=self.device)
+                    logits = batched_heads(out, res.groups, tagging).float().cpu()
+        finally:
+            self.residency.release(res)
+        for j, r in enumerate(rows):
+            _resolve(p.requests[r], entries[j], logits[j], p.word_starts[r])
+
+
+def _word_starts(enc, i: int, text: str) -> list[tuple[int, str]]:
+    """(position, word) of the first sub-token of each word, from the fast tokenizer's word ids."""
+    out, prev = [], None
+    offsets = enc["offset_mapping"][i]
+    words = enc.word_ids(i)
+    for pos, w in enumerate(words):
+        if w is None or w == prev:
+            prev = w if w is not None else prev
+            continue
+        prev = w
+        start = offsets[pos][0]
+        end = start
+        for q in range(pos, len(words)):
+            if words[q] != w:
+                break
+            end = offsets[q][1]
+        out.append((pos, text[start:end]))
+    return out
+
+
+def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, word_starts) -> None:
+    labels = entry.spec.labels
+    c = len(labels)
+    if entry.spec.head == "classification":
+        probs = torch.softmax(logits[0, :c], -1).tolist()
+        best = int(np.argmax(probs))
+        result = {"label": labels[best], "scores": {lab: round(float(p), 6) for lab, p in zip(labels, probs)}}
+    else:
+        tags = logits[:, :c].argmax(-1).tolist()
+        result = {"tokens": [{"token": w, "tag": labels[tags[pos]]} for pos, w in word_starts]}
+    if not req.future.done():
+        req.future.set_result(result)
+
+
+def _fail(req: InferRequest, exc: BaseException) -> None:
+    if not req.future.done():
+        req.future.set_exception(exc)

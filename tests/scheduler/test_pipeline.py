@@ -1,0 +1,163 @@
+import random
+import time
+
+import pytest
+import torch
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.store import AdapterStore
+from hmi.adapters.train import TenantTrainer
+from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import default_spec, load_tokenizer
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
+from tests.conftest import tiny_bert
+
+H, L_LOW = 32, 2
+KINDS = [AdapterSpec("bottleneck", labels=("a", "b", "c")), AdapterSpec("lora", rank=4, labels=("x", "y")),
+         AdapterSpec("ia3", labels=("p", "q", "r", "s")),
+         AdapterSpec("bottleneck", head="tagging", labels=("N", "V", "D"))]
+
+TEXTS = [
+    "Shares in the bank fell sharply after the results were published on Monday.",
+    "A tender, funny film that never quite finds its footing.",
+    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.",
+    "I would never trust a self-driving car to take my kid to school.",
+    "The jury said the election was conducted well.",
+    "Return the number of items in the container.",
+    "The prime minister defended the budget in parliament yesterday evening.",
+    "Redistribution and use in source and binary forms, with or without modification, are permitted.",
+]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sched")
+    bert = tiny_bert(layers=4, hidden=H, vocab=30522)
+    tok = load_tokenizer(default_spec().model_dir)
+    enc = WindowedEncoder(bert, L_LOW).eval()
+    store = PlotStore(tmp / "plot", meta=PlotMeta("tiny", L_LOW, H), readonly=False)
+    lookup = PlotLookup([PlotVersion("root", store, enc)], policy="compute+insert")
+    adapters = AdapterStore(tmp / "tenants")
+    entries = {}
+    for i in range(12):
+        spec = KINDS[i % len(KINDS)]
+        t = TenantTrainer(bert, L_LOW, spec, seed=i)
+        with torch.no_grad():
+            for p in t.parameters():
+                p.add_(0.2 * torch.randn(p.shape))
+        name = f"t{i}"
+        adapters.save(name, spec, t.weights())
+        entries[name] = TenantEntry(name, spec)
+    entries["ghost"] = TenantEntry("ghost", KINDS[0])  # registered but its adapter is missing
+
+    def resolve(name):
+        if name not in entries:
+            raise RequestError("unknown_tenant", f"unknown tenant {name!r}", 404)
+        return entries[name]
+
+    return bert, tok, adapters, resolve, lookup
+
+
+def make(world, **kw):
+    bert, tok, adapters, resolve, lookup = world
+    return Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(**kw))
+
+
+def workload(n=40, seed=0):
+    rng = random.Random(seed)
+    return [(f"t{rng.randrange(12)}", rng.choice(TEXTS)) for _ in range(n)]
+
+
+def same(a, b):
+    if "label" in a:
+        assert a["label"] == b["label"]
+        for k in a["scores"]:
+            assert abs(a["scores"][k] - b["scores"][k]) < 1e-5
+    else:
+        assert [t["tag"] for t in a["tokens"]] == [t["tag"] for t in b["tokens"]]
+        assert [t["token"] for t in a["tokens"]] == [t["token"] for t in b["tokens"]]
+
+
+@pytest.mark.parametrize("switches", [
+    {}, {"pipeline_retrieval": False}, {"pipeline_swap": False}, {"batched_adapters": False},
+    {"pool_slots": 2, "max_batch": 7},
+])
+def test_pipelined_results_equal_synchronized_results_for_many_tenants(world, switches):
+    pairs = workload()
+    ref = make(world, pipeline_retrieval=False, pipeline_swap=False, batched_adapters=False)
+    want = ref.infer(pairs)
+    ref.shutdown()
+    s = make(world, **switches)
+    got = s.infer(pairs)
+    s.shutdown()
+    for a, b in zip(got, want):
+        same(a, b)
+    tagged = [g for g, (t, _) in zip(got, pairs) if int(t[1:]) % 4 == 3]
+    assert tagged and all(len(g["tokens"]) > 3 for g in tagged)
+
+
+def test_results_stay_with_their_requests_under_random_stage_delays(world):
+    bert, tok, adapters, resolve, lookup = world
+    rng = random.Random(1)
+
+    class SlowLookup:
+        def merged(self, ids, mask):
+            time.sleep(rng.random() * 0.02)
+            return lookup.merged(ids, mask)
+
+    pairs = workload(30, seed=2)
+    ref = make(world)
+    want = ref.infer(pairs)
+    ref.shutdown()
+    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: SlowLookup(), SchedulerConfig(max_batch=3))
+    got = s.infer(pairs)
+    s.shutdown()
+    for a, b in zip(got, want):
+        same(a, b)
+
+
+def test_a_failing_request_fails_alone_with_a_clear_error(world):
+    s = make(world, max_len=32)
+    pairs = [("t0", TEXTS[0]), ("nobody", TEXTS[0]), ("t1", "word " * 100), ("ghost", TEXTS[1]), ("t2", TEXTS[2])]
+    out = s.infer(pairs)
+    s.shutdown()
+    assert "label" in out[0] and "label" in out[4]
+    assert isinstance(out[1], RequestError) and out[1].code == "unknown_tenant"
+    assert isinstance(out[2], RequestError) and out[2].code == "input_too_long"
+    assert isinstance(out[3], RequestError) and out[3].code == "adapter_missing"
+
+
+def test_shutdown_with_cancel_fails_queued_work_and_does_not_hang(world):
+    s = make(world, max_batch=2)
+    reqs = [InferRequest(t, x) for t, x in workload(40)]
+    s.submit(reqs)
+    start = time.time()
+    s.shutdown(cancel=True)
+    assert time.time() - start < 60
+    assert all(r.future.done() for r in reqs)
+    assert any(isinstance(r.future.exception(), SchedulerClosedError) for r in reqs if r.future.exception())
+    with pytest.raises(SchedulerClosedError):
+        s.submit([InferRequest("t0", "x")])
+
+
+def test_shutdown_without_cancel_finishes_queued_work(world):
+    s = make(world, max_batch=4)
+    reqs = [InferRequest(t, x) for t, x in workload(16)]
+    s.submit(reqs)
+    s.shutdown()
+    assert all(r.future.done() and r.future.exception() is None for r in reqs)
+
+
+def test_trace_records_overlapping_stages(world, tmp_path):
+    s = make(world, trace=True, max_batch=4)
+    s.infer(workload(24))
+    s.shutdown()
+    s.tracer.export(tmp_path / "trace.json")
+    import json
+
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert {e["cat"] for e in events} >= {"R", "A", "C"}
+    assert len({e["args"]["batch"] for e in events}) == 6
