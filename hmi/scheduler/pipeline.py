@@ -32,7 +32,12 @@ from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.residency import ResidencyManager
 from hmi.scheduler.trace import Tracer
 from hmi.scheduler.types import (
-    InferRequest, Prepared, QueueFullError, RequestError, SchedulerClosedError, TenantEntry,
+    InferRequest,
+    Prepared,
+    QueueFullError,
+    RequestError,
+    SchedulerClosedError,
+    TenantEntry,
 )
 
 _STOP = object()

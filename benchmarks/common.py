@@ -1,0 +1,72 @@
+"""Shared helpers of the benchmark scripts: machine description, timing, tables, real batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def timeit(fn, repeat: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def table(rows: list[tuple], headers: tuple) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def real_batch(tokenizer, batch: int = 32, length: int = 128) -> tuple:
+    """``batch`` real texts of at least ``length`` tokens (BBC test articles), cut to ``length``."""
+    import numpy as np
+
+    from hmi.data import load_task
+
+    texts = [r["text"] for r in load_task("news-topic", "test")]
+    enc = tokenizer(texts, truncation=True, max_length=length)
+    rows = [ids for ids in enc["input_ids"] if len(ids) == length][:batch]
+    if len(rows) < batch:
+        raise SystemExit("not enough long test texts")
+    ids = np.array(rows, dtype=np.int64)
+    return ids, np.ones_like(ids)
+
+
+def finish(name: str, text: str, result: dict, command: str) -> None:
+    """Prints the table and writes docs/<name>.md; the last printed line is the JSON result."""
+    DOCS.mkdir(exist_ok=True)
+    doc = f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{text}\n\n```json\n{json.dumps(result, indent=1)}\n```\n"
+    (DOCS / f"{name}.md").write_text(doc)
+    print(text)
+    print(json.dumps(result))
+    sys.stdout.flush()

@@ -1,0 +1,125 @@
+"""A small Python client of the HMI HTTP API (standard library only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, code: str, message: str):
+        super().__init__(f"{status} {code}: {message}")
+        self.status, self.code, self.message = status, code, message
+
+
+def default_token() -> str | None:
+    """``HMI_TOKEN``, else ``HMI_ADMIN_TOKEN``, else the admin token file of ``HMI_HOME``."""
+    for var in ("HMI_TOKEN", "HMI_ADMIN_TOKEN"):
+        if os.environ.get(var):
+            return os.environ[var]
+    from hmi.home import hmi_home
+
+    p = hmi_home() / "admin_token"
+    return p.read_text().strip() if p.exists() else None
+
+
+class Client:
+    def __init__(self, url: str = "http://127.0.0.1:8080", token: str | None = None, timeout: float = 120):
+        self.url = url.rstrip("/")
+        self.token = token if token is not None else default_token()
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+                return json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else {"text": raw.decode()}
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                err = json.loads(raw)["error"]
+                raise ApiError(exc.code, err["code"], err["message"]) from None
+            except (ValueError, KeyError, TypeError):
+                raise ApiError(exc.code, "http_error", raw.decode(errors="replace")[:500]) from None
+        except urllib.error.URLError as exc:
+            raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
+
+    def infer(self, tenant: str, inputs: list[str]) -> list[dict]:
+        return self.request("POST", f"/v1/tenants/{tenant}/infer", {"inputs": inputs})["outputs"]
+
+    def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
+                      dataset: str | None = None, domain: str = "root", adapter: dict | None = None,
+                      max_train: int | None = None, epochs: int | None = None) -> dict:
+        body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}}
+        for k, v in (("training_data", training_data), ("dataset", dataset), ("adapter", adapter),
+                     ("max_train", max_train), ("epochs", epochs)):
+            if v is not None:
+                body[k] = v
+        return self.request("POST", "/v1/tenants", body)
+
+    def update_tenant(self, name: str, training_data=None, dataset=None, max_train=None, epochs=None) -> dict:
+        body = {k: v for k, v in (("training_data", training_data), ("dataset", dataset), ("max_train", max_train),
+                                  ("epochs", epochs)) if v is not None}
+        return self.request("POST", f"/v1/tenants/{name}/update", body)
+
+    def delete_tenant(self, name: str) -> dict:
+        return self.request("DELETE", f"/v1/tenants/{name}")
+
+    def tenants(self) -> list[dict]:
+        return self.request("GET", "/v1/tenants")["tenants"]
+
+    def tenant(self, name: str) -> dict:
+        return self.request("GET", f"/v1/tenants/{name}")
+
+    def job(self, job_id: str) -> dict:
+        return self.request("GET", f"/v1/jobs/{job_id}")
+
+    def jobs(self) -> list[dict]:
+        return self.request("GET", "/v1/jobs")["jobs"]
+
+    def cancel_job(self, job_id: str) -> dict:
+        return self.request("DELETE", f"/v1/jobs/{job_id}")
+
+    def domains(self) -> list[dict]:
+        return self.request("GET", "/v1/domains")["domains"]
+
+    def create_domain(self, name: str, parent: str = "root", corpus: list[str] | None = None,
+                      corpus_name: str | None = None, alpha: float = 0.5, steps: int | None = None) -> dict:
+        body = {"name": name, "parent": parent, "alpha": alpha}
+        for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps)):
+            if v is not None:
+                body[k] = v
+        return self.request("POST", "/v1/domains", body)
+
+    def update_domain(self, name: str, corpus: list[str] | None = None, corpus_name: str | None = None,
+                      steps: int | None = None) -> dict:
+        body = {k: v for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps)) if v is not None}
+        return self.request("POST", f"/v1/domains/{name}/update", body)
+
+    def delete_domain(self, name: str) -> dict:
+        return self.request("DELETE", f"/v1/domains/{name}")
+
+    def wait_job(self, job_id: str, timeout: float = 1800, poll: float = 1.0) -> dict:
+        import time
+
+        end = time.time() + timeout
+        while time.time() < end:
+            job = self.job(job_id)
+            if job["state"] in ("succeeded", "failed", "cancelled"):
+                return job
+            time.sleep(poll)
+        raise TimeoutError(f"job {job_id} did not finish within {timeout} s")
+
+
+def load_rows(path: str) -> list[dict]:
+    """Training examples from a JSON Lines file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

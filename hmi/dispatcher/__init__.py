@@ -1,0 +1,1 @@
+"""The HTTP server: infer and manage requests, jobs, auth, persistence, metrics."""

@@ -1,0 +1,636 @@
+"""The aiohttp application: routes of DESIGN section 7."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.adapters.store import AdapterStore, TenantMissingError, check_tenant_name
+from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
+from hmi.dispatcher.batcher import Batcher
+from hmi.dispatcher.jobs import JobManager, WorkerContext
+from hmi.dispatcher.metrics import Metrics
+from hmi.dispatcher.openapi import openapi_document
+from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.validation import ApiError, check_rows, error_response, field, json_body, unknown_fields
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
+
+log = logging.getLogger("hmi.server")
+
+
+@dataclass
+class ServerConfig:
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_len: int = 128
+    max_inputs: int = 64
+    max_input_chars: int = 20_000
+    max_examples: int = 50_000
+    max_body_mb: float = 32.0
+    pool_slots: int = 64
+    host_cache_mb: float = 1024
+    miss_policy: str = "compute"
+    max_pending: int = 256
+    job_concurrency: int = 1
+    infer_timeout_s: float = 60.0
+
+
+class Server:
+    """Everything one serving process holds; built by ``build_server``."""
+
+    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta):
+        self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
+        self.metrics = Metrics()
+        self.registry = Registry(home / "registry")
+        self.recovered = self.registry.recover()
+        self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb)
+        self._entries: dict[str, TenantEntry] = {}
+        self._token_owner_by_hash: dict[str, str] = {}
+        for name, rec in self.registry.items("tenants"):
+            self._token_owner_by_hash[rec.get("token_hash", "")] = name
+            if rec["state"] in ("ready", "updating"):
+                self._entries[name] = self._entry(name, rec)
+        from hmi.version_tree.tree import VersionTree
+
+        self.tree = VersionTree(root, home, root_version=lookup.chain[0])
+        self._lookups: dict[str, object] = {"root": lookup}
+        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.resolve,
+                                   self.lookup_for,
+                                   SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
+                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending))
+        self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
+                               on_close=self.metrics.batch_size.observe)
+        self.admin_token, self.admin_token_new = admin_token(home)
+        root.bert.share_memory()
+        root.windowed.share_memory()
+        ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
+                            plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home))
+        self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency)
+        self.started = time.time()
+
+    # -- tenants ---------------------------------------------------------------------------------
+    @staticmethod
+    def _entry(name: str, rec: dict) -> TenantEntry:
+        return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0))
+
+    def resolve(self, tenant: str) -> TenantEntry:
+        e = self._entries.get(tenant)
+        if e is None:
+            raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
+        return e
+
+    def lookup_for(self, domain: str):
+        """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
+        lk = self._lookups.get(domain)
+        if lk is None:
+            lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy)
+        return lk
+
+    def domain_changed(self, name: str) -> None:
+        for d in list(self._lookups):
+            if d != "root":
+                del self._lookups[d]
+        self.tree.forget(name)
+
+    def _job_finished(self, job: dict, state: str, info: dict) -> None:
+        if job["kind"].startswith("domain"):
+            if state == "succeeded":
+                self.domain_changed(job["domain"])
+            return
+        t = job["tenant"]
+        rec = self.registry.get("tenants", t)
+        if rec is None or rec.get("deleted"):
+            return
+        if state == "succeeded":
+            rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
+                                       metrics=info, error=None)
+            self.scheduler.forget(t)
+            self._entries[t] = self._entry(t, rec)
+        elif job["kind"] == "create":
+            self.registry.update("tenants", t, state="failed", error=info.get("error") or state)
+        else:
+            self.registry.update("tenants", t, state="ready")
+
+    # -- auth ------------------------------------------------------------------------------------
+    def caller(self, request: web.Request) -> str:
+        """'admin', a tenant name, or raises 401."""
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
+        token = header[7:].strip()
+        if same(token, self.admin_token):
+            return "admin"
+        digest = hash_token(token)
+        tenant = self._token_owner(digest)
+        if tenant is None:
+            raise ApiError(401, "unauthorized", "the token is not valid")
+        return tenant
+
+    def _token_owner(self, digest: str) -> str | None:
+        # Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful; the
+        # final comparison is constant-time all the same.
+        name = self._token_owner_by_hash.get(digest)
+        if name is None:
+            return None
+        rec = self.registry.get("tenants", name)
+        return name if rec is not None and same(rec.get("token_hash", ""), digest) else None
+
+    def add_tenant(self, name: str, rec: dict) -> bool:
+        if not self.registry.create("tenants", name, rec):
+            return False
+        self._token_owner_by_hash[rec["token_hash"]] = name
+        return True
+
+    def require_admin(self, request) -> None:
+        if self.caller(request) != "admin":
+            raise ApiError(403, "forbidden", "this operation needs the admin token")
+
+    def require_owner(self, request, tenant: str) -> str:
+        who = self.caller(request)
+        if who != "admin" and who != tenant:
+            raise ApiError(403, "forbidden", f"this token may not act on tenant {tenant!r}")
+        return who
+
+    def tenant_record(self, tenant: str) -> dict:
+        rec = self.registry.get("tenants", tenant)
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        return rec
+
+    def shutdown(self) -> None:
+        self.jobs.shutdown()
+        self.scheduler.shutdown(cancel=True)
+        self.registry.close()
+
+
+# -- handlers ------------------------------------------------------------------------------------
+def public_tenant(name: str, rec: dict) -> dict:
+    keep = ("state", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
+    return {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
+
+
+async def infer(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    body = await json_body(request)
+    unknown_fields(body, {"inputs"})
+    inputs = field(body, "inputs", list)
+    if not inputs:
+        raise ApiError(400, "empty_inputs", "'inputs' must hold at least one text")
+    if len(inputs) > s.cfg.max_inputs:
+        raise ApiError(413, "too_many_inputs", f"{len(inputs)} inputs; the limit is {s.cfg.max_inputs} per request")
+    for i, x in enumerate(inputs):
+        if not isinstance(x, str):
+            raise ApiError(400, "invalid_type", f"inputs[{i}] must be a string, not {type(x).__name__}")
+        if not x.strip():
+            raise ApiError(400, "empty_input", f"inputs[{i}] is empty")
+        if len(x) > s.cfg.max_input_chars:
+            raise ApiError(413, "input_too_long", f"inputs[{i}] has {len(x)} characters; the limit is {s.cfg.max_input_chars}")
+    if tenant not in s._entries:
+        rec = s.registry.get("tenants", tenant)
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
+    reqs = [InferRequest(tenant, x) for x in inputs]
+    try:
+        s.batcher.add(reqs)
+    except QueueFullError:
+        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc(len(reqs))
+    try:
+        outputs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)),
+                                         s.cfg.infer_timeout_s)
+    except RequestError as exc:
+        raise ApiError(exc.status, exc.code, exc.message) from None
+    except QueueFullError:
+        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    except SchedulerClosedError:
+        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+    except asyncio.TimeoutError:
+        raise ApiError(503, "timeout", "inference did not finish in time; retry") from None
+    return web.json_response({"tenant": tenant, "outputs": outputs})
+
+
+def _spec_from_body(body: dict) -> AdapterSpec:
+    task = field(body, "task", dict)
+    unknown_fields(task, {"type", "labels"})
+    head = field(task, "type", str)
+    labels = field(task, "labels", list)
+    adapter = field(body, "adapter", dict, required=False, default={})
+    unknown_fields(adapter, {"kind", "reduction_factor", "rank", "alpha"})
+    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels}
+    for k, typ in (("reduction_factor", int), ("rank", int), ("alpha", (int, float))):
+        if k in adapter:
+            kw[k] = field(adapter, k, typ)
+    try:
+        return AdapterSpec(**kw)
+    except SpecError as exc:
+        raise ApiError(400, "invalid_spec", str(exc)) from None
+
+
+def _training_data(s: Server, body: dict, spec: AdapterSpec) -> dict:
+    data = field(body, "training_data", dict, required=False)
+    dataset = field(body, "dataset", str, required=False)
+    if (data is None) == (dataset is None):
+        raise ApiError(400, "missing_field", "give either 'training_data' ({'train': [...], 'dev': [...]}) or 'dataset'")
+    if dataset is not None:
+        from hmi.data import TASKS, is_tagging, task_labels
+
+        if dataset not in TASKS:
+            raise ApiError(400, "unknown_dataset", f"unknown dataset {dataset!r}; prepared ones: {', '.join(TASKS)}")
+        if is_tagging(dataset) != (spec.head == "tagging"):
+            raise ApiError(400, "invalid_spec", f"dataset {dataset!r} needs a {'tagging' if is_tagging(dataset) else 'classification'} task")
+        missing = sorted(set(task_labels(dataset)) - set(spec.labels))
+        if missing:
+            raise ApiError(400, "labels_missing", f"labels {missing} of dataset {dataset!r} are not in the task's labels")
+        max_train = field(body, "max_train", int, required=False)
+        if max_train is not None and max_train < 1:
+            raise ApiError(400, "invalid_value", "'max_train' must be at least 1")
+        return {"dataset": dataset, "max_train": max_train}
+    unknown_fields(data, {"train", "dev", "test"})
+    tagging = spec.head == "tagging"
+    train = check_rows(field(data, "train", list), tagging, "training_data.train", s.cfg.max_examples)
+    if not train:
+        raise ApiError(400, "empty_training_data", "training_data.train is empty")
+    dev = check_rows(data.get("dev") or [], tagging, "training_data.dev", s.cfg.max_examples)
+    test = check_rows(data.get("test") or [], tagging, "training_data.test", s.cfg.max_examples)
+    seen = {t for r in train + dev + test for t in (r["tags"] if tagging else [r["label"]])}
+    missing = sorted(seen - set(spec.labels))
+    if missing:
+        raise ApiError(400, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
+    return {"train": train, "dev": dev, "test": test}
+
+
+def _epochs(body: dict) -> int:
+    epochs = field(body, "epochs", int, required=False, default=4)
+    if not 1 <= epochs <= 50:
+        raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 50]")
+    return epochs
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    body = await json_body(request)
+    unknown_fields(body, {"name", "domain", "task", "adapter", "training_data", "dataset", "max_train", "epochs"})
+    name = field(body, "name", str)
+    try:
+        check_tenant_name(name)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_name", str(exc)) from None
+    domain = field(body, "domain", str, required=False, default="root")
+    if domain != "root" and domain not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no domain {domain!r}")
+    spec = _spec_from_body(body)
+    data = _training_data(s, body, spec)
+    epochs = _epochs(body)
+    token = new_token("hmi_t")
+    rec = {"state": "training", "domain": domain, "spec": spec.to_dict(), "token_hash": hash_token(token), "version": 0}
+    if not s.add_tenant(name, rec):
+        raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+    job = s.jobs.submit("create", name, spec.to_dict(), data, epochs=epochs, domain=domain)
+    s.registry.update("tenants", name, job=job)
+    return web.json_response({"tenant": name, "token": token, "job": job,
+                              "note": "keep the token: it is shown only once"}, status=202)
+
+
+async def update_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    rec = s.tenant_record(tenant)
+    if rec["state"] != "ready":
+        raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
+    body = await json_body(request)
+    unknown_fields(body, {"training_data", "dataset", "max_train", "epochs"})
+    spec = AdapterSpec.from_dict(rec["spec"])
+    data = _training_data(s, body, spec)
+    epochs = _epochs(body)
+    s.registry.update("tenants", tenant, state="updating")
+    job = s.jobs.submit("update", tenant, spec.to_dict(), data, epochs=epochs, domain=rec.get("domain", "root"))
+    s.registry.update("tenants", tenant, job=job)
+    return web.json_response({"tenant": tenant, "job": job}, status=202)
+
+
+async def delete_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    rec = s.tenant_record(tenant)
+    s._entries.pop(tenant, None)  # not servable from this instant
+    if rec.get("job"):
+        s.jobs.cancel(rec["job"])
+    s.registry.delete("tenants", tenant)
+    s._token_owner_by_hash.pop(rec.get("token_hash", ""), None)
+    s.scheduler.forget(tenant)
+    try:
+        s.store.delete(tenant)
+    except TenantMissingError:
+        pass
+    return web.json_response({"tenant": tenant, "deleted": True})
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    return web.json_response({"tenants": [public_tenant(n, r) for n, r in s.registry.items("tenants")]})
+
+
+async def get_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    return web.json_response(public_tenant(tenant, s.tenant_record(tenant)))
+
+
+def _job_for(request) -> tuple[Server, dict]:
+    s: Server = request.app["server"]
+    jid = request.match_info["job"]
+    who = s.caller(request)
+    job = s.registry.get("jobs", jid)
+    if job is None:
+        raise ApiError(404, "unknown_job", f"no job {jid!r}")
+    if who != "admin" and job.get("tenant") != who:
+        raise ApiError(403, "forbidden", f"this token may not see job {jid!r}")
+    return s, job
+
+
+async def get_job(request: web.Request) -> web.Response:
+    _, job = _job_for(request)
+    return web.json_response(job)
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    s, job = _job_for(request)
+    if not s.jobs.cancel(job["id"]):
+        raise ApiError(409, "job_finished", f"job {job['id']} is {job['state']}; only queued or running jobs can be cancelled")
+    return web.json_response({"job": job["id"], "cancelling": True}, status=202)
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    return web.json_response({"jobs": [j for _, j in s.registry.items("jobs")]})
+
+
+def _domains(s: Server) -> list[dict]:
+    counts: dict[str, int] = {}
+    for _, r in s.registry.items("tenants"):
+        counts[r.get("domain", "root")] = counts.get(r.get("domain", "root"), 0) + 1
+    out = []
+    for d in s.tree.listing():
+        if d["name"] == "root":
+            d = {"name": "root", "parent": None, "depth": 0, "root_artifact": s.root.artifact_id, "alpha": 1.0,
+                 "plot": s.lookup.chain[0].store.get_record("stats") or {}}
+        out.append({**d, "tenants": counts.get(d["name"], 0)})
+    return out
+
+
+async def list_domains(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    return web.json_response({"domains": _domains(s)})
+
+
+async def get_domain(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    name = request.match_info["name"]
+    for d in _domains(s):
+        if d["name"] == name:
+            return web.json_response(d)
+    raise ApiError(404, "unknown_domain", f"no domain {name!r}")
+
+
+async def _corpus_body(s: Server, request: web.Request) -> tuple[dict, list[str] | None]:
+    """A JSON body with ``corpus`` (list of lines) or ``corpus_name``, or a multipart form with a
+    ``corpus`` file (one document per line) and the other fields as text."""
+    if request.content_type.startswith("multipart/"):
+        form = await request.post()
+        body, lines = {}, None
+        for k, v in form.items():
+            if k == "corpus" and hasattr(v, "file"):
+                raw = v.file.read()
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise ApiError(400, "invalid_corpus", "the corpus file must be UTF-8 text") from None
+                lines = [x.strip() for x in text.splitlines() if x.strip()]
+            elif k in ("alpha",):
+                try:
+                    body[k] = float(v)
+                except ValueError:
+                    raise ApiError(400, "invalid_type", f"field {k!r} must be a number") from None
+            elif k in ("steps", "max_lines"):
+                try:
+                    body[k] = int(v)
+                except ValueError:
+                    raise ApiError(400, "invalid_type", f"field {k!r} must be an integer") from None
+            else:
+                body[k] = v
+        if lines is None and "corpus_name" not in body:
+            raise ApiError(400, "missing_field", "upload the corpus as a file field named 'corpus'")
+        return body, lines
+    body = await json_body(request)
+    lines = None
+    if "corpus" in body:
+        corpus = field(body, "corpus", list)
+        if not all(isinstance(x, str) for x in corpus):
+            raise ApiError(400, "invalid_type", "'corpus' must be a list of strings (one document per line)")
+        lines = [x.strip() for x in corpus if x.strip()]
+    return body, lines
+
+
+def _corpus_data(body: dict, lines: list[str] | None) -> dict:
+    from hmi.data import CORPORA
+
+    name = body.get("corpus_name")
+    if (lines is None) == (name is None):
+        raise ApiError(400, "missing_field", "give either 'corpus' (lines or an uploaded file) or 'corpus_name'")
+    if name is not None:
+        if not isinstance(name, str) or name not in CORPORA:
+            raise ApiError(400, "unknown_corpus", f"unknown corpus {name!r}; prepared ones: {', '.join(CORPORA)}")
+        return {"corpus_name": name, "max_lines": body.get("max_lines"), "lines": None}
+    if not lines:
+        raise ApiError(400, "empty_corpus", "the corpus is empty")
+    words = sum(len(x.split()) for x in lines)
+    from hmi.version_tree.tree import MIN_CORPUS_TOKENS
+
+    if words < MIN_CORPUS_TOKENS // 2:
+        raise ApiError(400, "corpus_too_small", f"the corpus has {words} words; a domain needs about "
+                       f"{MIN_CORPUS_TOKENS} tokens (see docs)")
+    return {"lines": lines}
+
+
+def _steps(body: dict) -> int:
+    steps = body.get("steps", 150)
+    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 5000:
+        raise ApiError(400, "invalid_value", "'steps' must be an integer in [1, 5000]")
+    return steps
+
+
+def _pending_domain(s: Server, name: str) -> bool:
+    return any(j.get("domain") == name and j["kind"].startswith("domain") and j["state"] in ("queued", "running")
+               for _, j in s.registry.items("jobs"))
+
+
+async def create_domain(request: web.Request) -> web.Response:
+    from hmi.version_tree.tree import NAME
+
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    body, lines = await _corpus_body(s, request)
+    unknown_fields(body, {"name", "parent", "alpha", "corpus", "corpus_name", "max_lines", "steps"})
+    name = field(body, "name", str)
+    if not NAME.match(name) or name == "root":
+        raise ApiError(400, "invalid_name", f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-'")
+    parent = field(body, "parent", str, required=False, default="root")
+    alpha = field(body, "alpha", (int, float), required=False, default=0.5)
+    if not 0.0 <= alpha <= 1.0:
+        raise ApiError(400, "invalid_value", "'alpha' must lie in [0, 1]")
+    if name in s.tree.nodes() or _pending_domain(s, name):
+        raise ApiError(409, "domain_exists", f"domain {name!r} already exists or is being created")
+    if parent != "root" and parent not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no parent domain {parent!r}")
+    data = _corpus_data(body, lines)
+    job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(alpha),
+                        steps=_steps(body))
+    return web.json_response({"domain": name, "job": job}, status=202)
+
+
+async def update_domain(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    name = request.match_info["name"]
+    if name not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no domain {name!r}" + (" (the root is not updated)" if name == "root" else ""))
+    if _pending_domain(s, name):
+        raise ApiError(409, "domain_busy", f"domain {name!r} has a job running")
+    body, lines = await _corpus_body(s, request)
+    unknown_fields(body, {"corpus", "corpus_name", "max_lines", "steps"})
+    data = _corpus_data(body, lines)
+    job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=_steps(body))
+    return web.json_response({"domain": name, "job": job}, status=202)
+
+
+async def delete_domain(request: web.Request) -> web.Response:
+    from hmi.version_tree.tree import DomainError
+
+    s: Server = request.app["server"]
+    s.require_admin(request)
+    name = request.match_info["name"]
+    if name not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no domain {name!r}")
+    in_use = {r.get("domain") for _, r in s.registry.items("tenants")}
+    try:
+        s._lookups.pop(name, None)
+        s.tree.delete(name, in_use)
+    except DomainError as exc:
+        raise ApiError(409, "domain_in_use", str(exc)) from None
+    s.domain_changed(name)
+    return web.json_response({"domain": name, "deleted": True})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
+                              "tenants_servable": len(s._entries), "root_artifact": s.root.artifact_id})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s: Server = request.app["server"]
+    m = s.metrics
+    m.queue_depth.set(s.scheduler.queue_depth())
+    for stage, secs in s.scheduler.tracer.stage_seconds().items():
+        m.stage_seconds.labels(stage).set(secs)
+    for level, n in dict(s.lookup.hits).items():
+        m.plot_hits.labels(level).set(n)
+    res = s.scheduler.residency.stats()
+    m.adapter_hits.labels("device").set(res["device_hits"])
+    m.adapter_hits.labels("host").set(s.store.stats["host_hits"])
+    m.adapter_hits.labels("disk").set(s.store.stats["disk_loads"])
+    counts = {st: 0 for st in ("queued", "running", "succeeded", "failed", "cancelled")}
+    for _, j in s.registry.items("jobs"):
+        counts[j["state"]] = counts.get(j["state"], 0) + 1
+    for st, n in counts.items():
+        m.jobs.labels(st).set(n)
+    return web.Response(body=m.render(), content_type="text/plain")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app))
+
+
+# -- app -----------------------------------------------------------------------------------------
+@web.middleware
+async def errors_and_logs(request: web.Request, handler):
+    rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
+    start = time.perf_counter()
+    route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    try:
+        resp = await handler(request)
+    except ApiError as exc:
+        resp = error_response(exc.status, exc.code, exc.message, exc.headers)
+    except web.HTTPRequestEntityTooLarge as exc:
+        resp = error_response(413, "body_too_large", f"the body exceeds the limit: {exc.text}")
+    except web.HTTPNotFound:
+        resp = error_response(404, "not_found", f"no route {request.method} {request.path}")
+    except web.HTTPMethodNotAllowed as exc:
+        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here; use {', '.join(sorted(exc.allowed_methods))}")
+    except web.HTTPException as exc:
+        resp = error_response(exc.status, "http_error", exc.reason)
+    except Exception:  # noqa: BLE001 - logged; the client sees a 500 without internals
+        log.exception("unhandled error", extra={"request_id": rid})
+        resp = error_response(500, "internal", f"internal error; request id {rid}")
+    resp.headers["X-Request-Id"] = rid
+    s = request.app.get("server")
+    if s is not None:
+        s.metrics.requests.labels(route, str(resp.status)).inc()
+        s.metrics.latency.labels(route).observe(time.perf_counter() - start)
+    log.info(json.dumps({"request_id": rid, "method": request.method, "path": request.path, "route": route,
+                         "status": resp.status, "ms": round((time.perf_counter() - start) * 1000, 2)}))
+    return resp
+
+
+ROUTES = [
+    ("POST", "/v1/tenants/{tenant}/infer", infer),
+    ("POST", "/v1/tenants", create_tenant),
+    ("GET", "/v1/tenants", list_tenants),
+    ("GET", "/v1/tenants/{tenant}", get_tenant),
+    ("POST", "/v1/tenants/{tenant}/update", update_tenant),
+    ("DELETE", "/v1/tenants/{tenant}", delete_tenant),
+    ("POST", "/v1/domains", create_domain),
+    ("POST", "/v1/domains/{name}/update", update_domain),
+    ("DELETE", "/v1/domains/{name}", delete_domain),
+    ("GET", "/v1/domains", list_domains),
+    ("GET", "/v1/domains/{name}", get_domain),
+    ("GET", "/v1/jobs", list_jobs),
+    ("GET", "/v1/jobs/{job}", get_job),
+    ("DELETE", "/v1/jobs/{job}", cancel_job),
+    ("GET", "/healthz", healthz),
+    ("GET", "/metrics", metrics),
+    ("GET", "/openapi.json", openapi),
+]
+
+
+def make_app(server: Server) -> web.Application:
+    app = web.Application(middlewares=[errors_and_logs], client_max_size=int(server.cfg.max_body_mb * 2**20))
+    app["server"] = server
+    for method, path, handler in ROUTES:
+        app.router.add_route(method, path, handler)
+
+    async def on_cleanup(app):
+        await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
+
+    app.on_cleanup.append(on_cleanup)
+    return app

@@ -1,0 +1,246 @@
+"""Background jobs (tenant fine-tuning) in worker processes.
+
+Workers are spawned with ``torch.multiprocessing``; the root's weights are moved to shared
+memory once, so a worker maps the server's copy instead of loading its own.  A job reports
+progress through a queue, can be cancelled, and writes its result atomically (the adapter
+store) before the server marks the tenant servable.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch.multiprocessing as mp
+
+from hmi.dispatcher.registry import Registry
+
+
+def rss_kib() -> dict[str, int]:
+    """This process's resident memory split into anonymous (private) and shared pages, KiB."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+@dataclass
+class WorkerContext:
+    """What every worker receives: shared-memory modules and where things live."""
+
+    bert: object  # BertModel, parameters in shared memory
+    windowed: object  # WindowedEncoder, in shared memory
+    tokenizer_dir: str
+    l_low: int
+    plot_path: str
+    plot_meta: object  # PlotMeta
+    tenants_dir: str
+    miss_policy: str
+    artifact_id: str = ""
+    home: str = ""
+
+
+def _root(ctx: WorkerContext):
+    from hmi.model.artifact import Root
+    from hmi.model.root import RootSpec, load_tokenizer
+
+    spec = RootSpec(ctx.tokenizer_dir, ctx.l_low)
+    return Root(spec, ctx.bert, load_tokenizer(ctx.tokenizer_dir), ctx.windowed, ctx.artifact_id, {})
+
+
+def _lookup(ctx: WorkerContext, domain: str):
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.store import PlotStore
+
+    if domain == "root":
+        store = PlotStore(ctx.plot_path, readonly=True, expect=ctx.plot_meta)
+        return PlotLookup([PlotVersion("root", store, ctx.windowed)], policy=ctx.miss_policy)
+    from hmi.version_tree.tree import VersionTree
+
+    return VersionTree(_root(ctx), Path(ctx.home)).lookup(domain, ctx.miss_policy)
+
+
+def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Runs in a worker process: creates or updates a domain branch."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        from hmi.version_tree.fpt import FPTConfig
+        from hmi.version_tree.tree import VersionTree
+
+        data = job["data"]
+        lines = data["lines"]
+        if data.get("corpus_name"):
+            from hmi.data import load_corpus
+
+            lines = load_corpus(data["corpus_name"], data.get("max_lines"))
+        tree = VersionTree(_root(ctx), Path(ctx.home))
+        fpt = FPTConfig(steps=job.get("steps", 150))
+        progress.put(("progress", 0.05, {"stage": "further pretraining"}))
+        if job["kind"] == "domain-create":
+            node = tree.create(job["domain"], job["parent"], lines, job["alpha"], fpt, progress=False,
+                               should_stop=cancel.is_set)
+        else:
+            node = tree.update(job["domain"], lines, fpt, progress=False, should_stop=cancel.is_set)
+        from dataclasses import asdict
+
+        progress.put(("done", 1.0, {**asdict(node), "worker_memory_kib": rss_kib()}))
+    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
+        if cancel.is_set():
+            progress.put(("cancelled", 0.0, {}))
+        else:
+            progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
+
+
+def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Runs in a worker process: fine-tunes one tenant and stores its adapter."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        from hmi.adapters.spec import AdapterSpec
+        from hmi.adapters.store import AdapterStore
+        from hmi.adapters.train import FinetuneConfig, JobCancelled, finetune
+        from hmi.model.root import load_tokenizer
+
+        spec = AdapterSpec.from_dict(job["spec"])
+        lookup = _lookup(ctx, job.get("domain", "root"))
+        data = job["data"]
+        if data.get("dataset"):
+            from hmi.data import load_task
+
+            train = load_task(data["dataset"], "train", data.get("max_train"))
+            dev = load_task(data["dataset"], "dev", data.get("max_eval", 500))
+            test = load_task(data["dataset"], "test", data.get("max_eval", 500))
+        else:
+            train, dev, test = data["train"], data.get("dev") or [], data.get("test") or []
+        adapters = AdapterStore(ctx.tenants_dir)
+        init = adapters.load(job["tenant"]) if job["kind"] == "update" else None
+        cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0))
+        weights, metrics = finetune(
+            ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec, train, dev, test, cfg, init=init,
+            progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)),
+            should_stop=cancel.is_set)
+        metrics["worker_memory_kib"] = rss_kib()
+        adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics})
+        progress.put(("done", 1.0, metrics))
+    except JobCancelled:
+        progress.put(("cancelled", 0.0, {}))
+    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
+        progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
+
+
+class JobManager:
+    """Runs jobs one (or ``concurrency``) at a time in spawned worker processes."""
+
+    def __init__(self, registry: Registry, ctx: WorkerContext, on_finish: Callable[[dict, str, dict], None],
+                 concurrency: int = 1):
+        self.registry = registry
+        self.ctx = ctx
+        self.on_finish = on_finish
+        self.mp = mp.get_context("spawn")
+        self._queue: queue.Queue = queue.Queue()
+        self._cancel: dict[str, object] = {}
+        self._procs: dict[str, object] = {}
+        self._cancelled_at: dict[str, float] = {}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"jobs-{i}", daemon=True) for i in range(concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, kind: str, tenant: str | None, spec: dict | None, data: dict, **extra) -> str:
+        job_id = uuid.uuid4().hex[:12]
+        job = {"id": job_id, "kind": kind, "tenant": tenant, "spec": spec, "state": "queued", "progress": 0.0,
+               "info": {}, **extra}
+        self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
+        self._cancel[job_id] = self.mp.Event()
+        self._queue.put((job, data))
+        return job_id
+
+    def cancel(self, job_id: str) -> bool:
+        ev = self._cancel.get(job_id)
+        job = self.registry.get("jobs", job_id)
+        if job is None or job["state"] not in ("queued", "running"):
+            return False
+        if ev is not None:
+            ev.set()
+            self._cancelled_at[job_id] = time.time()
+        if job["state"] == "queued":
+            self.registry.update("jobs", job_id, state="cancelled")
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, data = item
+            jid = job["id"]
+            cancel = self._cancel[jid]
+            if cancel.is_set() or (self.registry.get("jobs", jid) or {}).get("state") == "cancelled":
+                self._finish(job, "cancelled", {})
+                continue
+            self.registry.update("jobs", jid, state="running", started=time.time())
+            progress = self.mp.Queue()
+            target = domain_worker if job["kind"].startswith("domain") else finetune_worker
+            proc = self.mp.Process(target=target, args=(self.ctx, {**job, "data": data}, progress, cancel),
+                                   daemon=True)
+            proc.start()
+            self._procs[jid] = proc
+            state, info = "failed", {"error": "the worker process exited without a result"}
+            while True:
+                try:
+                    kind, frac, payload = progress.get(timeout=0.5)
+                except queue.Empty:
+                    if not proc.is_alive():
+                        if cancel.is_set():
+                            state, info = "cancelled", {}
+                        else:
+                            info = {"error": f"the worker process died (exit code {proc.exitcode})"}
+                        break
+                    if cancel.is_set() and time.time() - self._cancelled_at.get(jid, time.time()) > 30:
+                        proc.terminate()  # a worker that ignores cancellation is stopped
+                    continue
+                if kind == "progress":
+                    self.registry.update("jobs", jid, progress=round(frac, 4), info=payload)
+                    continue
+                state, info = kind, payload
+                break
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+            self._procs.pop(jid, None)
+            self._finish(job, {"done": "succeeded"}.get(state, state), info)
+
+    def _finish(self, job: dict, state: str, info: dict) -> None:
+        extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
+        self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
+                             finished=time.time(), **extra)
+        self.on_finish(job, state, info)
+
+    def running(self) -> int:
+        return len(self._procs)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for ev in self._cancel.values():
+            ev.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        for p in list(self._procs.values()):
+            p.join(10)
+            if p.is_alive():
+                p.terminate()

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the server (its own registry, so tests can run several servers)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+MAX_TENANT_LABELS = 100
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("hmi_http_requests_total", "HTTP requests", ["route", "status"], registry=r)
+        self.latency = Histogram("hmi_http_request_seconds", "HTTP latency", ["route"], registry=r,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        self.batch_size = Histogram("hmi_batch_size", "requests per closed batch", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.queue_depth = Gauge("hmi_queue_depth", "batches waiting in the scheduler", registry=r)
+        self.stage_seconds = Gauge("hmi_stage_seconds_total", "time spent per pipeline stage", ["stage"], registry=r)
+        self.plot_hits = Gauge("hmi_plot_hits_total", "distinct windows served per PLOT level", ["level"], registry=r)
+        self.adapter_hits = Gauge("hmi_adapter_residency_total", "adapter lookups per tier", ["tier"], registry=r)
+        self.jobs = Gauge("hmi_jobs", "jobs by state", ["state"], registry=r)
+        self.tenant_infer = Counter("hmi_tenant_infer_total", "infer inputs per tenant (first tenants only)",
+                                    ["tenant"], registry=r)
+        self._tenants: set[str] = set()
+
+    def tenant_label(self, tenant: str) -> str:
+        if tenant in self._tenants or len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(tenant)
+            return tenant
+        return "_other"
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

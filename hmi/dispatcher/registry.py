@@ -1,0 +1,79 @@
+"""The registry: domains, tenants, token hashes and jobs in one LMDB environment.
+
+Every state change is one LMDB write transaction, so after a crash a record is in its old
+state or its new one.  Values are JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import lmdb
+
+TABLES = (b"tenants", b"domains", b"jobs")
+JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+TENANT_STATES = ("training", "ready", "failed", "updating")
+
+
+class Registry:
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(self.path), map_size=1 << 30, max_dbs=len(TABLES) + 1, subdir=True)
+        self._db = {t.decode(): self.env.open_db(t) for t in TABLES}
+
+    def get(self, table: str, key: str) -> dict | None:
+        with self.env.begin(db=self._db[table]) as txn:
+            raw = txn.get(key.encode())
+        return None if raw is None else json.loads(raw)
+
+    def put(self, table: str, key: str, value: dict) -> None:
+        value = {**value, "updated": time.time()}
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            txn.put(key.encode(), json.dumps(value).encode())
+
+    def update(self, table: str, key: str, **changes) -> dict | None:
+        """Read-modify-write in one transaction; returns the new value (None if absent)."""
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            raw = txn.get(key.encode())
+            if raw is None:
+                return None
+            value = {**json.loads(raw), **changes, "updated": time.time()}
+            txn.put(key.encode(), json.dumps(value).encode())
+            return value
+
+    def create(self, table: str, key: str, value: dict) -> bool:
+        """Inserts unless the key exists; returns whether it was inserted."""
+        value = {**value, "created": time.time(), "updated": time.time()}
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            return txn.put(key.encode(), json.dumps(value).encode(), overwrite=False)
+
+    def delete(self, table: str, key: str) -> bool:
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            return txn.delete(key.encode())
+
+    def items(self, table: str) -> list[tuple[str, dict]]:
+        with self.env.begin(db=self._db[table]) as txn:
+            return [(k.decode(), json.loads(v)) for k, v in txn.cursor()]
+
+    def recover(self) -> list[str]:
+        """After a restart: jobs that were queued or running are failed with the reason, and the
+        tenants they were creating are marked failed (never served half-built)."""
+        failed = []
+        for jid, job in self.items("jobs"):
+            if job["state"] in ("queued", "running"):
+                self.update("jobs", jid, state="failed", error="the server stopped while this job ran")
+                failed.append(jid)
+                t = job.get("tenant")
+                if t:
+                    rec = self.get("tenants", t)
+                    if rec and rec["state"] == "training":
+                        self.update("tenants", t, state="failed", error="training was interrupted by a restart")
+                    elif rec and rec["state"] == "updating":
+                        self.update("tenants", t, state="ready")
+        return failed
+
+    def close(self) -> None:
+        self.env.close()

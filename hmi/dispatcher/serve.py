@@ -1,0 +1,135 @@
+"""``hmi serve``: prepare what is missing, start the server, create the demo tenants."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from hmi.dispatcher.app import Server, ServerConfig, make_app
+from hmi.home import hmi_home
+from hmi.io import atomic_write_text
+
+DEMO_TENANTS = [
+    {"name": "demo-news", "dataset": "news-topic", "max_train": 800, "epochs": 3},
+    {"name": "demo-reviews", "dataset": "review-sentiment", "max_train": 1500, "epochs": 3},
+]
+
+
+def build_server(cfg: ServerConfig, home: Path | None = None, root=None) -> Server:
+    """Loads the current root and its root PLOT (which must exist) into a Server."""
+    from hmi.model.artifact import load_root
+    from hmi.plot.default import open_root_version, plot_meta, root_plot_path
+    from hmi.plot.lookup import PlotLookup
+
+    home = home or hmi_home()
+    root = root or load_root(home=home)
+    version = open_root_version(root, home)
+    lookup = PlotLookup([version], policy=cfg.miss_policy)
+    return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root))
+
+
+def start_demo_tenants(server: Server) -> dict[str, str]:
+    """Creates the demo tenants that do not exist yet; returns the new tokens."""
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.data import task_labels
+    from hmi.dispatcher.auth import hash_token, new_token
+
+    tokens = {}
+    for d in DEMO_TENANTS:
+        if server.registry.get("tenants", d["name"]) is not None:
+            continue
+        spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])))
+        token = new_token("hmi_t")
+        server.add_tenant(d["name"], {"state": "training", "domain": "root", "spec": spec.to_dict(),
+                                      "token_hash": hash_token(token), "version": 0})
+        job = server.jobs.submit("create", d["name"], spec.to_dict(),
+                                 {"dataset": d["dataset"], "max_train": d["max_train"]}, epochs=d["epochs"])
+        server.registry.update("tenants", d["name"], job=job)
+        tokens[d["name"]] = token
+    return tokens
+
+
+def prepare_default(home: Path) -> None:
+    """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
+    from hmi.cli import build_parser, cmd_calibrate, ensure_data
+    from hmi.model.artifact import current_artifact_id, load_root
+    from hmi.plot.default import ensure_root_plot
+
+    ensure_data()
+    if current_artifact_id(home) is None:
+        print("calibrating the root model (first start only, about 10 minutes on 2 cores)")
+        cmd_calibrate(build_parser().parse_args(["calibrate"]))
+    root = load_root(home=home)
+    summary = ensure_root_plot(root, home=home)
+    if not summary.get("up_to_date"):
+        print(f"root PLOT ready: {summary['entries']} entries")
+    return root
+
+
+def serve(host: str, port: int, demo: bool, cfg: ServerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    home = hmi_home()
+    root = prepare_default(home)
+    server = build_server(cfg, home, root)
+    if server.recovered:
+        print(f"marked {len(server.recovered)} interrupted job(s) as failed")
+    token_file = home / "admin_token"
+    if server.admin_token_new:
+        print(f"admin token (printed once, also in {token_file}, mode 0600): {server.admin_token}")
+    else:
+        print("admin token: " + ("from HMI_ADMIN_TOKEN" if not token_file.exists() else f"in {token_file}"))
+    if demo:
+        tokens = start_demo_tenants(server)
+        if tokens:
+            demo_file = home / "demo_tokens.json"
+            existing = json.loads(demo_file.read_text()) if demo_file.exists() else {}
+            atomic_write_text(demo_file, json.dumps({**existing, **tokens}, indent=1), mode=0o600)
+            print(f"demo tenants training in the background: {', '.join(tokens)} (tokens in {demo_file})")
+    base = f"http://{host}:{port}"
+    print(f"""
+HMI serving on {base}
+  curl {base}/healthz
+  ADMIN=$(cat {token_file})
+  curl -H "Authorization: Bearer $ADMIN" {base}/v1/tenants
+  curl -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' \\
+       -d '{{"inputs": ["Shares rose after the bank beat forecasts."]}}' {base}/v1/tenants/demo-news/infer
+  hmi infer demo-news "The striker scored twice in the final."   (uses $HMI_HOME/admin_token)
+""", flush=True)
+    web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
+    return 0
+
+
+def run_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0):
+    """Starts the app on a background event loop (tests, benchmarks); returns (base_url, stop)."""
+    import threading
+
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(make_app(server))
+    ready = threading.Event()
+    box = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, host, port)
+        loop.run_until_complete(site.start())
+        box["port"] = site._server.sockets[0].getsockname()[1]
+        ready.set()
+        loop.run_forever()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    ready.wait(30)
+
+    def stop():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(120)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(30)
+
+    return f"http://{host}:{box['port']}", stop

@@ -1,0 +1,130 @@
+"""Further pretraining of a branch's windowed lower layers with masked language modelling.
+
+Only the windowed lower layers, the gate and the merge (and the MLM head's transform) learn; the
+shared upper layers stay frozen, so every tenant's adapters keep working on top of a branch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hmi.model.hplm import UpperLayers, WindowedEncoder
+
+IGNORE = -100
+
+
+@dataclass
+class FPTConfig:
+    steps: int = 150
+    batch_size: int = 16
+    max_len: int = 128
+    lr: float = 1e-4
+    mlm_probability: float = 0.15
+    seed: int = 0
+    eval_lines: int = 64
+
+
+def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, tokenizer, gen: torch.Generator,
+                prob: float = 0.15) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: 15% of real, non-special tokens are targets; of those 80% become [MASK],
+    10% a random token, 10% stay.  Shapes: ids, mask (B, T) -> (masked ids, labels) (B, T)."""
+    special = torch.zeros_like(ids, dtype=torch.bool)
+    for sid in tokenizer.all_special_ids:
+        special |= ids == sid
+    candidates = mask.bool() & ~special
+    probs = torch.full(ids.shape, prob)
+    chosen = (torch.rand(ids.shape, generator=gen) < probs) & candidates
+    labels = torch.where(chosen, ids, torch.full_like(ids, IGNORE))
+    roll = torch.rand(ids.shape, generator=gen)
+    out = ids.clone()
+    out[chosen & (roll < 0.8)] = tokenizer.mask_token_id
+    rand_pos = chosen & (roll >= 0.8) & (roll < 0.9)
+    out[rand_pos] = torch.randint(999, tokenizer.vocab_size, (int(rand_pos.sum()),), generator=gen)
+    return out, labels
+
+
+def mlm_head(config, encoder: WindowedEncoder):
+    """A fresh MLM head (the packaged root ships none: its transform and bias would be new anyway)
+    with the decoder tied to the branch's word embeddings."""
+    from transformers.models.bert.modeling_bert import BertOnlyMLMHead
+
+    torch.manual_seed(0)
+    head = BertOnlyMLMHead(config)
+    head.predictions.decoder.weight = encoder.lower.embeddings.word_embeddings.weight
+    return head
+
+
+def _batches(tokenizer, lines, cfg, rng):
+    order = rng.permutation(len(lines))
+    for s in range(0, len(order), cfg.batch_size):
+        enc = tokenizer([lines[i] for i in order[s:s + cfg.batch_size]], truncation=True, max_length=cfg.max_len,
+                        padding=True, return_tensors="pt")
+        yield enc["input_ids"], enc["attention_mask"]
+
+
+def mlm_loss(encoder, upper, head, tokenizer, lines, cfg, seed: int = 1) -> float:
+    """Held-out MLM loss with a fixed masking (so before/after are comparable)."""
+    gen = torch.Generator().manual_seed(seed)
+    total, n = 0.0, 0
+    encoder.eval()
+    with torch.no_grad():
+        for ids, mask in _batches(tokenizer, lines, cfg, np.random.default_rng(seed)):
+            mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
+            logits = head(upper(encoder(mids, mask), mask))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                                   reduction="sum")
+            total += loss.item()
+            n += int((labels != IGNORE).sum())
+    return total / max(1, n)
+
+
+def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
+                     progress: bool = True, should_stop=None) -> dict:
+    """Trains ``encoder`` in place; returns held-out MLM loss before and after and timings."""
+    torch.manual_seed(cfg.seed)
+    held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
+    upper = UpperLayers(bert, encoder.l_low)
+    for p in upper.parameters():
+        p.requires_grad_(False)
+    head = mlm_head(bert.config, encoder)
+    before = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
+    for p in encoder.parameters():
+        p.requires_grad_(True)
+    params = list(encoder.parameters()) + [p for n, p in head.named_parameters() if "decoder.weight" not in n]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    t0 = time.time()
+    step = 0
+    bar = tqdm(total=cfg.steps, desc="further pretraining (MLM)", unit="step", disable=not progress)
+    upper.eval()
+    while step < cfg.steps:
+        for ids, mask in _batches(tokenizer, train, cfg, rng):
+            if step >= cfg.steps:
+                break
+            if should_stop is not None and should_stop():
+                raise RuntimeError("cancelled")
+            encoder.train()
+            mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
+            logits = head(upper(encoder(mids, mask), mask))
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    bar.close()
+    encoder.eval()
+    for p in encoder.parameters():
+        p.requires_grad_(False)
+    after = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
+    return {"mlm_loss_before": round(before, 4), "mlm_loss_after": round(after, 4), "steps": step,
+            "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}

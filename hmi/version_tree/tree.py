@@ -1,0 +1,255 @@
+"""Domain nodes, persisted atomically, with their weights, corpus and PLOT.
+
+Layout under ``$HMI_HOME/domains/<root artifact>/``: ``tree.json`` (every node record, replaced
+atomically) and one folder per branch (``windowed.safetensors``, ``corpus.txt``, ``plot/``).  A
+branch is built in a hidden ``.building-*`` folder and appears (folder renamed, then the record
+written) only when complete; on open, folders without a record and unfinished builds are removed,
+so a crash never leaves a half branch visible.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from safetensors.torch import load_file, save_file
+
+from hmi.home import hmi_home
+from hmi.io import atomic_write_json
+from hmi.model.artifact import Root
+from hmi.model.hplm import WindowedEncoder
+from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
+from hmi.plot.default import open_root_version, plot_meta
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotStore
+from hmi.version_tree.fpt import FPTConfig, further_pretrain
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+MIN_CORPUS_TOKENS = 20_000  # below this, neither FPT nor tri-gram frequencies are meaningful
+
+
+class DomainError(ValueError):
+    """A domain operation that cannot be done, with the reason."""
+
+
+@dataclass
+class DomainNode:
+    name: str
+    parent: str
+    root_artifact: str
+    alpha: float
+    corpus: dict = field(default_factory=dict)  # lines, tokens, trigram occurrences, distinct trigrams
+    plot: dict = field(default_factory=dict)  # PLOT statistics
+    fpt: dict = field(default_factory=dict)  # MLM losses before/after, steps, seconds
+    created: float = 0.0
+    updated: float = 0.0
+
+
+class VersionTree:
+    def __init__(self, root: Root, home: Path | None = None, root_version: PlotVersion | None = None):
+        self.root = root
+        self.home = home or hmi_home()
+        self.dir = self.home / "domains" / root.artifact_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        # LMDB allows one open environment per file and process: versions are opened once here.
+        self._versions: dict[str, PlotVersion] = {"root": root_version} if root_version else {}
+        self._clean()
+
+    # -- persistence ---------------------------------------------------------------------------
+    def nodes(self) -> dict[str, DomainNode]:
+        import json
+
+        p = self.dir / "tree.json"
+        raw = json.loads(p.read_text()) if p.exists() else {}
+        return {k: DomainNode(**v) for k, v in raw.items()}
+
+    def _save(self, nodes: dict[str, DomainNode]) -> None:
+        atomic_write_json(self.dir / "tree.json", {k: asdict(v) for k, v in nodes.items()})
+
+    def _clean(self) -> None:
+        """Removes what crashed builds left: ``.building-*`` folders of processes that are gone,
+        ``.old-*`` folders, and branch folders without a record (older than a minute, so a build
+        between its rename and its record is left alone)."""
+        known = set(self.nodes())
+        for p in self.dir.iterdir():
+            if not p.is_dir():
+                continue
+            if p.name.startswith(".building-"):
+                if not _pid_alive(p.name.rsplit("-", 2)[-2]):
+                    shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(".old-"):
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.name not in known and time.time() - p.stat().st_mtime > 60:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # -- queries -------------------------------------------------------------------------------
+    def chain(self, name: str) -> list[str]:
+        """``[name, parent, ..., "root"]``."""
+        nodes, out = self.nodes(), []
+        while name != "root":
+            if name not in nodes:
+                raise DomainError(f"unknown domain {name!r}")
+            out.append(name)
+            name = nodes[name].parent
+        return out + ["root"]
+
+    def encoder(self, name: str) -> WindowedEncoder:
+        if name == "root":
+            return self.root.windowed
+        enc = WindowedEncoder(self.root.bert, self.root.spec.l_low)
+        enc.load_state_dict(load_file(str(self.dir / name / "windowed.safetensors")))
+        enc.eval()
+        for p in enc.parameters():
+            p.requires_grad_(False)
+        return enc
+
+    def version(self, name: str) -> PlotVersion:
+        """The opened PLOT version of a node (opened once per tree)."""
+        if name not in self._versions:
+            if name == "root":
+                self._versions[name] = open_root_version(self.root, self.home)
+            else:
+                if name not in self.nodes():
+                    raise DomainError(f"unknown domain {name!r}")
+                store = PlotStore(self.dir / name / "plot", readonly=True, expect=plot_meta(self.root))
+                self._versions[name] = PlotVersion(name, store, self.encoder(name))
+        return self._versions[name]
+
+    def forget(self, name: str) -> None:
+        """Closes a branch's opened PLOT (after it was updated or deleted elsewhere)."""
+        v = self._versions.pop(name, None) if name != "root" else None
+        if v is not None:
+            v.store.close()
+
+    def lookup(self, name: str, policy: str = "compute") -> PlotLookup:
+        """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off."""
+        return PlotLookup([self.version(n) for n in self.chain(name)], policy=policy)
+
+    def listing(self) -> list[dict]:
+        nodes = self.nodes()
+        out = [{"name": "root", "parent": None, "depth": 0}]
+
+        def walk(parent, depth):
+            for n in sorted(k for k, v in nodes.items() if v.parent == parent):
+                d = asdict(nodes[n])
+                d["depth"] = depth
+                d["bytes"] = sum(f.stat().st_size for f in (self.dir / n).rglob("*") if f.is_file())
+                out.append(d)
+                walk(n, depth + 1)
+
+        walk("root", 1)
+        return out
+
+    # -- changes -------------------------------------------------------------------------------
+    def create(self, name: str, parent: str, lines: list[str], alpha: float = 0.5, fpt: FPTConfig | None = None,
+               progress: bool = True, should_stop=None) -> DomainNode:
+        if not isinstance(name, str) or not NAME.match(name) or name == "root":
+            raise DomainError(f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-' (not 'root')")
+        if name in self.nodes():
+            raise DomainError(f"domain {name!r} already exists")
+        if parent != "root" and parent not in self.nodes():
+            raise DomainError(f"unknown parent domain {parent!r}")
+        if not 0.0 <= alpha <= 1.0:
+            raise DomainError(f"alpha must lie in [0, 1], got {alpha}")
+        work = self._work_dir(name)
+        try:
+            encoder = copy.deepcopy(self.encoder(parent))
+            node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop)
+            work.rename(self.dir / name)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        nodes = self.nodes()
+        nodes[name] = node
+        self._save(nodes)
+        return node
+
+    def update(self, name: str, lines: list[str], fpt: FPTConfig | None = None, progress: bool = True,
+               should_stop=None) -> DomainNode:
+        """Continues FPT on more corpus, re-counts over all of the domain's corpus, refreshes the PLOT."""
+        nodes = self.nodes()
+        if name not in nodes:
+            raise DomainError(f"unknown domain {name!r}")
+        node = nodes[name]
+        old = (self.dir / name / "corpus.txt").read_text().splitlines()
+        work = self._work_dir(name)
+        try:
+            new = self._build(work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
+                              fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines))
+            new.created = node.created
+            trash = self.dir / f".old-{name}-{uuid.uuid4().hex[:8]}"
+            (self.dir / name).rename(trash)
+            work.rename(self.dir / name)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        nodes[name] = new
+        self._save(nodes)
+        self.forget(name)
+        shutil.rmtree(trash, ignore_errors=True)
+        return new
+
+    def delete(self, name: str, in_use: set[str] = frozenset()) -> None:
+        nodes = self.nodes()
+        if name not in nodes:
+            raise DomainError(f"unknown domain {name!r}")
+        children = [k for k, v in nodes.items() if v.parent == name]
+        if children:
+            raise DomainError(f"domain {name!r} has child domains {children}; delete them first")
+        if name in in_use:
+            raise DomainError(f"domain {name!r} is used by tenants; delete or move them first")
+        del nodes[name]
+        self._save(nodes)
+        self.forget(name)
+        shutil.rmtree(self.dir / name, ignore_errors=True)
+
+    def _work_dir(self, name: str) -> Path:
+        work = self.dir / f".building-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        work.mkdir()
+        return work
+
+    def _build(self, work: Path, name: str, parent: str, encoder: WindowedEncoder, lines: list[str], alpha: float,
+               fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None) -> DomainNode:
+        lines = [x.strip() for x in lines if x and x.strip()]
+        tok = self.root.tokenizer
+        token_lists = tokenize_corpus(tok, lines, fpt.max_len, progress=False)
+        n_tokens = sum(len(t) - 2 for t in token_lists)
+        if n_tokens < MIN_CORPUS_TOKENS:
+            raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
+        fpt_metrics = further_pretrain(self.root.bert, tok, encoder, fpt_lines or lines, fpt,
+                                       progress=progress, should_stop=should_stop)
+        save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(work / "windowed.safetensors"))
+        (work / "corpus.txt").write_text("\n".join(lines) + "\n")
+        keys, counts = count_ngrams(token_lists)
+        # A branch stores its own top tri-grams only; bi-grams and uni-grams come from the root.
+        plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), 0, with_backoff=False)
+        store = PlotStore(work / "plot", meta=plot_meta(self.root), readonly=False)
+        try:
+            summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}")
+            stats = store.stats()
+        finally:
+            store.close()
+        covered = float(counts[np.isin(keys, plan)].sum() / max(1, counts.sum()))
+        now = time.time()
+        return DomainNode(name, parent, self.root.artifact_id, alpha,
+                          corpus={"lines": len(lines), "tokens": n_tokens, "trigram_occurrences": int(counts.sum()),
+                                  "distinct_trigrams": int(len(keys)), "covered_occurrences": round(covered, 4)},
+                          plot={**stats, "build_seconds": summary["seconds"]}, fpt=fpt_metrics, created=now, updated=now)
+
+
+
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,38 @@
+import subprocess
+import sys
+
+import pytest
+
+from hmi.cli import build_parser, main, parse_selection
+
+
+def test_every_subcommand_has_help():
+    parser = build_parser()
+    for argv in (["data", "prepare"], ["calibrate"], ["plot", "build"], ["plot", "stats", "x"], ["serve"], ["info"],
+                 ["demo"], ["infer", "t", "x"], ["tenant", "list"], ["jobs"], ["domain", "list"],
+                 ["domain", "create", "d", "--corpus", "legal"]):
+        assert parser.parse_args(argv).func
+
+
+def test_console_script_prints_help():
+    out = subprocess.run([sys.executable, "-m", "hmi.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "calibrate" in out.stdout and "serve" in out.stdout
+
+
+def test_info_without_artifact_says_what_to_do(capsys):
+    assert main(["info"]) == 0
+    assert "hmi calibrate" in capsys.readouterr().out
+
+
+def test_selection_parsing_and_errors():
+    assert parse_selection("alpha:0.5").alpha == 0.5
+    assert parse_selection("top_k:10").top_k == 10
+    with pytest.raises(SystemExit, match="bad --select"):
+        parse_selection("alpha:lots")
+    with pytest.raises(SystemExit, match="bad --select"):
+        parse_selection("most")
+
+
+def test_client_commands_report_an_unreachable_server(capsys):
+    assert main(["infer", "--url", "http://127.0.0.1:9", "t", "hello"]) == 1
+    assert "cannot reach" in capsys.readouterr().err

@@ -1,0 +1,301 @@
+"""The server through real HTTP on localhost, on a tiny root (real tokenizer, real LMDB, real jobs)."""
+
+import json
+import time
+import urllib.request
+
+import pytest
+
+from hmi.client import ApiError, Client
+from hmi.dispatcher.app import ROUTES, Server, ServerConfig
+from hmi.dispatcher.openapi import DESCRIPTIONS
+from hmi.dispatcher.serve import run_in_thread
+from hmi.model.artifact import Root
+from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import RootSpec, default_spec, load_tokenizer
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+from tests.conftest import tiny_bert
+
+ADMIN = "admin-secret-for-tests"
+TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting", "great fun", "superb story")] + \
+        [{"text": t, "label": "neg"} for t in ("a dull film", "awful acting", "boring mess", "terrible story")]
+TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
+
+
+def tiny_server(home):
+    spec = RootSpec(default_spec().model_dir, 2)
+    bert = tiny_bert(layers=4, hidden=32, vocab=30522)
+    root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
+    meta = PlotMeta("tiny", 2, 32)
+    path = home / "plot"
+    if not path.exists():
+        PlotStore(path, meta=meta, readonly=False).close()
+    lookup = PlotLookup([PlotVersion("root", PlotStore(path, readonly=True, expect=meta), root.windowed)], "compute")
+    return Server(home, root, lookup, ServerConfig(max_inputs=8, max_input_chars=2000, max_body_mb=1), path, meta)
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    import os
+
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    home = tmp_path_factory.mktemp("home")
+    server = tiny_server(home)
+    url, stop = run_in_thread(server)
+    admin = Client(url, ADMIN)
+    out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN * 2, "dev": TRAIN}, epochs=2)
+    out_b = admin.create_tenant("beta", ["D", "N", "V"], task_type="tagging", training_data={"train": TAGS * 3},
+                                adapter={"kind": "lora", "rank": 4}, epochs=1)
+    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    assert admin.wait_job(out_b["job"], 300)["state"] == "succeeded"
+    yield {"url": url, "stop": stop, "admin": admin, "alpha": Client(url, out["token"]), "beta": Client(url, out_b["token"]),
+           "home": home, "server": server}
+    stop()
+
+
+def domain_corpus(n=700, seed=0):
+    import numpy as np
+
+    words = ("the license grants permission to copy modify merge publish distribute and sell copies of the "
+             "software subject to the following conditions warranty liability damages").split()
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=rng.integers(30, 60))) for _ in range(n)]
+
+
+def test_domain_lifecycle_create_tenant_on_branch_update_delete(live):
+    admin = live["admin"]
+    job = admin.create_domain("legal", corpus=domain_corpus(), alpha=0.5, steps=3)["job"]
+    done = admin.wait_job(job, 300)
+    assert done["state"] == "succeeded", done
+    names = [d["name"] for d in admin.domains()]
+    assert names[:2] == ["root", "legal"]
+    out = admin.create_tenant("lawyer", ["neg", "pos"], domain="legal", training_data={"train": TRAIN}, epochs=1)
+    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    assert admin.infer("lawyer", ["the license grants permission"])[0]["label"] in ("neg", "pos")
+    assert admin.wait_job(admin.update_domain("legal", corpus=domain_corpus(seed=3), steps=2)["job"], 300)["state"] == "succeeded"
+    assert admin.infer("lawyer", ["the license grants permission"])[0]["label"] in ("neg", "pos")
+    with pytest.raises(ApiError) as e:
+        admin.delete_domain("legal")
+    assert e.value.status == 409 and e.value.code == "domain_in_use"
+    admin.delete_tenant("lawyer")
+    admin.delete_domain("legal")
+    assert [d["name"] for d in admin.domains()] == ["root"]
+
+
+def test_domain_corpus_can_be_uploaded_as_a_file(live):
+    import uuid
+
+    boundary = uuid.uuid4().hex
+    text = "\n".join(domain_corpus(600, seed=7)).encode()
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="name"\r\n\r\nuploaded\r\n'.encode(),
+             f'--{boundary}\r\nContent-Disposition: form-data; name="steps"\r\n\r\n2\r\n'.encode(),
+             f'--{boundary}\r\nContent-Disposition: form-data; name="corpus"; filename="c.txt"\r\n'
+             f'Content-Type: text/plain\r\n\r\n'.encode() + text + b"\r\n",
+             f"--{boundary}--\r\n".encode()]
+    req = urllib.request.Request(live["url"] + "/v1/domains", data=b"".join(parts), method="POST")
+    req.add_header("Content-Type", f"multipart/form-data; boundary={boundary}")
+    req.add_header("Authorization", f"Bearer {ADMIN}")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        job = json.loads(r.read())["job"]
+    assert live["admin"].wait_job(job, 300)["state"] == "succeeded"
+    live["admin"].delete_domain("uploaded")
+
+
+def test_lifecycle_create_infer_update_infer_delete(live):
+    admin, alpha = live["admin"], live["alpha"]
+    out = alpha.infer("alpha", ["a great story", "an awful film"])
+    assert {o["label"] for o in out} <= {"neg", "pos"} and abs(sum(out[0]["scores"].values()) - 1) < 1e-4
+    tag = live["beta"].infer("beta", ["the dog runs fast"])
+    assert [t["token"] for t in tag[0]["tokens"]] == ["the", "dog", "runs", "fast"]
+    job = alpha.update_tenant("alpha", training_data={"train": TRAIN}, epochs=1)["job"]
+    done = alpha.wait_job(job, 300)
+    assert done["state"] == "succeeded" and done["metrics"]["train"]["n"] == 8
+    assert admin.tenant("alpha")["version"] == 2
+    assert len(alpha.infer("alpha", ["great"])) == 1
+    tmp = admin.create_tenant("gamma", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    assert admin.wait_job(tmp["job"], 300)["state"] == "succeeded"
+    admin.infer("gamma", ["x y"])
+    admin.delete_tenant("gamma")
+    with pytest.raises(ApiError) as e:
+        admin.infer("gamma", ["x y"])
+    assert e.value.status == 404
+    assert not (live["home"] / "tenants" / "gamma").exists()
+
+
+def test_auth_matrix(live):
+    url = live["url"]
+    alpha, beta, admin = live["alpha"], live["beta"], live["admin"]
+    nobody, wrong = Client(url, ""), Client(url, "hmi_t_not-a-token")
+    cases = [
+        (lambda c: c.infer("alpha", ["x"]), {"admin": 200, "alpha": 200, "beta": 403, "nobody": 401, "wrong": 401}),
+        (lambda c: c.tenants(), {"admin": 200, "alpha": 403, "beta": 403, "nobody": 401, "wrong": 401}),
+        (lambda c: c.tenant("beta"), {"admin": 200, "alpha": 403, "beta": 200, "nobody": 401, "wrong": 401}),
+        (lambda c: c.domains(), {"admin": 200, "alpha": 403, "beta": 403, "nobody": 401, "wrong": 401}),
+        (lambda c: c.delete_tenant("beta"), {"alpha": 403, "nobody": 401, "wrong": 401}),
+        (lambda c: c.create_tenant("zeta", ["a", "b"], training_data={"train": TRAIN}),
+         {"alpha": 403, "beta": 403, "nobody": 401}),
+    ]
+    clients = {"admin": admin, "alpha": alpha, "beta": beta, "nobody": nobody, "wrong": wrong}
+    for call, expect in cases:
+        for who, status in expect.items():
+            try:
+                call(clients[who])
+                got = 200
+            except ApiError as exc:
+                got = exc.status
+            assert got == status, (who, status, got)
+
+
+def raw(url, method, path, body=None, token=ADMIN, ctype="application/json"):
+    data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method)
+    if ctype and data is not None:
+        req.add_header("Content-Type", ctype)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+BAD = [  # (method, path, body, status, code)
+    ("POST", "/v1/tenants/alpha/infer", b"{not json", 400, "malformed_json"),
+    ("POST", "/v1/tenants/alpha/infer", b"", 400, "empty_body"),
+    ("POST", "/v1/tenants/alpha/infer", [1, 2], 400, "invalid_body"),
+    ("POST", "/v1/tenants/alpha/infer", {}, 400, "missing_field"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": "text"}, 400, "invalid_type"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": []}, 400, "empty_inputs"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": [""]}, 400, "empty_input"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": [3]}, 400, "invalid_type"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": ["x"] * 9}, 413, "too_many_inputs"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": ["x" * 2001]}, 413, "input_too_long"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": ["word " * 300]}, 413, "input_too_long"),
+    ("POST", "/v1/tenants/alpha/infer", {"inputs": ["x"], "extra": 1}, 400, "unknown_field"),
+    ("POST", "/v1/tenants/nobody/infer", {"inputs": ["x"]}, 404, "unknown_tenant"),
+    ("POST", "/v1/tenants", {"task": {"type": "classification", "labels": ["a", "b"]}}, 400, "missing_field"),
+    ("POST", "/v1/tenants", {"name": "Bad Name", "task": {"type": "classification", "labels": ["a", "b"]},
+                             "training_data": {"train": TRAIN}}, 400, "invalid_name"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a"]},
+                             "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "span", "labels": ["a", "b"]},
+                             "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a", "b"]},
+                             "adapter": {"kind": "prefix"}, "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a", "b"]},
+                             "adapter": {"kind": "lora", "rank": "8"}, "training_data": {"train": TRAIN}}, 400, "invalid_type"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]}}, 400, "missing_field"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "training_data": {"train": []}}, 400, "empty_training_data"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "xyz"]},
+                             "training_data": {"train": TRAIN}}, 400, "labels_missing"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "training_data": {"train": [{"text": "", "label": "pos"}]}}, 400, "invalid_example"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "tagging", "labels": ["N", "V"]},
+                             "training_data": {"train": [{"tokens": ["a"], "tags": []}]}}, 400, "invalid_example"),
+    ("POST", "/v1/tenants", {"name": "n1", "domain": "nowhere", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "training_data": {"train": TRAIN}}, 404, "unknown_domain"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "dataset": "no-such-task"}, 400, "unknown_dataset"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "training_data": {"train": TRAIN}, "epochs": 0}, 400, "invalid_value"),
+    ("POST", "/v1/tenants", {"name": "alpha", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "training_data": {"train": TRAIN}}, 409, "tenant_exists"),
+    ("POST", "/v1/tenants", b"x" * (2 * 2**20), 413, "body_too_large"),
+    ("POST", "/v1/tenants/nobody/update", {"training_data": {"train": TRAIN}}, 404, "unknown_tenant"),
+    ("DELETE", "/v1/tenants/nobody", None, 404, "unknown_tenant"),
+    ("GET", "/v1/jobs/nojob", None, 404, "unknown_job"),
+    ("DELETE", "/v1/jobs/nojob", None, 404, "unknown_job"),
+    ("GET", "/v1/domains/nowhere", None, 404, "unknown_domain"),
+    ("POST", "/v1/domains", {"name": "d1", "corpus": ["too small"]}, 400, "corpus_too_small"),
+    ("POST", "/v1/domains", {"name": "d1"}, 400, "missing_field"),
+    ("POST", "/v1/domains", {"name": "Bad!", "corpus_name": "legal"}, 400, "invalid_name"),
+    ("POST", "/v1/domains", {"name": "d1", "corpus_name": "legal", "alpha": 2}, 400, "invalid_value"),
+    ("POST", "/v1/domains", {"name": "d1", "parent": "nowhere", "corpus_name": "legal"}, 404, "unknown_domain"),
+    ("POST", "/v1/domains", {"name": "d1", "corpus_name": "klingon"}, 400, "unknown_corpus"),
+    ("POST", "/v1/domains", {"name": "d1", "corpus": [1, 2]}, 400, "invalid_type"),
+    ("POST", "/v1/domains/nowhere/update", {"corpus_name": "legal"}, 404, "unknown_domain"),
+    ("DELETE", "/v1/domains/nowhere", None, 404, "unknown_domain"),
+    ("GET", "/v1/nothing", None, 404, "not_found"),
+    ("PUT", "/v1/tenants", {}, 405, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, code", BAD)
+def test_bad_request_gets_4xx_json_error_naming_the_problem(live, method, path, body, status, code):
+    got, payload = raw(live["url"], method, path, body)
+    assert got == status and payload["error"]["code"] == code, payload
+    assert payload["error"]["message"]
+
+
+def test_wrong_content_type_is_415(live):
+    got, payload = raw(live["url"], "POST", "/v1/tenants/alpha/infer", b"inputs=x", ctype="text/plain")
+    assert got == 415 and payload["error"]["code"] == "unsupported_media_type"
+
+
+def test_server_survives_bad_input_and_still_serves(live):
+    for method, path, body, *_ in BAD:
+        raw(live["url"], method, path, body)
+    assert live["alpha"].infer("alpha", ["great"])[0]["label"] in ("neg", "pos")
+
+
+def test_openapi_describes_every_route(live):
+    got, doc = raw(live["url"], "GET", "/openapi.json", token=None)
+    assert got == 200
+    for method, path, _ in ROUTES:
+        assert (method, path) in DESCRIPTIONS
+        assert method.lower() in doc["paths"][path]
+        assert doc["paths"][path][method.lower()]["summary"] != "undocumented"
+
+
+def test_metrics_and_health(live):
+    req = urllib.request.urlopen(live["url"] + "/metrics", timeout=30).read().decode()
+    for name in ("hmi_http_requests_total", "hmi_batch_size", "hmi_plot_hits_total", "hmi_adapter_residency_total",
+                 "hmi_jobs", "hmi_queue_depth"):
+        assert name in req
+    got, health = raw(live["url"], "GET", "/healthz", token=None)
+    assert got == 200 and health["status"] == "ok"
+
+
+def test_cancel_a_running_job(live):
+    admin = live["admin"]
+    out = admin.create_tenant("slow", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=50)
+    deadline = time.time() + 120
+    while admin.job(out["job"])["state"] == "queued" and time.time() < deadline:
+        time.sleep(0.2)
+    admin.cancel_job(out["job"])
+    job = admin.wait_job(out["job"], 120)
+    assert job["state"] == "cancelled"
+    assert admin.tenant("slow")["state"] == "failed"
+    with pytest.raises(ApiError) as e:
+        admin.infer("slow", ["x"])
+    assert e.value.status == 409
+    admin.delete_tenant("slow")
+
+
+def test_restart_serves_finished_tenants_and_fails_interrupted_jobs(live, tmp_path):
+    import shutil
+
+    home = tmp_path / "copy"
+    shutil.copytree(live["home"], home, ignore=shutil.ignore_patterns("lock.mdb"))
+    from hmi.dispatcher.registry import Registry
+
+    reg = Registry(home / "registry")
+    reg.create("tenants", "halfbuilt", {"state": "training", "spec": {"labels": ["a", "b"]}, "token_hash": "x"})
+    reg.create("jobs", "crashed1", {"id": "crashed1", "kind": "create", "tenant": "halfbuilt", "state": "running"})
+    reg.close()
+    server = tiny_server(home)
+    url, stop = run_in_thread(server)
+    try:
+        c = Client(url, ADMIN)
+        assert c.infer("alpha", ["a great film"])[0]["label"] in ("neg", "pos")
+        job = c.job("crashed1")
+        assert job["state"] == "failed" and "stopped" in job["error"]
+        assert c.tenant("halfbuilt")["state"] == "failed"
+        with pytest.raises(ApiError) as e:
+            c.infer("halfbuilt", ["x"])
+        assert e.value.status == 409
+    finally:
+        stop()

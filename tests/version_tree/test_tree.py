@@ -1,0 +1,138 @@
+import numpy as np
+import pytest
+import torch
+
+from hmi.model.artifact import Root
+from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import RootSpec, default_spec, load_tokenizer
+from hmi.plot.default import ensure_root_plot
+from hmi.version_tree.fpt import FPTConfig, further_pretrain, mask_tokens
+from hmi.version_tree.tree import DomainError, VersionTree
+from tests.conftest import tiny_bert
+
+WORDS = ("the license grants permission to copy modify merge publish distribute sublicense and sell copies "
+         "of the software subject to the following conditions warranty liability damages").split()
+
+
+def corpus(n=600, seed=0):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=rng.integers(30, 60))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def shared_root(tmp_path_factory):
+    home = tmp_path_factory.mktemp("roothome")
+    spec = RootSpec(default_spec().model_dir, 2)
+    bert = tiny_bert(layers=4, hidden=32, vocab=30522)
+    r = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tinyroot", {})
+    ensure_root_plot(r, lines=corpus(50, seed=9), home=home, progress=False)
+    return r, home
+
+
+@pytest.fixture
+def root(shared_root, tmp_path):
+    """The tiny root; each test's home links to the one root PLOT built for the module."""
+    r, home = shared_root
+    (tmp_path / "plots").symlink_to(home / "plots")
+    return r
+
+
+FAST = FPTConfig(steps=6, batch_size=8, max_len=64, lr=1e-3, eval_lines=16)
+
+
+def test_masking_follows_80_10_10_on_real_tokens_only(root):
+    tok = root.tokenizer
+    enc = tok(corpus(200), truncation=True, max_length=64, padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    out, labels = mask_tokens(ids, mask, tok, torch.Generator().manual_seed(0))
+    chosen = labels != -100
+    real = mask.bool() & (ids != tok.cls_token_id) & (ids != tok.sep_token_id)
+    assert not (chosen & ~real).any()
+    assert abs(chosen.sum().item() / real.sum().item() - 0.15) < 0.02
+    masked = (out == tok.mask_token_id) & chosen
+    kept = (out == ids) & chosen
+    assert abs(masked.sum().item() / chosen.sum().item() - 0.8) < 0.05
+    assert abs(kept.sum().item() / chosen.sum().item() - 0.1) < 0.05
+
+
+def test_fpt_changes_only_lower_side_parameters(root):
+    upper_before = {k: v.clone() for k, v in root.bert.encoder.layer[2:].state_dict().items()}
+    enc = WindowedEncoder(root.bert, 2)
+    lower_before = {k: v.clone() for k, v in enc.state_dict().items()}
+    m = further_pretrain(root.bert, root.tokenizer, enc, corpus(), FAST, progress=False)
+    for k, v in root.bert.encoder.layer[2:].state_dict().items():
+        assert torch.equal(v, upper_before[k]), k
+    changed = [k for k, v in enc.state_dict().items() if not torch.equal(v, lower_before[k])]
+    assert any("lower.layers" in k for k in changed) and any("merge" in k for k in changed)
+    assert m["steps"] == 6 and m["mlm_loss_after"] < m["mlm_loss_before"]
+
+
+def test_create_branch_prunes_by_alpha_and_chains_to_root(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    node = tree.create("legal", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)
+    # only corpus windows: no vocabulary uni-grams (back-off comes from the root); the few (0, c, r)
+    # keys are the real windows at sequence starts
+    assert node.plot["trigrams"] > 0 and node.plot["unigrams"] == 0 and node.plot["bigrams"] < 30
+    assert 0.5 <= node.corpus["covered_occurrences"] < 0.6
+    assert node.plot["trigrams"] < node.corpus["distinct_trigrams"]
+    sub = tree.create("legal-eu", "legal", corpus(seed=1), alpha=0.3, fpt=FAST, progress=False)
+    assert tree.chain("legal-eu") == ["legal-eu", "legal", "root"]
+    lk = tree.lookup("legal-eu")
+    assert [v.name for v in lk.chain] == ["legal-eu", "legal", "root"]
+    ids = root.tokenizer(corpus(4, seed=1), truncation=True, max_length=64, padding=True, return_tensors="np")
+    lk.merged(ids["input_ids"], ids["attention_mask"])
+    assert lk.hits["trigram:legal-eu"] > 0
+    assert sub.parent == "legal" and [d["name"] for d in tree.listing()] == ["root", "legal", "legal-eu"]
+
+
+def test_update_refreshes_entries_and_counts(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    first = tree.create("news", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)
+    before = tree.version("news").store.keys()
+    second = tree.update("news", corpus(600, seed=5), fpt=FAST, progress=False)
+    assert second.corpus["lines"] > first.corpus["lines"] and second.created == first.created
+    after = tree.version("news").store.keys()
+    assert not np.array_equal(before, after) or second.plot["entries"] != first.plot["entries"]
+    w_new = tree.encoder("news").state_dict()
+    assert any(not torch.equal(w_new[k], v) for k, v in root.windowed.state_dict().items())
+
+
+def test_delete_removes_files_and_is_refused_while_in_use(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    tree.create("a", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)
+    with pytest.raises(DomainError, match="used by tenants"):
+        tree.delete("a", in_use={"a"})
+    tree.delete("a")
+    assert not (tree.dir / "a").exists() and "a" not in tree.nodes()
+
+
+def test_small_corpus_and_bad_names_are_refused(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    with pytest.raises(DomainError, match="at least"):
+        tree.create("tiny", "root", corpus(5), fpt=FAST, progress=False)
+    with pytest.raises(DomainError, match="invalid domain name"):
+        tree.create("Bad Name", "root", corpus(), fpt=FAST, progress=False)
+    with pytest.raises(DomainError, match="unknown parent"):
+        tree.create("x", "nowhere", corpus(), fpt=FAST, progress=False)
+    assert list(p for p in tree.dir.iterdir() if p.is_dir()) == []
+
+
+def test_crash_during_create_leaves_no_half_branch(root, tmp_path, monkeypatch):
+    tree = VersionTree(root, tmp_path)
+    import hmi.version_tree.tree as tree_mod
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt("killed during the PLOT build")
+
+    monkeypatch.setattr(tree_mod, "build", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tree.create("half", "root", corpus(), fpt=FAST, progress=False)
+    assert "half" not in tree.nodes() and not (tree.dir / "half").exists()
+    # a process killed outright leaves its .building folder; the next open removes it
+    import os
+
+    (tree.dir / ".building-half-999999999-dead").mkdir()
+    (tree.dir / "orphan").mkdir()
+    os.utime(tree.dir / "orphan", (1, 1))
+    VersionTree(root, tmp_path)
+    assert [p.name for p in tree.dir.iterdir() if p.is_dir()] == []
