@@ -11,7 +11,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def tiny_bert(layers: int = 4, hidden: int = 32, vocab: int = 120, seed: int = 0) -> BertModel:
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                     intermediate_size=hidden * 2, max_position_embeddings=64, attn_implementation="eager",
+                     intermediate_size=hidden * 2, max_position_embeddings=512, attn_implementation="eager",
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertModel(cfg, add_pooling_layer=False).eval()
     for p in model.parameters():

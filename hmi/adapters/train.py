@@ -51,6 +51,8 @@ def encode(tokenizer, rows: list[dict], spec: AdapterSpec, max_len: int) -> list
     """Tokenizes rows ``{"text", "label"}`` (classification) or ``{"tokens", "tags"}`` (tagging)."""
     index = {label: i for i, label in enumerate(spec.labels)}
     out = []
+    if not rows:
+        return out
     if spec.head == "classification":
         missing = sorted({r["label"] for r in rows} - set(index))
         if missing:
@@ -208,7 +210,7 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
     rng = np.random.default_rng(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
-    best, best_state, bad, history = -1.0, None, 0, []
+    best, best_state, bad, history = float("-inf"), None, 0, []
     bar = tqdm(total=total, desc="fine-tune", unit="step", disable=not progress)
     step = 0
     for epoch in range(cfg.epochs):

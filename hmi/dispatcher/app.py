@@ -25,6 +25,7 @@ from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 
 log = logging.getLogger("hmi.server")
+SERVER = web.AppKey("server", object)
 
 
 @dataclass
@@ -179,7 +180,7 @@ def public_tenant(name: str, rec: dict) -> dict:
 
 
 async def infer(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     body = await json_body(request)
@@ -249,7 +250,8 @@ def _training_data(s: Server, body: dict, spec: AdapterSpec) -> dict:
         if dataset not in TASKS:
             raise ApiError(400, "unknown_dataset", f"unknown dataset {dataset!r}; prepared ones: {', '.join(TASKS)}")
         if is_tagging(dataset) != (spec.head == "tagging"):
-            raise ApiError(400, "invalid_spec", f"dataset {dataset!r} needs a {'tagging' if is_tagging(dataset) else 'classification'} task")
+            need = "tagging" if is_tagging(dataset) else "classification"
+            raise ApiError(400, "invalid_spec", f"dataset {dataset!r} needs a {need} task")
         missing = sorted(set(task_labels(dataset)) - set(spec.labels))
         if missing:
             raise ApiError(400, "labels_missing", f"labels {missing} of dataset {dataset!r} are not in the task's labels")
@@ -279,7 +281,7 @@ def _epochs(body: dict) -> int:
 
 
 async def create_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     body = await json_body(request)
     unknown_fields(body, {"name", "domain", "task", "adapter", "training_data", "dataset", "max_train", "epochs"})
@@ -305,7 +307,7 @@ async def create_tenant(request: web.Request) -> web.Response:
 
 
 async def update_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     rec = s.tenant_record(tenant)
@@ -323,7 +325,7 @@ async def update_tenant(request: web.Request) -> web.Response:
 
 
 async def delete_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     rec = s.tenant_record(tenant)
@@ -341,20 +343,20 @@ async def delete_tenant(request: web.Request) -> web.Response:
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     return web.json_response({"tenants": [public_tenant(n, r) for n, r in s.registry.items("tenants")]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     return web.json_response(public_tenant(tenant, s.tenant_record(tenant)))
 
 
 def _job_for(request) -> tuple[Server, dict]:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     jid = request.match_info["job"]
     who = s.caller(request)
     job = s.registry.get("jobs", jid)
@@ -378,7 +380,7 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 
 async def list_jobs(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     return web.json_response({"jobs": [j for _, j in s.registry.items("jobs")]})
 
@@ -397,13 +399,13 @@ def _domains(s: Server) -> list[dict]:
 
 
 async def list_domains(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     return web.json_response({"domains": _domains(s)})
 
 
 async def get_domain(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     name = request.match_info["name"]
     for d in _domains(s):
@@ -487,7 +489,7 @@ def _pending_domain(s: Server, name: str) -> bool:
 async def create_domain(request: web.Request) -> web.Response:
     from hmi.version_tree.tree import NAME
 
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     body, lines = await _corpus_body(s, request)
     unknown_fields(body, {"name", "parent", "alpha", "corpus", "corpus_name", "max_lines", "steps"})
@@ -509,11 +511,12 @@ async def create_domain(request: web.Request) -> web.Response:
 
 
 async def update_domain(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     name = request.match_info["name"]
     if name not in s.tree.nodes():
-        raise ApiError(404, "unknown_domain", f"no domain {name!r}" + (" (the root is not updated)" if name == "root" else ""))
+        hint = " (the root is not updated)" if name == "root" else ""
+        raise ApiError(404, "unknown_domain", f"no domain {name!r}{hint}")
     if _pending_domain(s, name):
         raise ApiError(409, "domain_busy", f"domain {name!r} has a job running")
     body, lines = await _corpus_body(s, request)
@@ -526,7 +529,7 @@ async def update_domain(request: web.Request) -> web.Response:
 async def delete_domain(request: web.Request) -> web.Response:
     from hmi.version_tree.tree import DomainError
 
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     s.require_admin(request)
     name = request.match_info["name"]
     if name not in s.tree.nodes():
@@ -542,13 +545,13 @@ async def delete_domain(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
                               "tenants_servable": len(s._entries), "root_artifact": s.root.artifact_id})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    s: Server = request.app["server"]
+    s: Server = request.app[SERVER]
     m = s.metrics
     m.queue_depth.set(s.scheduler.queue_depth())
     for stage, secs in s.scheduler.tracer.stage_seconds().items():
@@ -586,14 +589,15 @@ async def errors_and_logs(request: web.Request, handler):
     except web.HTTPNotFound:
         resp = error_response(404, "not_found", f"no route {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as exc:
-        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here; use {', '.join(sorted(exc.allowed_methods))}")
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here; use {allowed}")
     except web.HTTPException as exc:
         resp = error_response(exc.status, "http_error", exc.reason)
     except Exception:  # noqa: BLE001 - logged; the client sees a 500 without internals
         log.exception("unhandled error", extra={"request_id": rid})
         resp = error_response(500, "internal", f"internal error; request id {rid}")
     resp.headers["X-Request-Id"] = rid
-    s = request.app.get("server")
+    s = request.app.get(SERVER)
     if s is not None:
         s.metrics.requests.labels(route, str(resp.status)).inc()
         s.metrics.latency.labels(route).observe(time.perf_counter() - start)
@@ -625,7 +629,7 @@ ROUTES = [
 
 def make_app(server: Server) -> web.Application:
     app = web.Application(middlewares=[errors_and_logs], client_max_size=int(server.cfg.max_body_mb * 2**20))
-    app["server"] = server
+    app[SERVER] = server
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
 

@@ -8,6 +8,7 @@ store) before the server marks the tenant servable.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -21,6 +22,8 @@ from typing import Callable
 import torch.multiprocessing as mp
 
 from hmi.dispatcher.registry import Registry
+
+log = logging.getLogger("hmi.jobs")
 
 
 def rss_kib() -> dict[str, int]:
@@ -60,16 +63,17 @@ def _root(ctx: WorkerContext):
     return Root(spec, ctx.bert, load_tokenizer(ctx.tokenizer_dir), ctx.windowed, ctx.artifact_id, {})
 
 
-def _lookup(ctx: WorkerContext, domain: str):
-    from hmi.plot.lookup import PlotLookup, PlotVersion
+def _tree(ctx: WorkerContext):
+    from hmi.plot.lookup import PlotVersion
     from hmi.plot.store import PlotStore
-
-    if domain == "root":
-        store = PlotStore(ctx.plot_path, readonly=True, expect=ctx.plot_meta)
-        return PlotLookup([PlotVersion("root", store, ctx.windowed)], policy=ctx.miss_policy)
     from hmi.version_tree.tree import VersionTree
 
-    return VersionTree(_root(ctx), Path(ctx.home)).lookup(domain, ctx.miss_policy)
+    root_version = PlotVersion("root", PlotStore(ctx.plot_path, readonly=True, expect=ctx.plot_meta), ctx.windowed)
+    return VersionTree(_root(ctx), Path(ctx.home), root_version=root_version)
+
+
+def _lookup(ctx: WorkerContext, domain: str):
+    return _tree(ctx).lookup(domain, ctx.miss_policy)
 
 
 def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
@@ -79,7 +83,6 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.version_tree.fpt import FPTConfig
-        from hmi.version_tree.tree import VersionTree
 
         data = job["data"]
         lines = data["lines"]
@@ -87,7 +90,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             from hmi.data import load_corpus
 
             lines = load_corpus(data["corpus_name"], data.get("max_lines"))
-        tree = VersionTree(_root(ctx), Path(ctx.home))
+        tree = _tree(ctx)
         fpt = FPTConfig(steps=job.get("steps", 150))
         progress.put(("progress", 0.05, {"stage": "further pretraining"}))
         if job["kind"] == "domain-create":
@@ -226,6 +229,9 @@ class JobManager:
             self._finish(job, {"done": "succeeded"}.get(state, state), info)
 
     def _finish(self, job: dict, state: str, info: dict) -> None:
+        if info.get("trace"):
+            log.error("job %s failed: %s\n%s", job["id"], info.get("error"), info["trace"])
+            info = {k: v for k, v in info.items() if k != "trace"}
         extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
         self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
                              finished=time.time(), **extra)

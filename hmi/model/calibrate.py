@@ -1,8 +1,9 @@
 """Root calibration (DESIGN section 5): distill the windowed lower stack from the full model.
 
 Trained: the windowed lower layers, the gate, the merge embeddings and LayerNorm.  Targets, from
-the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE), the output of
-every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.  Checkpoints let a killed run resume where it stopped.
+the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE), the output
+of every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.
+Checkpoints let a killed run resume where it stopped.
 """
 
 from __future__ import annotations

@@ -113,6 +113,8 @@ def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_wi
     if state.get("fingerprint") == fp and state.get("complete"):
         return {"written": 0, "entries": len(store), "seconds": 0.0, "resumed_from": len(keys), "up_to_date": True}
     done = state.get("done", 0) if state.get("fingerprint") == fp else 0
+    if done == 0 and len(store):
+        store.clear()  # another plan was (partly) built here: start from an empty table
     start = time.time()
     encoder.eval()
     bar = tqdm(total=len(keys), initial=done, desc=desc, unit="ngram", disable=not progress, smoothing=0.1)

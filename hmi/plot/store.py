@@ -127,6 +127,15 @@ class PlotStore:
                 out[found] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
         return out, found
 
+    def clear(self) -> None:
+        """Removes every entry (and the build and statistics records) in one transaction."""
+        def wipe(txn):
+            txn.drop(self._entries, delete=False)
+            txn.delete(b"build", db=self._meta)
+            txn.delete(b"stats", db=self._meta)
+
+        self._write(wipe)
+
     def __len__(self) -> int:
         with self.env.begin(db=self._entries) as txn:
             return txn.stat(self._entries)["entries"]

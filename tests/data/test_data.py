@@ -45,7 +45,8 @@ def test_rotten_tomatoes_parser_reads_bz2_csv():
 
 
 def test_tweet_parser_repairs_crowdflower_mojibake():
-    raw = "sentiment,confidence,text\nnegative,0.7,I don\u00d5\u00a2_\u008a\u00ce_\u0086\u00a2t trust it\nneutral,0.5,ok \u00e4\u00f3_\n".encode("latin-1")
+    raw = ("sentiment,confidence,text\nnegative,0.7,I don\u00d5\u00a2_\u008a\u00ce_\u0086\u00a2t trust it\n"
+           "neutral,0.5,ok \u00e4\u00f3_\n").encode("latin-1")
     rows = parse_tweets(raw)
     assert rows[0] == {"text": "I don't trust it", "label": "negative"}
     assert rows[1]["text"] == "ok ..."

@@ -177,3 +177,13 @@ def test_lookup_merge_equals_windowed_computation(tmp_path, encoder):
     torch.testing.assert_close(got[m], want[m], atol=2e-2, rtol=0)
     uniq, _ = unique_windows(encoder_windows(ids, mask), mask)
     assert lk.hits["trigram:root"] == len(uniq)
+
+
+def test_build_of_a_different_plan_replaces_the_old_content(tmp_path, encoder):
+    store = PlotStore(tmp_path / "p", meta=META, readonly=False)
+    k1, c1 = count_ngrams([[1, 5, 6, 7, 2]])
+    k2, c2 = count_ngrams([[1, 9, 8, 2]])
+    build(store, encoder, plan_keys(k1, c1, Selection("all"), 0, with_backoff=False), progress=False)
+    plan2 = plan_keys(k2, c2, Selection("all"), 0, with_backoff=False)
+    build(store, encoder, plan2, progress=False)
+    np.testing.assert_array_equal(store.keys(), np.sort(plan2))
