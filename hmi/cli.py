@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=32)
     srv.add_argument("--max-wait-ms", type=float, default=5.0)
     srv.add_argument("--pool-slots", type=int, default=64)
-    srv.add_argument("--miss-policy", default="compute", choices=["backoff", "compute"])
+    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute"],
+                     help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

@@ -39,7 +39,7 @@ class ServerConfig:
     max_body_mb: float = 32.0
     pool_slots: int = 64
     host_cache_mb: float = 1024
-    miss_policy: str = "compute"
+    miss_policy: str = "backoff"
     max_pending: int = 256
     job_concurrency: int = 1
     infer_timeout_s: float = 60.0

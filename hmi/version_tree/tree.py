@@ -128,7 +128,7 @@ class VersionTree:
         if v is not None:
             v.store.close()
 
-    def lookup(self, name: str, policy: str = "compute") -> PlotLookup:
+    def lookup(self, name: str, policy: str = "backoff") -> PlotLookup:
         """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off."""
         return PlotLookup([self.version(n) for n in self.chain(name)], policy=policy)
 
