@@ -142,7 +142,7 @@ def main() -> None:
     res["avg_gap_vs_full_ft"] = round(float(np.mean(gaps)), 2)
     res["root_artifact"] = root.artifact_id
     text = table(rows, ("task", "train examples", "full fine-tuning", "adapters, full context", "hBERT (PLOT + adapters)"))
-    text += (f"\n\nTest accuracy in % ({n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
+    text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
              f"micro-F1 for single-label tagging). Average gap of hBERT to full fine-tuning: "
              f"{res['avg_gap_vs_full_ft']} points. {epochs} epochs, best epoch on dev, bottleneck adapters "
              f"(reduction 16; in the upper 3 layers for hBERT, in all 6 for the full-context adapters), AdamW; hBERT "

@@ -12,9 +12,13 @@ from pathlib import Path
 def _quiet_transformers() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import logging as std_logging
+
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    # The adapters library warns on every forward of a model that holds inactive adapters.
+    std_logging.getLogger("adapters").setLevel(std_logging.ERROR)
 
 
 def held_out_texts(n: int = 256) -> list[str]:

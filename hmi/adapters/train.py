@@ -131,10 +131,12 @@ class TenantTrainer:
     """One tenant's adapter and head on a private library copy of the root's upper layers."""
 
     def __init__(self, root_bert, l_low: int, spec: AdapterSpec, init: dict[str, torch.Tensor] | None = None,
-                 seed: int = 0):
+                 seed: int = 0, private_copy: bool = True):
         torch.manual_seed(seed)
         self.spec, self.l_low = spec, l_low
-        self.model = library_model(root_bert)
+        # A worker process attaches the adapter to its own module objects, whose weights stay in
+        # the server's shared memory (frozen, never written); elsewhere the root is copied first.
+        self.model = library_model(root_bert) if private_copy else root_bert
         attach(self.model, NAME, spec, l_low, train=True)
         self.upper = UpperLayers(self.model, l_low)
         self.head = nn.Linear(root_bert.config.hidden_size, spec.num_labels)
@@ -188,7 +190,8 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
              dev: list[dict], test: list[dict] | None = None, cfg: FinetuneConfig | None = None,
              init: dict[str, torch.Tensor] | None = None, progress: bool = True,
              on_progress: Callable[[float, dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+             should_stop: Callable[[], bool] | None = None,
+             private_copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Trains (or, with ``init``, continues training) a tenant's adapter and head.
 
     AdamW, seeded, early stopping on the dev metric (accuracy; the best epoch's weights are
@@ -204,7 +207,7 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
     ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len) for name, rows in
           (("train", train), ("dev", dev), ("test", test))}
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
-    trainer = TenantTrainer(root_bert, l_low, spec, init, cfg.seed)
+    trainer = TenantTrainer(root_bert, l_low, spec, init, cfg.seed, private_copy=private_copy)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     tagging = spec.head == "tagging"
     rng = np.random.default_rng(cfg.seed)
@@ -230,10 +233,11 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
             bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.4f}")
             if on_progress is not None and step % 5 == 0:
                 on_progress(step / total, {"epoch": epoch + 1, "loss": round(loss.item(), 4)})
-        dev_m = trainer.evaluate(ex["dev"], feats["dev"]) if ex["dev"] else {"accuracy": -loss.item()}
+        dev_m = trainer.evaluate(ex["dev"], feats["dev"]) if ex["dev"] else None
         history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4), "dev": dev_m})
-        if dev_m["accuracy"] > best:
-            best, best_state, bad = dev_m["accuracy"], copy.deepcopy(trainer.weights()), 0
+        score = dev_m["accuracy"] if dev_m else -loss.item()  # without a dev set: the last batch's loss
+        if score > best:
+            best, best_state, bad = score, copy.deepcopy(trainer.weights()), 0
         else:
             bad += 1
             if bad >= cfg.patience:

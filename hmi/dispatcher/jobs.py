@@ -80,6 +80,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: creates or updates a domain branch."""
     import torch
 
+    _quiet()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.version_tree.fpt import FPTConfig
@@ -108,10 +109,15 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
 
 
+def _quiet() -> None:
+    logging.getLogger("adapters").setLevel(logging.ERROR)
+
+
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: fine-tunes one tenant and stores its adapter."""
     import torch
 
+    _quiet()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.adapters.spec import AdapterSpec
@@ -136,7 +142,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec, train, dev, test, cfg, init=init,
             progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)),
-            should_stop=cancel.is_set)
+            should_stop=cancel.is_set, private_copy=False)
         metrics["worker_memory_kib"] = rss_kib()
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics})
         progress.put(("done", 1.0, metrics))
