@@ -328,9 +328,16 @@ def _domain_error(fn):
     return wrapped
 
 
+def _domain_via_server(args) -> bool:
+    return bool(getattr(args, "url", None))
+
+
 @_domain_error
 def cmd_domain_create(args):
     from hmi.version_tree.fpt import FPTConfig
+
+    if _domain_via_server(args):
+        return _domain_client(args, "create")
 
     node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha, FPTConfig(steps=args.steps))
     print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries covering "
@@ -338,9 +345,30 @@ def cmd_domain_create(args):
           f"{node.fpt['mlm_loss_before']} -> {node.fpt['mlm_loss_after']}")
 
 
+@_run_client
+def _domain_client(args, verb):
+    from hmi.data import CORPORA
+
+    c = _client(args)
+    if verb == "delete":
+        _print(c.delete_domain(args.name))
+        return
+    named = args.corpus in CORPORA and not Path(args.corpus).exists()
+    corpus = None if named else [x.strip() for x in Path(args.corpus).read_text().splitlines() if x.strip()]
+    kw = {"corpus": corpus, "corpus_name": args.corpus if named else None, "steps": args.steps}
+    out = c.create_domain(args.name, args.parent, alpha=args.alpha, **kw) if verb == "create" else \
+        c.update_domain(args.name, **kw)
+    _print(out)
+    if args.wait:
+        _print(c.wait_job(out["job"], timeout=7200))
+
+
 @_domain_error
 def cmd_domain_update(args):
     from hmi.version_tree.fpt import FPTConfig
+
+    if _domain_via_server(args):
+        return _domain_client(args, "update")
 
     node = _tree().update(args.name, read_corpus_arg(args.corpus), FPTConfig(steps=args.steps))
     print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
@@ -352,6 +380,9 @@ def cmd_domain_delete(args):
     from hmi.dispatcher.registry import Registry
     from hmi.home import hmi_home
 
+    if _domain_via_server(args):
+        return _domain_client(args, "delete")
+
     in_use = set()
     reg_path = hmi_home() / "registry"
     if reg_path.exists():
@@ -362,7 +393,16 @@ def cmd_domain_delete(args):
     print(f"domain {args.name} deleted")
 
 
+@_run_client
+def _domain_list_client(args):
+    for d in _client(args).domains():
+        print(f"{'  ' * d.get('depth', 0)}{d['name']}  tenants={d.get('tenants')} "
+              f"entries={(d.get('plot') or {}).get('entries')}")
+
+
 def cmd_domain_list(args):
+    if _domain_via_server(args):
+        return _domain_list_client(args)
     for d in _tree().listing():
         if d["name"] == "root":
             print("root")
@@ -462,24 +502,32 @@ def build_parser() -> argparse.ArgumentParser:
     jobs.add_argument("--cancel", metavar="JOB_ID")
     jobs.set_defaults(func=cmd_jobs)
 
-    dom = sub.add_parser("domain", help="the version tree of domains (in HMI_HOME)").add_subparsers(
-        dest="domain_cmd", required=True)
-    dc = dom.add_parser("create", help="branch a domain: further-pretrain the lower layers, build a pruned PLOT")
+    dom = sub.add_parser("domain", help="the version tree of domains (in HMI_HOME, or on a server with --url)"
+                         ).add_subparsers(dest="domain_cmd", required=True)
+
+    def server_args(p):
+        p.add_argument("--url", default=None, help="act through this server instead of on HMI_HOME directly")
+        p.add_argument("--token", default=None)
+        return p
+
+    dc = server_args(dom.add_parser("create", help="branch a domain: further-pretrain the lower layers, build a pruned PLOT"))
+    dc.add_argument("--wait", action="store_true", help="with --url: wait for the job")
     dc.add_argument("name")
     dc.add_argument("--parent", default="root")
     dc.add_argument("--corpus", required=True, help="a prepared corpus name (e.g. legal) or a text file")
     dc.add_argument("--alpha", type=float, default=0.5, help="share of tri-gram occurrences the PLOT covers")
     dc.add_argument("--steps", type=int, default=150, help="further-pretraining steps")
     dc.set_defaults(func=cmd_domain_create)
-    du = dom.add_parser("update", help="continue further pretraining on more corpus and refresh the PLOT")
+    du = server_args(dom.add_parser("update", help="continue further pretraining on more corpus and refresh the PLOT"))
+    du.add_argument("--wait", action="store_true", help="with --url: wait for the job")
     du.add_argument("name")
     du.add_argument("--corpus", required=True)
     du.add_argument("--steps", type=int, default=100)
     du.set_defaults(func=cmd_domain_update)
-    dd = dom.add_parser("delete", help="delete a domain (refused while tenants use it)")
+    dd = server_args(dom.add_parser("delete", help="delete a domain (refused while tenants use it)"))
     dd.add_argument("name")
     dd.set_defaults(func=cmd_domain_delete)
-    dl = dom.add_parser("list", help="the domain tree with sizes")
+    dl = server_args(dom.add_parser("list", help="the domain tree with sizes"))
     dl.set_defaults(func=cmd_domain_list)
 
     info = sub.add_parser("info", help="home directory, root artifact and its quality figures")

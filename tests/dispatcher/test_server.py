@@ -299,3 +299,27 @@ def test_restart_serves_finished_tenants_and_fails_interrupted_jobs(live, tmp_pa
         assert e.value.status == 409
     finally:
         stop()
+
+
+def test_full_queue_answers_429_with_retry_after(live, monkeypatch):
+    from hmi.scheduler.types import QueueFullError
+
+    def full(batch):
+        raise QueueFullError("too many batches waiting")
+
+    monkeypatch.setattr(live["server"].batcher, "submit", full)
+    req = urllib.request.Request(live["url"] + "/v1/tenants/alpha/infer", data=json.dumps({"inputs": ["x"]}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+    assert json.loads(e.value.read())["error"]["code"] == "overloaded"
+
+
+def test_domain_commands_work_against_a_server(live, capsys):
+    from hmi.cli import main
+
+    assert main(["domain", "list", "--url", live["url"], "--token", ADMIN]) == 0
+    assert "root" in capsys.readouterr().out
+    assert main(["tenant", "list", "--url", live["url"], "--token", ADMIN]) == 0
+    assert "alpha" in capsys.readouterr().out
