@@ -28,6 +28,7 @@ class FPTConfig:
     mlm_probability: float = 0.15
     seed: int = 0
     eval_lines: int = 64
+    head_warmup: float = 0.3  # share of steps that train the fresh MLM head alone, lower side frozen
 
 
 def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, tokenizer, gen: torch.Generator,
@@ -94,10 +95,15 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
         p.requires_grad_(False)
     head = mlm_head(bert.config, encoder)
     before = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
-    for p in encoder.parameters():
-        p.requires_grad_(True)
-    params = list(encoder.parameters()) + [p for n, p in head.named_parameters() if "decoder.weight" not in n]
+    head_params = [p for n, p in head.named_parameters() if "decoder.weight" not in n]
+    params = list(encoder.parameters()) + head_params
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    warmup_steps = int(cfg.head_warmup * cfg.steps)
+    # The root ships no MLM head: a fresh head first learns to read the calibrated representations,
+    # so that its early, large gradients do not pull the lower side away from what the upper
+    # layers (and every tenant's adapters) expect.
+    for p in encoder.parameters():
+        p.requires_grad_(warmup_steps == 0)
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     t0 = time.time()
@@ -110,6 +116,9 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
                 break
             if should_stop is not None and should_stop():
                 raise RuntimeError("cancelled")
+            if step == warmup_steps and warmup_steps:
+                for p in encoder.parameters():
+                    p.requires_grad_(True)
             encoder.train()
             mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
             logits = head(upper(encoder(mids, mask), mask))
