@@ -5,7 +5,6 @@ Usage: python benchmarks/bench_adapters.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import resource
 import shutil
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, table, timeit  # noqa: E402
+from benchmarks.common import finish, start, table, timeit  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -27,13 +26,7 @@ def rss_mb() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tenants-10k", type=int, default=10_000)
-    args = ap.parse_args()
-    from hmi.cli import _quiet_transformers
-
-    _quiet_transformers()
+    args = start(__doc__, lambda ap: ap.add_argument("--tenants-10k", type=int, default=10_000))
     from hmi.adapters.batched import Group, batched_bottleneck, upper_forward
     from hmi.adapters.interop import attach, from_library, library_model
     from hmi.adapters.pool import SlotPool

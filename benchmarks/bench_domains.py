@@ -6,7 +6,6 @@ Usage: python benchmarks/bench_domains.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import copy
 import shutil
 import sys
@@ -16,19 +15,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, table  # noqa: E402
+from benchmarks.common import finish, start, table  # noqa: E402
 
 ALPHAS = (1.0, 0.5, 0.3, 0.0)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    from hmi.cli import _quiet_transformers, ensure_data
-
-    _quiet_transformers()
-    ensure_data()
+    args = start(__doc__)
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, finetune
     from hmi.data import load_corpus, load_task, task_labels

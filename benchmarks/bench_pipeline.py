@@ -5,7 +5,6 @@ Usage: python benchmarks/bench_pipeline.py [--quick] [--trace docs/pipeline_trac
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, finish, table, timeit  # noqa: E402
+from benchmarks.common import DOCS, finish, start, table, timeit  # noqa: E402
 
 
 def make_tenants(store, spec, n, H, bert, l_low, seed=0):
@@ -66,13 +65,7 @@ def timeline_png(trace_path: Path, png: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    from hmi.cli import _quiet_transformers, ensure_data
-
-    _quiet_transformers()
-    ensure_data()
+    args = start(__doc__)
     from hmi.adapters.batched import Group, upper_forward
     from hmi.adapters.pool import SlotPool
     from hmi.adapters.spec import AdapterSpec

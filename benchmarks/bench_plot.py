@@ -5,7 +5,6 @@ Usage: python benchmarks/bench_plot.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -15,17 +14,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, real_batch, table, timeit  # noqa: E402
+from benchmarks.common import finish, real_batch, start, table, timeit  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    from hmi.cli import _quiet_transformers, ensure_data
-
-    _quiet_transformers()
-    ensure_data()
+    args = start(__doc__)
     from hmi.model.artifact import load_root
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys
     from hmi.plot.default import ensure_root_plot, open_root_version, plot_meta

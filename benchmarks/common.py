@@ -13,6 +13,23 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
+def start(doc: str, extra=None):
+    """Command line of a benchmark (``--quick`` and any ``extra(parser)`` options), offline
+    transformers, prepared data. Returns the parsed arguments."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--quick", action="store_true", help="smaller workloads, for a fast check")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    from hmi.cli import _quiet_transformers, ensure_data
+
+    _quiet_transformers()
+    ensure_data()
+    return args
+
+
 def machine() -> str:
     import torch
 

@@ -6,7 +6,6 @@ Usage: python benchmarks/eval_accuracy.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, table  # noqa: E402
+from benchmarks.common import finish, start, table  # noqa: E402
 
 TASKS = ["news-topic", "review-sentiment", "pos-tagging"]
 
@@ -90,13 +89,7 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    from hmi.cli import _quiet_transformers, ensure_data
-
-    _quiet_transformers()
-    ensure_data()
+    args = start(__doc__)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
