@@ -86,8 +86,9 @@ def mlm_loss(encoder, upper, head, tokenizer, lines, cfg, seed: int = 1) -> floa
 
 
 def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
-                     progress: bool = True, should_stop=None) -> dict:
-    """Trains ``encoder`` in place; returns held-out MLM loss before and after and timings."""
+                     progress: bool = True, should_stop=None, keep_head: list | None = None) -> dict:
+    """Trains ``encoder`` in place; returns held-out MLM loss before and after and timings.
+    ``keep_head``, when a list, receives the trained MLM head (for evaluations through a PLOT)."""
     torch.manual_seed(cfg.seed)
     held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     upper = UpperLayers(bert, encoder.l_low)
@@ -135,5 +136,22 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
     for p in encoder.parameters():
         p.requires_grad_(False)
     after = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
+    if keep_head is not None:
+        keep_head.append(head)
     return {"mlm_loss_before": round(before, 4), "mlm_loss_after": round(after, 4), "steps": step,
             "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}
+
+
+def mlm_loss_through(lookup, upper, head, tokenizer, lines: list[str], cfg: FPTConfig, seed: int = 1) -> float:
+    """Held-out MLM loss when the lower side comes from PLOT lookups (``lookup.merged``) instead of
+    computed windows: what serving a pruned branch costs the language model."""
+    gen = torch.Generator().manual_seed(seed)
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in _batches(tokenizer, lines, cfg, np.random.default_rng(seed)):
+            mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
+            logits = head(upper(lookup.merged(mids.numpy(), mask.numpy()), mask))
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE,
+                                     reduction="sum").item()
+            n += int((labels != IGNORE).sum())
+    return total / max(1, n)
