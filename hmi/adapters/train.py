@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec, SpecError
-from hmi.model.hplm import UpperLayers
+from hmi.model.hplm import UpperLayers, as_numpy_ids
 from hmi.plot.lookup import PlotLookup
 
 IGNORE = -100
@@ -73,13 +73,7 @@ def encode(tokenizer, rows: list[dict], spec: AdapterSpec, max_len: int) -> list
 
 
 def pad(examples: list[Example]) -> tuple[np.ndarray, np.ndarray]:
-    T = max(len(e.ids) for e in examples)
-    ids = np.zeros((len(examples), T), dtype=np.int64)
-    mask = np.zeros((len(examples), T), dtype=np.int64)
-    for i, e in enumerate(examples):
-        ids[i, :len(e.ids)] = e.ids
-        mask[i, :len(e.ids)] = 1
-    return ids, mask
+    return as_numpy_ids([e.ids for e in examples])
 
 
 def featurize(lookup: PlotLookup, examples: list[Example], batch: int = 64) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hmi.model.hplm import WindowedEncoder
+from hmi.model.hplm import WindowedEncoder, as_numpy_ids
 from hmi.plot.keys import bigram_backoff, encoder_windows, pack, unpack
 from hmi.plot.store import PlotStore
 
@@ -51,13 +51,7 @@ def count_ngrams(token_lists: list[list[int]], batch: int = 512) -> tuple[np.nda
     """
     parts = []
     for i in range(0, len(token_lists), batch):
-        rows = token_lists[i:i + batch]
-        T = max(len(r) for r in rows)
-        ids = np.zeros((len(rows), T), dtype=np.int64)
-        mask = np.zeros((len(rows), T), dtype=np.int64)
-        for b, r in enumerate(rows):
-            ids[b, :len(r)] = r
-            mask[b, :len(r)] = 1
+        ids, mask = as_numpy_ids(token_lists[i:i + batch])
         parts.append(pack(encoder_windows(ids, mask)[mask.astype(bool)]))
     if not parts:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)

@@ -28,6 +28,7 @@ import torch
 from hmi.adapters.batched import batched_heads, upper_forward
 from hmi.adapters.pool import PoolExhaustedError
 from hmi.adapters.store import AdapterStore, TenantMissingError
+from hmi.model.hplm import as_numpy_ids
 from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.residency import ResidencyManager
 from hmi.scheduler.trace import Tracer
@@ -192,12 +193,8 @@ class Scheduler:
                 word_starts.append(_word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else [])
             if not valid:
                 return None
-            T = max(len(x) for x in id_lists)
-            ids = np.zeros((len(valid), T), dtype=np.int64)
-            mask = np.zeros((len(valid), T), dtype=np.int64)
-            for i, x in enumerate(id_lists):
-                ids[i, :len(x)] = x
-                mask[i, :len(x)] = 1
+            ids, mask = as_numpy_ids(id_lists)
+            T = ids.shape[1]
             hidden = torch.zeros(len(valid), T, self.hidden)
             by_domain = defaultdict(list)
             for i, e in enumerate(entries):
