@@ -536,7 +536,6 @@ async def delete_domain(request: web.Request) -> web.Response:
         raise ApiError(404, "unknown_domain", f"no domain {name!r}")
     in_use = {r.get("domain") for _, r in s.registry.items("tenants")}
     try:
-        s._lookups.pop(name, None)
         s.tree.delete(name, in_use)
     except DomainError as exc:
         raise ApiError(409, "domain_in_use", str(exc)) from None
