@@ -145,9 +145,28 @@ class Scheduler:
         self.residency.shutdown()
 
     # -- stage R ---------------------------------------------------------------------------------
+    def _next_batch(self, carry):
+        """The next batch for stage R: queued batches are coalesced up to ``max_batch`` requests, so
+        that small batches that piled up while the pipeline was busy run as one."""
+        item = carry if carry is not None else self._in.get()
+        if item is _STOP:
+            return _STOP, None
+        batch_id, reqs = item
+        while len(reqs) < self.cfg.max_batch:
+            try:
+                nxt = self._in.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is _STOP or len(reqs) + len(nxt[1]) > self.cfg.max_batch:
+                return (batch_id, reqs), nxt
+            reqs = reqs + nxt[1]
+            self.stats["coalesced"] += 1
+        return (batch_id, reqs), None
+
     def _feed(self) -> None:
+        carry = None
         while True:
-            item = self._in.get()
+            item, carry = self._next_batch(carry)
             if item is _STOP:
                 self._ready.put(_STOP)
                 return

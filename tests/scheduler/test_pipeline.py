@@ -1,4 +1,5 @@
 import random
+import threading
 import time
 
 import pytest
@@ -115,6 +116,33 @@ def test_results_stay_with_their_requests_under_random_stage_delays(world):
     s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: SlowLookup(), SchedulerConfig(max_batch=3))
     got = s.infer(pairs)
     s.shutdown()
+    for a, b in zip(got, want):
+        same(a, b)
+
+
+def test_small_batches_queued_behind_a_busy_pipeline_run_coalesced_with_the_same_results(world):
+    bert, tok, adapters, resolve, lookup = world
+    gate = threading.Event()
+
+    class GatedLookup:
+        def merged(self, ids, mask):
+            gate.wait(30)
+            return lookup.merged(ids, mask)
+
+    pairs = workload(24, seed=3)
+    ref = make(world)
+    want = ref.infer(pairs)
+    ref.shutdown()
+    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: GatedLookup(),
+                  SchedulerConfig(max_batch=8, queue_depth=1, retrieval_threads=1))
+    reqs = [InferRequest(t, x) for t, x in pairs]
+    for r in reqs:  # one request per batch, as a batcher under light load would send them
+        s.submit([r])
+    gate.set()
+    got = [r.future.result(60) for r in reqs]
+    s.shutdown()
+    assert s.stats["coalesced"] > 0
+    assert s.stats["batches"] < len(reqs)
     for a, b in zip(got, want):
         same(a, b)
 
