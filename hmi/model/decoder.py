@@ -47,6 +47,7 @@ class DecoderRoot:
     model: nn.Module  # LlamaForCausalLM, frozen
     tokenizer: object
     l_low: int
+    name: str = "smollm2-135m-q4_1"
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -55,6 +56,10 @@ class DecoderRoot:
     @property
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
+
+    @property
+    def artifact_id(self) -> str:
+        return f"{self.name}-l{self.l_low}"
 
 
 def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
@@ -76,6 +81,7 @@ def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
     model.eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.eos_token = "<|im_end|>"
+    tok.add_bos_token = False  # plain text starts with its first token (the GGUF sets <|im_start|> as BOS)
     tok.padding_side = "right"
     if tok.pad_token is None:
         tok.pad_token = "<|endoftext|>"
@@ -112,6 +118,27 @@ def window_states(root: DecoderRoot, windows: torch.Tensor, lower: nn.ModuleList
     for layer in lower:
         h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
     return h[:, 2]
+
+
+class CausalLower(nn.Module):
+    """A decoder's windowed lower side in the shape the PLOT code expects of an encoder:
+    ``lower`` maps windows to values (one state per window) and ``merge`` turns looked-up values
+    into the upper layers' input (the identity here: no neighbours to merge)."""
+
+    causal = True
+
+    def __init__(self, root: DecoderRoot, layers: nn.ModuleList | None = None):
+        super().__init__()
+        self.root = root
+        self.layers = layers if layers is not None else root.layers[:root.l_low]
+
+    def lower(self, windows: torch.Tensor) -> torch.Tensor:
+        """Shapes: windows (N, 3) int64 -> (N, 1, H)."""
+        return window_states(self.root, windows, self.layers).unsqueeze(1)
+
+    def merge(self, reps: torch.Tensor, token_type_ids=None) -> torch.Tensor:
+        """Shapes: reps (B, T, 1, H) -> (B, T, H)."""
+        return reps[..., 0, :]
 
 
 def windowed_hidden(root: DecoderRoot, ids: np.ndarray, mask: np.ndarray, lower: nn.ModuleList | None = None,

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from hmi.model.hplm import WindowedEncoder, as_numpy_ids
-from hmi.plot.keys import bigram_backoff, encoder_windows, pack, unpack
+from hmi.plot.keys import bigram_backoff, causal_windows, encoder_windows, pack, unpack
 from hmi.plot.store import PlotStore
 
 CHUNK = 2048
@@ -44,15 +44,17 @@ class Selection:
         return {"all": "all", "top_k": f"top_k={self.top_k}", "alpha": f"alpha={self.alpha}"}[self.mode]
 
 
-def count_ngrams(token_lists: list[list[int]], batch: int = 512) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct encoder tri-gram keys of a tokenized corpus and their occurrence counts.
+def count_ngrams(token_lists: list[list[int]], batch: int = 512, causal: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct tri-gram keys (encoder windows, or ``causal`` windows) of a tokenized corpus and
+    their occurrence counts.
 
     Returns (keys (K,) uint64 sorted, counts (K,) int64).
     """
+    windows = causal_windows if causal else encoder_windows
     parts = []
     for i in range(0, len(token_lists), batch):
         ids, mask = as_numpy_ids(token_lists[i:i + batch])
-        parts.append(pack(encoder_windows(ids, mask)[mask.astype(bool)]))
+        parts.append(pack(windows(ids, mask)[mask.astype(bool)]))
     if not parts:
         return np.zeros(0, np.uint64), np.zeros(0, np.int64)
     return np.unique(np.concatenate(parts), return_counts=True)
@@ -77,14 +79,15 @@ def select_trigrams(keys: np.ndarray, counts: np.ndarray, sel: Selection) -> np.
 
 
 def plan_keys(trigram_keys: np.ndarray, counts: np.ndarray, sel: Selection, vocab_size: int,
-              with_backoff: bool = True) -> np.ndarray:
+              with_backoff: bool = True, causal: bool = False) -> np.ndarray:
     """Every key the build writes: the selected tri-grams, plus (``with_backoff``) the bi-grams
-    ``(0, c, r)`` of all corpus windows and the uni-grams ``(0, c, 0)`` of the whole vocabulary."""
+    of all corpus windows (``(0, c, r)``; causal ``(0, b, c)``) and the uni-grams of the whole
+    vocabulary (``(0, c, 0)``; causal ``(0, 0, c)``)."""
     parts = [select_trigrams(trigram_keys, counts, sel)]
     if with_backoff:
         parts.append(bigram_backoff(trigram_keys))
         uni = np.zeros((vocab_size - 1, 3), dtype=np.int64)
-        uni[:, 1] = np.arange(1, vocab_size)
+        uni[:, 2 if causal else 1] = np.arange(1, vocab_size)
         parts.append(pack(uni))
     return np.unique(np.concatenate(parts))
 
@@ -130,7 +133,7 @@ def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_wi
 
 
 def tokenize_corpus(tokenizer, lines: list[str], max_len: int = 128, progress: bool = True) -> list[list[int]]:
-    """Token ids of each line ([CLS] ... [SEP]), truncated as serving truncates."""
+    """Token ids of each line (as the tokenizer frames a text for serving), truncated as serving truncates."""
     out = []
     for i in tqdm(range(0, len(lines), 1000), desc="tokenize", unit="klines", disable=not progress):
         enc = tokenizer(lines[i:i + 1000], truncation=True, max_length=max_len)
@@ -140,11 +143,13 @@ def tokenize_corpus(tokenizer, lines: list[str], max_len: int = 128, progress: b
 
 def build_from_corpus(store: PlotStore, encoder: WindowedEncoder, tokenizer, lines: list[str], sel: Selection,
                       max_len: int = 128, with_backoff: bool = True, progress: bool = True) -> dict:
-    """The whole pipeline of ``hmi plot build``: tokenize, count, select, compute, write."""
+    """The whole pipeline of ``hmi plot build``: tokenize, count, select, compute, write.
+    ``encoder`` is a root's windowed encoder, or a decoder's ``CausalLower`` (``causal`` windows)."""
     t0 = time.time()
+    causal = bool(getattr(encoder, "causal", False))
     token_lists = tokenize_corpus(tokenizer, lines, max_len, progress)
-    keys, counts = count_ngrams(token_lists)
-    plan = plan_keys(keys, counts, sel, tokenizer.vocab_size if with_backoff else 0, with_backoff)
+    keys, counts = count_ngrams(token_lists, causal=causal)
+    plan = plan_keys(keys, counts, sel, len(tokenizer) if with_backoff else 0, with_backoff, causal)
     summary = build(store, encoder, plan, progress=progress)
     summary.update({"corpus_lines": len(lines), "distinct_trigrams": int(len(keys)),
                     "trigram_occurrences": int(counts.sum()), "planned": int(len(plan)),

@@ -2,7 +2,9 @@
 
 A key is ``(a << 42) | (b << 21) | c`` for the window ``(a, b, c)``; big-endian bytes sort like
 the integers, so a key's bytes order windows lexicographically.  Encoder back-off keys for a
-missing tri-gram ``(l, c, r)`` are the bi-gram ``(0, c, r)`` and the uni-gram ``(0, c, 0)``.
+missing tri-gram ``(l, c, r)`` are the bi-gram ``(0, c, r)`` and the uni-gram ``(0, c, 0)``;
+causal back-off keys for ``(a, b, c)`` are ``(0, b, c)`` and ``(0, 0, c)`` (the windows a text's
+first tokens have).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import numpy as np
 from hmi.model.windows import causal_windows, encoder_windows, unique_windows
 
 __all__ = ["encoder_windows", "causal_windows", "unique_windows", "pack", "unpack", "to_bytes", "from_bytes",
-           "bigram_backoff", "unigram_backoff", "ngram_order", "MAX_ID"]
+           "bigram_backoff", "unigram_backoff", "causal_unigram_backoff", "ngram_order", "MAX_ID"]
 
 BITS = 21
 MAX_ID = (1 << BITS) - 1
@@ -53,6 +55,11 @@ def bigram_backoff(keys: np.ndarray) -> np.ndarray:
 def unigram_backoff(keys: np.ndarray) -> np.ndarray:
     """``(l, c, r) -> (0, c, 0)``: keep the centre only."""
     return np.asarray(keys, dtype=np.uint64) & (_MASK << np.uint64(BITS))
+
+
+def causal_unigram_backoff(keys: np.ndarray) -> np.ndarray:
+    """``(a, b, c) -> (0, 0, c)``: keep the current token only."""
+    return np.asarray(keys, dtype=np.uint64) & _MASK
 
 
 def ngram_order(keys: np.ndarray) -> np.ndarray:

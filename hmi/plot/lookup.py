@@ -17,7 +17,16 @@ import numpy as np
 import torch
 
 from hmi.model.hplm import WindowedEncoder
-from hmi.plot.keys import bigram_backoff, encoder_windows, pack, unigram_backoff, unique_windows, unpack
+from hmi.plot.keys import (
+    bigram_backoff,
+    causal_unigram_backoff,
+    causal_windows,
+    encoder_windows,
+    pack,
+    unigram_backoff,
+    unique_windows,
+    unpack,
+)
 from hmi.plot.store import PlotStore
 
 POLICIES = ("backoff", "compute", "compute+insert")
@@ -51,6 +60,8 @@ class PlotLookup:
             raise ValueError(f"unknown miss policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.chain = chain
         self.policy = policy
+        # A decoder's chain (``CausalLower``) reads causal windows; an encoder's, centred ones.
+        self.causal = bool(getattr(chain[0].encoder, "causal", False))
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
 
@@ -61,7 +72,7 @@ class PlotLookup:
     def window_reps(self, windows: np.ndarray) -> tuple[np.ndarray, Counter]:
         """Representations of distinct windows.
 
-        Shapes: windows (U, 3) int64 -> reps (U, 3, H) float16; plus hits per level.
+        Shapes: windows (U, 3) int64 -> reps (U, n, H) float16 (n = 3 encoder, 1 causal); plus hits per level.
         """
         keys = pack(windows)
         meta = self.chain[0].store.meta
@@ -92,14 +103,14 @@ class PlotLookup:
         if todo.any():
             serve("bigram", bigram_backoff(keys))
         if todo.any():
-            serve("unigram", unigram_backoff(keys))
+            serve("unigram", (causal_unigram_backoff if self.causal else unigram_backoff)(keys))
         hits["zeros"] += int(todo.sum())
         return out, hits
 
     def represent(self, ids: np.ndarray, mask: np.ndarray) -> LookupResult:
-        """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, 3, H) float32."""
+        """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, n, H) float32."""
         ids, mask = np.asarray(ids), np.asarray(mask)
-        uniq, inverse = unique_windows(encoder_windows(ids, mask), mask)
+        uniq, inverse = unique_windows((causal_windows if self.causal else encoder_windows)(ids, mask), mask)
         reps, hits = self.window_reps(uniq)
         full = np.zeros(ids.shape + reps.shape[1:], dtype=np.float32)
         real = inverse >= 0

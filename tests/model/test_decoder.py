@@ -85,7 +85,10 @@ def test_real_decoder_split_forward_matches_the_library_and_windows_match_per_wi
     for i in (0, 1, 5):
         w = [int(ids[0, j]) if j >= 0 else 0 for j in (i - 2, i - 1, i)]
         assert torch.allclose(h[0, i], reference_window(smollm, w), atol=1e-3)
-    assert 1.0 < perplexity(smollm, [text], "full") < perplexity(smollm, [text], "windowed")
+    texts = [text, "Shares of the bank rose sharply after it reported record profits for the third quarter, beating "
+                   "forecasts. Analysts said the results showed that the new strategy was working.",
+             "The film is a warm, funny and beautifully acted story about two brothers who meet again after years."]
+    assert 1.0 < perplexity(smollm, texts, "full") < perplexity(smollm, texts, "windowed")
 
 
 def test_a_split_outside_the_decoder_is_refused():
@@ -98,3 +101,33 @@ def test_a_split_outside_the_decoder_is_refused():
                 load_decoder(l_low=bad)
         except DecoderNotFoundError as exc:
             pytest.skip(str(exc))
+
+
+def test_causal_plot_lookup_equals_computing_the_causal_windows(tmp_path):
+    from hmi.model.decoder import CausalLower
+    from hmi.plot.build import Selection, build, count_ngrams, plan_keys
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.store import PlotMeta, PlotStore
+
+    root = tiny_decoder()
+    lower = CausalLower(root)
+    corpus = [[5, 6, 7, 8, 9], [7, 8, 9, 10, 11, 12], [40, 41, 42]]
+    keys, counts = count_ngrams(corpus, causal=True)
+    plan = plan_keys(keys, counts, Selection("all"), 100, causal=True)
+    meta = PlotMeta(root.artifact_id, root.l_low, 32, n=1, kind="causal")
+    store = PlotStore(tmp_path / "plot", meta=meta, readonly=False)
+    build(store, lower, plan, progress=False)
+    ids = np.array([[7, 8, 9, 10, 11], [40, 41, 42, 0, 0]])
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    want = windowed_hidden(root, ids, mask)
+    lookup = PlotLookup([PlotVersion("root", store, lower)], policy="backoff")
+    got = lookup.merged(ids, mask)
+    # (7, 8) at a text start is the window (0, 7, 8): stored as the bi-gram of (6, 7, 8)
+    assert torch.allclose(got, want, atol=2e-3)
+    assert lookup.hits["zeros"] == 0
+    unseen = np.array([[50, 51, 52, 53]])
+    exact = PlotLookup([PlotVersion("root", store, lower)], policy="compute").merged(unseen, np.ones_like(unseen))
+    assert torch.allclose(exact, windowed_hidden(root, unseen, np.ones_like(unseen)), atol=2e-3)
+    backoff = PlotLookup([PlotVersion("root", store, lower)], policy="backoff")
+    backoff.merged(unseen, np.ones_like(unseen))
+    assert backoff.hits["unigram:root"] > 0
