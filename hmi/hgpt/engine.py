@@ -1,0 +1,344 @@
+"""Batched multi-tenant generation on a windowed decoder (hGPT).
+
+One decoding step runs every active request (each of its own tenant) through the shared upper
+layers at once: the new token's lower-side state is one PLOT lookup of its causal window, each
+request's LoRA is applied with stacked weights gathered per segment of requests of one tenant
+(``segment_bmm``, as Punica's SGMV does), and keys/values of earlier tokens come from a KV
+cache of the upper layers only.  Requests join between steps as rows free up and leave when
+they finish (continuous batching).  Greedy decoding or sampling (temperature, top-p, a per-request
+seed), ``max_new_tokens`` and stop strings.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from hmi.adapters.batched import segment_bmm
+from hmi.hgpt.lora import LoraPool
+from hmi.model.decoder import DecoderRoot, additive_mask
+from hmi.plot.lookup import PlotLookup
+
+
+class GenerationError(ValueError):
+    """A generation request is invalid; ``code`` names the problem for the API."""
+
+    def __init__(self, code: str, message: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+@dataclass
+class GenRequest:
+    tenant: str
+    prompt: str
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    on_text: Callable[[str], None] | None = None  # streaming: each new piece of text, in order
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Active:
+    req: GenRequest
+    ids: list[int]  # prompt + generated tokens
+    n_prompt: int
+    row: int  # KV-cache row
+    slot: int  # LoRA pool slot
+    gen: torch.Generator | None
+    pos: int = 0  # tokens already in the KV cache
+    emitted: int = 0  # characters of the completion already streamed
+    finish: str | None = None
+
+
+@dataclass
+class EngineConfig:
+    max_active: int = 16  # requests decoded together (KV-cache rows)
+    max_len: int = 512  # prompt + completion tokens per request
+    lora_slots: int = 64
+    rank: int = 8
+    max_new_tokens_limit: int = 1024
+
+
+class GenerationEngine:
+    """Continuous batching over one decoder root. ``step`` is not thread-safe: one thread drives it
+    (``GenerationService`` runs one)."""
+
+    def __init__(self, root: DecoderRoot, lookup: PlotLookup, load_tenant: Callable[[str], tuple],
+                 cfg: EngineConfig | None = None):
+        self.root, self.lookup, self.load_tenant = root, lookup, load_tenant
+        self.cfg = cfg or EngineConfig()
+        c = root.model.config
+        self.upper = root.layers[root.l_low:]
+        self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
+        self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        n_up = len(self.upper)
+        shape = (self.cfg.max_active, self.nkv, self.cfg.max_len, self.hd)
+        self.k_cache = [torch.zeros(shape) for _ in range(n_up)]
+        self.v_cache = [torch.zeros(shape) for _ in range(n_up)]
+        self.pool = LoraPool(self.cfg.lora_slots, n_up, c.hidden_size, self.nkv * self.hd, self.cfg.rank)
+        self.waiting: list[GenRequest] = []
+        self.active: list[_Active] = []
+        tok = root.tokenizer
+        self.stop_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|endoftext|>")) if i is not None}
+        self.stats = {"steps": 0, "tokens": 0, "prefills": 0}
+
+    # -- requests --------------------------------------------------------------------------------
+    def validate(self, req: GenRequest) -> list[int]:
+        if not isinstance(req.prompt, str) or not req.prompt:
+            raise GenerationError("bad_prompt", "prompt must be a non-empty string")
+        if not (isinstance(req.max_new_tokens, int) and 1 <= req.max_new_tokens <= self.cfg.max_new_tokens_limit):
+            raise GenerationError("bad_max_new_tokens", f"max_new_tokens must be an integer in [1, {self.cfg.max_new_tokens_limit}]")
+        if not (isinstance(req.temperature, (int, float)) and 0 <= req.temperature <= 10):
+            raise GenerationError("bad_temperature", "temperature must be a number in [0, 10]")
+        if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
+            raise GenerationError("bad_top_p", "top_p must be a number in (0, 1]")
+        if not (isinstance(req.stop, (list, tuple)) and len(req.stop) <= 8 and all(isinstance(s, str) and s for s in req.stop)):
+            raise GenerationError("bad_stop", "stop must be a list of up to 8 non-empty strings")
+        ids = self.root.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+        if len(ids) + 1 > self.cfg.max_len:
+            raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {self.cfg.max_len - 1}", 413)
+        return ids
+
+    def submit(self, req: GenRequest) -> Future:
+        self.validate(req)
+        self.waiting.append(req)
+        return req.future
+
+    def generate(self, requests: list[GenRequest]) -> list[dict]:
+        """Runs the requests to completion (continuous batching); returns their results in order."""
+        for r in requests:
+            self.submit(r)
+        while self.waiting or self.active:
+            self.step()
+        return [r.future.result() for r in requests]
+
+    # -- one step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Admits waiting requests (prefill, first token) and decodes one token of the others."""
+        running = list(self.active)
+        new = self._admit()
+        if new:
+            self._prefill(new)
+        if running:
+            self._decode(running)
+        self.stats["steps"] += 1
+        for a in [a for a in self.active if a.finish]:
+            self._finish(a)
+
+    def _admit(self) -> list[_Active]:
+        free = sorted(set(range(self.cfg.max_active)) - {a.row for a in self.active})
+        new = []
+        while self.waiting and free:
+            req = self.waiting.pop(0)
+            if req.future.done():
+                continue
+            try:
+                ids = self.validate(req)
+                slot = self.pool.acquire(req.tenant, lambda t=req.tenant: self.load_tenant(t))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                req.future.set_exception(exc)
+                continue
+            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
+            if gen is None and req.temperature > 0:
+                gen = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % (2**63)))
+            a = _Active(req, list(ids), len(ids), free.pop(0), slot, gen)
+            self.active.append(a)
+            new.append(a)
+        return new
+
+    def _prefill(self, new: list[_Active]) -> None:
+        lens = [len(a.ids) for a in new]
+        T = max(lens)
+        ids = np.zeros((len(new), T), dtype=np.int64)
+        mask = np.zeros((len(new), T), dtype=np.int64)
+        for i, a in enumerate(new):
+            ids[i, :lens[i]] = a.ids
+            mask[i, :lens[i]] = 1
+        h = self.lookup.merged(ids, mask).float()
+        out = self._upper(h, new, torch.zeros(len(new), dtype=torch.long), torch.tensor(lens))
+        last = out[torch.arange(len(new)), torch.tensor(lens) - 1]
+        for a, n in zip(new, lens):
+            a.pos = n
+        self.stats["prefills"] += len(new)
+        self._sample(new, self._logits(last))
+
+    def _decode(self, running: list[_Active]) -> None:
+        running = [a for a in running if not a.finish]
+        if not running:
+            return
+        win = np.zeros((len(running), 3), dtype=np.int64)
+        for i, a in enumerate(running):
+            tail = a.ids[-3:]
+            win[i, 3 - len(tail):] = tail
+        uniq, inv = np.unique(win, axis=0, return_inverse=True)
+        reps, hits = self.lookup.window_reps(uniq)
+        with self.lookup._lock:
+            self.lookup.hits.update(hits)
+        merged = self.lookup.merge(torch.from_numpy(reps.astype(np.float32))[None])[0]
+        h = merged[torch.from_numpy(inv.reshape(-1))].unsqueeze(1)
+        starts = torch.tensor([a.pos for a in running])
+        out = self._upper(h, running, starts, torch.ones(len(running), dtype=torch.long))
+        for a in running:
+            a.pos += 1
+        self._sample(running, self._logits(out[:, 0]))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.root.model.lm_head(self.root.model.model.norm(h)).float()
+
+    def _upper(self, h: torch.Tensor, reqs: list[_Active], starts: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor:
+        """The upper layers for new tokens of several requests, with their KV cache and LoRA.
+
+        Semantics: token j of request b sits at position starts[b] + j; it attends to the cached
+        keys/values of positions < starts[b] and to new tokens up to itself; the new keys/values
+        (j < q_lens[b]) are written to the cache row of b.
+        Shapes: h (B, Tq, H); starts, q_lens (B,) -> (B, Tq, H) (before the final norm).
+        """
+        B, Tq, _ = h.shape
+        rows = torch.tensor([a.row for a in reqs])
+        slots = torch.tensor([a.slot for a in reqs])
+        scale = self.pool.scaling.index_select(0, slots)[:, None, None]
+        pos = starts[:, None] + torch.arange(Tq)[None]
+        cos, sin = self.root.model.model.rotary_emb(h, pos)
+        ends = starts + q_lens
+        Lk = int(ends.max())
+        kpos = torch.arange(Lk)
+        allowed = (kpos[None, None, :] <= pos[:, :, None]) & (kpos[None, None, :] < ends[:, None, None])
+        mask = additive_mask(allowed, h.dtype)
+        rep = self.nh // self.nkv
+        for li, layer in enumerate(self.upper):
+            att = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = att.q_proj(x) + scale * segment_bmm(segment_bmm(x, slots, self.pool.qa[li]), slots, self.pool.qb[li])
+            k = att.k_proj(x)
+            v = att.v_proj(x) + scale * segment_bmm(segment_bmm(x, slots, self.pool.va[li]), slots, self.pool.vb[li])
+            q = q.view(B, Tq, self.nh, self.hd).transpose(1, 2)
+            k = k.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
+            v = v.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            if Tq == 1:
+                kc[rows, :, starts] = k[:, :, 0]
+                vc[rows, :, starts] = v[:, :, 0]
+            else:
+                for b in range(B):
+                    s, n = int(starts[b]), int(q_lens[b])
+                    kc[rows[b], :, s:s + n] = k[b, :, :n]
+                    vc[rows[b], :, s:s + n] = v[b, :, :n]
+            K = kc.index_select(0, rows)[:, :, :Lk].repeat_interleave(rep, dim=1)
+            V = vc.index_select(0, rows)[:, :, :Lk].repeat_interleave(rep, dim=1)
+            scores = torch.matmul(q, K.transpose(-1, -2)) / math.sqrt(self.hd) + mask
+            ctx = torch.matmul(torch.softmax(scores, dim=-1), V).transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
+            h = h + att.o_proj(ctx)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h
+
+    def _sample(self, reqs: list[_Active], logits: torch.Tensor) -> None:
+        for a, lg in zip(reqs, logits):
+            r = a.req
+            if r.temperature <= 0:
+                t = int(lg.argmax())
+            else:
+                p = torch.softmax(lg / r.temperature, -1)
+                if r.top_p < 1:
+                    sp, si = torch.sort(p, descending=True)
+                    keep = torch.cumsum(sp, 0) - sp < r.top_p
+                    p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
+                t = int(torch.multinomial(p / p.sum(), 1, generator=a.gen))
+            self.stats["tokens"] += 1
+            if t in self.stop_ids:
+                a.finish = "stop"
+                continue
+            a.ids.append(t)
+            text = self._completion(a)
+            hit = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                a.finish = "stop"
+            elif len(a.ids) - a.n_prompt >= r.max_new_tokens:
+                a.finish = "length"
+            elif len(a.ids) >= self.cfg.max_len:
+                a.finish = "length"
+            self._stream(a, text if hit < 0 else text[:hit], final=a.finish is not None)
+
+    def _completion(self, a: _Active) -> str:
+        return self.root.tokenizer.decode(a.ids[a.n_prompt:], skip_special_tokens=True)
+
+    def _stream(self, a: _Active, text: str, final: bool) -> None:
+        """Emits new text, holding back a tail that could still become a stop string."""
+        if a.req.on_text is None:
+            return
+        hold = 0 if final else max((len(s) - 1 for s in a.req.stop), default=0)
+        upto = max(a.emitted, len(text) - hold)
+        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
+            upto = min(upto, len(text) - 1)
+        if upto > a.emitted:
+            a.req.on_text(text[a.emitted:upto])
+            a.emitted = upto
+
+    def _finish(self, a: _Active) -> None:
+        text = self._completion(a)
+        for s in a.req.stop:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        self._stream(a, text, final=True)
+        self.active.remove(a)
+        self.pool.release(a.slot)
+        if not a.req.future.done():
+            a.req.future.set_result({"text": text, "tokens": len(a.ids) - a.n_prompt, "finish_reason": a.finish,
+                                     "prompt_tokens": a.n_prompt})
+
+
+class GenerationService:
+    """Runs a GenerationEngine in its own thread; requests from any thread join between steps."""
+
+    def __init__(self, engine: GenerationEngine, max_waiting: int = 256):
+        self.engine = engine
+        self._in: queue.Queue = queue.Queue(maxsize=max_waiting)
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="hgpt", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenRequest) -> Future:
+        if self._closed:
+            raise RuntimeError("the generation service is shut down")
+        self.engine.validate(req)
+        self._in.put_nowait(req)
+        return req.future
+
+    def _loop(self) -> None:
+        e = self.engine
+        while not (self._closed and self._in.empty() and not e.waiting and not e.active):
+            try:
+                block = not (e.waiting or e.active)
+                item = self._in.get(timeout=0.1) if block else self._in.get_nowait()
+                e.waiting.append(item)
+                while True:
+                    e.waiting.append(self._in.get_nowait())
+            except queue.Empty:
+                pass
+            if e.waiting or e.active:
+                try:
+                    e.step()
+                except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+                    for a in list(e.active):
+                        e.active.remove(a)
+                        e.pool.release(a.slot)
+                        if not a.req.future.done():
+                            a.req.future.set_exception(exc)
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        self._closed = True
+        self._thread.join(timeout)
