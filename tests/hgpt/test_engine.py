@@ -17,8 +17,9 @@ class CharTokenizer:
 
     eos_token_id = None
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + (ord(c) % (VOCAB - 3)) for c in text]}
+    def __call__(self, text, add_special_tokens=False, truncation=False, max_length=None):
+        one = lambda t: [3 + (ord(c) % (VOCAB - 3)) for c in t][:max_length if truncation else None]  # noqa: E731
+        return {"input_ids": [one(t) for t in text] if isinstance(text, list) else one(text)}
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord(" ") + (i - 3) % 95) for i in ids)
@@ -136,3 +137,23 @@ def test_an_unknown_tenant_fails_alone(world):
 def test_tenants_get_their_own_adapters(world):
     out = engine(world).generate([GenRequest(t, "hello world", max_new_tokens=8) for t in ("t0", "t1", "t2")])
     assert len({r["text"] for r in out}) == 3
+
+
+def test_lora_fine_tune_lowers_dev_loss_resumes_from_saved_weights_and_serves(world, tmp_path):
+    from hmi.adapters.store import AdapterStore
+    from hmi.hgpt.train import LmFinetuneConfig, finetune_lm
+
+    root, lookup, _, _ = world
+    text = ["the quick brown fox jumps over the lazy dog", "a quick brown dog jumps over the lazy fox"] * 4
+    cfg = LmFinetuneConfig(epochs=3, batch_size=4, lr=1e-2, patience=3, max_len=48)
+    w, m = finetune_lm(root, lookup, LoraSpec(rank=4, alpha=8), text, text[:2], cfg, progress=False)
+    assert m["dev_ppl_after"] < m["dev_ppl_before"]
+    w2, m2 = finetune_lm(root, lookup, LoraSpec(rank=4, alpha=8), text, text[:2], LmFinetuneConfig(epochs=1, lr=1e-2, max_len=48),
+                         init=w, progress=False)
+    assert m2["dev_ppl_before"] == pytest.approx(m["dev_ppl_after"], rel=1e-3)  # continues where it stopped
+    store = AdapterStore(tmp_path / "tenants")
+    store.save("fox", LoraSpec(rank=4, alpha=8), w2)
+    e = GenerationEngine(root, lookup, lambda t: (LoraSpec.from_dict(store.info(t)["spec"]), store.load(t)),
+                         EngineConfig(rank=4, max_len=96))
+    out = e.generate([GenRequest("fox", "the quick brown", max_new_tokens=10)])[0]
+    assert out["tokens"] == 10
