@@ -16,6 +16,7 @@ from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.adapters.store import AdapterStore, TenantMissingError, check_tenant_name
 from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
+from hmi.dispatcher.generate import completions, generate
 from hmi.dispatcher.jobs import JobManager, WorkerContext
 from hmi.dispatcher.metrics import Metrics
 from hmi.dispatcher.openapi import openapi_document
@@ -55,11 +56,16 @@ class Server:
         self.recovered = self.registry.recover()
         self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb)
         self._entries: dict[str, TenantEntry] = {}
+        self._gpt_ready: set[str] = set()  # decoder tenants that can generate
+        self.gpt = None  # hmi.hgpt.runtime.HgptRuntime once enabled
         self._token_owner_by_hash: dict[str, str] = {}
         for name, rec in self.registry.items("tenants"):
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
             if rec["state"] in ("ready", "updating"):
-                self._entries[name] = self._entry(name, rec)
+                if rec.get("model") == "decoder":
+                    self._gpt_ready.add(name)
+                else:
+                    self._entries[name] = self._entry(name, rec)
         from hmi.version_tree.tree import VersionTree
 
         self.tree = VersionTree(root, home, root_version=lookup.chain[0])
@@ -96,6 +102,17 @@ class Server:
             lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy)
         return lk
 
+    def enable_hgpt(self, runtime) -> None:
+        """Serves decoder tenants with ``runtime`` (an HgptRuntime) and lets jobs train them."""
+        self.gpt = runtime
+        self.jobs.ctx.gpt = runtime.worker_view()
+
+    def load_decoder_tenant(self, name: str):
+        """(LoraSpec, weights) of a decoder tenant, for the generation engine."""
+        from hmi.hgpt.lora import LoraSpec
+
+        return LoraSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name)
+
     def domain_changed(self, name: str) -> None:
         for d in list(self._lookups):
             if d != "root":
@@ -114,6 +131,12 @@ class Server:
         if state == "succeeded":
             rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
                                        metrics=info, error=None)
+            if rec.get("model") == "decoder":
+                self.store.invalidate(t)
+                if self.gpt is not None:
+                    self.gpt.forget(t)
+                self._gpt_ready.add(t)
+                return
             self.scheduler.forget(t)
             self._entries[t] = self._entry(t, rec)
         elif job["kind"] == "create":
@@ -168,6 +191,8 @@ class Server:
         return rec
 
     def shutdown(self) -> None:
+        if self.gpt is not None:
+            self.gpt.shutdown()
         self.jobs.shutdown()
         self.scheduler.shutdown(cancel=True)
         self.registry.close()
@@ -175,7 +200,7 @@ class Server:
 
 # -- handlers ------------------------------------------------------------------------------------
 def public_tenant(name: str, rec: dict) -> dict:
-    keep = ("state", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
+    keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
     return {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
 
 
@@ -280,16 +305,83 @@ def _epochs(body: dict) -> int:
     return epochs
 
 
-async def create_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app[SERVER]
-    s.require_admin(request)
-    body = await json_body(request)
-    unknown_fields(body, {"name", "domain", "task", "adapter", "training_data", "dataset", "max_train", "epochs"})
+def _tenant_name(body: dict) -> str:
     name = field(body, "name", str)
     try:
         check_tenant_name(name)
     except ValueError as exc:
         raise ApiError(400, "invalid_name", str(exc)) from None
+    return name
+
+
+def _decoder_training(s: Server, body: dict) -> dict:
+    """``corpus`` (a prepared corpus name) or ``training_text`` (a list of texts) for a decoder tenant."""
+    corpus = field(body, "corpus", str, required=False)
+    texts = field(body, "training_text", list, required=False)
+    if (corpus is None) == (texts is None):
+        raise ApiError(400, "missing_field", "give either 'corpus' (a prepared corpus name) or 'training_text' (texts)")
+    max_train = field(body, "max_train", int, required=False)
+    if max_train is not None and max_train < 1:
+        raise ApiError(400, "invalid_value", "'max_train' must be at least 1")
+    if corpus is not None:
+        from hmi.data import CORPORA
+
+        if corpus not in CORPORA:
+            raise ApiError(400, "unknown_corpus", f"unknown corpus {corpus!r}; prepared ones: {', '.join(CORPORA)}")
+        return {"corpus": corpus, "max_train": max_train}
+    if not texts:
+        raise ApiError(400, "empty_training_data", "'training_text' is empty")
+    if len(texts) > s.cfg.max_examples:
+        raise ApiError(413, "too_many_examples", f"{len(texts)} texts; the limit is {s.cfg.max_examples}")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str) or not t.strip():
+            raise ApiError(400, "invalid_type", f"training_text[{i}] must be a non-empty string")
+    return {"texts": texts[:max_train] if max_train else texts}
+
+
+async def _create_decoder_tenant(s: Server, body: dict) -> web.Response:
+    from hmi.hgpt.lora import LoraSpec
+
+    unknown_fields(body, {"name", "model", "adapter", "corpus", "training_text", "max_train", "epochs"})
+    name = _tenant_name(body)
+    if s.gpt is None:
+        raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+    adapter = field(body, "adapter", dict, required=False, default={})
+    unknown_fields(adapter, {"kind", "rank", "alpha"})
+    if adapter.get("kind", "lora") != "lora":
+        raise ApiError(400, "invalid_spec", "decoder tenants use LoRA adapters")
+    rank = field(adapter, "rank", int, required=False, default=s.gpt.rank)
+    if rank != s.gpt.rank:
+        raise ApiError(400, "invalid_spec", f"this server batches decoder LoRA of rank {s.gpt.rank}")
+    try:
+        spec = LoraSpec(rank=rank, alpha=field(adapter, "alpha", (int, float), required=False, default=2.0 * rank))
+    except SpecError as exc:
+        raise ApiError(400, "invalid_spec", str(exc)) from None
+    data = _decoder_training(s, body)
+    epochs = field(body, "epochs", int, required=False, default=1)
+    if not 1 <= epochs <= 20:
+        raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 20]")
+    token = new_token("hmi_t")
+    rec = {"state": "training", "model": "decoder", "domain": "root", "spec": spec.to_dict(),
+           "token_hash": hash_token(token), "version": 0}
+    if not s.add_tenant(name, rec):
+        raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+    job = s.jobs.submit("create", name, spec.to_dict(), data, epochs=epochs, model="decoder")
+    s.registry.update("tenants", name, job=job)
+    return web.json_response({"tenant": name, "token": token, "job": job,
+                              "note": "keep the token: it is shown only once"}, status=202)
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    s.require_admin(request)
+    body = await json_body(request)
+    if body.get("model", "encoder") == "decoder":
+        return await _create_decoder_tenant(s, body)
+    unknown_fields(body, {"name", "model", "domain", "task", "adapter", "training_data", "dataset", "max_train", "epochs"})
+    if field(body, "model", str, required=False, default="encoder") != "encoder":
+        raise ApiError(400, "invalid_value", "'model' is 'encoder' (default) or 'decoder'")
+    name = _tenant_name(body)
     domain = field(body, "domain", str, required=False, default="root")
     if domain != "root" and domain not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no domain {domain!r}")
@@ -314,6 +406,18 @@ async def update_tenant(request: web.Request) -> web.Response:
     if rec["state"] != "ready":
         raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
     body = await json_body(request)
+    if rec.get("model") == "decoder":
+        if s.gpt is None:
+            raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+        unknown_fields(body, {"corpus", "training_text", "max_train", "epochs"})
+        data = _decoder_training(s, body)
+        epochs = field(body, "epochs", int, required=False, default=1)
+        if not 1 <= epochs <= 20:
+            raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 20]")
+        s.registry.update("tenants", tenant, state="updating")
+        job = s.jobs.submit("update", tenant, rec["spec"], data, epochs=epochs, model="decoder")
+        s.registry.update("tenants", tenant, job=job)
+        return web.json_response({"tenant": tenant, "job": job}, status=202)
     unknown_fields(body, {"training_data", "dataset", "max_train", "epochs"})
     spec = AdapterSpec.from_dict(rec["spec"])
     data = _training_data(s, body, spec)
@@ -330,6 +434,9 @@ async def delete_tenant(request: web.Request) -> web.Response:
     s.require_owner(request, tenant)
     rec = s.tenant_record(tenant)
     s._entries.pop(tenant, None)  # not servable from this instant
+    s._gpt_ready.discard(tenant)
+    if s.gpt is not None:
+        s.gpt.forget(tenant)
     if rec.get("job"):
         s.jobs.cancel(rec["job"])
     s.registry.delete("tenants", tenant)
@@ -607,6 +714,8 @@ async def errors_and_logs(request: web.Request, handler):
 
 ROUTES = [
     ("POST", "/v1/tenants/{tenant}/infer", infer),
+    ("POST", "/v1/tenants/{tenant}/generate", generate),
+    ("POST", "/v1/completions", completions),
     ("POST", "/v1/tenants", create_tenant),
     ("GET", "/v1/tenants", list_tenants),
     ("GET", "/v1/tenants/{tenant}", get_tenant),

@@ -53,6 +53,7 @@ class WorkerContext:
     miss_policy: str
     artifact_id: str = ""
     home: str = ""
+    gpt: object = None  # hmi.hgpt.runtime.WorkerDecoder when the server serves decoder tenants
 
 
 def _root(ctx: WorkerContext):
@@ -152,6 +153,42 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
 
 
+def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Runs in a worker process: fine-tunes one decoder tenant's LoRA and stores it."""
+    import torch
+
+    _quiet()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        from hmi.adapters.store import AdapterStore
+        from hmi.hgpt.lora import LoraSpec
+        from hmi.hgpt.train import LmFinetuneConfig, finetune_lm
+
+        if ctx.gpt is None:
+            raise RuntimeError("the server does not serve decoder tenants")
+        spec = LoraSpec.from_dict(job["spec"])
+        data = job["data"]
+        texts = data.get("texts")
+        if data.get("corpus"):
+            from hmi.data import load_corpus
+
+            texts = load_corpus(data["corpus"], (data.get("max_train") or 400) + 32)
+        dev, train = texts[:max(1, min(32, len(texts) // 10))], texts[max(1, min(32, len(texts) // 10)):] or texts
+        adapters = AdapterStore(ctx.tenants_dir)
+        init = {k: v.float() for k, v in adapters.load(job["tenant"]).items()} if job["kind"] == "update" else None
+        weights, metrics = finetune_lm(
+            ctx.gpt.root(), ctx.gpt.lookup(), spec, train, dev, LmFinetuneConfig(epochs=job.get("epochs", 1)), init=init,
+            progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)), should_stop=cancel.is_set)
+        metrics["worker_memory_kib"] = rss_kib()
+        adapters.save(job["tenant"], spec, weights, {"model": "decoder", "metrics": metrics})
+        progress.put(("done", 1.0, metrics))
+    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
+        if cancel.is_set():
+            progress.put(("cancelled", 0.0, {}))
+        else:
+            progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
+
+
 class JobManager:
     """Runs jobs one (or ``concurrency``) at a time in spawned worker processes."""
 
@@ -204,7 +241,8 @@ class JobManager:
                 continue
             self.registry.update("jobs", jid, state="running", started=time.time())
             progress = self.mp.Queue()
-            target = domain_worker if job["kind"].startswith("domain") else finetune_worker
+            target = (domain_worker if job["kind"].startswith("domain") else
+                      decoder_worker if job.get("model") == "decoder" else finetune_worker)
             proc = self.mp.Process(target=target, args=(self.ctx, {**job, "data": data}, progress, cancel),
                                    daemon=True)
             proc.start()

@@ -16,10 +16,26 @@ DESCRIPTIONS = {
         "summary": "Run the tenant's hPLM on texts (tenant or admin token)",
         "body": {"type": "object", "required": ["inputs"],
                  "properties": {"inputs": {"type": "array", "items": {"type": "string"}, "minItems": 1}}}},
+    ("POST", "/v1/tenants/{tenant}/generate"): {
+        "summary": "Generate text with a decoder tenant (hGPT); 'stream': true answers NDJSON lines as tokens come",
+        "body": {"type": "object", "required": ["prompt"], "properties": {
+            "prompt": {"type": "string"}, "max_new_tokens": {"type": "integer", "default": 32},
+            "temperature": {"type": "number", "default": 0}, "top_p": {"type": "number", "default": 1},
+            "seed": {"type": "integer"}, "stop": {"type": "array", "items": {"type": "string"}},
+            "stream": {"type": "boolean", "default": False}}}},
+    ("POST", "/v1/completions"): {
+        "summary": "OpenAI-style text completion; 'model' names the decoder tenant; 'stream' answers server-sent events",
+        "body": {"type": "object", "required": ["model", "prompt"], "properties": {
+            "model": {"type": "string"}, "prompt": {"type": "string"}, "max_tokens": {"type": "integer", "default": 32},
+            "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"},
+            "stop": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"}}}},
     ("POST", "/v1/tenants"): {
-        "summary": "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin)",
-        "body": {"type": "object", "required": ["name", "task"], "properties": {
+        "summary": "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin). "
+                   "Decoder tenants: 'model': 'decoder' with 'corpus' or 'training_text' (and 'adapter': {'rank', 'alpha'})",
+        "body": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "domain": {"type": "string", "default": "root"},
+            "model": {"enum": ["encoder", "decoder"], "default": "encoder"}, "corpus": {"type": "string"},
+            "training_text": {"type": "array", "items": {"type": "string"}},
             "task": {"type": "object", "properties": {"type": {"enum": ["classification", "tagging"]},
                                                       "labels": {"type": "array", "items": {"type": "string"}}}},
             "adapter": {"type": "object", "properties": {"kind": {"enum": ["bottleneck", "lora", "ia3"]},

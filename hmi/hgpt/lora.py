@@ -10,6 +10,7 @@ scaling = alpha / r.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -112,10 +113,15 @@ class LoraPool:
         self.scaling = torch.zeros(slots, device=device, dtype=dtype)
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._pins: dict[int, int] = {}
+        self._lock = threading.Lock()
         self.stats = {"hits": 0, "loads": 0, "evictions": 0}
 
     def acquire(self, tenant: str, load) -> int:
         """The tenant's slot, writing its weights (``load()`` -> (spec, weights)) on a miss; pinned."""
+        with self._lock:
+            return self._acquire(tenant, load)
+
+    def _acquire(self, tenant: str, load) -> int:
         slot = self._lru.get(tenant)
         if slot is not None:
             self._lru.move_to_end(tenant)
@@ -137,14 +143,19 @@ class LoraPool:
         return slot
 
     def release(self, slot: int) -> None:
-        self._pins[slot] -= 1
-        if not self._pins[slot]:
-            del self._pins[slot]
+        with self._lock:
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                del self._pins[slot]
 
     def evict(self, tenant: str) -> None:
-        slot = self._lru.get(tenant)
-        if slot is not None and slot not in self._pins:
-            del self._lru[tenant]
+        """Forgets a tenant's resident copy (after an update): the next request loads it again.  A
+        slot still used by running requests stays reserved under a stale name until it is free."""
+        with self._lock:
+            slot = self._lru.pop(tenant, None)
+            if slot is not None and slot in self._pins:
+                self._lru[f"\0stale:{tenant}:{slot}"] = slot
+                self._lru.move_to_end(f"\0stale:{tenant}:{slot}", last=False)
 
     def _free_slot(self) -> int:
         used = set(self._lru.values())

@@ -1,0 +1,141 @@
+"""HTTP routes of decoder tenants (hGPT): ``POST /v1/tenants/{tenant}/generate`` and the
+OpenAI-style ``POST /v1/completions`` (``model`` names the tenant), both optionally streaming
+tokens as they are produced (NDJSON lines, or server-sent events for completions)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from aiohttp import web
+
+from hmi.dispatcher.validation import ApiError, field, json_body, unknown_fields
+
+GENERATE_FIELDS = {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stop", "stream"}
+COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user"}
+
+
+def _decoder_tenant(s, tenant: str) -> None:
+    if s.gpt is None:
+        raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+    rec = s.registry.get("tenants", tenant)
+    if rec is None:
+        raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+    if rec.get("model") != "decoder":
+        raise ApiError(400, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
+    if tenant not in s._gpt_ready:
+        raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
+
+
+def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
+    from hmi.hgpt.engine import GenerationError, GenRequest
+
+    prompt = field(body, "prompt", str)
+    if len(prompt) > s.cfg.max_input_chars:
+        raise ApiError(413, "input_too_long", f"the prompt has {len(prompt)} characters; the limit is {s.cfg.max_input_chars}")
+    stop = field(body, "stop", (list, str), required=False, default=[])
+    stop = [stop] if isinstance(stop, str) else stop
+    seed = field(body, "seed", int, required=False)
+    req = GenRequest(tenant, prompt, max_new_tokens=field(body, max_key, int, required=False, default=32),
+                     temperature=field(body, "temperature", (int, float), required=False, default=0.0),
+                     top_p=field(body, "top_p", (int, float), required=False, default=1.0), seed=seed,
+                     stop=tuple(stop) if all(isinstance(x, str) for x in stop) else stop,
+                     on_text=(lambda piece: loop.call_soon_threadsafe(sink.put_nowait, piece)) if sink is not None else None)
+    try:
+        s.gpt.service.submit(req)
+    except GenerationError as exc:
+        raise ApiError(exc.status, exc.code, str(exc)) from None
+    except Exception:  # noqa: BLE001 - the queue is full
+        raise ApiError(429, "overloaded", "the generation queue is full; retry shortly", {"Retry-After": "1"}) from None
+    return req
+
+
+async def _result(s, req) -> dict:
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(req.future), s.cfg.infer_timeout_s * 5)
+    except KeyError:
+        raise ApiError(404, "adapter_missing", f"tenant {req.tenant!r} has no stored adapter") from None
+    except asyncio.TimeoutError:
+        raise ApiError(503, "timeout", "generation did not finish in time; retry") from None
+
+
+async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encode) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    done = asyncio.ensure_future(asyncio.wrap_future(req.future))
+    while True:
+        getter = asyncio.ensure_future(sink.get())
+        await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED, timeout=s.cfg.infer_timeout_s * 5)
+        if getter.done():
+            await resp.write(encode({"text": getter.result()}))
+            continue
+        getter.cancel()
+        while not sink.empty():
+            await resp.write(encode({"text": sink.get_nowait()}))
+        break
+    try:
+        final = done.result()
+        await resp.write(encode({"done": True, **final}))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        await resp.write(encode({"error": {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}}))
+    await resp.write_eof()
+    return resp
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    from hmi.dispatcher.app import SERVER
+
+    s = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    body = await json_body(request)
+    unknown_fields(body, GENERATE_FIELDS)
+    _decoder_tenant(s, tenant)
+    stream = field(body, "stream", bool, required=False, default=False)
+    loop = asyncio.get_running_loop()
+    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
+    req = _request(s, tenant, body, "max_new_tokens", loop, sink)
+    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
+    if not stream:
+        return web.json_response({"tenant": tenant, **await _result(s, req)})
+    return await _stream(request, s, req, sink, "application/x-ndjson", lambda d: (json.dumps(d) + "\n").encode())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    from hmi.dispatcher.app import SERVER
+
+    s = request.app[SERVER]
+    body = await json_body(request)
+    unknown_fields(body, COMPLETION_FIELDS)
+    tenant = field(body, "model", str)
+    if field(body, "n", int, required=False, default=1) != 1:
+        raise ApiError(400, "invalid_value", "only n = 1 is supported")
+    s.require_owner(request, tenant)
+    _decoder_tenant(s, tenant)
+    stream = field(body, "stream", bool, required=False, default=False)
+    loop = asyncio.get_running_loop()
+    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
+    req = _request(s, tenant, body, "max_tokens", loop, sink)
+    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
+    cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def chunk(text: str, finish: str | None) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created, "model": tenant,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+
+    if not stream:
+        r = await _result(s, req)
+        return web.json_response({**chunk(r["text"], r["finish_reason"]),
+                                  "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["tokens"],
+                                            "total_tokens": r["prompt_tokens"] + r["tokens"]}})
+
+    def sse(d: dict) -> bytes:
+        if "text" in d and "done" not in d:
+            return f"data: {json.dumps(chunk(d['text'], None))}\n\n".encode()
+        if "done" in d:
+            return f"data: {json.dumps(chunk('', d['finish_reason']))}\n\ndata: [DONE]\n\n".encode()
+        return f"data: {json.dumps(d)}\n\n".encode()
+
+    return await _stream(request, s, req, sink, "text/event-stream", sse)

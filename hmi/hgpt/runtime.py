@@ -1,0 +1,94 @@
+"""What a server holds to serve decoder tenants: the decoder root, its causal root PLOT, the
+generation engine in its own thread, and what fine-tune workers need to train decoder tenants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hmi.hgpt.engine import EngineConfig, GenerationEngine, GenerationService
+from hmi.hgpt.lora import LoraSpec
+from hmi.model.decoder import CausalLower, DecoderRoot, load_decoder
+from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+
+DEFAULT_L_LOW = 2
+DEFAULT_RANK = 8
+
+
+def decoder_plot_meta(root: DecoderRoot) -> PlotMeta:
+    return PlotMeta(root_artifact=root.artifact_id, l_low=root.l_low, hidden_size=root.hidden_size, n=1, kind="causal")
+
+
+def decoder_plot_path(root: DecoderRoot, home: Path) -> Path:
+    return Path(home) / "plots" / root.artifact_id / "root"
+
+
+def ensure_decoder_plot(root: DecoderRoot, home: Path, lines: list[str] | None = None, progress: bool = True) -> dict:
+    """Builds (or finishes, or confirms) the decoder's causal root PLOT from the general corpus."""
+    if lines is None:
+        from hmi.data import load_corpus
+
+        lines = load_corpus("general")
+    store = PlotStore(decoder_plot_path(root, home), meta=decoder_plot_meta(root), readonly=False)
+    try:
+        return build_from_corpus(store, CausalLower(root), root.tokenizer, lines, Selection("all"), progress=progress)
+    finally:
+        store.close()
+
+
+@dataclass
+class WorkerDecoder:
+    """A fine-tune worker's view of the decoder: the model in shared memory and where its PLOT is."""
+
+    model: object
+    tokenizer: object
+    l_low: int
+    plot_path: str
+    plot_meta: PlotMeta
+    miss_policy: str
+
+    def root(self) -> DecoderRoot:
+        return DecoderRoot(self.model, self.tokenizer, self.l_low)
+
+    def lookup(self) -> PlotLookup:
+        root = self.root()
+        store = PlotStore(self.plot_path, readonly=True, expect=self.plot_meta)
+        return PlotLookup([PlotVersion("root", store, CausalLower(root))], policy=self.miss_policy)
+
+
+class HgptRuntime:
+    """The decoder side of a server. ``load_tenant(name) -> (LoraSpec, weights)`` reads the adapter store."""
+
+    def __init__(self, root: DecoderRoot, store: PlotStore, load_tenant, miss_policy: str = "compute",
+                 cfg: EngineConfig | None = None):
+        self.root, self.store, self.miss_policy = root, store, miss_policy
+        self.lookup = PlotLookup([PlotVersion("root", store, CausalLower(root))], policy=miss_policy)
+        self.engine = GenerationEngine(root, self.lookup, load_tenant, cfg or EngineConfig(rank=DEFAULT_RANK))
+        self.service = GenerationService(self.engine)
+
+    @classmethod
+    def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True) -> "HgptRuntime":
+        root = load_decoder(l_low=l_low)
+        ensure_decoder_plot(root, home, progress=progress)
+        store = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
+        return cls(root, store, load_tenant)
+
+    @property
+    def rank(self) -> int:
+        return self.engine.cfg.rank
+
+    def default_spec(self) -> LoraSpec:
+        return LoraSpec(rank=self.rank, alpha=2.0 * self.rank)
+
+    def worker_view(self) -> WorkerDecoder:
+        self.root.model.share_memory()
+        return WorkerDecoder(self.root.model, self.root.tokenizer, self.root.l_low, str(self.store.path), self.store.meta,
+                             self.miss_policy)
+
+    def forget(self, tenant: str) -> None:
+        self.engine.pool.evict(tenant)
+
+    def shutdown(self) -> None:
+        self.service.shutdown()

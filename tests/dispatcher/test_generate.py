@@ -1,0 +1,160 @@
+"""Decoder tenants through real HTTP: created by a fine-tune job, generating for several tenants at
+once, streaming, the OpenAI-style completions route, and the error rules of the rest of the API."""
+
+import json
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+from hmi.dispatcher.serve import run_in_thread
+from hmi.hgpt.engine import EngineConfig
+from hmi.hgpt.runtime import HgptRuntime
+from hmi.model.decoder import DecoderRoot
+from hmi.plot.store import PlotMeta, PlotStore
+from tests.dispatcher.test_server import ADMIN, TRAIN, raw, tiny_server
+from tests.hgpt.test_engine import CharTokenizer
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day long"] * 3
+
+
+def tiny_decoder_root():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    return DecoderRoot(LlamaForCausalLM(cfg).eval().requires_grad_(False), CharTokenizer(), 2, name="tiny-decoder")
+
+
+@pytest.fixture(scope="module")
+def gpt(tmp_path_factory):
+    import os
+
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    home = tmp_path_factory.mktemp("home")
+    server = tiny_server(home)
+    root = tiny_decoder_root()
+    meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
+    PlotStore(home / "gpt-plot", meta=meta, readonly=False).close()
+    runtime = HgptRuntime(root, PlotStore(home / "gpt-plot", readonly=True, expect=meta), server.load_decoder_tenant,
+                          miss_policy="compute", cfg=EngineConfig(rank=4, max_len=128, max_active=4))
+    server.enable_hgpt(runtime)
+    url, stop = run_in_thread(server)
+    tokens = {}
+    for name, texts in (("writer", TEXTS), ("poet", TEXTS[::-1])):
+        got, out = raw(url, "POST", "/v1/tenants", {"name": name, "model": "decoder", "training_text": texts,
+                                                    "adapter": {"rank": 4}, "epochs": 1})
+        assert got == 202, out
+        tokens[name] = out["token"]
+        done = wait(url, out["job"])
+        assert done["state"] == "succeeded", done
+    got, out = raw(url, "POST", "/v1/tenants", {"name": "classic", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                                                "training_data": {"train": TRAIN}, "epochs": 1})
+    assert wait(url, out["job"])["state"] == "succeeded"
+    yield {"url": url, "tokens": tokens, "server": server}
+    stop()
+
+
+def wait(url, job, timeout=300):
+    import time
+
+    end = time.time() + timeout
+    while time.time() < end:
+        _, j = raw(url, "GET", f"/v1/jobs/{job}")
+        if j["state"] not in ("queued", "running"):
+            return j
+        time.sleep(0.3)
+    raise TimeoutError(job)
+
+
+def stream_lines(url, path, body, token=ADMIN):
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.headers["Content-Type"], [line.decode() for line in r.read().splitlines() if line.strip()]
+
+
+def test_decoder_tenants_generate_through_http_for_several_tenants_at_once(gpt):
+    url = gpt["url"]
+    solo = {t: raw(url, "POST", f"/v1/tenants/{t}/generate", {"prompt": "the lazy", "max_new_tokens": 8})[1]
+            for t in ("writer", "poet")}
+    assert solo["writer"]["tokens"] == 8 and solo["writer"]["finish_reason"] == "length"
+    results, threads = [], []
+    for i in range(8):
+        t = ("writer", "poet")[i % 2]
+        threads.append(threading.Thread(target=lambda t=t: results.append(
+            (t, raw(url, "POST", f"/v1/tenants/{t}/generate", {"prompt": "the lazy", "max_new_tokens": 8},
+                    token=gpt["tokens"][t])))))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert len(results) == 8
+    for t, (status, out) in results:
+        assert status == 200 and out["text"] == solo[t]["text"]
+
+
+def test_streaming_generate_sends_ndjson_pieces_that_add_up_to_the_result(gpt):
+    ctype, lines = stream_lines(gpt["url"], "/v1/tenants/writer/generate",
+                                {"prompt": "a quick", "max_new_tokens": 10, "stream": True})
+    assert ctype.startswith("application/x-ndjson")
+    msgs = [json.loads(x) for x in lines]
+    assert msgs[-1]["done"] and msgs[-1]["tokens"] == 10
+    assert "".join(m["text"] for m in msgs[:-1]) == msgs[-1]["text"]
+
+
+def test_openai_style_completions_answer_and_stream_server_sent_events(gpt):
+    url = gpt["url"]
+    got, out = raw(url, "POST", "/v1/completions", {"model": "poet", "prompt": "the sun", "max_tokens": 6},
+                   token=gpt["tokens"]["poet"])
+    assert got == 200 and out["object"] == "text_completion" and out["usage"]["completion_tokens"] == 6
+    ctype, lines = stream_lines(url, "/v1/completions", {"model": "poet", "prompt": "the sun", "max_tokens": 6, "stream": True})
+    assert ctype.startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(x[6:]) for x in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == out["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path,body,token,status,code", [
+    ("/v1/tenants/writer/generate", {"prompt": ""}, ADMIN, 400, "bad_prompt"),
+    ("/v1/tenants/writer/generate", {"prompt": "hi", "max_new_tokens": 0}, ADMIN, 400, "bad_max_new_tokens"),
+    ("/v1/tenants/writer/generate", {"prompt": "hi", "top_p": 2}, ADMIN, 400, "bad_top_p"),
+    ("/v1/tenants/writer/generate", {"prompt": "hi", "bogus": 1}, ADMIN, 400, "unknown_field"),
+    ("/v1/tenants/writer/generate", {"prompt": "hi", "stop": "x" * 0}, ADMIN, 400, "bad_stop"),
+    ("/v1/tenants/writer/generate", {"prompt": "y" * 300}, ADMIN, 413, "input_too_long"),
+    ("/v1/tenants/classic/generate", {"prompt": "hi"}, ADMIN, 400, "not_a_decoder_tenant"),
+    ("/v1/tenants/nobody/generate", {"prompt": "hi"}, ADMIN, 404, "unknown_tenant"),
+    ("/v1/completions", {"prompt": "hi"}, ADMIN, 400, "missing_field"),
+    ("/v1/completions", {"model": "writer", "prompt": "hi", "n": 2}, ADMIN, 400, "invalid_value"),
+    ("/v1/tenants", {"name": "x1", "model": "decoder", "corpus": "nope"}, ADMIN, 400, "unknown_corpus"),
+    ("/v1/tenants", {"name": "x2", "model": "decoder", "training_text": []}, ADMIN, 400, "empty_training_data"),
+    ("/v1/tenants", {"name": "x4", "model": "decoder"}, ADMIN, 400, "missing_field"),
+    ("/v1/tenants", {"name": "x3", "model": "decoder", "training_text": ["a"], "adapter": {"rank": 16}}, ADMIN, 400,
+     "invalid_spec"),
+])
+def test_bad_generation_requests_get_a_clear_4xx(gpt, path, body, token, status, code):
+    got, out = raw(gpt["url"], "POST", path, body, token=token)
+    assert (got, out["error"]["code"]) == (status, code), out
+
+
+def test_a_tenant_token_cannot_generate_for_another_tenant(gpt):
+    got, out = raw(gpt["url"], "POST", "/v1/tenants/poet/generate", {"prompt": "hi"}, token=gpt["tokens"]["writer"])
+    assert got == 403
+    got, out = raw(gpt["url"], "POST", "/v1/completions", {"model": "poet", "prompt": "hi"}, token=gpt["tokens"]["writer"])
+    assert got == 403
+
+
+def test_update_and_delete_of_a_decoder_tenant(gpt):
+    url = gpt["url"]
+    got, out = raw(url, "POST", "/v1/tenants/poet/update", {"training_text": TEXTS, "epochs": 1})
+    assert got == 202 and wait(url, out["job"])["state"] == "succeeded"
+    got, _ = raw(url, "POST", "/v1/tenants/poet/generate", {"prompt": "the", "max_new_tokens": 3})
+    assert got == 200
+    got, _ = raw(url, "DELETE", "/v1/tenants/poet")
+    assert got == 200
+    got, out = raw(url, "POST", "/v1/tenants/poet/generate", {"prompt": "the"})
+    assert got == 404
