@@ -231,7 +231,7 @@ def cmd_serve(args) -> int:
 
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
                        miss_policy=args.miss_policy)
-    return serve(args.host, args.port, not args.no_demo, cfg)
+    return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt)
 
 
 def _client(args):
@@ -260,6 +260,21 @@ def _run_client(fn):
 @_run_client
 def cmd_infer(args):
     _print(_client(args).infer(args.tenant, args.texts))
+
+
+@_run_client
+def cmd_generate(args):
+    body = {"prompt": args.prompt, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "seed": args.seed, "stop": args.stop}
+    final = {}
+    for msg in _client(args).generate_stream(args.tenant, {k: v for k, v in body.items() if v is not None}):
+        if msg.get("done"):
+            final = msg
+        elif "error" in msg:
+            raise SystemExit(f"hmi: {msg['error']['message']}")
+        else:
+            print(msg["text"], end="", flush=True)
+    print(f"\n[{final.get('tokens')} tokens, {final.get('finish_reason')}]", file=sys.stderr)
 
 
 @_run_client
@@ -471,12 +486,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--pool-slots", type=int, default=64)
     srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute"],
                      help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
+    srv.add_argument("--hgpt", action="store_true",
+                     help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):
         p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
         p.add_argument("--token", default=None, help="default: HMI_TOKEN, HMI_ADMIN_TOKEN or $HMI_HOME/admin_token")
         return p
+
+    gen = client_args(sub.add_parser("generate", help="generate text with a decoder tenant (streams as it comes)"))
+    gen.add_argument("tenant")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=48)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
 
     inf = client_args(sub.add_parser("infer", help="run a tenant's model on texts (through the server)"))
     inf.add_argument("tenant")

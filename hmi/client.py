@@ -26,6 +26,15 @@ def default_token() -> str | None:
     return p.read_text().strip() if p.exists() else None
 
 
+def _api_error(exc: urllib.error.HTTPError) -> ApiError:
+    raw = exc.read()
+    try:
+        err = json.loads(raw)["error"]
+        return ApiError(exc.code, err["code"], err["message"])
+    except (ValueError, KeyError, TypeError):
+        return ApiError(exc.code, "http_error", raw.decode(errors="replace")[:500])
+
+
 class Client:
     def __init__(self, url: str = "http://127.0.0.1:8080", token: str | None = None, timeout: float = 120):
         self.url = url.rstrip("/")
@@ -44,17 +53,41 @@ class Client:
                 raw = resp.read()
                 return json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else {"text": raw.decode()}
         except urllib.error.HTTPError as exc:
-            raw = exc.read()
-            try:
-                err = json.loads(raw)["error"]
-                raise ApiError(exc.code, err["code"], err["message"]) from None
-            except (ValueError, KeyError, TypeError):
-                raise ApiError(exc.code, "http_error", raw.decode(errors="replace")[:500]) from None
+            raise _api_error(exc) from None
         except urllib.error.URLError as exc:
             raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
 
     def infer(self, tenant: str, inputs: list[str]) -> list[dict]:
         return self.request("POST", f"/v1/tenants/{tenant}/infer", {"inputs": inputs})["outputs"]
+
+    def generate(self, tenant: str, prompt: str, **options) -> dict:
+        return self.request("POST", f"/v1/tenants/{tenant}/generate", {"prompt": prompt, **options})
+
+    def generate_stream(self, tenant: str, body: dict):
+        """Yields the NDJSON messages of a streaming generation: {"text"} pieces, then {"done": true, ...}."""
+        req = urllib.request.Request(f"{self.url}/v1/tenants/{tenant}/generate",
+                                     data=json.dumps({**body, "stream": True}).encode(), method="POST")
+        req.add_header("Content-Type", "application/json")
+        req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                for line in r:
+                    if line.strip():
+                        yield json.loads(line)
+        except urllib.error.HTTPError as exc:
+            raise _api_error(exc) from None
+        except urllib.error.URLError as exc:
+            raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
+
+    def create_decoder_tenant(self, name: str, corpus: str | None = None, training_text: list[str] | None = None,
+                              max_train: int | None = None, epochs: int | None = None, rank: int | None = None) -> dict:
+        body = {"name": name, "model": "decoder"}
+        for k, v in (("corpus", corpus), ("training_text", training_text), ("max_train", max_train), ("epochs", epochs)):
+            if v is not None:
+                body[k] = v
+        if rank is not None:
+            body["adapter"] = {"rank": rank}
+        return self.request("POST", "/v1/tenants", body)
 
     def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
                       dataset: str | None = None, domain: str = "root", adapter: dict | None = None,

@@ -14,6 +14,8 @@ from hmi.dispatcher.app import Server, ServerConfig, make_app
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
 
+DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "corpus": "legal", "max_train": 160, "epochs": 1}]
+
 DEMO_TENANTS = [
     {"name": "demo-news", "dataset": "news-topic", "max_train": 800, "epochs": 3},
     {"name": "demo-reviews", "dataset": "review-sentiment", "max_train": 1500, "epochs": 3},
@@ -54,6 +56,33 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
     return tokens
 
 
+def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
+    """Creates the demo decoder tenants that do not exist yet; returns the new tokens."""
+    from hmi.dispatcher.auth import hash_token, new_token
+
+    tokens = {}
+    for d in DEMO_DECODER_TENANTS:
+        if server.registry.get("tenants", d["name"]) is not None:
+            continue
+        spec = server.gpt.default_spec()
+        token = new_token("hmi_t")
+        server.add_tenant(d["name"], {"state": "training", "model": "decoder", "domain": "root", "spec": spec.to_dict(),
+                                      "token_hash": hash_token(token), "version": 0})
+        job = server.jobs.submit("create", d["name"], spec.to_dict(), {"corpus": d["corpus"], "max_train": d["max_train"]},
+                                 epochs=d["epochs"], model="decoder")
+        server.registry.update("tenants", d["name"], job=job)
+        tokens[d["name"]] = token
+    return tokens
+
+
+def enable_hgpt(server: Server, home: Path) -> None:
+    """Loads the decoder root and its causal PLOT (built on first start) into the server."""
+    from hmi.hgpt.runtime import HgptRuntime
+
+    print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
+    server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant))
+
+
 def prepare_default(home: Path):
     """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
     from hmi.cli import build_parser, cmd_calibrate, ensure_data
@@ -71,7 +100,7 @@ def prepare_default(home: Path):
     return root
 
 
-def serve(host: str, port: int, demo: bool, cfg: ServerConfig) -> int:
+def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
@@ -84,8 +113,12 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig) -> int:
         print(f"admin token (printed once, also in {token_file}, mode 0600): {server.admin_token}")
     else:
         print("admin token: " + ("from HMI_ADMIN_TOKEN" if not token_file.exists() else f"in {token_file}"))
+    if hgpt:
+        enable_hgpt(server, home)
     if demo:
         tokens = start_demo_tenants(server)
+        if hgpt:
+            tokens.update(start_demo_decoder_tenants(server))
         if tokens:
             demo_file = home / "demo_tokens.json"
             existing = json.loads(demo_file.read_text()) if demo_file.exists() else {}
@@ -100,7 +133,8 @@ HMI serving on {base}
   curl -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' \\
        -d '{{"inputs": ["Shares rose after the bank beat forecasts."]}}' {base}/v1/tenants/demo-news/infer
   hmi infer demo-news "The striker scored twice in the final."   (uses $HMI_HOME/admin_token)
-""", flush=True)
+""" + ("""  hmi generate demo-legal-gpt "Permission is hereby granted"       (decoder tenant, streams tokens)
+""" if hgpt else ""), flush=True)
     web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
     return 0
 

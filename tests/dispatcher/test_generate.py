@@ -158,3 +158,13 @@ def test_update_and_delete_of_a_decoder_tenant(gpt):
     assert got == 200
     got, out = raw(url, "POST", "/v1/tenants/poet/generate", {"prompt": "the"})
     assert got == 404
+
+
+def test_cli_generate_streams_the_completion(gpt, capsys):
+    from hmi.cli import main
+
+    want = raw(gpt["url"], "POST", "/v1/tenants/writer/generate", {"prompt": "the quick", "max_new_tokens": 5})[1]
+    assert main(["generate", "writer", "the quick", "--max-new-tokens", "5", "--url", gpt["url"], "--token", ADMIN]) in (0, None)
+    captured = capsys.readouterr()
+    assert captured.out.rstrip("\n") == want["text"].rstrip("\n")
+    assert "5 tokens" in captured.err
