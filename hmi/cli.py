@@ -55,6 +55,19 @@ def ensure_data() -> None:
         prepare(data_dir())
 
 
+def cmd_calibrate_decoder(args) -> int:
+    from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save
+    from hmi.home import hmi_home
+
+    cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
+    root, meta = calibrate_and_save(hmi_home(), args.l_low or 2, cfg)
+    q = meta["quality"]
+    print(f"decoder root {root.artifact_id}: perplexity on {q['eval_texts']} held-out texts: full model {q['ppl_full']}, "
+          f"naive windows {q['ppl_naive_window']}, calibrated windows {q['ppl_calibrated']} "
+          f"({meta['train_seconds']} s of training)")
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     _quiet_transformers()
     import torch
@@ -67,6 +80,9 @@ def cmd_calibrate(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     ensure_data()
+    if args.decoder:
+        return cmd_calibrate_decoder(args)
+    args.steps, args.l_low = args.steps or 250, args.l_low or 3
     cfg = CalibrationConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             max_minutes=args.max_minutes)
     root = uncalibrated_root(default_spec(args.l_low))
@@ -450,11 +466,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=cmd_data_prepare)
 
     cal = sub.add_parser("calibrate", help="distill the windowed lower layers from the full root")
-    cal.add_argument("--steps", type=int, default=250)
+    cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
+    cal.add_argument("--steps", type=int, default=None, help="default 250 (encoder), 150 (decoder)")
     cal.add_argument("--batch-size", type=int, default=32)
     cal.add_argument("--lr", type=float, default=5e-4)
     cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--l-low", type=int, default=3)
+    cal.add_argument("--l-low", type=int, default=None, help="default 3 of 6 (encoder), 2 of 30 (decoder)")
     cal.add_argument("--max-minutes", type=float, default=10.0, help="training time budget (default 10)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hmi.hgpt.engine import EngineConfig, GenerationEngine, GenerationService
 from hmi.hgpt.lora import LoraSpec
-from hmi.model.decoder import CausalLower, DecoderRoot, load_decoder
+from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.plot.build import Selection, build_from_corpus
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
@@ -70,7 +70,12 @@ class HgptRuntime:
 
     @classmethod
     def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True) -> "HgptRuntime":
-        root = load_decoder(l_low=l_low)
+        from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
+
+        root = load_calibrated_decoder(home)
+        if root is None:
+            print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, a few minutes)")
+            root, _ = calibrate_and_save(home, l_low, DecoderCalibrationConfig(), progress=progress)
         ensure_decoder_plot(root, home, progress=progress)
         store = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
         return cls(root, store, load_tenant)

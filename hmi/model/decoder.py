@@ -48,6 +48,11 @@ class DecoderRoot:
     tokenizer: object
     l_low: int
     name: str = "smollm2-135m-q4_1"
+    windowed: nn.ModuleList | None = None  # calibrated copies of the lower layers for windows; None: the model's own
+
+    @property
+    def window_layers(self) -> nn.ModuleList:
+        return self.windowed if self.windowed is not None else self.layers[:self.l_low]
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -105,7 +110,7 @@ def window_states(root: DecoderRoot, windows: torch.Tensor, lower: nn.ModuleList
     hidden state at c.
     Shapes: windows (N, 3) int64 -> (N, H).
     """
-    lower = lower if lower is not None else root.layers[:root.l_low]
+    lower = lower if lower is not None else root.window_layers
     present = windows != 0
     present[:, 2] = True
     n = windows.shape[0]
@@ -130,7 +135,7 @@ class CausalLower(nn.Module):
     def __init__(self, root: DecoderRoot, layers: nn.ModuleList | None = None):
         super().__init__()
         self.root = root
-        self.layers = layers if layers is not None else root.layers[:root.l_low]
+        self.layers = layers if layers is not None else root.window_layers
 
     def lower(self, windows: torch.Tensor) -> torch.Tensor:
         """Shapes: windows (N, 3) int64 -> (N, 1, H)."""

@@ -17,9 +17,17 @@ class CharTokenizer:
 
     eos_token_id = None
 
-    def __call__(self, text, add_special_tokens=False, truncation=False, max_length=None):
+    def __call__(self, text, add_special_tokens=False, truncation=False, max_length=None, padding=False,
+                 return_tensors=None):
         one = lambda t: [3 + (ord(c) % (VOCAB - 3)) for c in t][:max_length if truncation else None]  # noqa: E731
-        return {"input_ids": [one(t) for t in text] if isinstance(text, list) else one(text)}
+        if not isinstance(text, list):
+            return {"input_ids": one(text)}
+        ids = [one(t) for t in text]
+        if not padding:
+            return {"input_ids": ids}
+        T = max(len(x) for x in ids)
+        out = {"input_ids": [x + [0] * (T - len(x)) for x in ids], "attention_mask": [[1] * len(x) + [0] * (T - len(x)) for x in ids]}
+        return {k: torch.tensor(v) for k, v in out.items()} if return_tensors == "pt" else out
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord(" ") + (i - 3) % 95) for i in ids)
@@ -157,3 +165,25 @@ def test_lora_fine_tune_lowers_dev_loss_resumes_from_saved_weights_and_serves(wo
                          EngineConfig(rank=4, max_len=96))
     out = e.generate([GenRequest("fox", "the quick brown", max_new_tokens=10)])[0]
     assert out["tokens"] == 10
+
+
+def test_decoder_calibration_moves_window_states_toward_the_full_context_states(world, tmp_path):
+    import json
+
+    from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_decoder, save_decoder_artifact
+    from hmi.model.decoder import full_hidden, windowed_hidden
+
+    root = world[0]
+    lines = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day"] * 8
+    lower, info = calibrate_decoder(root, lines, DecoderCalibrationConfig(steps=40, batch_size=4, lr=3e-3), progress=False)
+    enc = CharTokenizer()(lines[:2], padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    m = mask.bool()
+    target = full_hidden(root, ids, mask, root.l_low)[m]
+    before = ((windowed_hidden(root, ids.numpy(), mask.numpy())[m] - target) ** 2).mean()
+    after = ((windowed_hidden(root, ids.numpy(), mask.numpy(), lower)[m] - target) ** 2).mean()
+    assert after < 0.7 * before
+    assert all(not p.requires_grad for p in root.model.parameters())  # the shared model is untouched
+    name = save_decoder_artifact(root, lower, info, tmp_path)
+    assert (tmp_path / "roots" / "current_decoder").read_text() == f"{name}-l{root.l_low}"
+    assert json.loads((tmp_path / "roots" / f"{name}-l{root.l_low}" / "meta.json").read_text())["l_low"] == root.l_low

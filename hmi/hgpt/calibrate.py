@@ -1,0 +1,121 @@
+"""Calibration of a decoder root: copies of the lower layers learn to produce, from a causal
+window alone, the full-context model's hidden state at the split (MSE on real text).  The
+calibrated copies become a versioned artifact under ``HMI_HOME/roots``; the full model's own
+layers stay untouched (the upper layers are shared and frozen)."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from hmi.io import atomic_write_text
+from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, window_states
+from hmi.model.windows import causal_windows, unique_windows
+
+
+@dataclass
+class DecoderCalibrationConfig:
+    steps: int = 150
+    batch_size: int = 8
+    lr: float = 3e-4
+    max_len: int = 128
+    seed: int = 0
+    eval_texts: int = 32
+
+
+def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrationConfig,
+                      progress: bool = True) -> tuple[torch.nn.ModuleList, dict]:
+    """Trains copies of the lower layers; returns them and the loss history."""
+    torch.manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    lower = copy.deepcopy(root.layers[:root.l_low]).requires_grad_(True).train()
+    opt = torch.optim.AdamW(lower.parameters(), lr=cfg.lr, weight_decay=0.0)
+    tok, history, t0 = root.tokenizer, [], time.time()
+    for step in tqdm(range(cfg.steps), desc="calibrate decoder", unit="step", disable=not progress):
+        batch = [lines[i] for i in rng.integers(0, len(lines), cfg.batch_size)]
+        enc = tok(batch, truncation=True, max_length=cfg.max_len, padding=True, return_tensors="pt", add_special_tokens=False)
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        with torch.no_grad():
+            target = full_hidden(root, ids, mask, root.l_low)
+        m = mask.numpy().astype(bool)
+        uniq, inv = unique_windows(causal_windows(ids.numpy(), mask.numpy()), mask.numpy())
+        pred = window_states(root, torch.from_numpy(uniq), lower)[torch.from_numpy(inv[m])]
+        loss = ((pred - target[torch.from_numpy(m)]) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 10 == 0 or step == cfg.steps - 1:
+            history.append((step, round(loss.item(), 5)))
+    lower.eval().requires_grad_(False)
+    return lower, {"history": history, "train_seconds": round(time.time() - t0, 1)}
+
+
+def decoder_roots_dir(home: Path) -> Path:
+    return Path(home) / "roots"
+
+
+def save_decoder_artifact(root: DecoderRoot, lower: torch.nn.ModuleList, meta: dict, home: Path) -> str:
+    """Writes the calibrated lower layers (atomically) and marks them current; returns the artifact name."""
+    sd = {k: v.contiguous() for k, v in lower.state_dict().items()}
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        h.update(k.encode())
+        h.update(sd[k].numpy().tobytes())
+    name = f"{root.name}-cal{h.hexdigest()[:12]}"
+    folder = decoder_roots_dir(home) / f"{name}-l{root.l_low}"
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(tmp / "lower.safetensors"))
+    (tmp / "meta.json").write_text(json.dumps({"name": name, "l_low": root.l_low, **meta}, indent=1))
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+    atomic_write_text(decoder_roots_dir(home) / "current_decoder", folder.name)
+    return name
+
+
+def load_calibrated_decoder(home: Path) -> DecoderRoot | None:
+    """The current calibrated decoder root, or None when there is none yet."""
+    cur = decoder_roots_dir(home) / "current_decoder"
+    if not cur.exists():
+        return None
+    folder = decoder_roots_dir(home) / cur.read_text().strip()
+    meta = json.loads((folder / "meta.json").read_text())
+    root = load_decoder(l_low=meta["l_low"])
+    lower = copy.deepcopy(root.layers[:root.l_low])
+    lower.load_state_dict(load_file(str(folder / "lower.safetensors")))
+    root.windowed = lower.eval().requires_grad_(False)
+    root.name = meta["name"]
+    return root
+
+
+def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True) -> tuple[DecoderRoot, dict]:
+    """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save."""
+    from hmi.cli import held_out_texts
+    from hmi.data import load_corpus
+
+    root = load_decoder(l_low=l_low)
+    texts = held_out_texts(cfg.eval_texts)
+    with torch.no_grad():
+        ppl_full = perplexity(root, texts, "full")
+        ppl_naive = perplexity(root, texts, "windowed")
+    lower, info = calibrate_decoder(root, load_corpus("general"), cfg, progress)
+    with torch.no_grad():
+        ppl_cal = perplexity(root, texts, "windowed", lower=lower)
+    quality = {"ppl_full": round(ppl_full, 3), "ppl_naive_window": round(ppl_naive, 3),
+               "ppl_calibrated": round(ppl_cal, 3), "eval_texts": len(texts)}
+    meta = {"config": asdict(cfg), "quality": quality, **info}
+    save_decoder_artifact(root, lower, meta, home)
+    root.windowed = lower
+    return root, meta
