@@ -111,9 +111,9 @@ def main() -> None:
     from hmi.plot.default import ensure_root_plot, open_root_version
     from hmi.plot.lookup import PlotLookup
 
-    caps = {"news-topic": 400, "review-sentiment": 1000, "tweet-sentiment": 1000, "pos-tagging": 400} if args.quick else \
+    caps = {"news-topic": 300, "review-sentiment": 800, "tweet-sentiment": 600, "pos-tagging": 300} if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}
-    n_eval = 300 if args.quick else 1000
+    n_eval = 240 if args.quick else 1000
     epochs = 3 if args.quick else 5
     max_len = 128
     root = load_root()
