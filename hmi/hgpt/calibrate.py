@@ -116,6 +116,6 @@ def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, pr
     quality = {"ppl_full": round(ppl_full, 3), "ppl_naive_window": round(ppl_naive, 3),
                "ppl_calibrated": round(ppl_cal, 3), "eval_texts": len(texts)}
     meta = {"config": asdict(cfg), "quality": quality, **info}
-    save_decoder_artifact(root, lower, meta, home)
+    root.name = save_decoder_artifact(root, lower, meta, home)
     root.windowed = lower
     return root, meta

@@ -185,8 +185,7 @@ class GenerationEngine:
             win[i, 3 - len(tail):] = tail
         uniq, inv = np.unique(win, axis=0, return_inverse=True)
         reps, hits = self.lookup.window_reps(uniq)
-        with self.lookup._lock:
-            self.lookup.hits.update(hits)
+        self.lookup.record(hits)
         merged = self.lookup.merge(torch.from_numpy(reps.astype(np.float32))[None])[0]
         h = merged[torch.from_numpy(inv.reshape(-1))].unsqueeze(1)
         starts = torch.tensor([a.pos for a in running])

@@ -107,6 +107,11 @@ class PlotLookup:
         hits["zeros"] += int(todo.sum())
         return out, hits
 
+    def record(self, hits: Counter) -> None:
+        """Adds a lookup's hits per level to the running counters."""
+        with self._lock:
+            self.hits.update(hits)
+
     def represent(self, ids: np.ndarray, mask: np.ndarray) -> LookupResult:
         """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, n, H) float32."""
         ids, mask = np.asarray(ids), np.asarray(mask)
@@ -115,8 +120,7 @@ class PlotLookup:
         full = np.zeros(ids.shape + reps.shape[1:], dtype=np.float32)
         real = inverse >= 0
         full[real] = reps[inverse[real]]
-        with self._lock:
-            self.hits.update(hits)
+        self.record(hits)
         return LookupResult(torch.from_numpy(full), hits)
 
     @torch.no_grad()
