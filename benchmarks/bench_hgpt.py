@@ -176,7 +176,7 @@ def main() -> None:
     # -- throughput -----------------------------------------------------------------------------------
     ensure_decoder_plot(root, home, progress=False)
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-hgpt-"))
-    n_req, new_tokens = (32, 24) if args.quick else (64, 32)
+    n_req, new_tokens = (64, 24) if args.quick else (128, 32)
     tok = root.tokenizer
     reqs_text = prompts(tok, n_req)
     tput: dict = {"hGPT": {}, "dedicated": {}}
@@ -197,7 +197,7 @@ def main() -> None:
         print(f"{max(COUNTS)} LoRA adapters written in {time.perf_counter() - t0:.0f} s", flush=True)
         pstore = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
         runtime = HgptRuntime(root, pstore, lambda t: (spec, store.load(t)), miss_policy="compute",
-                              cfg=EngineConfig(rank=8, max_active=16, max_len=256, lora_slots=64))
+                              cfg=EngineConfig(rank=8, max_active=64, max_len=256, lora_slots=64))
         runtime.service.shutdown()  # driven directly here
         hgpt_tokens_per_s(runtime, ["g00000"], reqs_text[:4], 4, 0)  # warm-up
         for n in COUNTS:
@@ -270,14 +270,15 @@ def main() -> None:
             f"copies (`hmi calibrate --decoder`, L_low = {chosen}).\n\n"
             + table(trows, ("scheme", *(f"{n:,} tenants" for n in COUNTS)))
             + f"\n\nGenerated tokens per second: {n_req} requests (32-token real prompts, {new_tokens} new tokens each, "
-            "greedy), tenants drawn uniformly. hGPT: the engine with 16 requests decoded together (continuous batching), "
+            "greedy), tenants drawn uniformly. hGPT: the engine with up to 64 requests decoded together (continuous batching), "
             "rank-8 LoRA on q and v of the 28 upper layers, the causal PLOT with compute-on-miss, adapters from disk "
             f"into a 2 GiB host budget. Dedicated: {model_files} real merged fp16 model files "
             f"({res['dedicated']['file_gib']} GiB), an LRU of {res['dedicated']['capacity']} fp32 models in 2 GiB, page "
             f"cache dropped before each load (median load {res['dedicated']['median_load_s']} s, median generation "
             f"{res['dedicated']['median_generate_s']} s per request); derived points: new tokens / (median generation + "
             "miss rate x median load). Plot: `docs/hgpt_tokens.png`.")
-    finish("bench_hgpt", text, res, "python benchmarks/bench_hgpt.py" + (" --quick" if args.quick else ""))
+    finish("bench_hgpt", text, res, "python benchmarks/bench_hgpt.py" + (" --quick" if args.quick else "")
+           + (f" --model-files {args.model_files}" if args.model_files else ""))
 
 
 if __name__ == "__main__":

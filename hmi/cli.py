@@ -165,13 +165,26 @@ def cmd_plot_build(args) -> int:
     from hmi.plot.default import plot_meta, root_plot_path
     from hmi.plot.store import PlotStore
 
-    root = load_current_root()
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
-    out = Path(args.out) if args.out else root_plot_path(root)
-    store = PlotStore(out, meta=plot_meta(root), readonly=False)
+    if args.decoder:
+        from hmi.hgpt.calibrate import load_calibrated_decoder
+        from hmi.hgpt.runtime import decoder_plot_meta, decoder_plot_path
+        from hmi.home import hmi_home
+        from hmi.model.decoder import CausalLower
+
+        droot = load_calibrated_decoder(hmi_home())
+        if droot is None:
+            raise SystemExit("hmi: no calibrated decoder root yet; run `hmi calibrate --decoder` first")
+        out = Path(args.out) if args.out else decoder_plot_path(droot, hmi_home())
+        meta, lower, tokenizer = decoder_plot_meta(droot), CausalLower(droot), droot.tokenizer
+    else:
+        root = load_current_root()
+        out = Path(args.out) if args.out else root_plot_path(root)
+        meta, lower, tokenizer = plot_meta(root), root.windowed, root.tokenizer
+    store = PlotStore(out, meta=meta, readonly=False)
     try:
-        summary = build_from_corpus(store, root.windowed, root.tokenizer, lines, sel, max_len=args.max_len)
+        summary = build_from_corpus(store, lower, tokenizer, lines, sel, max_len=args.max_len)
     finally:
         store.close()
     if summary.get("up_to_date"):
@@ -483,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--out", help="LMDB folder (default: the current root's root PLOT)")
     pb.add_argument("--select", default="all", help="all, alpha:A (coverage) or top_k:K")
     pb.add_argument("--max-len", type=int, default=128)
+    pb.add_argument("--decoder", action="store_true", help="a causal PLOT of the calibrated hGPT decoder root")
     pb.set_defaults(func=cmd_plot_build)
     ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
     ps.add_argument("path")

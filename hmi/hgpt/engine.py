@@ -64,7 +64,7 @@ class _Active:
 
 @dataclass
 class EngineConfig:
-    max_active: int = 16  # requests decoded together (KV-cache rows)
+    max_active: int = 32  # requests decoded together (KV-cache rows)
     max_len: int = 512  # prompt + completion tokens per request
     lora_slots: int = 64
     rank: int = 8
@@ -236,10 +236,14 @@ class GenerationEngine:
                     s, n = int(starts[b]), int(q_lens[b])
                     kc[rows[b], :, s:s + n] = k[b, :, :n]
                     vc[rows[b], :, s:s + n] = v[b, :, :n]
-            K = kc.index_select(0, rows)[:, :, :Lk].repeat_interleave(rep, dim=1)
-            V = vc.index_select(0, rows)[:, :, :Lk].repeat_interleave(rep, dim=1)
-            scores = torch.matmul(q, K.transpose(-1, -2)) / math.sqrt(self.hd) + mask
-            ctx = torch.matmul(torch.softmax(scores, dim=-1), V).transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
+            # Only the first Lk positions of the batch's rows; query heads grouped by their key/value
+            # head (GQA) so keys and values are not repeated.
+            K = kc[:, :, :Lk].index_select(0, rows).unsqueeze(2)  # (B, nkv, 1, Lk, hd)
+            V = vc[:, :, :Lk].index_select(0, rows).unsqueeze(2)
+            qg = q.view(B, self.nkv, rep, Tq, self.hd)
+            scores = torch.matmul(qg, K.transpose(-1, -2)) / math.sqrt(self.hd) + mask.unsqueeze(1)
+            ctx = torch.matmul(torch.softmax(scores, dim=-1), V).view(B, self.nh, Tq, self.hd)
+            ctx = ctx.transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
             h = h + att.o_proj(ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h

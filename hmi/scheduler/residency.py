@@ -109,7 +109,7 @@ class ResidencyManager:
             layer_ready = [threading.Event() for _ in range(self.n_layers)]
             head_ready = threading.Event()
         res = Residency(groups, acquired, layer_ready, head_ready, len(to_copy))
-        if pipelined:
+        if pipelined and to_copy:
             self._stager.submit(self._copy, to_copy, res)
         else:
             self._copy(to_copy, res)
