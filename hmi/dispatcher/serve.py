@@ -134,7 +134,7 @@ HMI serving on {base}
        -d '{{"inputs": ["Shares rose after the bank beat forecasts."]}}' {base}/v1/tenants/demo-news/infer
   hmi infer demo-news "The striker scored twice in the final."   (uses $HMI_HOME/admin_token)
 """ + ("""  hmi generate demo-legal-gpt "Permission is hereby granted"       (decoder tenant, streams tokens)
-""" if hgpt else ""), flush=True)
+""" if hgpt and demo else ""), flush=True)
     web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
     return 0
 
