@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import finish, start, table  # noqa: E402
 
 COMPRESS_LAYERS = 2
-SCHEMES = [("dedicated", "full", 5e-5), ("shared", "head", 2e-3), ("compress", "compress", 1e-4),
+SCHEMES = [("dedicated", "full", 5e-5), ("shared", "head", 2e-3), ("compress", "compress", 5e-4),
            ("hBERT-adapter", "adapter", 1e-3)]
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 
@@ -162,7 +162,7 @@ def main() -> None:
              f"{res['avg_gap_vs_full_ft']} points; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}. "
              f"{epochs} epochs, best epoch on dev, AdamW. dedicated: every weight of the root (lr 5e-5); shared: the "
              f"head alone on the frozen root (lr 2e-3); compress: the root's first {COMPRESS_LAYERS} layers, every "
-             "weight (lr 1e-4); hBERT-adapter: bottleneck adapters (reduction 16) in all 6 layers of the full-context "
+             "weight (lr 5e-4); hBERT-adapter: bottleneck adapters (reduction 16) in all 6 layers of the full-context "
              "root (lr 1e-3); hBERT: bottleneck adapters in the upper 3 layers on the merged PLOT representations, "
              "reading the root PLOT with back-off as served; hBERT, exact windows: the same with every PLOT miss "
              "computed by the windowed lower layers (`--miss-policy compute`).")
