@@ -29,6 +29,16 @@ def _decoder_tenant(s, tenant: str) -> None:
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
 
 
+def _start(s, tenant: str, body: dict, max_key: str):
+    """Checks the tenant, queues the request; returns (request, stream sink or None)."""
+    _decoder_tenant(s, tenant)
+    stream = field(body, "stream", bool, required=False, default=False)
+    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
+    req = _request(s, tenant, body, max_key, asyncio.get_running_loop(), sink)
+    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
+    return req, sink
+
+
 def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
     from hmi.hgpt.engine import GenerationError, GenRequest
 
@@ -92,13 +102,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     s.require_owner(request, tenant)
     body = await json_body(request)
     unknown_fields(body, GENERATE_FIELDS)
-    _decoder_tenant(s, tenant)
-    stream = field(body, "stream", bool, required=False, default=False)
-    loop = asyncio.get_running_loop()
-    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
-    req = _request(s, tenant, body, "max_new_tokens", loop, sink)
-    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
-    if not stream:
+    req, sink = _start(s, tenant, body, "max_new_tokens")
+    if sink is None:
         return web.json_response({"tenant": tenant, **await _result(s, req)})
     return await _stream(request, s, req, sink, "application/x-ndjson", lambda d: (json.dumps(d) + "\n").encode())
 
@@ -113,19 +118,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if field(body, "n", int, required=False, default=1) != 1:
         raise ApiError(400, "invalid_value", "only n = 1 is supported")
     s.require_owner(request, tenant)
-    _decoder_tenant(s, tenant)
-    stream = field(body, "stream", bool, required=False, default=False)
-    loop = asyncio.get_running_loop()
-    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
-    req = _request(s, tenant, body, "max_tokens", loop, sink)
-    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
+    req, sink = _start(s, tenant, body, "max_tokens")
     cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def chunk(text: str, finish: str | None) -> dict:
         return {"id": cid, "object": "text_completion", "created": created, "model": tenant,
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
 
-    if not stream:
+    if sink is None:
         r = await _result(s, req)
         return web.json_response({**chunk(r["text"], r["finish_reason"]),
                                   "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["tokens"],

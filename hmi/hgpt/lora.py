@@ -59,14 +59,9 @@ def _lib_key(layer: int, proj: str, name: str, part: str) -> str:
 
 def attach(model, name: str, spec: LoraSpec, l_low: int, train: bool = False) -> None:
     """Adds the tenant's LoRA to the upper layers of a (private copy of the) decoder with the library."""
-    import adapters
+    from hmi.adapters.interop import attach as attach_library
 
-    if not hasattr(model, "adapters_config"):
-        adapters.init(model)
-    model.add_adapter(name, config=spec.library_config(l_low))
-    if train:
-        model.train_adapter(name)
-    model.set_active_adapters(name)
+    attach_library(model, name, spec, l_low, train)
 
 
 def library_copy(model):
