@@ -107,6 +107,12 @@ class Server:
         self.gpt = runtime
         self.jobs.ctx.gpt = runtime.worker_view()
 
+    def require_gpt(self):
+        """The hGPT runtime, or a 404 telling how to enable it."""
+        if self.gpt is None:
+            raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+        return self.gpt
+
     def load_decoder_tenant(self, name: str):
         """(LoraSpec, weights) of a decoder tenant, for the generation engine."""
         from hmi.hgpt.lora import LoraSpec
@@ -298,10 +304,10 @@ def _training_data(s: Server, body: dict, spec: AdapterSpec) -> dict:
     return {"train": train, "dev": dev, "test": test}
 
 
-def _epochs(body: dict) -> int:
-    epochs = field(body, "epochs", int, required=False, default=4)
-    if not 1 <= epochs <= 50:
-        raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 50]")
+def _epochs(body: dict, default: int = 4, most: int = 50) -> int:
+    epochs = field(body, "epochs", int, required=False, default=default)
+    if not 1 <= epochs <= most:
+        raise ApiError(400, "invalid_value", f"'epochs' must lie in [1, {most}]")
     return epochs
 
 
@@ -344,8 +350,7 @@ async def _create_decoder_tenant(s: Server, body: dict) -> web.Response:
 
     unknown_fields(body, {"name", "model", "adapter", "corpus", "training_text", "max_train", "epochs"})
     name = _tenant_name(body)
-    if s.gpt is None:
-        raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+    s.require_gpt()
     adapter = field(body, "adapter", dict, required=False, default={})
     unknown_fields(adapter, {"kind", "rank", "alpha"})
     if adapter.get("kind", "lora") != "lora":
@@ -358,9 +363,7 @@ async def _create_decoder_tenant(s: Server, body: dict) -> web.Response:
     except SpecError as exc:
         raise ApiError(400, "invalid_spec", str(exc)) from None
     data = _decoder_training(s, body)
-    epochs = field(body, "epochs", int, required=False, default=1)
-    if not 1 <= epochs <= 20:
-        raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 20]")
+    epochs = _epochs(body, default=1, most=20)
     token = new_token("hmi_t")
     rec = {"state": "training", "model": "decoder", "domain": "root", "spec": spec.to_dict(),
            "token_hash": hash_token(token), "version": 0}
@@ -407,13 +410,10 @@ async def update_tenant(request: web.Request) -> web.Response:
         raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
     body = await json_body(request)
     if rec.get("model") == "decoder":
-        if s.gpt is None:
-            raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+        s.require_gpt()
         unknown_fields(body, {"corpus", "training_text", "max_train", "epochs"})
         data = _decoder_training(s, body)
-        epochs = field(body, "epochs", int, required=False, default=1)
-        if not 1 <= epochs <= 20:
-            raise ApiError(400, "invalid_value", "'epochs' must lie in [1, 20]")
+        epochs = _epochs(body, default=1, most=20)
         s.registry.update("tenants", tenant, state="updating")
         job = s.jobs.submit("update", tenant, rec["spec"], data, epochs=epochs, model="decoder")
         s.registry.update("tenants", tenant, job=job)

@@ -18,8 +18,7 @@ COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "s
 
 
 def _decoder_tenant(s, tenant: str) -> None:
-    if s.gpt is None:
-        raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+    s.require_gpt()
     rec = s.registry.get("tenants", tenant)
     if rec is None:
         raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
@@ -51,7 +50,7 @@ def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
     req = GenRequest(tenant, prompt, max_new_tokens=field(body, max_key, int, required=False, default=32),
                      temperature=field(body, "temperature", (int, float), required=False, default=0.0),
                      top_p=field(body, "top_p", (int, float), required=False, default=1.0), seed=seed,
-                     stop=tuple(stop) if all(isinstance(x, str) for x in stop) else stop,
+                     stop=tuple(stop),
                      on_text=(lambda piece: loop.call_soon_threadsafe(sink.put_nowait, piece)) if sink is not None else None)
     try:
         s.gpt.service.submit(req)

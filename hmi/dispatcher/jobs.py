@@ -173,7 +173,8 @@ def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             from hmi.data import load_corpus
 
             texts = load_corpus(data["corpus"], (data.get("max_train") or 400) + 32)
-        dev, train = texts[:max(1, min(32, len(texts) // 10))], texts[max(1, min(32, len(texts) // 10)):] or texts
+        n_dev = max(1, min(32, len(texts) // 10))
+        dev, train = texts[:n_dev], texts[n_dev:] or texts
         adapters = AdapterStore(ctx.tenants_dir)
         init = {k: v.float() for k, v in adapters.load(job["tenant"]).items()} if job["kind"] == "update" else None
         weights, metrics = finetune_lm(

@@ -47,6 +47,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     on_text: Callable[[str], None] | None = None  # streaming: each new piece of text, in order
     future: Future = field(default_factory=Future)
+    prompt_ids: list[int] | None = field(default=None, init=False)  # set once the request is validated
 
 
 @dataclass
@@ -109,6 +110,7 @@ class GenerationEngine:
         ids = self.root.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
         if len(ids) + 1 > self.cfg.max_len:
             raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {self.cfg.max_len - 1}", 413)
+        req.prompt_ids = ids
         return ids
 
     def submit(self, req: GenRequest) -> Future:
@@ -146,7 +148,7 @@ class GenerationEngine:
             if req.future.done():
                 continue
             try:
-                ids = self.validate(req)
+                ids = req.prompt_ids if req.prompt_ids is not None else self.validate(req)
                 slot = self.pool.acquire(req.tenant, lambda t=req.tenant: self.load_tenant(t))
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 req.future.set_exception(exc)

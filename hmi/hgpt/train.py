@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hmi.adapters.train import Example, featurize
 from hmi.hgpt.lora import LoraSpec, attach, from_library, library_copy, to_library
 from hmi.model.decoder import DecoderRoot, run_layers
-from hmi.model.hplm import as_numpy_ids
 from hmi.plot.lookup import PlotLookup
 
 NAME = "tenant"
@@ -35,14 +35,10 @@ class LmFinetuneConfig:
     seed: int = 0
 
 
-def _features(lookup: PlotLookup, token_lists: list[list[int]], batch: int = 32):
-    out = []
-    for s in range(0, len(token_lists), batch):
-        ids, mask = as_numpy_ids(token_lists[s:s + batch])
-        h = lookup.merged(ids, mask)
-        for j, t in enumerate(token_lists[s:s + batch]):
-            out.append((torch.tensor(t), h[j, :len(t)].to(torch.float16)))
-    return out
+def _features(lookup: PlotLookup, token_lists: list[list[int]]):
+    """(ids, split-point states fp16) of each text, computed once (the lower side is frozen)."""
+    feats = featurize(lookup, [Example(t, 0) for t in token_lists])
+    return [(torch.tensor(t), h) for t, h in zip(token_lists, feats)]
 
 
 def _batch(items):
