@@ -71,13 +71,33 @@ class Merge(nn.Module):
                                   + pos[j] + type[token_type[b, j]]), out-of-range terms 0.
         Shapes: reps (B, T, 3, H) (zeros at padding) -> out (B, T, H).
         """
-        B, T = reps.shape[:2]
         s = reps[:, :, 1].clone()
         s[:, :-1] += reps[:, 1:, 0]
         s[:, 1:] += reps[:, :-1, 2]
+        return self._finish(s, token_type_ids)
+
+    def forward_unique(self, reps: torch.Tensor, inverse: torch.Tensor,
+                       token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` fed with the distinct windows of a batch, without building the (B, T, 3, H)
+        tensor: each of the three rows is gathered straight into place (the same sums in the same
+        order, so the result is bitwise that of ``forward(reps[inverse])``).
+
+        Shapes: reps (U, 3, H) (fp16 or fp32); inverse (B, T) int64, -1 at padding -> out (B, T, H) float32.
+        """
+        U = reps.shape[0]
+        rows = reps.new_zeros((U + 1,) + reps.shape[1:], dtype=torch.float32)  # row U: padding
+        rows[:U] = reps
+        idx = torch.where(inverse >= 0, inverse, U)
+        s = rows[idx, 1]
+        s[:, :-1] += rows[idx[:, 1:], 0]
+        s[:, 1:] += rows[idx[:, :-1], 2]
+        return self._finish(s, token_type_ids)
+
+    def _finish(self, s: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        B, T = s.shape[:2]
         if token_type_ids is None:
-            token_type_ids = torch.zeros((B, T), dtype=torch.long, device=reps.device)
-        positions = torch.arange(T, device=reps.device)
+            token_type_ids = torch.zeros((B, T), dtype=torch.long, device=s.device)
+        positions = torch.arange(T, device=s.device)
         s = s + self.position_embeddings(positions).unsqueeze(0) + self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(s)
 

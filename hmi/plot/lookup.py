@@ -125,5 +125,14 @@ class PlotLookup:
 
     @torch.no_grad()
     def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        """The upper layers' input for a batch. Shapes: ids, mask (B, T) -> (B, T, H) float32."""
-        return self.merge(self.represent(ids, mask).reps)
+        """The upper layers' input for a batch. Shapes: ids, mask (B, T) -> (B, T, H) float32.
+
+        Encoder chains merge straight from the distinct windows (``Merge.forward_unique``); the
+        result equals ``merge(represent(ids, mask).reps)``."""
+        if self.causal:
+            return self.merge(self.represent(ids, mask).reps)
+        ids, mask = np.asarray(ids), np.asarray(mask)
+        uniq, inverse = unique_windows(encoder_windows(ids, mask), mask)
+        reps, hits = self.window_reps(uniq)
+        self.record(hits)
+        return self.merge.forward_unique(torch.from_numpy(reps), torch.from_numpy(inverse))

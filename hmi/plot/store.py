@@ -14,7 +14,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from hmi.plot.keys import ngram_order, to_bytes
+from hmi.plot.keys import from_bytes, ngram_order, to_bytes
 
 INITIAL_MAP_SIZE = 1 << 30
 
@@ -114,18 +114,22 @@ class PlotStore:
         Shapes: keys (N,) uint64 -> values (N, n, H) in the PLOT's dtype (zeros where missing),
         found (N,) bool.
         """
-        n = len(keys)
-        out = np.zeros((n, self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype)
-        if n == 0:
-            return out, np.zeros(0, dtype=bool)
+        if len(keys) == 0:
+            return np.zeros((0, self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype), np.zeros(0, dtype=bool)
+        # One cursor call for all keys (the C side walks them); distinct sorted keys make the
+        # found pairs, which come back in query order, easy to place.
+        uniq, inverse = np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)
         with self.env.begin(db=self._entries, buffers=True) as txn:
-            get = txn.get
-            vals = [get(k) for k in to_bytes(keys)]
-            found = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
-            if found.any():
-                joined = b"".join(v for v in vals if v is not None)
-                out[found] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
-        return out, found
+            pairs = txn.cursor().getmulti(to_bytes(uniq))
+            vals_u = np.zeros((len(uniq), self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype)
+            found_u = np.zeros(len(uniq), dtype=bool)
+            if pairs:
+                at = np.searchsorted(uniq, from_bytes([bytes(k) for k, _ in pairs]))
+                joined = b"".join(v for _, v in pairs)
+                vals_u[at] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
+                found_u[at] = True
+        inverse = inverse.reshape(-1)
+        return vals_u[inverse], found_u[inverse]
 
     def clear(self) -> None:
         """Removes every entry (and the build and statistics records) in one transaction."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import queue
+import sys
 import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -57,6 +58,10 @@ class SchedulerConfig:
     max_pending: int = 256  # submitted batches waiting for retrieval
     device: str = "auto"
     trace: bool = False
+    # Python's GIL hand-over interval (process-wide) while a scheduler runs.  Stage C releases the
+    # GIL inside every kernel and needs it back between kernels; with the default 5 ms a stage-R
+    # thread running Python (PLOT reads, merging) keeps C waiting for up to 5 ms at each hand-over.
+    gil_switch_interval_s: float | None = 0.0005
 
 
 def pick_device(name: str) -> torch.device:
@@ -70,6 +75,8 @@ class Scheduler:
                  tenants: Callable[[str], TenantEntry], lookups: Callable[[str], PlotLookup],
                  cfg: SchedulerConfig | None = None):
         self.cfg = cfg or SchedulerConfig()
+        if self.cfg.gil_switch_interval_s is not None:
+            sys.setswitchinterval(self.cfg.gil_switch_interval_s)
         self.device = pick_device(self.cfg.device)
         layers = torch.nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
         self.layers = copy.deepcopy(layers).to(self.device) if self.device.type != "cpu" else layers

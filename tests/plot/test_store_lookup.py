@@ -179,6 +179,23 @@ def test_lookup_merge_equals_windowed_computation(tmp_path, encoder):
     assert lk.hits["trigram:root"] == len(uniq)
 
 
+def test_merge_from_distinct_windows_equals_merge_of_the_full_window_tensor(tmp_path, encoder):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 60, size=(4, 9))
+    ids[:, 0] = 1
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[3, 3:] = 0
+    ids = ids * mask
+    keys, counts = count_ngrams([list(ids[0]), list(ids[2][:5])])
+    store = PlotStore(tmp_path / "p", meta=META, readonly=False)
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), 60), progress=False)
+    lk = PlotLookup([PlotVersion("root", store, encoder)])  # some hits, some back-off
+    with torch.no_grad():
+        want = encoder.merge(lk.represent(ids, mask).reps)
+    assert torch.equal(lk.merged(ids, mask), want)
+
+
 def test_build_of_a_different_plan_replaces_the_old_content(tmp_path, encoder):
     store = PlotStore(tmp_path / "p", meta=META, readonly=False)
     k1, c1 = count_ngrams([[1, 5, 6, 7, 2]])

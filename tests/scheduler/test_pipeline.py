@@ -189,3 +189,17 @@ def test_trace_records_overlapping_stages(world, tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["cat"] for e in events} >= {"R", "A", "C"}
     assert len({e["args"]["batch"] for e in events}) == 6
+
+
+def test_scheduler_sets_the_configured_gil_switch_interval_and_none_keeps_it(world):
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        make(world, gil_switch_interval_s=None).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+        make(world, gil_switch_interval_s=0.0005).shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
