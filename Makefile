@@ -34,11 +34,13 @@ BENCHES := bench_plot bench_adapters bench_pipeline eval_accuracy bench_tenants 
 # Every benchmark; each writes docs/<name>.md (docs/RESULTS.md collects them).
 bench: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare
-	@for b in $(BENCHES); do echo "== $$b"; HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
+	@for b in $(BENCHES); do echo "== $$b"; s=$$(date +%s); HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py || exit 1; \
+	  echo "== $$b took $$(( $$(date +%s) - s )) s"; done
 
 bench-quick: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare
-	@for b in $(BENCHES); do echo "== $$b --quick"; HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py --quick || exit 1; done
+	@for b in $(BENCHES); do echo "== $$b --quick"; s=$$(date +%s); HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/$$b.py --quick || exit 1; \
+	  echo "== $$b --quick took $$(( $$(date +%s) - s )) s"; done
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi demo

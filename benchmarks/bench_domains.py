@@ -33,15 +33,17 @@ def main() -> None:
     from hmi.plot.store import PlotStore
     from hmi.version_tree.fpt import FPTConfig, further_pretrain, mlm_loss_through
 
-    max_lines = 3000 if args.quick else 12000
-    steps = 60 if args.quick else 200
+    max_lines = 2000 if args.quick else 12000
+    steps = 40 if args.quick else 200
+    domains = ("legal",) if args.quick else ("legal", "software")
+    alphas = (1.0, 0.5, 0.0) if args.quick else ALPHAS
     root = load_root()
     ensure_root_plot(root, progress=False)
     root_version = open_root_version(root)
     rows, res = [], {}
     tmp = Path(tempfile.mkdtemp())
     try:
-        for domain in ("legal", "software"):
+        for domain in domains:
             lines = load_corpus(domain, max_lines)
             enc = copy.deepcopy(root.windowed)
             cfg = FPTConfig(steps=steps)
@@ -51,7 +53,7 @@ def main() -> None:
             upper = UpperLayers(root.bert, root.spec.l_low)
             keys, counts = count_ngrams(tokenize_corpus(root.tokenizer, lines, 128, progress=False))
             entries = {}
-            for alpha in ALPHAS:
+            for alpha in alphas:
                 plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), 0, with_backoff=False)
                 covered = float(counts[np.isin(keys, plan)].sum() / counts.sum())
                 store = PlotStore(tmp / f"{domain}-{alpha}", meta=plot_meta(root), readonly=False)
@@ -65,7 +67,7 @@ def main() -> None:
                     lookup = PlotLookup(chain, policy="backoff")
                     spec = AdapterSpec(labels=tuple(task_labels("license-category")))
                     _, m = finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec,
-                                    load_task("license-category", "train", 600 if args.quick else 1811),
+                                    load_task("license-category", "train", 300 if args.quick else 1811),
                                     load_task("license-category", "dev", 226), load_task("license-category", "test", 226),
                                     FinetuneConfig(epochs=3 if args.quick else 5, patience=5), progress=False)
                     acc = round(100 * m["test"]["accuracy"], 2)
@@ -76,13 +78,13 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 store.close()
             res[f"entries_ratio_50_vs_100_{domain}"] = round(entries[0.5] / max(1, entries[1.0]), 4)
-        res["entries_ratio_50_vs_100"] = max(res["entries_ratio_50_vs_100_legal"], res["entries_ratio_50_vs_100_software"])
+        res["entries_ratio_50_vs_100"] = max(res[f"entries_ratio_50_vs_100_{d}"] for d in domains)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     text = table(rows, ("domain", "alpha", "branch entries", "MiB", "tri-gram occurrences covered",
                         "held-out MLM loss via PLOT", "MLM loss, computed windows (FPT before -> after)",
                         "license-category test acc. %"))
-    text += (f"\n\n{max_lines} corpus lines per domain, {steps} further-pretraining steps (batch 16). Accuracy: a "
+    text += (f"\n\n{max_lines} corpus lines per domain ({', '.join(domains)}), {steps} further-pretraining steps (batch 16). Accuracy: a "
              "bottleneck adapter trained and tested on the branch's chain (branch -> root -> back-off, the paper's "
              "back-off policy); alpha 0 means the root PLOT alone. The MLM loss via PLOT feeds the branch's chain "
              "(branch -> root -> back-off) to the frozen upper layers and the branch's MLM head, on held-out corpus lines.")

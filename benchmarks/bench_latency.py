@@ -153,7 +153,7 @@ def main() -> None:
 
     real = hmi_home()
     ensure_root_plot(load_root(home=real), home=real, progress=False)
-    seconds = 15 if args.quick else 40
+    seconds = 10 if args.quick else 40
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-latency-"))
     os.environ["HMI_ADMIN_TOKEN"] = token = "bench-admin-token-" + os.urandom(8).hex()
     try:

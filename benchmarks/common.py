@@ -10,7 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+# Where results go: the repository's docs/, or HMI_BENCH_DOCS (a trial run that must not replace them).
+DOCS = Path(os.environ.get("HMI_BENCH_DOCS") or Path(__file__).resolve().parents[1] / "docs")
 
 
 def start(doc: str, extra=None):
