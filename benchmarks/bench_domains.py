@@ -34,7 +34,7 @@ def main() -> None:
     from hmi.version_tree.fpt import FPTConfig, further_pretrain, mlm_loss_through
 
     max_lines = 2000 if args.quick else 12000
-    steps = 40 if args.quick else 200
+    steps = 30 if args.quick else 200
     domains = ("legal",) if args.quick else ("legal", "software")
     alphas = (1.0, 0.5, 0.0) if args.quick else ALPHAS
     root = load_root()

@@ -81,7 +81,7 @@ def main() -> None:
     root = load_root()
     ensure_root_plot(root, progress=False)
     lookup = PlotLookup([open_root_version(root)], policy="backoff")
-    B, batches = 32, (5 if args.quick else 12)
+    B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer
     texts = [tok.decode(tok(t, truncation=True, max_length=128)["input_ids"][1:-1]) for t in texts]

@@ -26,7 +26,7 @@ def main() -> None:
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.store import PlotStore
 
-    repeat = 3 if args.quick else 10
+    repeat = 2 if args.quick else 10
     root = load_root()
     ensure_root_plot(root, progress=False)
     ids, mask = real_batch(root.tokenizer)

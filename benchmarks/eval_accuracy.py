@@ -6,7 +6,7 @@ PLOT miss computed, which separates the cost of windowing from the cost of PLOT 
 
 Protocol: every scheme sees the same training examples for the same number of epochs (the best
 epoch on dev is kept), with the learning rate that suits what it trains: all weights 1e-4, a
-2-layer student 5e-4, adapters and heads 3e-3.  ``--quick`` trains on 256 examples per task
+2-layer student 5e-4, adapters and heads 3e-3.  ``--quick`` trains on 224 examples per task
 (``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
 4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
@@ -129,7 +129,7 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
 def main() -> None:
     def options(ap):
         ap.add_argument("--exact", action="store_true", help="also hBERT with every PLOT miss computed (the full run always does)")
-        ap.add_argument("--train", type=int, help="training examples per task (default 256 with --quick, up to 4,000 without)")
+        ap.add_argument("--train", type=int, help="training examples per task (default 224 with --quick, up to 4,000 without)")
 
     args = start(__doc__, options)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -140,7 +140,7 @@ def main() -> None:
     from hmi.plot.default import ensure_root_plot, open_root_version
     from hmi.plot.lookup import PlotLookup
 
-    caps = dict.fromkeys(TASKS, 256) if args.quick else \
+    caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}
     if args.train:
         caps = dict.fromkeys(TASKS, args.train)
