@@ -112,15 +112,24 @@ class PlotLookup:
         with self._lock:
             self.hits.update(hits)
 
-    def represent(self, ids: np.ndarray, mask: np.ndarray) -> LookupResult:
-        """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, n, H) float32."""
+    def distinct(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, Counter]:
+        """The batch's distinct windows looked up (counted in ``hits``).
+
+        Shapes: ids (B, T); mask (B, T) -> reps (U, n, H) float16, inverse (B, T) int64 (-1 at
+        padding), hits per level.
+        """
         ids, mask = np.asarray(ids), np.asarray(mask)
         uniq, inverse = unique_windows((causal_windows if self.causal else encoder_windows)(ids, mask), mask)
         reps, hits = self.window_reps(uniq)
-        full = np.zeros(ids.shape + reps.shape[1:], dtype=np.float32)
+        self.record(hits)
+        return reps, inverse, hits
+
+    def represent(self, ids: np.ndarray, mask: np.ndarray) -> LookupResult:
+        """Shapes: ids (B, T); mask (B, T) -> LookupResult.reps (B, T, n, H) float32."""
+        reps, inverse, hits = self.distinct(ids, mask)
+        full = np.zeros(inverse.shape + reps.shape[1:], dtype=np.float32)
         real = inverse >= 0
         full[real] = reps[inverse[real]]
-        self.record(hits)
         return LookupResult(torch.from_numpy(full), hits)
 
     @torch.no_grad()
@@ -131,8 +140,5 @@ class PlotLookup:
         result equals ``merge(represent(ids, mask).reps)``."""
         if self.causal:
             return self.merge(self.represent(ids, mask).reps)
-        ids, mask = np.asarray(ids), np.asarray(mask)
-        uniq, inverse = unique_windows(encoder_windows(ids, mask), mask)
-        reps, hits = self.window_reps(uniq)
-        self.record(hits)
+        reps, inverse, _ = self.distinct(ids, mask)
         return self.merge.forward_unique(torch.from_numpy(reps), torch.from_numpy(inverse))
