@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hmi.adapters.interop import attach  # noqa: F401 - the library attach serves decoders too (spec.library_config)
 from hmi.adapters.spec import SpecError
 
 
@@ -55,13 +56,6 @@ class LoraSpec:
 
 def _lib_key(layer: int, proj: str, name: str, part: str) -> str:
     return f"model.layers.{layer}.self_attn.{proj}_proj.loras.{name}.lora_{part}"
-
-
-def attach(model, name: str, spec: LoraSpec, l_low: int, train: bool = False) -> None:
-    """Adds the tenant's LoRA to the upper layers of a (private copy of the) decoder with the library."""
-    from hmi.adapters.interop import attach as attach_library
-
-    attach_library(model, name, spec, l_low, train)
 
 
 def library_copy(model):

@@ -124,7 +124,7 @@ class PlotStore:
             vals_u = np.zeros((len(uniq), self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype)
             found_u = np.zeros(len(uniq), dtype=bool)
             if pairs:
-                at = np.searchsorted(uniq, from_bytes([bytes(k) for k, _ in pairs]))
+                at = np.searchsorted(uniq, from_bytes([k for k, _ in pairs]))
                 joined = b"".join(v for _, v in pairs)
                 vals_u[at] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
                 found_u[at] = True
