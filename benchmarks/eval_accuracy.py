@@ -142,7 +142,9 @@ def main() -> None:
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}
-    if args.train:
+    if args.train is not None:
+        if args.train < 1:
+            raise SystemExit(f"--train must be a positive number of examples, got {args.train}")
         caps = dict.fromkeys(TASKS, args.train)
     n_eval = 240 if args.quick else 1000
     epochs = 4 if args.quick else 5
