@@ -84,7 +84,7 @@ def cmd_calibrate(args) -> int:
         return cmd_calibrate_decoder(args)
     args.steps, args.l_low = args.steps or 250, args.l_low or 3
     cfg = CalibrationConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                            max_minutes=args.max_minutes)
+                            max_minutes=args.max_minutes, backoff=args.backoff)
     root = uncalibrated_root(default_spec(args.l_low))
     artifact_id, meta = calibrate(root, load_corpus("general"), held_out_texts(args.eval_texts), cfg)
     print(f"root artifact {artifact_id}")
@@ -96,9 +96,12 @@ def print_quality(meta: dict) -> None:
     q = meta.get("quality")
     if not q:
         return
-    print(f"{'held-out real text':30s} {'before':>8s} {'after':>8s}")
-    for key, name in (("lower_cosine", "cosine at layer L_low (token)"), ("pooled_cosine", "cosine of pooled output")):
-        print(f"{name:30s} {q['before'][key]:8.4f} {q['after'][key]:8.4f}")
+    print(f"{'held-out real text':44s} {'before':>8s} {'after':>8s}")
+    for key, name in (("lower_cosine", "cosine at layer L_low (token)"), ("pooled_cosine", "cosine of pooled output"),
+                      ("lower_cosine_served", "cosine at layer L_low, as the PLOT serves"),
+                      ("pooled_cosine_served", "cosine of pooled output, as the PLOT serves")):
+        if key in q["before"] and key in q["after"]:
+            print(f"{name:44s} {q['before'][key]:8.4f} {q['after'][key]:8.4f}")
 
 
 def cmd_info(args) -> int:
@@ -488,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-minutes", type=float, default=10.0, help="training time budget (default 10)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
+    cal.add_argument("--no-backoff", dest="backoff", action="store_false",
+                     help="train every window computed, not as the PLOT serves text (windows it misses back off)")
     cal.set_defaults(func=cmd_calibrate)
 
     plot = sub.add_parser("plot", help="PLOT lookup tables").add_subparsers(dest="plot_cmd", required=True)

@@ -4,6 +4,12 @@ Trained: the windowed lower layers, the gate, the merge embeddings and LayerNorm
 the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE), the output
 of every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.
 Checkpoints let a killed run resume where it stopped.
+
+Back-off (``CalibrationConfig.backoff``, the default): serving reads a window from the PLOT only
+when the corpus held it, and most windows of new text are not there (they back off to a bi-gram
+or uni-gram entry).  Calibration trains on exactly that: the corpus is split in two halves and a
+text of one half is read as a PLOT built from the other half would serve it, so the bi-gram and
+uni-gram entries learn to stand in for the windows they replace.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from hmi.io import atomic_write_text
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
 from hmi.model.root import extended_mask, full_forward, mean_pool
+from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
 
 
 @dataclass
@@ -40,6 +47,30 @@ class CalibrationConfig:
     eval_texts: int = 256
     checkpoint_every: int = 25
     max_minutes: float | None = 10.0
+    backoff: bool = True
+
+
+class HeldOutBackoff:
+    """The n-grams a PLOT of a corpus holds, and of each half of it (texts ``i % 2``).
+
+    ``serve(fold)`` resolves windows as a PLOT of the *other* half would (a text never finds its
+    own rare windows); ``serve(None)`` as the PLOT of the whole corpus does.
+    """
+
+    def __init__(self, token_lists: list[list[int]]):
+        from hmi.plot.build import count_ngrams
+
+        def tables(lists):
+            tri, _ = count_ngrams(lists)
+            return tri, np.unique(bigram_backoff(tri))
+
+        self.halves = [tables(token_lists[f::2]) for f in range(2)]
+        self.whole = tables(token_lists)
+
+    def serve(self, fold: int | None):
+        """Shapes of the returned map: windows (U, 3) int64 -> serving windows (U, 3) int64."""
+        tri, bi = self.whole if fold is None else self.halves[1 - fold]
+        return lambda windows: unpack(served_keys(pack(windows), tri, bi))
 
 
 def tokenize(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,28 +78,44 @@ def tokenize(tokenizer, texts: list[str], max_len: int) -> tuple[torch.Tensor, t
     return enc["input_ids"], enc["attention_mask"]
 
 
+def token_lists(tokenizer, texts: list[str], max_len: int, chunk: int = 1000) -> list[list[int]]:
+    """Each text's token ids as calibration reads them (``tokenize``, padding dropped)."""
+    out = []
+    for i in range(0, len(texts), chunk):
+        ids, mask = tokenize(tokenizer, texts[i:i + chunk], max_len)
+        out.extend(row[m.bool()].tolist() for row, m in zip(ids, mask))
+    return out
+
+
 @torch.no_grad()
-def quality(root: Root, texts: list[str], max_len: int = 128, batch_size: int = 32) -> dict:
+def quality(root: Root, texts: list[str], max_len: int = 128, batch_size: int = 32, serve=None) -> dict:
     """Cosine of the merged representation to the full model's layer-``L_low`` states (per token),
-    and of the final mean-pooled output to the full model's (per text), averaged."""
+    and of the final mean-pooled output to the full model's (per text), averaged; with ``serve``
+    (a PLOT's back-off, ``HeldOutBackoff.serve``) also as that PLOT serves the texts (``*_served``)."""
     hplm = HPLM(root.bert, root.windowed)
-    lower_cos, pooled_cos, n_tok, n_txt = 0.0, 0.0, 0, 0
+    sums = {}
+    n_tok, n_txt = 0, 0
     for i in range(0, len(texts), batch_size):
         ids, mask = tokenize(root.tokenizer, texts[i:i + batch_size], max_len)
         hs = full_forward(root.bert, ids, mask)
-        merged, out = hplm(ids, mask)
         m = mask.bool()
-        lower_cos += F.cosine_similarity(merged[m], hs[root.spec.l_low][m], dim=-1).sum().item()
-        pooled_cos += F.cosine_similarity(mean_pool(out, mask), mean_pool(hs[-1], mask), dim=-1).sum().item()
+        for suffix, fn in (("", None),) + ((("_served", serve),) if serve is not None else ()):
+            merged = hplm.windowed(ids, mask, fn)
+            out = hplm.upper(merged, mask)
+            lower = F.cosine_similarity(merged[m], hs[root.spec.l_low][m], dim=-1).sum().item()
+            pooled = F.cosine_similarity(mean_pool(out, mask), mean_pool(hs[-1], mask), dim=-1).sum().item()
+            sums["lower_cosine" + suffix] = sums.get("lower_cosine" + suffix, 0.0) + lower
+            sums["pooled_cosine" + suffix] = sums.get("pooled_cosine" + suffix, 0.0) + pooled
         n_tok += int(m.sum())
         n_txt += ids.shape[0]
-    return {"lower_cosine": round(lower_cos / n_tok, 4), "pooled_cosine": round(pooled_cos / n_txt, 4)}
+    return {k: round(v / (n_tok if k.startswith("lower") else n_txt), 4) for k, v in sums.items()}
 
 
-def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig) -> tuple[torch.Tensor, dict]:
+def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, serve=None) -> tuple[torch.Tensor, dict]:
+    """``serve``: the back-off the texts are read with (None: every window computed)."""
     with torch.no_grad():
         hs = full_forward(root.bert, ids, mask)
-    merged = hplm.windowed(ids, mask)
+    merged = hplm.windowed(ids, mask, serve)
     m = mask.bool()
     l_lower = F.mse_loss(merged[m], hs[root.spec.l_low][m])
     # Every upper layer's output is matched, not only the last: the richer signal generalizes better.
@@ -102,6 +149,10 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
 
+    # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
+    held = HeldOutBackoff(token_lists(root.tokenizer, train_texts, cfg.max_len))
+    backoff = held if cfg.backoff else None
+    serve_whole = held.serve(None)
     before = None
     step = 0
     if ckpt_path.exists():
@@ -114,10 +165,13 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
             log(f"resuming calibration at step {step}/{cfg.steps}")
     if before is None:
         windowed.eval()
-        before = quality(root, eval_texts, cfg.max_len)
+        before = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
         log(f"before calibration: {before}")
 
-    order = np.random.default_rng(cfg.seed).permutation(len(train_texts))
+    # With back-off, a step's texts come from one half (alternating), read as the other half's PLOT serves them.
+    rng = np.random.default_rng(cfg.seed)
+    folds = [np.arange(f, len(train_texts), 2) for f in range(2)] if backoff else [np.arange(len(train_texts))]
+    orders = [rng.permutation(f) for f in folds]
     hplm = HPLM(root.bert, windowed)
     windowed.train()
     start = time.time()
@@ -126,9 +180,11 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
             log(f"time budget of {cfg.max_minutes} min reached at step {step}")
             break
-        idx = [order[(step * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
+        fold = step % len(orders)
+        order, turn = orders[fold], step // len(orders)
+        idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
         ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
-        loss, parts = calibration_loss(root, hplm, ids, mask, cfg)
+        loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -148,7 +204,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     windowed.eval()
     for p in windowed.parameters():
         p.requires_grad_(False)
-    after = quality(root, eval_texts, cfg.max_len)
+    after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
     meta = {"calibration": {**asdict(cfg), "steps_done": step, "train_seconds_this_run": round(seconds, 1),
                             "torch_threads": torch.get_num_threads()},

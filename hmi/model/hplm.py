@@ -139,9 +139,17 @@ class WindowedEncoder(nn.Module):
         out[real] = rep[torch.from_numpy(inverse[inverse >= 0]).to(ids.device)]
         return out
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Merged lower-layer output. Shapes: ids (B, T); mask (B, T) -> (B, T, H)."""
-        return self.merge(self.represent_batch(ids, mask))
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, serve=None) -> torch.Tensor:
+        """Merged lower-layer output. Shapes: ids (B, T); mask (B, T) -> (B, T, H).
+
+        ``serve`` (optional) maps the batch's distinct windows, (U, 3) int64, to the windows whose
+        representation stands in for them, (U, 3): a PLOT's back-off (``hmi.plot.keys.served_keys``)
+        computed directly, with gradients, for training on what serving reads."""
+        if serve is None:
+            return self.merge(self.represent_batch(ids, mask))
+        uniq, inverse = unique_windows(encoder_windows(ids.cpu().numpy(), mask.cpu().numpy()), mask.cpu().numpy())
+        rep = self.lower(torch.from_numpy(serve(uniq)).to(ids.device))
+        return self.merge.forward_unique(rep, torch.from_numpy(inverse).to(ids.device))
 
 
 class HPLM(nn.Module):

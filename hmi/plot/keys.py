@@ -14,7 +14,7 @@ import numpy as np
 from hmi.model.windows import causal_windows, encoder_windows, unique_windows
 
 __all__ = ["encoder_windows", "causal_windows", "unique_windows", "pack", "unpack", "to_bytes", "from_bytes",
-           "bigram_backoff", "unigram_backoff", "causal_unigram_backoff", "ngram_order", "MAX_ID"]
+           "bigram_backoff", "unigram_backoff", "causal_unigram_backoff", "ngram_order", "served_keys", "MAX_ID"]
 
 BITS = 21
 MAX_ID = (1 << BITS) - 1
@@ -66,3 +66,22 @@ def ngram_order(keys: np.ndarray) -> np.ndarray:
     """3 for tri-gram keys, 2 for ``(0, c, r)`` with r > 0, 1 for ``(0, c, 0)``."""
     w = unpack(keys)
     return np.where(w[..., 0] > 0, 3, np.where(w[..., 2] > 0, 2, 1))
+
+
+def served_keys(keys: np.ndarray, trigram_keys: np.ndarray, bigram_keys: np.ndarray) -> np.ndarray:
+    """The key whose entry serves each encoder window under back-off, for a PLOT that holds
+    ``trigram_keys``, ``bigram_keys`` and every uni-gram: the window itself when held, else its
+    bi-gram ``(0, c, r)`` when held, else its uni-gram ``(0, c, 0)``.
+
+    Shapes: keys (N,) uint64; trigram_keys, bigram_keys sorted uint64 -> (N,) uint64.
+    """
+    keys = np.asarray(keys, dtype=np.uint64)
+
+    def held(k: np.ndarray, table: np.ndarray) -> np.ndarray:
+        if len(table) == 0:
+            return np.zeros(k.shape, dtype=bool)
+        pos = np.minimum(np.searchsorted(table, k), len(table) - 1)
+        return table[pos] == k
+
+    bi = bigram_backoff(keys)
+    return np.where(held(keys, trigram_keys), keys, np.where(held(bi, bigram_keys), bi, unigram_backoff(keys)))

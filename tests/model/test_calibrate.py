@@ -92,3 +92,60 @@ def test_load_root_without_artifact_says_to_calibrate(tmp_path):
 
     with pytest.raises(ArtifactMissingError, match="hmi calibrate"):
         load_root(home=tmp_path)
+
+
+def test_each_half_of_the_corpus_is_read_with_the_other_halfs_ngrams():
+    import numpy as np
+
+    from hmi.model.calibrate import HeldOutBackoff
+
+    # Texts 0 and 2 form half 0, texts 1 and 3 half 1.
+    lists = [[1, 5, 6, 7, 2], [1, 5, 6, 8, 2], [1, 9, 9, 2], [1, 3, 6, 7, 2]]
+    b = HeldOutBackoff(lists)
+    windows = np.array([[5, 6, 7], [5, 6, 8], [9, 9, 2], [4, 6, 7]])
+    # Half 0 reads half 1's PLOT: (5, 6, 8) is held there, (5, 6, 7) backs off to the bi-gram
+    # (0, 6, 7) of (3, 6, 7), (9, 9, 2) to the uni-gram, (4, 6, 7) to the bi-gram.  Half 1 reads
+    # half 0's: no (x, 6, 8) there, so (5, 6, 8) backs off to the uni-gram.
+    assert b.serve(0)(windows).tolist() == [[0, 6, 7], [5, 6, 8], [0, 9, 0], [0, 6, 7]]
+    assert b.serve(1)(windows).tolist() == [[5, 6, 7], [0, 6, 0], [9, 9, 2], [0, 6, 7]]
+    # The whole corpus holds all three of its windows; the unseen one backs off.
+    assert b.serve(None)(windows).tolist() == [[5, 6, 7], [5, 6, 8], [9, 9, 2], [0, 6, 7]]
+
+
+def test_calibration_backoff_merges_what_a_plot_of_the_corpus_serves(tmp_path):
+    import numpy as np
+
+    from hmi.model.calibrate import HeldOutBackoff
+    from hmi.plot.build import Selection, build, count_ngrams, plan_keys
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.store import PlotMeta, PlotStore
+
+    encoder = WindowedEncoder(tiny_bert(hidden=32, vocab=60), 2).eval()
+    rng = np.random.default_rng(1)
+    corpus = [[1, *rng.integers(3, 12, size=8).tolist(), 2] for _ in range(6)]
+    keys, counts = count_ngrams(corpus)
+    store = PlotStore(tmp_path / "p", meta=PlotMeta("tiny", 2, 32), readonly=False)
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), 60), progress=False)
+    lookup = PlotLookup([PlotVersion("root", store, encoder)])
+
+    ids = np.array([corpus[0], [1, *rng.integers(3, 12, size=6).tolist(), 2, 0, 0]])
+    mask = (ids > 0).astype(np.int64)
+    served = lookup.merged(ids, mask)
+    assert lookup.hits["bigram:root"] + lookup.hits["unigram:root"] > 0  # the new text backs off
+    with torch.no_grad():
+        got = encoder(torch.from_numpy(ids), torch.from_numpy(mask), HeldOutBackoff(corpus).serve(None))
+    m = mask.astype(bool)
+    torch.testing.assert_close(got[m], served[m], atol=2e-2, rtol=0)  # the PLOT stores fp16
+
+
+def test_calibration_reports_and_improves_quality_as_the_plot_serves_held_out_text(tmp_path):
+    held_out = ["the park was a delight", "a cat fell in the film", "stocks sat on the mat"]
+    q = {}
+    for backoff in (False, True):
+        cfg = CalibrationConfig(steps=30, batch_size=8, max_len=32, lr=3e-3, warmup=2, eval_texts=3, backoff=backoff)
+        _, meta = calibrate(tiny_root(), TEXTS, held_out, cfg, work_dir=tmp_path / f"cal{backoff}",
+                            home=tmp_path / f"h{backoff}", log=lambda *_: None)
+        q[backoff] = meta["quality"]
+    # Held-out text misses windows: what the PLOT serves differs from computing every window.
+    assert q[False]["after"]["lower_cosine_served"] < q[False]["after"]["lower_cosine"]
+    assert q[True]["after"]["lower_cosine_served"] > q[True]["before"]["lower_cosine_served"] + 0.05
