@@ -82,7 +82,7 @@ def cmd_calibrate(args) -> int:
     ensure_data()
     if args.decoder:
         return cmd_calibrate_decoder(args)
-    args.steps, args.l_low = args.steps or 250, args.l_low or 3
+    args.steps, args.l_low = args.steps or CalibrationConfig.steps, args.l_low or 3
     cfg = CalibrationConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                             max_minutes=args.max_minutes, backoff=args.backoff)
     root = uncalibrated_root(default_spec(args.l_low))
@@ -483,12 +483,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="distill the windowed lower layers from the full root")
     cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
-    cal.add_argument("--steps", type=int, default=None, help="default 250 (encoder), 150 (decoder)")
+    cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder), 150 (decoder)")
     cal.add_argument("--batch-size", type=int, default=32)
     cal.add_argument("--lr", type=float, default=5e-4)
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--l-low", type=int, default=None, help="default 3 of 6 (encoder), 2 of 30 (decoder)")
-    cal.add_argument("--max-minutes", type=float, default=10.0, help="training time budget (default 10)")
+    cal.add_argument("--max-minutes", type=float, default=30.0,
+                     help="training time budget (default 30; about 20 are needed on 2 cores)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

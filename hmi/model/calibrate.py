@@ -35,7 +35,7 @@ from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
 
 @dataclass
 class CalibrationConfig:
-    steps: int = 250
+    steps: int = 600
     batch_size: int = 32
     max_len: int = 128
     lr: float = 5e-4
@@ -46,7 +46,7 @@ class CalibrationConfig:
     seed: int = 0
     eval_texts: int = 256
     checkpoint_every: int = 25
-    max_minutes: float | None = 10.0
+    max_minutes: float | None = 30.0
     backoff: bool = True
 
 
