@@ -69,6 +69,11 @@ def cmd_calibrate_decoder(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    # Options left out keep CalibrationConfig's defaults, stated there only.
+    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "max_minutes") if getattr(args, k) is not None}
+    for k, v in given.items():
+        if not v > 0:
+            raise SystemExit(f"hmi calibrate: --{k.replace('_', '-')} must be positive, got {v}")
     _quiet_transformers()
     import torch
 
@@ -82,10 +87,8 @@ def cmd_calibrate(args) -> int:
     ensure_data()
     if args.decoder:
         return cmd_calibrate_decoder(args)
-    args.steps, args.l_low = args.steps or CalibrationConfig.steps, args.l_low or 3
-    cfg = CalibrationConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                            max_minutes=args.max_minutes, backoff=args.backoff)
-    root = uncalibrated_root(default_spec(args.l_low))
+    cfg = CalibrationConfig(seed=args.seed, backoff=args.backoff, **given)
+    root = uncalibrated_root(default_spec(args.l_low or 3))
     artifact_id, meta = calibrate(root, load_corpus("general"), held_out_texts(args.eval_texts), cfg)
     print(f"root artifact {artifact_id}")
     print_quality(meta)
@@ -484,12 +487,12 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="distill the windowed lower layers from the full root")
     cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
     cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder), 150 (decoder)")
-    cal.add_argument("--batch-size", type=int, default=32)
-    cal.add_argument("--lr", type=float, default=5e-4)
+    cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
+    cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--l-low", type=int, default=None, help="default 3 of 6 (encoder), 2 of 30 (decoder)")
-    cal.add_argument("--max-minutes", type=float, default=30.0,
-                     help="training time budget (default 30; about 20 are needed on 2 cores)")
+    cal.add_argument("--max-minutes", type=float, default=None,
+                     help="encoder training time budget (default 30; about 20 are needed on 2 cores)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

@@ -24,6 +24,12 @@ def test_info_without_artifact_says_what_to_do(capsys):
     assert "hmi calibrate" in capsys.readouterr().out
 
 
+def test_calibrate_refuses_non_positive_settings_before_any_work():
+    for argv in (["--steps", "0"], ["--lr", "-1"], ["--batch-size", "0"], ["--max-minutes", "0"]):
+        with pytest.raises(SystemExit, match="must be positive"):
+            main(["calibrate", *argv])
+
+
 def test_selection_parsing_and_errors():
     assert parse_selection("alpha:0.5").alpha == 0.5
     assert parse_selection("top_k:10").top_k == 10
