@@ -10,7 +10,13 @@ epoch on dev is kept), with the learning rate that suits what it trains: all wei
 (``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
 4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
-Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--exact]
+A classification head reads the [CLS] vector or the mean of the text's tokens (the pooling the root
+was trained with); by default every scheme trains both on every classification task and keeps the
+one with the better dev accuracy (``--pooling cls``, the default with ``--quick``, or ``mean`` trains
+one).  A tagging head reads
+every token.
+
+Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling mean|cls]
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
     every layer ("adapter"), the head alone ("head"), or all weights of a student made of the root's
     first 2 layers ("compress"); the same head, loss, batches and early stopping for all.  The frozen
     root of "head" runs once per example (its output cannot change), the others every step."""
+    from hmi.adapters.batched import pooled
     from hmi.adapters.interop import attach, library_model
     from hmi.adapters.train import IGNORE, metrics_of, pad
 
@@ -91,8 +98,8 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
 
     def logits(exs, ids, mask, train):
         h = hidden(exs, ids, mask, train)
-        out = head(drop(h) if train else h)
-        return out if tagging else out[:, 0]
+        h = drop(h) if train else h
+        return head(h) if tagging else head(pooled(h, mask, spec.pooling == "mean"))
 
     @torch.no_grad()
     def evaluate(exs):
@@ -123,13 +130,19 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
             best_state = ({k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in head.state_dict().items()})
     model.load_state_dict(best_state[0])
     head.load_state_dict(best_state[1])
-    return evaluate(ex_test)
+    return {"dev": {"accuracy": best}, "test": evaluate(ex_test)}
 
 
 def main() -> None:
     def options(ap):
         ap.add_argument("--exact", action="store_true", help="also hBERT with every PLOT miss computed (the full run always does)")
         ap.add_argument("--train", type=int, help="training examples per task (default 224 with --quick, up to 4,000 without)")
+        ap.add_argument("--test", type=int, help="test examples per task, dev half as many (default 240 with --quick, "
+                                                 "1,000 without)")
+        ap.add_argument("--pooling", choices=("dev", "mean", "cls"),
+                        help="what classification heads read: the [CLS] vector (default with --quick), the mean of the "
+                             "tokens (the root's own pooling), or per scheme and task the one with the better dev "
+                             "accuracy (default)")
 
     args = start(__doc__, options)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -147,6 +160,12 @@ def main() -> None:
             raise SystemExit(f"--train must be a positive number of examples, got {args.train}")
         caps = dict.fromkeys(TASKS, args.train)
     n_eval = 240 if args.quick else 1000
+    default_pooling = "cls" if args.quick else "dev"
+    args.pooling = args.pooling or default_pooling
+    if args.test is not None:
+        if args.test < 2:
+            raise SystemExit(f"--test must be at least 2 examples, got {args.test}")
+        n_eval = args.test
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
     exact = args.exact or not args.quick
@@ -158,25 +177,32 @@ def main() -> None:
     columns = [name for name, _, _ in SCHEMES] + [label for label, _ in reversed(hbert_runs)]
     for task in TASKS:
         labels = tuple(task_labels(task))
-        spec = AdapterSpec("bottleneck", head="tagging" if is_tagging(task) else "classification", labels=labels)
+        tagging = is_tagging(task)
+        poolings = ["cls"] if tagging else (["cls", "mean"] if args.pooling == "dev" else [args.pooling])
+        specs = {p: AdapterSpec("bottleneck", head="tagging" if tagging else "classification", labels=labels, pooling=p)
+                 for p in poolings}
         train = load_task(task, "train", caps[task])
         dev = load_task(task, "dev", n_eval // 2)
         test = load_task(task, "test", n_eval)
-        vals, secs = {}, {}
-        for label, policy in hbert_runs:
+        ex = {k: encode(root.tokenizer, v, specs["cls" if tagging else poolings[0]], max_len)
+              for k, v in (("train", train), ("dev", dev), ("test", test))}
+        vals, secs, chosen = {}, {}, {}
+        runs = [(label, lambda spec, policy=policy: finetune(
+                    root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec, train, dev,
+                    test, FinetuneConfig(epochs=epochs, lr=HBERT_LR, max_len=max_len, patience=epochs),
+                    progress=False)[1]) for label, policy in hbert_runs]
+        runs += [(label, lambda spec, mode=mode, lr=lr: train_full_context(
+                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode, lr in SCHEMES]
+        for label, run in runs:
             t0 = time.time()
-            _, m = finetune(root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec,
-                            train, dev, test, FinetuneConfig(epochs=epochs, lr=HBERT_LR, max_len=max_len, patience=epochs),
-                            progress=False)
-            vals[label], secs[label] = m["test"]["accuracy"], time.time() - t0
-        ex = {k: encode(root.tokenizer, v, spec, max_len) for k, v in (("train", train), ("dev", dev), ("test", test))}
-        for label, mode, lr in SCHEMES:
-            t0 = time.time()
-            vals[label] = train_full_context(root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)["accuracy"]
-            secs[label] = time.time() - t0
+            tried = {p: run(specs[p]) for p in poolings}  # the pooling with the best dev accuracy is kept
+            best = max(poolings, key=lambda p: tried[p]["dev"]["accuracy"])
+            vals[label], chosen[label], secs[label] = tried[best]["test"]["accuracy"], best, time.time() - t0
         res["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
-        rows.append((task + (" (token acc.)" if is_tagging(task) else ""), len(train),
+        if not tagging:
+            res["tasks"][task]["pooling"] = chosen
+        rows.append((task + (" (token acc.)" if tagging else ""), len(train),
                      *(f"{100 * vals[c]:.1f}" for c in columns)))
         print(rows[-1], flush=True)
     avg = {c: float(np.mean([res["tasks"][t][c] for t in TASKS])) for c in columns}
@@ -192,13 +218,17 @@ def main() -> None:
     res["hbert_above_shared"] = avg["hBERT"] > avg["shared"]
     res["hbert_above_compress"] = avg["hBERT"] > avg["compress"]
     res["root_artifact"] = root.artifact_id
+    res["pooling"] = args.pooling
     text = table(rows, ("task", "train examples", *columns))
     lrs = {label: lr for label, _, lr in SCHEMES}
     gap_exact = f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}" if exact else ""
     text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
              f"micro-F1 for single-label tagging). Average gap of hBERT to dedicated (full fine-tuning): "
              f"{res['avg_gap_vs_full_ft']} points{gap_exact}. Every scheme: the same training examples (texts cut to "
-             f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW. dedicated: every "
+             f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
+             + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
+                       "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
+                "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
              f"weight of the root (lr {lrs['dedicated']:g}); shared: the head alone on the frozen root (lr "
              f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
              f"{lrs['compress']:g}); hBERT-adapter: bottleneck adapters (reduction 16) in all 6 layers of the "
@@ -207,7 +237,8 @@ def main() -> None:
              + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                 "(`--miss-policy compute`)." if exact else "."))
     finish("eval_accuracy", text, res, "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
-           + (f" --train {args.train}" if args.train else "") + (" --exact" if args.exact else ""))
+           + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
+           + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else ""))
 
 
 if __name__ == "__main__":

@@ -328,7 +328,7 @@ def cmd_tenant_create(args):
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
     c = _client(args)
     out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, {"kind": args.kind},
-                          args.max_train, args.epochs)
+                          args.max_train, args.epochs, pooling=args.pooling)
     _print(out)
     if args.wait:
         _print(c.wait_job(out["job"]))
@@ -559,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
     tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
     tc.add_argument("--kind", default="bottleneck", choices=["bottleneck", "lora", "ia3"])
+    tc.add_argument("--pooling", choices=["cls", "mean"],
+                    help="what a classification head reads: the [CLS] vector (default) or the mean of the tokens")
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)

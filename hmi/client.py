@@ -91,8 +91,10 @@ class Client:
 
     def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
                       dataset: str | None = None, domain: str = "root", adapter: dict | None = None,
-                      max_train: int | None = None, epochs: int | None = None) -> dict:
+                      max_train: int | None = None, epochs: int | None = None, pooling: str | None = None) -> dict:
         body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}}
+        if pooling is not None:
+            body["task"]["pooling"] = pooling
         for k, v in (("training_data", training_data), ("dataset", dataset), ("adapter", adapter),
                      ("max_train", max_train), ("epochs", epochs)):
             if v is not None:

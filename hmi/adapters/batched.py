@@ -181,19 +181,41 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
     return layer.output.LayerNorm(layer.output.dense(inter) + y)
 
 
-def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tensor) -> torch.Tensor:
-    """Each request's own head: classification on [CLS] or per-token tagging.
+def pooled(hidden: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | bool) -> torch.Tensor:
+    """The sentence vector a classification head reads: [CLS] or the mean of the real tokens.
 
-    Semantics: logits[n] = hidden[n, 0] @ W[slot] + b[slot] (classification), or
-               hidden[n] @ W[slot] + b[slot] for every token (tagging); padded to C_max labels.
-    Shapes: hidden (B, T, H); tagging (B,) bool -> logits (B, T, C_max) (classification rows
-    carry their logits at position 0).
+    Semantics: v[n] = mean over t with mask[n, t] = 1 of hidden[n, t] where mean[n], else hidden[n, 0].
+    Shapes: hidden (B, T, H); mask (B, T) {0,1}; mean (B,) bool or one bool -> v (B, H).
     """
+    cls = hidden[:, 0]
+    if isinstance(mean, bool) and not mean:
+        return cls
+    m = mask.to(hidden.dtype).unsqueeze(-1)
+    avg = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+    if isinstance(mean, bool):
+        return avg
+    return torch.where(mean.unsqueeze(-1), avg, cls)
+
+
+def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tensor,
+                  mask: torch.Tensor | None = None, mean: torch.Tensor | None = None) -> torch.Tensor:
+    """Each request's own head: classification on [CLS] or on the token mean, or per-token tagging.
+
+    Semantics: logits[n] = pooled(hidden, mask, mean)[n] @ W[slot] + b[slot] (classification), or
+               hidden[n] @ W[slot] + b[slot] for every token (tagging); padded to C_max labels.
+    Shapes: hidden (B, T, H); tagging (B,) bool; mask (B, T) and mean (B,) bool (both or neither;
+    without them every classification row reads [CLS]) -> logits (B, T, C_max) (classification
+    rows carry their logits at position 0).
+    """
+    if mean is not None and not bool(mean.any()):
+        mean = None
+    vec = hidden[:, :1] if mean is None else pooled(hidden, mask, mean).unsqueeze(1)
     B, T, _ = hidden.shape
     cmax = max(g.pool.max_labels for g in groups)
     logits = hidden.new_zeros(B, T, cmax)
     for g in groups:
         hs = hidden if g.all_rows else hidden.index_select(0, g.rows)
+        vs = vec if g.all_rows else vec.index_select(0, g.rows)
         tag = tagging if g.all_rows else tagging.index_select(0, g.rows)
         w, b = g.pool.head_w, g.pool.head_b
         out = hs.new_zeros(hs.shape[0], T, g.pool.max_labels)
@@ -202,6 +224,6 @@ def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tens
             out[tr] = segment_bmm(hs.index_select(0, tr), g.slots.index_select(0, tr), w, b)
         if not bool(tag.all()):
             cr = torch.nonzero(~tag).squeeze(1)
-            out[cr, :1] = segment_bmm(hs.index_select(0, cr)[:, :1], g.slots.index_select(0, cr), w, b)
+            out[cr, :1] = segment_bmm(vs.index_select(0, cr), g.slots.index_select(0, cr), w, b)
         logits[g.rows, :, : g.pool.max_labels] = out
     return logits

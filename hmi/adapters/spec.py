@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 KINDS = ("bottleneck", "lora", "ia3")
 HEADS = ("classification", "tagging")
+POOLINGS = ("cls", "mean")
 
 
 class SpecError(ValueError):
@@ -31,6 +32,7 @@ class AdapterSpec:
     reduction_factor: int = 16  # bottleneck
     rank: int = 8  # lora
     alpha: float = 8.0  # lora
+    pooling: str = "cls"  # classification: the [CLS] vector, or the mean of the text's tokens
 
     def __post_init__(self):
         object.__setattr__(self, "labels", tuple(self.labels))
@@ -41,6 +43,10 @@ class AdapterSpec:
             raise SpecError(f"unknown adapter kind {self.kind!r}; use one of {', '.join(KINDS)}")
         if self.head not in HEADS:
             raise SpecError(f"unknown head {self.head!r}; use one of {', '.join(HEADS)}")
+        if self.pooling not in POOLINGS:
+            raise SpecError(f"unknown pooling {self.pooling!r}; use one of {', '.join(POOLINGS)}")
+        if self.head == "tagging" and self.pooling != "cls":
+            raise SpecError("pooling applies to classification heads; a tagging head reads every token")
         if len(self.labels) < 2:
             raise SpecError(f"a {self.head} head needs at least 2 labels, got {len(self.labels)}")
         if len(set(self.labels)) != len(self.labels):
@@ -76,7 +82,7 @@ class AdapterSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdapterSpec":
-        known = {k: d[k] for k in ("kind", "head", "labels", "reduction_factor", "rank", "alpha") if k in d}
+        known = {k: d[k] for k in ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling") if k in d}
         return cls(**known)
 
     def library_config(self, lower_layers: int):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from hmi.adapters.batched import pooled
 from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import UpperLayers, as_numpy_ids
@@ -157,8 +158,9 @@ class TenantTrainer:
         self.model.train(train)
         out = self.upper(x, mask)
         out = self.dropout(out) if train else out
-        logits = self.head(out)
-        return logits if self.spec.head == "tagging" else logits[:, 0]
+        if self.spec.head == "tagging":
+            return self.head(out)
+        return self.head(pooled(out, mask, self.spec.pooling == "mean"))
 
     @torch.no_grad()
     def evaluate(self, examples, feats, batch: int = 64) -> dict:

@@ -255,12 +255,14 @@ async def infer(request: web.Request) -> web.Response:
 
 def _spec_from_body(body: dict) -> AdapterSpec:
     task = field(body, "task", dict)
-    unknown_fields(task, {"type", "labels"})
+    unknown_fields(task, {"type", "labels", "pooling"})
     head = field(task, "type", str)
     labels = field(task, "labels", list)
+    pooling = field(task, "pooling", str, required=False, default="cls")
     adapter = field(body, "adapter", dict, required=False, default={})
     unknown_fields(adapter, {"kind", "reduction_factor", "rank", "alpha"})
-    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels}
+    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels,
+          "pooling": pooling}
     for k, typ in (("reduction_factor", int), ("rank", int), ("alpha", (int, float))):
         if k in adapter:
             kw[k] = field(adapter, k, typ)

@@ -300,7 +300,8 @@ class Scheduler:
                     out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer)
                     res.wait_head()
                     tagging = torch.tensor([e.spec.head == "tagging" for e in entries], device=self.device)
-                    logits = batched_heads(out, res.groups, tagging).float().cpu()
+                    mean = torch.tensor([e.spec.pooling == "mean" for e in entries], device=self.device)
+                    logits = batched_heads(out, res.groups, tagging, mask, mean).float().cpu()
         finally:
             self.residency.release(res)
         for j, r in enumerate(rows):

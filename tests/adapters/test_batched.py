@@ -27,12 +27,12 @@ def test_segment_bmm_matches_per_request_loop(slots):
     torch.testing.assert_close(segment_bmm(x, s, w), ref_segment_bmm(x, s, w))
 
 
-TENANTS = {  # name -> spec; mixed kinds, sizes and label counts
+TENANTS = {  # name -> spec; mixed kinds, sizes, label counts and pooling
     "t0": AdapterSpec("bottleneck", labels=("a", "b")),
-    "t1": AdapterSpec("bottleneck", labels=("a", "b", "c")),
+    "t1": AdapterSpec("bottleneck", labels=("a", "b", "c"), pooling="mean"),
     "t2": AdapterSpec("lora", rank=4, alpha=8, labels=("x", "y")),
     "t3": AdapterSpec("lora", rank=4, alpha=8, head="tagging", labels=("N", "V", "D")),
-    "t4": AdapterSpec("ia3", labels=("p", "q", "r", "s")),
+    "t4": AdapterSpec("ia3", labels=("p", "q", "r", "s"), pooling="mean"),
     "t5": AdapterSpec("bottleneck", head="tagging", labels=("N", "V")),
     "t6": AdapterSpec("ia3", head="tagging", labels=("N", "V", "D", "X", "Y")),
     "t7": AdapterSpec("bottleneck", reduction_factor=8, labels=("a", "b")),
@@ -65,8 +65,10 @@ def reference(lib, name, spec, weights, hidden, mask):
     lib.set_active_adapters(name)
     out = UpperLayers(lib, L_LOW)(hidden, mask)
     lib.set_active_adapters(None)
-    logits = out @ weights["head.w"] + weights["head.b"]
-    return out, (logits if spec.head == "tagging" else logits[:, :1])
+    if spec.head == "tagging":
+        return out, out @ weights["head.w"] + weights["head.b"]
+    vec = out.mean(1, keepdim=True) if spec.pooling == "mean" else out[:, :1]  # one unpadded request
+    return out, vec @ weights["head.w"] + weights["head.b"]
 
 
 def pools_for(bert, specs, n_slots=4):
@@ -94,9 +96,10 @@ def run_batched(bert, weights, batch, hidden, mask, pools):
         groups.append(Group(rows, torch.tensor([slots[n] for _, n in members]), pool,
                             all_rows=len(by_sig) == 1))
     tagging = torch.tensor([TENANTS[n].head == "tagging" for n in batch])
+    mean = torch.tensor([TENANTS[n].pooling == "mean" for n in batch])
     with torch.no_grad():
         out = upper_forward(UpperLayers(bert, L_LOW).layers, hidden, mask, groups)
-        logits = batched_heads(out, groups, tagging)
+        logits = batched_heads(out, groups, tagging, mask, mean)
     for pool, slots in acquired:
         pool.release(slots)
     return out, logits
@@ -177,6 +180,8 @@ def test_evicting_a_pinned_tenant_frees_its_slot_only_after_release():
     ({"labels": ("a", "a")}, "distinct"),
     ({"head": "span"}, "unknown head"),
     ({"reduction_factor": 0}, "reduction_factor"),
+    ({"pooling": "max"}, "unknown pooling"),
+    ({"head": "tagging", "pooling": "mean"}, "pooling applies to classification"),
 ])
 def test_spec_validation_gives_clear_errors(kw, msg):
     args = {"labels": ("a", "b"), **kw}

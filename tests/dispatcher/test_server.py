@@ -113,8 +113,9 @@ def test_lifecycle_create_infer_update_infer_delete(live):
     assert done["state"] == "succeeded" and done["metrics"]["train"]["n"] == 8
     assert admin.tenant("alpha")["version"] == 2
     assert len(alpha.infer("alpha", ["great"])) == 1
-    tmp = admin.create_tenant("gamma", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    tmp = admin.create_tenant("gamma", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1, pooling="mean")
     assert admin.wait_job(tmp["job"], 300)["state"] == "succeeded"
+    assert admin.tenant("gamma")["spec"]["pooling"] == "mean"
     admin.infer("gamma", ["x y"])
     admin.delete_tenant("gamma")
     with pytest.raises(ApiError) as e:
@@ -184,6 +185,8 @@ BAD = [  # (method, path, body, status, code)
                              "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a", "b"]},
                              "adapter": {"kind": "prefix"}, "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a", "b"], "pooling": "max"},
+                             "training_data": {"train": TRAIN}}, 400, "invalid_spec"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["a", "b"]},
                              "adapter": {"kind": "lora", "rank": "8"}, "training_data": {"train": TRAIN}}, 400, "invalid_type"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]}}, 400, "missing_field"),

@@ -203,3 +203,27 @@ def test_scheduler_sets_the_configured_gil_switch_interval_and_none_keeps_it(wor
         assert sys.getswitchinterval() == pytest.approx(0.0005)
     finally:
         sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooling):
+    """Serving (batched pool, PLOT lookup, pooled head) computes what the fine-tune job trained."""
+    from hmi.model.hplm import as_numpy_ids
+
+    bert, tok, adapters, _, lookup = world
+    spec = AdapterSpec("bottleneck", labels=("a", "b", "c"), pooling=pooling)
+    name = f"pool-{pooling}"
+    trainer = TenantTrainer(bert, L_LOW, spec, seed=5)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    adapters.save(name, spec, trainer.weights())
+    trainer.load(adapters.load(name))  # the fp16 weights that serving reads
+    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig())
+    got = s.infer([(name, text) for text in TEXTS])
+    s.shutdown()
+    ids, mask = as_numpy_ids(tok(TEXTS)["input_ids"])
+    with torch.no_grad():
+        probs = torch.softmax(trainer.logits(lookup.merged(ids, mask), torch.from_numpy(mask), train=False), -1)
+    for g, p in zip(got, probs):
+        assert [g["scores"][c] for c in spec.labels] == pytest.approx(p.tolist(), abs=1e-4)
