@@ -61,9 +61,9 @@ def test_invalid_tenant_names_are_refused(tmp_path):
             store.path(bad)
 
 
-@pytest.mark.parametrize("kind", ["bottleneck", "lora", "ia3"])
-def test_export_import_library_format_round_trip(tmp_path, kind):
-    spec = AdapterSpec(kind, labels=("a", "b"), rank=4)
+@pytest.mark.parametrize("kind, pooling", [("bottleneck", "cls"), ("lora", "cls"), ("ia3", "cls"), ("bottleneck", "mean")])
+def test_export_import_library_format_round_trip(tmp_path, kind, pooling):
+    spec = AdapterSpec(kind, labels=("a", "b"), rank=4, pooling=pooling)
     bert, w = random_weights(spec)
     out = export_library_format(bert, spec, L_LOW, w, tmp_path / "exported")
     assert (out / "adapter_config.json").exists()
