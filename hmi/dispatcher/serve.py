@@ -18,7 +18,8 @@ DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "corpus": "legal", "max_train
 
 DEMO_TENANTS = [
     {"name": "demo-news", "dataset": "news-topic", "max_train": 800, "epochs": 3},
-    {"name": "demo-reviews", "dataset": "review-sentiment", "max_train": 1500, "epochs": 3},
+    # Sentiment on PLOT representations reads the token mean better than [CLS] (docs/decisions.md).
+    {"name": "demo-reviews", "dataset": "review-sentiment", "max_train": 1500, "epochs": 3, "pooling": "mean"},
 ]
 
 
@@ -45,7 +46,7 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
     for d in DEMO_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
             continue
-        spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])))
+        spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])), pooling=d.get("pooling", "cls"))
         token = new_token("hmi_t")
         server.add_tenant(d["name"], {"state": "training", "domain": "root", "spec": spec.to_dict(),
                                       "token_hash": hash_token(token), "version": 0})
