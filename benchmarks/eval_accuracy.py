@@ -13,10 +13,9 @@ epoch on dev is kept), with the learning rate that suits what it trains: all wei
 A classification head reads the [CLS] vector or the mean of the text's tokens (the pooling the root
 was trained with); by default every scheme trains both on every classification task and keeps the
 one with the better dev accuracy (``--pooling cls``, the default with ``--quick``, or ``mean`` trains
-one).  A tagging head reads
-every token.
+one).  A tagging head reads every token.
 
-Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling mean|cls]
+Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
 """
 
 from __future__ import annotations
@@ -184,7 +183,7 @@ def main() -> None:
         train = load_task(task, "train", caps[task])
         dev = load_task(task, "dev", n_eval // 2)
         test = load_task(task, "test", n_eval)
-        ex = {k: encode(root.tokenizer, v, specs["cls" if tagging else poolings[0]], max_len)
+        ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
         vals, secs, chosen = {}, {}, {}
         runs = [(label, lambda spec, policy=policy: finetune(
