@@ -258,11 +258,11 @@ def _spec_from_body(body: dict) -> AdapterSpec:
     unknown_fields(task, {"type", "labels", "pooling"})
     head = field(task, "type", str)
     labels = field(task, "labels", list)
-    pooling = field(task, "pooling", str, required=False, default="cls")
     adapter = field(body, "adapter", dict, required=False, default={})
     unknown_fields(adapter, {"kind", "reduction_factor", "rank", "alpha"})
-    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels,
-          "pooling": pooling}
+    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels}
+    if "pooling" in task:  # else the spec's default
+        kw["pooling"] = field(task, "pooling", str)
     for k, typ in (("reduction_factor", int), ("rank", int), ("alpha", (int, float))):
         if k in adapter:
             kw[k] = field(adapter, k, typ)

@@ -17,8 +17,8 @@ from hmi.io import atomic_write_text
 DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "corpus": "legal", "max_train": 160, "epochs": 1}]
 
 DEMO_TENANTS = [
-    {"name": "demo-news", "dataset": "news-topic", "max_train": 800, "epochs": 3},
     # Sentiment on PLOT representations reads the token mean better than [CLS] (docs/decisions.md).
+    {"name": "demo-news", "dataset": "news-topic", "max_train": 800, "epochs": 3, "pooling": "cls"},
     {"name": "demo-reviews", "dataset": "review-sentiment", "max_train": 1500, "epochs": 3, "pooling": "mean"},
 ]
 
@@ -46,7 +46,7 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
     for d in DEMO_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
             continue
-        spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])), pooling=d.get("pooling", "cls"))
+        spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])), pooling=d["pooling"])
         token = new_token("hmi_t")
         server.add_tenant(d["name"], {"state": "training", "domain": "root", "spec": spec.to_dict(),
                                       "token_hash": hash_token(token), "version": 0})
