@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -25,6 +26,29 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def alternating(a, b, rounds: int) -> tuple[float, float]:
+    """Median seconds of ``a()`` and of ``b()`` over ``rounds`` rounds that run one after the other."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(rounds):
+        for fn, out in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def with_mkl(fn):
+    """Runs ``fn`` with the linear layers on ATen's default (MKL) kernel."""
+    from hmi.model import kernels
+
+    saved, kernels.ONEDNN_LINEAR = kernels.ONEDNN_LINEAR, False
+    try:
+        return fn()
+    finally:
+        kernels.ONEDNN_LINEAR = saved
+
+
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--tenants-10k", type=int, default=10_000))
     from hmi.adapters.batched import Group, batched_bottleneck, upper_forward
@@ -36,6 +60,7 @@ def main() -> None:
     from hmi.model.root import default_spec, load_bert
 
     repeat = 3 if args.quick else 7
+    rounds = 7 if args.quick else 15
     spec = AdapterSpec("bottleneck", labels=tuple(f"c{i}" for i in range(5)))
     bert = load_bert(default_spec().model_dir)
     l_low, H = 3, bert.config.hidden_size
@@ -74,9 +99,13 @@ def main() -> None:
             batched = lambda: upper_forward(layers, x, mask, [Group(torch.arange(B), all_slots, pool, True)])
             one = lambda: [upper_forward(layers, x[i:i + 1], mask[i:i + 1],
                                          [Group(torch.tensor([0]), torch.tensor([i]), pool, True)]) for i in range(B)]
-            tb, to = timeit(batched, repeat), timeit(one, repeat)
+            tb, to = alternating(batched, one, rounds)
             results[f"batched_vs_per_request_{T}tok"] = round(to / tb, 2)
             rows.append((f"upper layers, 32 tenants x {T} tokens", f"{tb * 1e3:.1f}", f"{to * 1e3:.1f}", f"{to / tb:.2f}"))
+            if T == 128:
+                tm, td = alternating(lambda: with_mkl(batched), batched, rounds)
+                results["onednn_over_mkl_128tok"] = round(tm / td, 2)
+                kernel_row = ("upper layers batched, 32 x 128 tokens", f"{tm * 1e3:.1f}", f"{td * 1e3:.1f}", f"{tm / td:.2f}")
             if T == 32:
                 out = batched()
                 errs = []
@@ -120,6 +149,9 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     results["swap_in_us_per_tenant"] = round(swap_us, 1)
     text = table(rows, ("workload (CPU, fp32)", "batched ms", "one at a time ms", "speed-up"))
+    text += ("\n\nBoth sides of a row alternate over " + str(rounds) + " rounds (medians), so drifts of this "
+             "shared machine hit them alike. Linear layers run through oneDNN (`hmi/model/kernels.py`):\n\n"
+             + table([kernel_row], ("workload (CPU, fp32)", "MKL ms", "oneDNN ms", "speed-up")))
     text += (f"\n\nmax |batched - adapters library one tenant at a time|: {results['max_abs_err_vs_reference']}\n"
              f"host bytes per tenant (bottleneck r=24 on 3 layers + 5-class head, fp16): {host_bytes} "
              f"({host_bytes / 1024:.0f} KiB)\n"

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from hmi.model.kernels import use_inference_kernels  # noqa: E402
 
 BUDGET = 2 * 2**30  # bytes of model weights every scheme may hold in memory
 COUNTS = (1, 10, 100, 1000, 10000)
@@ -117,7 +118,7 @@ class ModelSwapper:
         from transformers import BertModel
 
         self.config, self.files = config, files
-        probe = BertModel(config, add_pooling_layer=False).eval()
+        probe = use_inference_kernels(BertModel(config, add_pooling_layer=False).eval())
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters()) + LABELS * (config.hidden_size + 1) * 4
         self.capacity = max(1, budget // self.model_bytes)
         self.lru: OrderedDict[int, tuple] = OrderedDict()
@@ -136,7 +137,7 @@ class ModelSwapper:
         if len(self.lru) >= self.capacity:
             _, (model, _, _) = self.lru.popitem(last=False)
         else:
-            model = self._spare.pop() if self._spare else BertModel(self.config, add_pooling_layer=False).eval()
+            model = self._spare.pop() if self._spare else use_inference_kernels(BertModel(self.config, add_pooling_layer=False).eval())
         path = self.files[tenant % len(self.files)]
         drop_page_cache(path)
         sd = load_file(str(path))
