@@ -24,11 +24,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DOCS, finish, start, table  # noqa: E402
-from hmi.model.kernels import use_inference_kernels  # noqa: E402
+from hmi.model.kernels import use_onednn_linear  # noqa: E402
 
 BUDGET = 2 * 2**30  # bytes of model weights every scheme may hold in memory
 COUNTS = (1, 10, 100, 1000, 10000)
-ROUNDS_1K = 3  # alternating rounds behind hbert_over_adapter_1k
+ROUNDS = 5  # alternating rounds behind every uniform hBERT / hBERT-adapter cell (the headline ratios)
 MODEL_FILES = 100  # real per-tenant model files for the swapping schemes (disk budget below)
 B, MAX_LEN, LABELS = 32, 128, 5
 
@@ -118,7 +118,7 @@ class ModelSwapper:
         from transformers import BertModel
 
         self.config, self.files = config, files
-        probe = use_inference_kernels(BertModel(config, add_pooling_layer=False).eval())
+        probe = use_onednn_linear(BertModel(config, add_pooling_layer=False).eval())
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters()) + LABELS * (config.hidden_size + 1) * 4
         self.capacity = max(1, budget // self.model_bytes)
         self.lru: OrderedDict[int, tuple] = OrderedDict()
@@ -137,7 +137,7 @@ class ModelSwapper:
         if len(self.lru) >= self.capacity:
             _, (model, _, _) = self.lru.popitem(last=False)
         else:
-            model = self._spare.pop() if self._spare else use_inference_kernels(BertModel(self.config, add_pooling_layer=False).eval())
+            model = self._spare.pop() if self._spare else use_onednn_linear(BertModel(self.config, add_pooling_layer=False).eval())
         path = self.files[tenant % len(self.files)]
         drop_page_cache(path)
         sd = load_file(str(path))
@@ -337,9 +337,9 @@ def main() -> None:
         for dist in ("uniform", "zipf"):
             for n in COUNTS:
                 batches = trace(n, dist, warm + measured_batches, seed=n)
-                # The PLOT's gain at 1,000 tenants (uniform) is a headline ratio: there the two schemes
-                # alternate for several rounds, each on a fresh trace, and the cell is the median.
-                n_rounds = ROUNDS_1K if (dist, n) == ("uniform", 1000) else 1
+                # The headline ratios read the uniform cells of hBERT and hBERT-adapter: there the two
+                # schemes alternate for several rounds, each on a fresh trace, and the cell is the median.
+                n_rounds = ROUNDS if dist == "uniform" else 1
                 rounds = {"hBERT": [], "hBERT-adapter": []}
                 for r in range(n_rounds):
                     bs = batches if r == 0 else trace(n, dist, warm + measured_batches, seed=n + 7919 * r)
@@ -427,11 +427,11 @@ def main() -> None:
                          f"{v['median_load_ms']} ms, median single-request compute {v['median_request_ms']} ms"
                          for k, v in out["swapping"].items())
              + f". Disk: {', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in disk.items())}.\n\n")
-    r1k = {k: res["uniform"][k]["1000"]["rounds"] for k in ("hBERT", "hBERT-adapter")}
-    text += (f"hBERT and hBERT-adapter at 1,000 tenants (uniform) are the medians of {ROUNDS_1K} rounds in which the two "
-             f"alternate, each round on a fresh trace of {measured_batches} measured batches: hBERT {r1k['hBERT']}, "
-             f"hBERT-adapter {r1k['hBERT-adapter']} requests / s. Every other cell is one run of {measured_batches} "
-             "batches after one warm-up batch.\n\n")
+    text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {ROUNDS} rounds in which the two "
+             f"alternate, each round on a fresh trace of {measured_batches} measured batches (requests / s per round: "
+             + "; ".join(f"{k:,} tenants: hBERT {res['uniform']['hBERT'][str(k)]['rounds']}, hBERT-adapter "
+                         f"{res['uniform']['hBERT-adapter'][str(k)]['rounds']}" for k in COUNTS)
+             + f"). Every other cell is one run of {measured_batches} batches after one warm-up batch.\n\n")
     rows = [(k, f"{v['base_bytes'] / 2**20:.1f}", f"{v['per_tenant_bytes'] / 2**10:,.1f}", f"{v['tenants_in_2gib']:,}")
             for k, v in out["memory"].items()]
     text += "### Memory for model weights (2 GiB budget)\n\n" + table(rows, ("scheme", "base MiB", "per tenant KiB",

