@@ -24,9 +24,11 @@ def start(doc: str, extra=None):
     if extra is not None:
         extra(ap)
     args = ap.parse_args()
+    from hmi.allocator import tune_allocator
     from hmi.cli import _quiet_transformers, ensure_data
 
     _quiet_transformers()
+    tune_allocator()  # as the server runs
     ensure_data()
     return args
 

@@ -620,7 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hmi.allocator import tune_allocator
+
     args = build_parser().parse_args(argv)
+    tune_allocator()
     return args.func(args)
 
 

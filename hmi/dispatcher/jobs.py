@@ -81,7 +81,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: creates or updates a domain branch."""
     import torch
 
-    _quiet()
+    _worker_setup()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.version_tree.fpt import FPTConfig
@@ -110,15 +110,18 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
 
 
-def _quiet() -> None:
+def _worker_setup() -> None:
+    from hmi.allocator import tune_allocator
+
     logging.getLogger("adapters").setLevel(logging.ERROR)
+    tune_allocator()
 
 
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: fine-tunes one tenant and stores its adapter."""
     import torch
 
-    _quiet()
+    _worker_setup()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.adapters.spec import AdapterSpec
@@ -157,7 +160,7 @@ def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: fine-tunes one decoder tenant's LoRA and stores it."""
     import torch
 
-    _quiet()
+    _worker_setup()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.adapters.store import AdapterStore

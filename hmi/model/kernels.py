@@ -92,3 +92,4 @@ def use_onednn_linear(model: nn.Module) -> nn.Module:
         if type(m) is nn.Linear:
             m.__class__ = OneDnnLinear
     return model
+
