@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_tenants import drop_page_cache  # noqa: E402
 from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from hmi.model.kernels import use_onednn_linear  # noqa: E402
 
 BUDGET = 2 * 2**30
 SPLITS = (1, 2, 4, 8)
@@ -74,10 +75,10 @@ class DedicatedDecoders:
         from transformers import LlamaForCausalLM
 
         self.files = files
-        probe = LlamaForCausalLM(config).eval()
+        probe = use_onednn_linear(LlamaForCausalLM(config).eval())
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters())
         self.capacity = max(1, budget // self.model_bytes)
-        self.spare = [probe] + [LlamaForCausalLM(config).eval() for _ in range(self.capacity - 1)]
+        self.spare = [probe] + [use_onednn_linear(LlamaForCausalLM(config).eval()) for _ in range(self.capacity - 1)]
         self.lru: OrderedDict[int, object] = OrderedDict()
         self.load_s, self.gen_s, self.tokens, self.misses = [], [], 0, 0
 
