@@ -227,20 +227,14 @@ def cmd_demo(args) -> int:
     _quiet_transformers()
     import torch
 
-    from hmi.model.artifact import current_artifact_id
-    from hmi.plot.default import ensure_root_plot, open_root_version
+    from hmi.dispatcher.serve import prepare_default
+    from hmi.home import hmi_home
+    from hmi.plot.default import open_root_version
     from hmi.plot.lookup import PlotLookup
 
-    ensure_data()
-    if current_artifact_id() is None:
-        print("calibrating the root (first run only)")
-        cmd_calibrate(build_parser().parse_args(["calibrate"]))
-    root = load_current_root()
+    root = prepare_default(hmi_home())
     print(f"root artifact {root.artifact_id}")
     print_quality(root.meta)
-    summary = ensure_root_plot(root)
-    if not summary.get("up_to_date"):
-        print(f"root PLOT: {summary['entries']} entries built in {summary['seconds']} s")
     lookup = PlotLookup([open_root_version(root)], policy="compute")
     texts = held_out_texts(8)
     enc = root.tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="np")
