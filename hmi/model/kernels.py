@@ -28,7 +28,9 @@ def _onednn_available() -> bool:
     if os.environ.get("HMI_ONEDNN_LINEAR", "1") == "0" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
+        # Fixed operands: the check must not draw from torch's global generator at import time.
+        x = torch.linspace(-1.0, 1.0, 16).reshape(2, 8)
+        w, b = torch.linspace(-0.5, 0.5, 32).reshape(4, 8), torch.linspace(0.0, 0.3, 4)
         y = _inner_product(x, w, b)
     except (AttributeError, RuntimeError):  # a torch built without the op
         return False
@@ -92,4 +94,3 @@ def use_onednn_linear(model: nn.Module) -> nn.Module:
         if type(m) is nn.Linear:
             m.__class__ = OneDnnLinear
     return model
-
