@@ -74,11 +74,14 @@ class DedicatedDecoders:
     def __init__(self, config, files: list[Path], budget: int):
         from transformers import LlamaForCausalLM
 
+        def new_model():
+            return use_onednn_linear(LlamaForCausalLM(config).eval())
+
         self.files = files
-        probe = use_onednn_linear(LlamaForCausalLM(config).eval())
+        probe = new_model()
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters())
         self.capacity = max(1, budget // self.model_bytes)
-        self.spare = [probe] + [use_onednn_linear(LlamaForCausalLM(config).eval()) for _ in range(self.capacity - 1)]
+        self.spare = [probe] + [new_model() for _ in range(self.capacity - 1)]
         self.lru: OrderedDict[int, object] = OrderedDict()
         self.load_s, self.gen_s, self.tokens, self.misses = [], [], 0, 0
 

@@ -115,10 +115,8 @@ class ModelSwapper:
     file from disk (page cache dropped first) into the evicted model object."""
 
     def __init__(self, config, files: list[Path], budget: int):
-        from transformers import BertModel
-
         self.config, self.files = config, files
-        probe = use_onednn_linear(BertModel(config, add_pooling_layer=False).eval())
+        probe = self._new_model()
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters()) + LABELS * (config.hidden_size + 1) * 4
         self.capacity = max(1, budget // self.model_bytes)
         self.lru: OrderedDict[int, tuple] = OrderedDict()
@@ -126,9 +124,13 @@ class ModelSwapper:
         self.load_s: list[float] = []
         self.compute_s: list[tuple[int, float]] = []  # (requests in the group, seconds)
 
+    def _new_model(self):
+        from transformers import BertModel
+
+        return use_onednn_linear(BertModel(self.config, add_pooling_layer=False).eval())
+
     def get(self, tenant: int):
         from safetensors.torch import load_file
-        from transformers import BertModel
 
         if tenant in self.lru:
             self.lru.move_to_end(tenant)
@@ -137,7 +139,7 @@ class ModelSwapper:
         if len(self.lru) >= self.capacity:
             _, (model, _, _) = self.lru.popitem(last=False)
         else:
-            model = self._spare.pop() if self._spare else use_onednn_linear(BertModel(self.config, add_pooling_layer=False).eval())
+            model = self._spare.pop() if self._spare else self._new_model()
         path = self.files[tenant % len(self.files)]
         drop_page_cache(path)
         sd = load_file(str(path))
