@@ -44,7 +44,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{os.cpu_count()} CPU cores ({cpu}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    isa = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use (AVX2, AVX512, ...)
+    return f"{os.cpu_count()} CPU cores ({cpu}, {isa}), torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def timeit(fn, repeat: int = 5, warmup: int = 1) -> float:

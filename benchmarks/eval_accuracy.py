@@ -15,7 +15,11 @@ was trained with); by default every scheme trains both on every classification t
 one with the better dev accuracy (``--pooling cls``, the default with ``--quick``, or ``mean`` trains
 one).  A tagging head reads every token.
 
+``--schemes`` and ``--tasks`` run a subset (e.g. how the gap moves with ``--train``); such a run writes
+docs/eval_accuracy_partial.md and leaves the full table alone.
+
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
+                                          [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "
            ("hBERT-adapter", "adapter", 3e-3)]
 HBERT_LR = 3e-3
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", "hBERT, exact windows"]
+SCHEME_FLAGS = {"hBERT-exact": "hBERT, exact windows"}  # --schemes names without a comma
+
+
+def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
+    """The comma-separated names of ``arg`` (all of ``known`` when absent), in ``known``'s order."""
+    if arg is None:
+        return list(known)
+    names = [SCHEME_FLAGS.get(a.strip(), a.strip()) for a in arg.split(",") if a.strip()]
+    unknown = [a for a in names if a not in known]
+    if unknown or not names:
+        flags = {v: k for k, v in SCHEME_FLAGS.items()}
+        raise SystemExit(f"{flag}: unknown {unknown or 'empty list'}; use names from: "
+                         + ", ".join(flags.get(k, k) for k in known))
+    return [k for k in known if k in names]
 
 
 def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0):
@@ -142,8 +161,14 @@ def main() -> None:
                         help="what classification heads read: the [CLS] vector (default with --quick), the mean of the "
                              "tokens (the root's own pooling), or per scheme and task the one with the better dev "
                              "accuracy (default)")
+        ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
+                                          "hBERT-exact")
+        ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
 
     args = start(__doc__, options)
+    schemes = subset(args.schemes, ALL_SCHEMES, "--schemes")
+    tasks = subset(args.tasks, TASKS, "--tasks")
+    partial = len(schemes) < len(ALL_SCHEMES) or len(tasks) < len(TASKS)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
@@ -167,14 +192,16 @@ def main() -> None:
         n_eval = args.test
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
-    exact = args.exact or not args.quick
+    exact = (args.exact or not args.quick) if args.schemes is None else "hBERT, exact windows" in schemes
     root = load_root()
     ensure_root_plot(root, progress=False)
     version = open_root_version(root)
     rows, res = [], {"tasks": {}}
-    hbert_runs = [("hBERT", "backoff")] + ([("hBERT, exact windows", "compute")] if exact else [])
-    columns = [name for name, _, _ in SCHEMES] + [label for label, _ in reversed(hbert_runs)]
-    for task in TASKS:
+    hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), ("hBERT, exact windows", "compute"))
+                  if label in schemes and (exact or policy == "backoff")]
+    full_context = [s for s in SCHEMES if s[0] in schemes]
+    columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
+    for task in tasks:
         labels = tuple(task_labels(task))
         tagging = is_tagging(task)
         poolings = ["cls"] if tagging else (["cls", "mean"] if args.pooling == "dev" else [args.pooling])
@@ -191,7 +218,7 @@ def main() -> None:
                     test, FinetuneConfig(epochs=epochs, lr=HBERT_LR, max_len=max_len, patience=epochs),
                     progress=False)[1]) for label, policy in hbert_runs]
         runs += [(label, lambda spec, mode=mode, lr=lr: train_full_context(
-                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode, lr in SCHEMES]
+                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode, lr in full_context]
         for label, run in runs:
             t0 = time.time()
             tried = {p: run(specs[p]) for p in poolings}  # the pooling with the best dev accuracy is kept
@@ -204,26 +231,31 @@ def main() -> None:
         rows.append((task + (" (token acc.)" if tagging else ""), len(train),
                      *(f"{100 * vals[c]:.1f}" for c in columns)))
         print(rows[-1], flush=True)
-    avg = {c: float(np.mean([res["tasks"][t][c] for t in TASKS])) for c in columns}
+    avg = {c: float(np.mean([res["tasks"][t][c] for t in tasks])) for c in columns}
     rows.append(("average", "", *(f"{avg[c]:.1f}" for c in columns)))
     # Keys of the tenant-adapter issue (full fine-tuning = dedicated), kept stable for comparisons.
-    for t in TASKS:
+    for t in tasks:
         r = res["tasks"][t]
-        r.update(hbert=r["hBERT"], full_ft=r["dedicated"], adapters_full_context=r["hBERT-adapter"])
+        r.update({key: r[c] for key, c in (("hbert", "hBERT"), ("full_ft", "dedicated"),
+                                            ("adapters_full_context", "hBERT-adapter")) if c in r})
     res["average"] = {c: round(v, 2) for c, v in avg.items()}
-    res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
-    if exact:
+    if "dedicated" in avg and "hBERT" in avg:
+        res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
+    if "dedicated" in avg and "hBERT, exact windows" in avg:
         res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT, exact windows"], 2)
-    res["hbert_above_shared"] = avg["hBERT"] > avg["shared"]
-    res["hbert_above_compress"] = avg["hBERT"] > avg["compress"]
+    for other in ("shared", "compress"):
+        if other in avg and "hBERT" in avg:
+            res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
     res["root_artifact"] = root.artifact_id
     res["pooling"] = args.pooling
     text = table(rows, ("task", "train examples", *columns))
     lrs = {label: lr for label, _, lr in SCHEMES}
-    gap_exact = f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}" if exact else ""
+    gap = (f" Average gap of hBERT to dedicated (full fine-tuning): {res['avg_gap_vs_full_ft']} points"
+           if "avg_gap_vs_full_ft" in res else "")
+    if "avg_gap_exact_windows_vs_full_ft" in res:
+        gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
     text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
-             f"micro-F1 for single-label tagging). Average gap of hBERT to dedicated (full fine-tuning): "
-             f"{res['avg_gap_vs_full_ft']} points{gap_exact}. Every scheme: the same training examples (texts cut to "
+             f"micro-F1 for single-label tagging).{gap}. Every scheme: the same training examples (texts cut to "
              f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
              + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
                        "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
@@ -235,9 +267,11 @@ def main() -> None:
              f"the merged PLOT representations, reading the root PLOT with back-off as served (lr {HBERT_LR:g})"
              + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                 "(`--miss-policy compute`)." if exact else "."))
-    finish("eval_accuracy", text, res, "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
+    finish("eval_accuracy_partial" if partial else "eval_accuracy", text, res,
+           "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
            + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
-           + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else ""))
+           + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
+           + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else ""))
 
 
 if __name__ == "__main__":

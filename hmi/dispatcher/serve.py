@@ -92,7 +92,7 @@ def prepare_default(home: Path):
 
     ensure_data()
     if current_artifact_id(home) is None:
-        print("calibrating the root model (first start only, about 15 minutes on 2 cores)")
+        print("calibrating the root model (first start only, 15 to 30 minutes on 2 cores)")
         cmd_calibrate(build_parser().parse_args(["calibrate"]))
     root = load_root(home=home)
     summary = ensure_root_plot(root, home=home)
