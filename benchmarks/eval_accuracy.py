@@ -255,7 +255,7 @@ def main() -> None:
     if "avg_gap_exact_windows_vs_full_ft" in res:
         gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
     text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
-             f"micro-F1 for single-label tagging).{gap}. Every scheme: the same training examples (texts cut to "
+             f"micro-F1 for single-label tagging).{gap + '.' if gap else ''} Every scheme: the same training examples (texts cut to "
              f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
              + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
                        "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
