@@ -41,8 +41,9 @@ SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "
            ("hBERT-adapter", "adapter", 3e-3)]
 HBERT_LR = 3e-3
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
-ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", "hBERT, exact windows"]
-SCHEME_FLAGS = {"hBERT-exact": "hBERT, exact windows"}  # --schemes names without a comma
+HBERT_EXACT = "hBERT, exact windows"
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT]
+SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT}  # --schemes names without a comma
 
 
 def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
@@ -166,9 +167,10 @@ def main() -> None:
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
 
     args = start(__doc__, options)
-    schemes = subset(args.schemes, ALL_SCHEMES, "--schemes")
+    default_schemes = [s for s in ALL_SCHEMES if s != HBERT_EXACT or args.exact or not args.quick]
+    schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
-    partial = len(schemes) < len(ALL_SCHEMES) or len(tasks) < len(TASKS)
+    partial = len(schemes) < len(default_schemes) or len(tasks) < len(TASKS)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
@@ -192,13 +194,12 @@ def main() -> None:
         n_eval = args.test
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
-    exact = (args.exact or not args.quick) if args.schemes is None else "hBERT, exact windows" in schemes
+    exact = HBERT_EXACT in schemes
     root = load_root()
     ensure_root_plot(root, progress=False)
     version = open_root_version(root)
     rows, res = [], {"tasks": {}}
-    hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), ("hBERT, exact windows", "compute"))
-                  if label in schemes and (exact or policy == "backoff")]
+    hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     full_context = [s for s in SCHEMES if s[0] in schemes]
     columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     for task in tasks:
@@ -241,8 +242,8 @@ def main() -> None:
     res["average"] = {c: round(v, 2) for c, v in avg.items()}
     if "dedicated" in avg and "hBERT" in avg:
         res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
-    if "dedicated" in avg and "hBERT, exact windows" in avg:
-        res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT, exact windows"], 2)
+    if "dedicated" in avg and HBERT_EXACT in avg:
+        res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
     for other in ("shared", "compress"):
         if other in avg and "hBERT" in avg:
             res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
