@@ -8,7 +8,26 @@ import tempfile
 from pathlib import Path
 
 
+def fsync_dir(path: Path | str) -> None:
+    """Makes the entries of a folder (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path | str, data: bytes) -> None:
+    """Writes a new file and flushes it to disk (not atomic by itself: write it inside a folder
+    that is renamed into place, or use ``atomic_write_bytes``)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -> None:
+    """Replaces ``path`` in one rename: after a crash it holds the old content or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -20,6 +39,7 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

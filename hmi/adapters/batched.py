@@ -17,58 +17,90 @@ from torch import nn
 from hmi.model.root import extended_mask
 
 
-def segment_bmm(x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class SegmentPlan:
+    """How the N requests of a group fall into segments of one slot each, worked out on the host
+    once per batch (the slots are known there), so the layer loop never waits on the device.
+
+    ``uniq`` (U,) the distinct slots in increasing order; ``inv`` (N,) each request's segment;
+    ``rank`` (N,) its place inside the segment; ``cmax`` the longest segment; ``first`` uniq[0]."""
+
+    n: int
+    u: int
+    cmax: int
+    first: int
+    uniq: torch.Tensor
+    inv: torch.Tensor
+    rank: torch.Tensor
+
+
+def segment_plan(slots: list[int] | torch.Tensor, device: torch.device | str | None = None) -> SegmentPlan:
+    """The SegmentPlan of per-request slots (a host list; a tensor is read back once)."""
+    if isinstance(slots, torch.Tensor):
+        device = slots.device if device is None else device
+        slots = slots.tolist()
+    order = {s: i for i, s in enumerate(sorted(set(slots)))}
+    inv, rank, seen = [], [], {}
+    for s in slots:
+        g = order[s]
+        inv.append(g)
+        rank.append(seen.get(g, 0))
+        seen[g] = rank[-1] + 1
+    as_t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    return SegmentPlan(len(slots), len(order), max(seen.values(), default=0), min(order, default=0),
+                       as_t(sorted(order)), as_t(inv), as_t(rank))
+
+
+def segment_bmm(x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                plan: SegmentPlan | None = None) -> torch.Tensor:
     """Each request's rows times its own weight matrix, all requests at once.
 
     Semantics: y[n] = x[n] @ w[slots[n]] (+ b[slots[n]])
     Shapes: x (N, T, Din); slots (N,) int64 in [0, S); w (S, Din, Dout); b (S, Dout) -> y (N, T, Dout).
     Requests sharing a slot are stacked into one segment of a padded (U, k*T, Din) operand, so each
-    distinct weight matrix is gathered once.
+    distinct weight matrix is gathered once.  ``plan`` (from ``segment_plan`` of the same slots)
+    makes the call free of host-device synchronization; without it the slots are read back.
     """
     n, t, d_in = x.shape
-    uniq, inv, counts = torch.unique(slots, return_inverse=True, return_counts=True)
-    u = uniq.numel()
-    if u == n:
+    if plan is None:
+        plan = segment_plan(slots)
+    if plan.u == n:
         wg = w.index_select(0, slots)
         if b is None:
             return torch.bmm(x, wg)
         return torch.baddbmm(b.index_select(0, slots).unsqueeze(1), x, wg)
-    if u == 1:  # one tenant: a single GEMM over all rows, no gather
-        s = int(uniq[0])
-        y = torch.matmul(x, w[s])
-        return y if b is None else y + b[s]
-    order = torch.argsort(inv, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = torch.empty_like(inv)
-    rank[order] = torch.arange(n, device=x.device) - starts[inv[order]]
-    cmax = int(counts.max())
-    buf = x.new_zeros(u, cmax, t, d_in)
-    buf[inv, rank] = x
-    wg = w.index_select(0, uniq)
-    flat = buf.view(u, cmax * t, d_in)
+    if plan.u == 1:  # one tenant: a single GEMM over all rows, no gather
+        y = torch.matmul(x, w[plan.first])
+        return y if b is None else y + b[plan.first]
+    buf = x.new_zeros(plan.u, plan.cmax, t, d_in)
+    buf[plan.inv, plan.rank] = x
+    wg = w.index_select(0, plan.uniq)
+    flat = buf.view(plan.u, plan.cmax * t, d_in)
     if b is None:
         y = torch.bmm(flat, wg)
     else:
-        y = torch.baddbmm(b.index_select(0, uniq).unsqueeze(1), flat, wg)
-    return y.view(u, cmax, t, -1)[inv, rank]
+        y = torch.baddbmm(b.index_select(0, plan.uniq).unsqueeze(1), flat, wg)
+    return y.view(plan.u, plan.cmax, t, -1)[plan.inv, plan.rank]
 
 
-def batched_bottleneck(a: torch.Tensor, slots: torch.Tensor, down_w, down_b, up_w, up_b) -> torch.Tensor:
+def batched_bottleneck(a: torch.Tensor, slots: torch.Tensor, down_w, down_b, up_w, up_b,
+                       plan: SegmentPlan | None = None) -> torch.Tensor:
     """Bottleneck adapter branch of each request.
 
     Semantics: u[n] = relu(a[n] @ down_w[slots[n]] + down_b[slots[n]]) @ up_w[slots[n]] + up_b[slots[n]]
     Shapes: a (N, T, H); slots (N,); down_w (S, H, r); down_b (S, r); up_w (S, r, H); up_b (S, H) -> (N, T, H).
     """
-    return segment_bmm(torch.relu(segment_bmm(a, slots, down_w, down_b)), slots, up_w, up_b)
+    return segment_bmm(torch.relu(segment_bmm(a, slots, down_w, down_b, plan)), slots, up_w, up_b, plan)
 
 
-def batched_lora(x: torch.Tensor, slots: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, scaling: float) -> torch.Tensor:
+def batched_lora(x: torch.Tensor, slots: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, scaling: float,
+                 plan: SegmentPlan | None = None) -> torch.Tensor:
     """LoRA update of a projection for each request.
 
     Semantics: delta[n] = scaling * x[n] @ A[slots[n]]^T @ B[slots[n]]^T
     Shapes: x (N, T, H); a_t (S, H, r) (= A^T); b_t (S, r, H) (= B^T) -> (N, T, H).
     """
-    return segment_bmm(segment_bmm(x, slots, a_t), slots, b_t) * scaling
+    return segment_bmm(segment_bmm(x, slots, a_t, plan=plan), slots, b_t, plan=plan) * scaling
 
 
 @dataclass
@@ -79,14 +111,7 @@ class Group:
     slots: torch.Tensor  # (n,) int64 slots in the pool
     pool: object  # hmi.adapters.pool.SlotPool
     all_rows: bool = False  # the group covers the whole batch in order (no gather/scatter needed)
-
-
-def _apply(out: torch.Tensor, g: Group, fn) -> None:
-    """out[g.rows] = fn(out[g.rows]) without copies when the group is the whole batch."""
-    if g.all_rows:
-        out.copy_(fn(out))
-    else:
-        out[g.rows] = fn(out.index_select(0, g.rows))
+    plan: SegmentPlan | None = None  # segment_plan(slots), made on the host with the group
 
 
 def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, groups: list[Group],
@@ -123,8 +148,8 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
         if p.kind == "lora":
             xs = x if g.all_rows else x.index_select(0, g.rows)
             lw = p.layer(li)
-            dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling)
-            dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling)
+            dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling, g.plan)
+            dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling, g.plan)
             if g.all_rows:
                 q, v = q + dq, v + dv
             else:
@@ -159,7 +184,7 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
             rows_h = h if g.all_rows else h.index_select(0, g.rows)
             rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
             out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
-                                                             lw["up_w"], lw["up_b"]))
+                                                             lw["up_w"], lw["up_b"], g.plan))
             ys.append((g, out))
         if y is None and len(ys) == 1 and ys[0][0].all_rows:
             y = ys[0][1]

@@ -125,6 +125,26 @@ class SlotPool:
                     else:
                         self._free.append(slot)
 
+    def check(self, weights: dict[str, torch.Tensor], num_labels: int) -> None:
+        """Raises ValueError unless ``weights`` (canonical layout) fill a slot of this pool: every
+        layer's tensors present with their shapes, and a head of ``num_labels`` <= max_labels."""
+        for li, dst in enumerate(self.layers):
+            for name, t in dst.items():
+                key = f"layers.{li}.{self._site}.{name}"
+                want = tuple(t.shape[1:])[::-1] if self.kind == "lora" else tuple(t.shape[1:])
+                got = weights.get(key)
+                if got is None:
+                    raise ValueError(f"{key} is missing")
+                if tuple(got.shape) != want:
+                    raise ValueError(f"{key} has shape {tuple(got.shape)}, expected {want}")
+        hidden = self.head_w.shape[1]
+        if num_labels > self.max_labels:
+            raise ValueError(f"a head of {num_labels} labels; this server serves at most {self.max_labels}")
+        for key, want in (("head.w", (hidden, num_labels)), ("head.b", (num_labels,))):
+            got = weights.get(key)
+            if got is None or tuple(got.shape) != want:
+                raise ValueError(f"{key} has shape {None if got is None else tuple(got.shape)}, expected {want}")
+
     def write_layer(self, slot: int, layer: int, weights: dict[str, torch.Tensor], non_blocking: bool = False) -> None:
         """Copies one upper layer of a tenant's canonical weights into its slot."""
         dst = self.layers[layer]

@@ -1,26 +1,34 @@
-"""Tenant adapter store: safetensors on disk (atomic), a host-memory LRU bounded in MB.
+"""Tenant adapter store: safetensors on disk (versioned, atomic), a host-memory LRU bounded in MB.
 
-Layout: ``<dir>/<tenant>/adapter.safetensors`` (adapter + head, fp16 by default) and
-``<dir>/<tenant>/tenant.json`` (spec, domain, metrics).  A tenant's files are written into a
-temporary folder and renamed into place, so a reader sees the old version or the new one.
+Layout: ``<dir>/<tenant>/<version>/adapter.safetensors`` (adapter + head, fp16 by default) and
+``.../tenant.json`` (spec, domain, metrics); ``<dir>/<tenant>/CURRENT`` names the version served.
+A version folder is written under a temporary name, flushed and renamed into place; replacing a
+tenant's adapter is then one atomic rename of ``CURRENT`` (file and folder fsynced).  A crash at
+any point leaves the old version or the new one served, never neither.  Fine-tune jobs write a
+version named by their job id without publishing it; the server publishes it only if the tenant
+still belongs to that job.
 """
 
 from __future__ import annotations
 
 import json
-import re
+import os
 import shutil
-import tempfile
 import threading
+import uuid
 from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from hmi.adapters.spec import AdapterSpec
+from hmi.io import atomic_write_text, fsync_dir, write_durable
+from hmi.names import is_valid_name
 
-TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+POINTER = "CURRENT"
+WEIGHTS = "adapter.safetensors"
+INFO = "tenant.json"
 
 
 class TenantMissingError(KeyError):
@@ -31,7 +39,7 @@ class TenantMissingError(KeyError):
 
 
 def check_tenant_name(name: str) -> str:
-    if not isinstance(name, str) or not TENANT_NAME.match(name):
+    if not is_valid_name(name):
         raise ValueError(f"invalid tenant name {name!r}: use 1-63 characters a-z, 0-9, '_' or '-', "
                          "starting with a letter or digit")
     return name
@@ -42,7 +50,8 @@ def weights_bytes(weights: dict[str, torch.Tensor]) -> int:
 
 
 class AdapterStore:
-    """Disk tier + host tier of tenant adapters. Thread-safe."""
+    """Disk tier + host tier of tenant adapters. Thread-safe; several processes may write
+    distinct versions of one tenant at once (only ``publish`` switches what is served)."""
 
     def __init__(self, root: Path | str, host_cache_mb: float = 1024, dtype: torch.dtype = torch.float16,
                  pin_memory: bool = False):
@@ -60,48 +69,113 @@ class AdapterStore:
     def path(self, tenant: str) -> Path:
         return self.root / check_tenant_name(tenant)
 
-    def save(self, tenant: str, spec: AdapterSpec, weights: dict[str, torch.Tensor], info: dict | None = None) -> None:
-        """Writes (or replaces) a tenant's adapter atomically and drops its cached copy."""
-        final = self.path(tenant)
-        tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{tenant}.new-"))
+    def current(self, tenant: str) -> Path | None:
+        """The folder of the version served, or None."""
+        base = self.path(tenant)
         try:
-            save_file({k: v.detach().to(self.dtype).contiguous().cpu() for k, v in weights.items()},
-                      str(tmp / "adapter.safetensors"))
-            (tmp / "tenant.json").write_text(json.dumps({"spec": spec.to_dict(), **(info or {})}, indent=1))
-            old = None
-            if final.exists():
-                old = self.root / f".{tenant}.old-{tmp.name[-8:]}"
-                final.rename(old)
-            tmp.rename(final)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            version = (base / POINTER).read_text().strip()
+        except FileNotFoundError:
+            return base if (base / WEIGHTS).exists() else None  # a tenant stored before versions existed
+        return base / version
+
+    def save(self, tenant: str, spec: AdapterSpec, weights: dict[str, torch.Tensor], info: dict | None = None,
+             version: str | None = None, publish: bool = True) -> str:
+        """Writes a version of a tenant's adapter (flushed to disk) and, with ``publish``, serves
+        it. Returns the version's name."""
+        version = version or f"v{uuid.uuid4().hex[:12]}"
+        if not is_valid_name(version):
+            raise ValueError(f"invalid version name {version!r}")
+        base = self.path(tenant)
+        base.mkdir(parents=True, exist_ok=True)
+        tmp = base / f".tmp-{version}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            write_durable(tmp / WEIGHTS, save({k: v.detach().to(self.dtype).contiguous().cpu() for k, v in weights.items()}))
+            write_durable(tmp / INFO, json.dumps({"spec": spec.to_dict(), **(info or {})}, indent=1).encode())
+            fsync_dir(tmp)
+            os.rename(tmp, base / version)
+            fsync_dir(base)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if publish:
+            self.publish(tenant, version)
+        return version
+
+    def publish(self, tenant: str, version: str) -> None:
+        """Serves ``version`` from now on (one atomic rename), then removes the older versions."""
+        base = self.path(tenant)
+        if not (base / version / WEIGHTS).exists():
+            raise TenantMissingError(tenant)
+        atomic_write_text(base / POINTER, version)
         self.invalidate(tenant)
+        self._prune(base, keep=version)
+
+    def discard(self, tenant: str, version: str) -> None:
+        """Removes a version that will never be served (its job no longer owns the tenant)."""
+        base = self.path(tenant)
+        cur = self.current(tenant)
+        if cur is None or cur.name != version:
+            shutil.rmtree(base / version, ignore_errors=True)
+        if base.exists() and not any(base.iterdir()):
+            base.rmdir()
+
+    @staticmethod
+    def _prune(base: Path, keep: str) -> None:
+        for p in base.iterdir():
+            if p.is_dir() and p.name != keep and not p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+        for name in (WEIGHTS, INFO):  # the files of a tenant stored before versions existed
+            (base / name).unlink(missing_ok=True)
 
     def delete(self, tenant: str) -> None:
+        """Removes a tenant's every version: one rename makes it disappear, then the files go."""
         final = self.path(tenant)
-        if not final.exists():
+        if self.current(tenant) is None:
             raise TenantMissingError(tenant)
-        trash = self.root / f".{tenant}.deleted"
-        if trash.exists():
-            shutil.rmtree(trash)
-        final.rename(trash)
+        trash = self.root / f".deleted-{tenant}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+        fsync_dir(self.root)
         self.invalidate(tenant)
         shutil.rmtree(trash, ignore_errors=True)
 
+    def recover(self) -> None:
+        """After a restart (no writer running): removes deletions and writes that a crash cut short,
+        and versions that were never published."""
+        for p in self.root.iterdir():
+            if p.name.startswith(".deleted-") or (p.name.startswith(".") and p.is_dir()):
+                shutil.rmtree(p, ignore_errors=True)
+                continue
+            if not p.is_dir():
+                continue
+            cur = self.current(p.name) if is_valid_name(p.name) else None
+            if cur is None:
+                if not (p / POINTER).exists():
+                    shutil.rmtree(p, ignore_errors=True)  # nothing published: a job cut short
+                continue
+            for v in p.iterdir():
+                if v.is_dir() and v != cur:
+                    shutil.rmtree(v, ignore_errors=True)
+
     def exists(self, tenant: str) -> bool:
-        return (self.path(tenant) / "adapter.safetensors").exists()
+        return self.current(tenant) is not None
+
+    def file(self, tenant: str) -> Path:
+        """The weights file served for a tenant."""
+        cur = self.current(tenant)
+        if cur is None:
+            raise TenantMissingError(tenant)
+        return cur / WEIGHTS
 
     def tenants(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if not p.name.startswith(".") and (p / "tenant.json").exists())
+        return sorted(p.name for p in self.root.iterdir()
+                      if not p.name.startswith(".") and is_valid_name(p.name) and self.current(p.name) is not None)
 
     def info(self, tenant: str) -> dict:
-        p = self.path(tenant) / "tenant.json"
-        if not p.exists():
+        cur = self.current(tenant)
+        if cur is None or not (cur / INFO).exists():
             raise TenantMissingError(tenant)
-        return json.loads(p.read_text())
+        return json.loads((cur / INFO).read_text())
 
     def spec(self, tenant: str) -> AdapterSpec:
         return AdapterSpec.from_dict(self.info(tenant)["spec"])
@@ -115,10 +189,10 @@ class AdapterStore:
                 self._cache.move_to_end(tenant)
                 self.stats["host_hits"] += 1
                 return w
-        p = self.path(tenant) / "adapter.safetensors"
-        if not p.exists():
+        cur = self.current(tenant)
+        if cur is None or not (cur / WEIGHTS).exists():
             raise TenantMissingError(tenant)
-        w = load_file(str(p))
+        w = load_file(str(cur / WEIGHTS))
         if self.pin_memory:
             w = {k: v.pin_memory() for k, v in w.items()}
         size = weights_bytes(w)

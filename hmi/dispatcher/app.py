@@ -16,17 +16,18 @@ from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.adapters.store import AdapterStore, TenantMissingError, check_tenant_name
 from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
+from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.generate import completions, generate
-from hmi.dispatcher.jobs import JobManager, WorkerContext
+from hmi.dispatcher.jobs import JobManager, WorkerContext, new_job_id
 from hmi.dispatcher.metrics import Metrics
 from hmi.dispatcher.openapi import openapi_document
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.validation import ApiError, check_rows, error_response, field, json_body, unknown_fields
-from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+from hmi.names import is_valid_name
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 
 log = logging.getLogger("hmi.server")
-SERVER = web.AppKey("server", object)
 
 
 @dataclass
@@ -43,7 +44,11 @@ class ServerConfig:
     miss_policy: str = "backoff"
     max_pending: int = 256
     job_concurrency: int = 1
+    max_queued_jobs: int = 64
+    job_time_limit_s: float = 6 * 3600.0
     infer_timeout_s: float = 60.0
+    max_labels: int = 32  # labels a tenant's head may have (the width of the device pools' heads)
+    device: str = "auto"  # cpu, cuda or auto
 
 
 class Server:
@@ -54,7 +59,10 @@ class Server:
         self.metrics = Metrics()
         self.registry = Registry(home / "registry")
         self.recovered = self.registry.recover()
-        self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb)
+        self.device = pick_device(cfg.device)
+        self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb,
+                                  pin_memory=self.device.type == "cuda")
+        self.store.recover()
         self._entries: dict[str, TenantEntry] = {}
         self._gpt_ready: set[str] = set()  # decoder tenants that can generate
         self.gpt = None  # hmi.hgpt.runtime.HgptRuntime once enabled
@@ -73,7 +81,8 @@ class Server:
         self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.resolve,
                                    self.lookup_for,
                                    SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
-                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending))
+                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
+                                                   max_labels=cfg.max_labels, device=str(self.device)))
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe)
         self.admin_token, self.admin_token_new = admin_token(home)
@@ -81,7 +90,8 @@ class Server:
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
                             plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home))
-        self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency)
+        self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
+                               cfg.job_time_limit_s)
         self.started = time.time()
 
     # -- tenants ---------------------------------------------------------------------------------
@@ -132,9 +142,12 @@ class Server:
             return
         t = job["tenant"]
         rec = self.registry.get("tenants", t)
-        if rec is None or rec.get("deleted"):
+        if rec is None or rec.get("job") != job["id"]:
+            # The tenant was deleted (and maybe re-created) while this job ran: never serve its weights.
+            self.store.discard(t, job["id"])
             return
         if state == "succeeded":
+            self.store.publish(t, job["id"])
             rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
                                        metrics=info, error=None)
             if rec.get("model") == "decoder":
@@ -145,10 +158,41 @@ class Server:
                 return
             self.scheduler.forget(t)
             self._entries[t] = self._entry(t, rec)
-        elif job["kind"] == "create":
+            return
+        self.store.discard(t, job["id"])
+        if job["kind"] == "create":
             self.registry.update("tenants", t, state="failed", error=info.get("error") or state)
         else:
             self.registry.update("tenants", t, state="ready")
+
+    def _require_job_room(self) -> None:
+        if self.jobs.full():
+            raise ApiError(429, "too_many_jobs", f"{self.jobs.max_queued} jobs are waiting; retry later",
+                           {"Retry-After": "30"})
+
+    def create_tenant(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
+        """Registers a new tenant and queues its first fine-tune job; returns (token, job id).
+        Raises ApiError: 429 when the job queue is full, 409 when the name is taken."""
+        self._require_job_room()
+        token, jid = new_token("hmi_t"), new_job_id()
+        rec = {**rec, "state": "training", "token_hash": hash_token(token), "version": 0, "job": jid}
+        if not self.registry.create("tenants", name, rec):
+            raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+        self._token_owner_by_hash[rec["token_hash"]] = name
+        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        return token, jid
+
+    def update_tenant(self, name: str, data: dict, **job) -> str:
+        """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
+        one is queued or running), checked and claimed in one registry transaction."""
+        self._require_job_room()
+        jid = new_job_id()
+        rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
+        if rec is None:
+            state = (self.registry.get("tenants", name) or {}).get("state", "deleted")
+            raise ApiError(409, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
+        self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
+        return jid
 
     # -- auth ------------------------------------------------------------------------------------
     def caller(self, request: web.Request) -> str:
@@ -157,6 +201,10 @@ class Server:
         if not header.startswith("Bearer ") or not header[7:].strip():
             raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
         token = header[7:].strip()
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
+            raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
         if same(token, self.admin_token):
             return "admin"
         digest = hash_token(token)
@@ -173,12 +221,6 @@ class Server:
             return None
         rec = self.registry.get("tenants", name)
         return name if rec is not None and same(rec.get("token_hash", ""), digest) else None
-
-    def add_tenant(self, name: str, rec: dict) -> bool:
-        if not self.registry.create("tenants", name, rec):
-            return False
-        self._token_owner_by_hash[rec["token_hash"]] = name
-        return True
 
     def require_admin(self, request) -> None:
         if self.caller(request) != "admin":
@@ -253,11 +295,15 @@ async def infer(request: web.Request) -> web.Response:
     return web.json_response({"tenant": tenant, "outputs": outputs})
 
 
-def _spec_from_body(body: dict) -> AdapterSpec:
+def _spec_from_body(body: dict, max_labels: int) -> AdapterSpec:
     task = field(body, "task", dict)
     unknown_fields(task, {"type", "labels", "pooling"})
     head = field(task, "type", str)
     labels = field(task, "labels", list)
+    if not all(isinstance(x, str) for x in labels):
+        raise ApiError(400, "invalid_type", "'task.labels' must be a list of strings")
+    if len(labels) > max_labels:
+        raise ApiError(400, "too_many_labels", f"{len(labels)} labels; this server serves heads of at most {max_labels}")
     adapter = field(body, "adapter", dict, required=False, default={})
     unknown_fields(adapter, {"kind", "reduction_factor", "rank", "alpha"})
     kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels}
@@ -366,13 +412,8 @@ async def _create_decoder_tenant(s: Server, body: dict) -> web.Response:
         raise ApiError(400, "invalid_spec", str(exc)) from None
     data = _decoder_training(s, body)
     epochs = _epochs(body, default=1, most=20)
-    token = new_token("hmi_t")
-    rec = {"state": "training", "model": "decoder", "domain": "root", "spec": spec.to_dict(),
-           "token_hash": hash_token(token), "version": 0}
-    if not s.add_tenant(name, rec):
-        raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
-    job = s.jobs.submit("create", name, spec.to_dict(), data, epochs=epochs, model="decoder")
-    s.registry.update("tenants", name, job=job)
+    token, job = s.create_tenant(name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()}, data,
+                                 epochs=epochs, model="decoder")
     return web.json_response({"tenant": name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
 
@@ -390,15 +431,10 @@ async def create_tenant(request: web.Request) -> web.Response:
     domain = field(body, "domain", str, required=False, default="root")
     if domain != "root" and domain not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no domain {domain!r}")
-    spec = _spec_from_body(body)
+    spec = _spec_from_body(body, s.cfg.max_labels)
     data = _training_data(s, body, spec)
     epochs = _epochs(body)
-    token = new_token("hmi_t")
-    rec = {"state": "training", "domain": domain, "spec": spec.to_dict(), "token_hash": hash_token(token), "version": 0}
-    if not s.add_tenant(name, rec):
-        raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
-    job = s.jobs.submit("create", name, spec.to_dict(), data, epochs=epochs, domain=domain)
-    s.registry.update("tenants", name, job=job)
+    token, job = s.create_tenant(name, {"domain": domain, "spec": spec.to_dict()}, data, epochs=epochs, domain=domain)
     return web.json_response({"tenant": name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
 
@@ -415,18 +451,11 @@ async def update_tenant(request: web.Request) -> web.Response:
         s.require_gpt()
         unknown_fields(body, {"corpus", "training_text", "max_train", "epochs"})
         data = _decoder_training(s, body)
-        epochs = _epochs(body, default=1, most=20)
-        s.registry.update("tenants", tenant, state="updating")
-        job = s.jobs.submit("update", tenant, rec["spec"], data, epochs=epochs, model="decoder")
-        s.registry.update("tenants", tenant, job=job)
+        job = s.update_tenant(tenant, data, epochs=_epochs(body, default=1, most=20), model="decoder")
         return web.json_response({"tenant": tenant, "job": job}, status=202)
     unknown_fields(body, {"training_data", "dataset", "max_train", "epochs"})
-    spec = AdapterSpec.from_dict(rec["spec"])
-    data = _training_data(s, body, spec)
-    epochs = _epochs(body)
-    s.registry.update("tenants", tenant, state="updating")
-    job = s.jobs.submit("update", tenant, spec.to_dict(), data, epochs=epochs, domain=rec.get("domain", "root"))
-    s.registry.update("tenants", tenant, job=job)
+    data = _training_data(s, body, AdapterSpec.from_dict(rec["spec"]))
+    job = s.update_tenant(tenant, data, epochs=_epochs(body), domain=rec.get("domain", "root"))
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 
@@ -596,14 +625,12 @@ def _pending_domain(s: Server, name: str) -> bool:
 
 
 async def create_domain(request: web.Request) -> web.Response:
-    from hmi.version_tree.tree import NAME
-
     s: Server = request.app[SERVER]
     s.require_admin(request)
     body, lines = await _corpus_body(s, request)
     unknown_fields(body, {"name", "parent", "alpha", "corpus", "corpus_name", "max_lines", "steps"})
     name = field(body, "name", str)
-    if not NAME.match(name) or name == "root":
+    if not is_valid_name(name) or name == "root":
         raise ApiError(400, "invalid_name", f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-'")
     parent = field(body, "parent", str, required=False, default="root")
     alpha = field(body, "alpha", (int, float), required=False, default=0.5)
@@ -614,6 +641,7 @@ async def create_domain(request: web.Request) -> web.Response:
     if parent != "root" and parent not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no parent domain {parent!r}")
     data = _corpus_data(body, lines)
+    s._require_job_room()
     job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(alpha),
                         steps=_steps(body))
     return web.json_response({"domain": name, "job": job}, status=202)
@@ -631,6 +659,7 @@ async def update_domain(request: web.Request) -> web.Response:
     body, lines = await _corpus_body(s, request)
     unknown_fields(body, {"corpus", "corpus_name", "max_lines", "steps"})
     data = _corpus_data(body, lines)
+    s._require_job_room()
     job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=_steps(body))
     return web.json_response({"domain": name, "job": job}, status=202)
 
@@ -698,7 +727,8 @@ async def errors_and_logs(request: web.Request, handler):
         resp = error_response(404, "not_found", f"no route {request.method} {request.path}")
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here; use {allowed}")
+        resp = error_response(405, "method_not_allowed", f"{request.method} is not allowed here; use {allowed}",
+                              {"Allow": allowed})
     except web.HTTPException as exc:
         resp = error_response(exc.status, "http_error", exc.reason)
     except Exception:  # noqa: BLE001 - logged; the client sees a 500 without internals

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import time
 import uuid
 
 from aiohttp import web
 
+from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.validation import ApiError, field, json_body, unknown_fields
+from hmi.hgpt.engine import GenerationError, GenRequest, ServiceClosedError
 
 GENERATE_FIELDS = {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stop", "stream"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user"}
@@ -39,7 +42,6 @@ def _start(s, tenant: str, body: dict, max_key: str):
 
 
 def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
-    from hmi.hgpt.engine import GenerationError, GenRequest
 
     prompt = field(body, "prompt", str)
     if len(prompt) > s.cfg.max_input_chars:
@@ -56,46 +58,92 @@ def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
         s.gpt.service.submit(req)
     except GenerationError as exc:
         raise ApiError(exc.status, exc.code, str(exc)) from None
-    except Exception:  # noqa: BLE001 - the queue is full
+    except queue.Full:
         raise ApiError(429, "overloaded", "the generation queue is full; retry shortly", {"Retry-After": "1"}) from None
+    except ServiceClosedError:
+        raise ApiError(503, "shutting_down", "the server is shutting down") from None
     return req
 
 
-async def _result(s, req) -> dict:
+def _gone(request: web.Request) -> bool:
+    """Whether the client closed its connection."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _outcome(request, s, req, sink: asyncio.Queue | None = None):
+    """Waits for the request's result (or, with a sink, its next piece of text).  A client that
+    disconnects or a request past its time limit is cancelled, so the engine frees its slot."""
+    deadline = time.monotonic() + s.cfg.infer_timeout_s * 5
+    done = asyncio.wrap_future(req.future)
+    getter = asyncio.ensure_future(sink.get()) if sink is not None else None
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(req.future), s.cfg.infer_timeout_s * 5)
+        while True:
+            waiting = {done} if getter is None else {done, getter}
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED, timeout=0.25)
+            if getter is not None and getter.done():
+                return "text", getter.result()
+            if done.done():
+                return "done", None
+            if _gone(request):
+                req.cancel()
+                return "gone", None
+            if time.monotonic() > deadline:
+                req.cancel()
+                raise ApiError(503, "timeout", "generation did not finish in time; retry")
+    finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
+
+
+def _final(req) -> dict:
+    """The request's result, or its failure as an ApiError."""
+    try:
+        return req.future.result(0)
     except KeyError:
         raise ApiError(404, "adapter_missing", f"tenant {req.tenant!r} has no stored adapter") from None
-    except asyncio.TimeoutError:
-        raise ApiError(503, "timeout", "generation did not finish in time; retry") from None
+    except GenerationError as exc:
+        raise ApiError(exc.status, exc.code, str(exc)) from None
+
+
+async def _result(request, s, req) -> dict:
+    try:
+        kind, _ = await _outcome(request, s, req)
+    except asyncio.CancelledError:
+        req.cancel()
+        raise
+    if kind == "gone":
+        raise ApiError(499, "client_closed", "the client closed the connection")
+    return _final(req)
 
 
 async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encode) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    done = asyncio.ensure_future(asyncio.wrap_future(req.future))
-    while True:
-        getter = asyncio.ensure_future(sink.get())
-        await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED, timeout=s.cfg.infer_timeout_s * 5)
-        if getter.done():
-            await resp.write(encode({"text": getter.result()}))
-            continue
-        getter.cancel()
+    try:
+        await resp.prepare(request)
+        while True:
+            kind, piece = await _outcome(request, s, req, sink)
+            if kind == "text":
+                await resp.write(encode({"text": piece}))
+                continue
+            if kind == "gone":
+                return resp
+            break
         while not sink.empty():
             await resp.write(encode({"text": sink.get_nowait()}))
-        break
-    try:
-        final = done.result()
-        await resp.write(encode({"done": True, **final}))
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        await resp.write(encode({"error": {"code": "generation_failed", "message": f"{type(exc).__name__}: {exc}"}}))
-    await resp.write_eof()
+        try:
+            await resp.write(encode({"done": True, **_final(req)}))
+        except ApiError as exc:  # the stream has started: report in-band
+            await resp.write(encode({"error": {"code": exc.code, "message": exc.message}}))
+        await resp.write_eof()
+    except ApiError as exc:
+        await resp.write(encode({"error": {"code": exc.code, "message": exc.message}}))
+    finally:
+        req.cancel()  # no-op once finished; frees the engine slot of a client that went away mid-stream
     return resp
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    from hmi.dispatcher.app import SERVER
-
     s = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
@@ -103,14 +151,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
     unknown_fields(body, GENERATE_FIELDS)
     req, sink = _start(s, tenant, body, "max_new_tokens")
     if sink is None:
-        return web.json_response({"tenant": tenant, **await _result(s, req)})
+        return web.json_response({"tenant": tenant, **await _result(request, s, req)})
     return await _stream(request, s, req, sink, "application/x-ndjson", lambda d: (json.dumps(d) + "\n").encode())
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    from hmi.dispatcher.app import SERVER
-
     s = request.app[SERVER]
+    s.caller(request)  # authenticate before the body is read or parsed
     body = await json_body(request)
     unknown_fields(body, COMPLETION_FIELDS)
     tenant = field(body, "model", str)
@@ -125,7 +172,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
 
     if sink is None:
-        r = await _result(s, req)
+        r = await _result(request, s, req)
         return web.json_response({**chunk(r["text"], r["finish_reason"]),
                                   "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": r["tokens"],
                                             "total_tokens": r["prompt_tokens"] + r["tokens"]}})

@@ -2,15 +2,19 @@
 
 Workers are spawned with ``torch.multiprocessing``; the root's weights are moved to shared
 memory once, so a worker maps the server's copy instead of loading its own.  A job reports
-progress through a queue, can be cancelled, and writes its result atomically (the adapter
-store) before the server marks the tenant servable.
+progress through a queue, can be cancelled, has a time limit, and writes its result as an
+unpublished adapter version named by its job id; the server publishes it only while the tenant
+still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): after a
+``kill -9`` of the server no worker goes on writing.  The queue of waiting jobs is bounded.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -24,6 +28,15 @@ import torch.multiprocessing as mp
 from hmi.dispatcher.registry import Registry
 
 log = logging.getLogger("hmi.jobs")
+PR_SET_PDEATHSIG = 1
+
+
+class JobQueueFullError(RuntimeError):
+    """Too many jobs are waiting; the caller should retry later."""
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def rss_kib() -> dict[str, int]:
@@ -81,7 +94,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Runs in a worker process: creates or updates a domain branch."""
     import torch
 
-    _worker_setup()
+    _worker_setup(job)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.version_tree.fpt import FPTConfig
@@ -110,18 +123,30 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
 
 
-def _worker_setup() -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Asks the kernel to SIGKILL this process when its parent dies (Linux), and exits now if the
+    parent is already gone (it died between spawning us and this call)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the server still terminates its workers on shutdown
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker_setup(job: dict) -> None:
     from hmi.allocator import tune_allocator
 
+    die_with_parent(job["server_pid"])
     logging.getLogger("adapters").setLevel(logging.ERROR)
     tune_allocator()
 
 
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Runs in a worker process: fine-tunes one tenant and stores its adapter."""
+    """Runs in a worker process: fine-tunes one tenant and stores its adapter (unpublished)."""
     import torch
 
-    _worker_setup()
+    _worker_setup(job)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.adapters.spec import AdapterSpec
@@ -148,7 +173,8 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)),
             should_stop=cancel.is_set, private_copy=False)
         metrics["worker_memory_kib"] = rss_kib()
-        adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics})
+        adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
+                      version=job["id"], publish=False)
         progress.put(("done", 1.0, metrics))
     except JobCancelled:
         progress.put(("cancelled", 0.0, {}))
@@ -157,10 +183,10 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
 
 
 def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Runs in a worker process: fine-tunes one decoder tenant's LoRA and stores it."""
+    """Runs in a worker process: fine-tunes one decoder tenant's LoRA and stores it (unpublished)."""
     import torch
 
-    _worker_setup()
+    _worker_setup(job)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
         from hmi.adapters.store import AdapterStore
@@ -184,7 +210,8 @@ def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             ctx.gpt.root(), ctx.gpt.lookup(), spec, train, dev, LmFinetuneConfig(epochs=job.get("epochs", 1)), init=init,
             progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)), should_stop=cancel.is_set)
         metrics["worker_memory_kib"] = rss_kib()
-        adapters.save(job["tenant"], spec, weights, {"model": "decoder", "metrics": metrics})
+        adapters.save(job["tenant"], spec, weights, {"model": "decoder", "metrics": metrics},
+                      version=job["id"], publish=False)
         progress.put(("done", 1.0, metrics))
     except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
         if cancel.is_set():
@@ -194,13 +221,20 @@ def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
 
 
 class JobManager:
-    """Runs jobs one (or ``concurrency``) at a time in spawned worker processes."""
+    """Runs jobs one (or ``concurrency``) at a time in spawned worker processes.
+
+    Contract: ``submit`` raises JobQueueFullError past ``max_queued`` waiting jobs; every job ends
+    in a final state (succeeded, failed, cancelled) reported once to ``on_finish``, whatever
+    happens to its worker or to ``on_finish`` itself; a job running past ``time_limit_s`` is
+    stopped and failed."""
 
     def __init__(self, registry: Registry, ctx: WorkerContext, on_finish: Callable[[dict, str, dict], None],
-                 concurrency: int = 1):
+                 concurrency: int = 1, max_queued: int = 64, time_limit_s: float = 6 * 3600):
         self.registry = registry
         self.ctx = ctx
         self.on_finish = on_finish
+        self.max_queued = max_queued
+        self.time_limit_s = time_limit_s
         self.mp = mp.get_context("spawn")
         self._queue: queue.Queue = queue.Queue()
         self._cancel: dict[str, object] = {}
@@ -211,8 +245,14 @@ class JobManager:
         for t in self._threads:
             t.start()
 
-    def submit(self, kind: str, tenant: str | None, spec: dict | None, data: dict, **extra) -> str:
-        job_id = uuid.uuid4().hex[:12]
+    def full(self) -> bool:
+        return self._queue.qsize() >= self.max_queued
+
+    def submit(self, kind: str, tenant: str | None, spec: dict | None, data: dict, job_id: str | None = None,
+               **extra) -> str:
+        if self.full():
+            raise JobQueueFullError(f"{self._queue.qsize()} jobs are waiting; the limit is {self.max_queued}")
+        job_id = job_id or new_job_id()
         job = {"id": job_id, "kind": kind, "tenant": tenant, "spec": spec, "state": "queued", "progress": 0.0,
                "info": {}, **extra}
         self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
@@ -233,48 +273,68 @@ class JobManager:
         return True
 
     def _run(self) -> None:
+        """One job thread: takes jobs until shutdown; no error in one job stops it."""
         while True:
             item = self._queue.get()
             if item is None:
                 return
             job, data = item
-            jid = job["id"]
-            cancel = self._cancel[jid]
-            if cancel.is_set() or (self.registry.get("jobs", jid) or {}).get("state") == "cancelled":
-                self._finish(job, "cancelled", {})
-                continue
-            self.registry.update("jobs", jid, state="running", started=time.time())
-            progress = self.mp.Queue()
-            target = (domain_worker if job["kind"].startswith("domain") else
-                      decoder_worker if job.get("model") == "decoder" else finetune_worker)
-            proc = self.mp.Process(target=target, args=(self.ctx, {**job, "data": data}, progress, cancel),
-                                   daemon=True)
-            proc.start()
-            self._procs[jid] = proc
-            state, info = "failed", {"error": "the worker process exited without a result"}
-            while True:
-                try:
-                    kind, frac, payload = progress.get(timeout=0.5)
-                except queue.Empty:
-                    if not proc.is_alive():
-                        if cancel.is_set():
-                            state, info = "cancelled", {}
-                        else:
-                            info = {"error": f"the worker process died (exit code {proc.exitcode})"}
-                        break
-                    if cancel.is_set() and time.time() - self._cancelled_at.get(jid, time.time()) > 30:
-                        proc.terminate()  # a worker that ignores cancellation is stopped
-                    continue
-                if kind == "progress":
-                    self.registry.update("jobs", jid, progress=round(frac, 4), info=payload)
-                    continue
-                state, info = kind, payload
-                break
+            try:
+                state, info = self._run_one(job, data)
+            except Exception as exc:  # noqa: BLE001 - supervised: the job fails, the thread goes on
+                log.exception("job %s: the job thread failed", job["id"])
+                state, info = "failed", {"error": f"internal error running the job: {type(exc).__name__}: {exc}"}
+            try:
+                self._finish(job, state, info)
+            except Exception:  # noqa: BLE001
+                log.exception("job %s: recording its end failed", job["id"])
+            finally:
+                self._cancel.pop(job["id"], None)
+                self._cancelled_at.pop(job["id"], None)
+
+    def _run_one(self, job: dict, data: dict) -> tuple[str, dict]:
+        jid = job["id"]
+        cancel = self._cancel[jid]
+        if cancel.is_set() or (self.registry.get("jobs", jid) or {}).get("state") == "cancelled":
+            return "cancelled", {}
+        started = time.time()
+        progress = self.mp.Queue()
+        target = (domain_worker if job["kind"].startswith("domain") else
+                  decoder_worker if job.get("model") == "decoder" else finetune_worker)
+        proc = self.mp.Process(target=target, args=(self.ctx, {**job, "data": data, "server_pid": os.getpid()},
+                                                    progress, cancel), daemon=True)
+        proc.start()
+        self._procs[jid] = proc
+        self.registry.update("jobs", jid, state="running", started=started, worker_pid=proc.pid)
+        try:
+            return self._watch(jid, proc, progress, cancel, started)
+        finally:
             proc.join(30)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
+                proc.join(5)
             self._procs.pop(jid, None)
-            self._finish(job, {"done": "succeeded"}.get(state, state), info)
+
+    def _watch(self, jid: str, proc, progress, cancel, started: float) -> tuple[str, dict]:
+        """Relays a worker's progress until its result, its death, or its time limit."""
+        while True:
+            try:
+                kind, frac, payload = progress.get(timeout=0.5)
+            except queue.Empty:
+                if not proc.is_alive():
+                    if cancel.is_set():
+                        return "cancelled", {}
+                    return "failed", {"error": f"the worker process died (exit code {proc.exitcode})"}
+                if time.time() - started > self.time_limit_s:
+                    proc.kill()
+                    return "failed", {"error": f"the job exceeded its time limit of {self.time_limit_s:g} s"}
+                if cancel.is_set() and time.time() - self._cancelled_at.get(jid, time.time()) > 30:
+                    proc.terminate()  # a worker that ignores cancellation is stopped
+                continue
+            if kind == "progress":
+                self.registry.update("jobs", jid, progress=round(frac, 4), info=payload)
+                continue
+            return {"done": "succeeded"}.get(kind, kind), payload
 
     def _finish(self, job: dict, state: str, info: dict) -> None:
         if info.get("trace"):
@@ -297,4 +357,4 @@ class JobManager:
         for p in list(self._procs.values()):
             p.join(10)
             if p.is_alive():
-                p.terminate()
+                p.kill()

@@ -44,6 +44,17 @@ class Registry:
             txn.put(key.encode(), json.dumps(value).encode())
             return value
 
+    def update_if(self, table: str, key: str, states: tuple[str, ...], **changes) -> dict | None:
+        """Compare-and-set: applies ``changes`` only while the record's state is one of ``states``,
+        in one transaction; returns the new value, or None (absent, or in another state)."""
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            raw = txn.get(key.encode())
+            if raw is None or json.loads(raw).get("state") not in states:
+                return None
+            value = {**json.loads(raw), **changes, "updated": time.time()}
+            txn.put(key.encode(), json.dumps(value).encode())
+            return value
+
     def create(self, table: str, key: str, value: dict) -> bool:
         """Inserts unless the key exists; returns whether it was inserted."""
         value = {**value, "created": time.time(), "updated": time.time()}

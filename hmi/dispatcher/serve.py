@@ -40,39 +40,28 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
     """Creates the demo tenants that do not exist yet; returns the new tokens."""
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import task_labels
-    from hmi.dispatcher.auth import hash_token, new_token
 
     tokens = {}
     for d in DEMO_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
             continue
         spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])), pooling=d["pooling"])
-        token = new_token("hmi_t")
-        server.add_tenant(d["name"], {"state": "training", "domain": "root", "spec": spec.to_dict(),
-                                      "token_hash": hash_token(token), "version": 0})
-        job = server.jobs.submit("create", d["name"], spec.to_dict(),
-                                 {"dataset": d["dataset"], "max_train": d["max_train"]}, epochs=d["epochs"])
-        server.registry.update("tenants", d["name"], job=job)
-        tokens[d["name"]] = token
+        tokens[d["name"]], _ = server.create_tenant(d["name"], {"domain": "root", "spec": spec.to_dict()},
+                                                    {"dataset": d["dataset"], "max_train": d["max_train"]},
+                                                    epochs=d["epochs"])
     return tokens
 
 
 def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
     """Creates the demo decoder tenants that do not exist yet; returns the new tokens."""
-    from hmi.dispatcher.auth import hash_token, new_token
-
     tokens = {}
     for d in DEMO_DECODER_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
             continue
         spec = server.gpt.default_spec()
-        token = new_token("hmi_t")
-        server.add_tenant(d["name"], {"state": "training", "model": "decoder", "domain": "root", "spec": spec.to_dict(),
-                                      "token_hash": hash_token(token), "version": 0})
-        job = server.jobs.submit("create", d["name"], spec.to_dict(), {"corpus": d["corpus"], "max_train": d["max_train"]},
-                                 epochs=d["epochs"], model="decoder")
-        server.registry.update("tenants", d["name"], job=job)
-        tokens[d["name"]] = token
+        tokens[d["name"]], _ = server.create_tenant(d["name"], {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
+                                                    {"corpus": d["corpus"], "max_train": d["max_train"]},
+                                                    epochs=d["epochs"], model="decoder")
     return tokens
 
 

@@ -27,6 +27,8 @@ async def json_body(request: web.Request) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "malformed_json", "the body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_body", f"the body must be a JSON object, not {type(body).__name__}")
     return body

@@ -11,6 +11,7 @@ seed), ``max_new_tokens`` and stop strings.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -22,10 +23,17 @@ import numpy as np
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from hmi.adapters.batched import segment_bmm
+from hmi.adapters.batched import batched_lora, segment_plan
 from hmi.hgpt.lora import LoraPool
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.plot.lookup import PlotLookup
+from hmi.textlimit import words_exceed
+
+log = logging.getLogger("hmi.hgpt")
+
+
+SEED_LIMIT = 2**63  # torch.Generator seeds are signed 64-bit
+GREEDY_BELOW = 1e-3  # temperatures under this decode greedily: dividing logits by them overflows to inf/NaN
 
 
 class GenerationError(ValueError):
@@ -48,6 +56,14 @@ class GenRequest:
     on_text: Callable[[str], None] | None = None  # streaming: each new piece of text, in order
     future: Future = field(default_factory=Future)
     prompt_ids: list[int] | None = field(default=None, init=False)  # set once the request is validated
+
+    def cancel(self) -> None:
+        """The client is gone: the engine drops the request at its next step and frees its slot."""
+        self.future.cancel()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -101,15 +117,21 @@ class GenerationEngine:
             raise GenerationError("bad_prompt", "prompt must be a non-empty string")
         if not (isinstance(req.max_new_tokens, int) and 1 <= req.max_new_tokens <= self.cfg.max_new_tokens_limit):
             raise GenerationError("bad_max_new_tokens", f"max_new_tokens must be an integer in [1, {self.cfg.max_new_tokens_limit}]")
-        if not (isinstance(req.temperature, (int, float)) and 0 <= req.temperature <= 10):
-            raise GenerationError("bad_temperature", "temperature must be a number in [0, 10]")
-        if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
+        if not (_number(req.temperature) and 0 <= req.temperature <= 10):
+            raise GenerationError("bad_temperature", f"temperature must be a number in [0, 10] (below {GREEDY_BELOW}: greedy)")
+        if not (_number(req.top_p) and 0 < req.top_p <= 1):
             raise GenerationError("bad_top_p", "top_p must be a number in (0, 1]")
+        if req.seed is not None and not (isinstance(req.seed, int) and not isinstance(req.seed, bool)
+                                         and 0 <= req.seed < SEED_LIMIT):
+            raise GenerationError("bad_seed", "seed must be an integer in [0, 2**63 - 1]")
         if not (isinstance(req.stop, (list, tuple)) and len(req.stop) <= 8 and all(isinstance(s, str) and s for s in req.stop)):
             raise GenerationError("bad_stop", "stop must be a list of up to 8 non-empty strings")
+        limit = self.cfg.max_len - 1
+        if words_exceed(req.prompt, limit):  # refused before any tokenization work
+            raise GenerationError("input_too_long", f"the prompt has more than {limit} tokens; the limit is {limit}", 413)
         ids = self.root.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
-        if len(ids) + 1 > self.cfg.max_len:
-            raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {self.cfg.max_len - 1}", 413)
+        if len(ids) > limit:
+            raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {limit}", 413)
         req.prompt_ids = ids
         return ids
 
@@ -129,7 +151,12 @@ class GenerationEngine:
     # -- one step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> None:
-        """Admits waiting requests (prefill, first token) and decodes one token of the others."""
+        """Admits waiting requests (prefill, first token) and decodes one token of the others.
+
+        A request's own failure (its adapter, its sampling, its stream) fails that request alone;
+        requests whose client went away (``GenRequest.cancel``) leave here and free their row and slot."""
+        for a in [a for a in self.active if a.req.future.cancelled()]:
+            self._drop(a)
         running = list(self.active)
         new = self._admit()
         if new:
@@ -147,15 +174,19 @@ class GenerationEngine:
             req = self.waiting.pop(0)
             if req.future.done():
                 continue
+            slot = None
             try:
                 ids = req.prompt_ids if req.prompt_ids is not None else self.validate(req)
                 slot = self.pool.acquire(req.tenant, lambda t=req.tenant: self.load_tenant(t))
+                gen = None
+                if not req.greedy:
+                    seed = req.seed if req.seed is not None else int(np.random.SeedSequence().entropy % SEED_LIMIT)
+                    gen = torch.Generator().manual_seed(seed)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
-                req.future.set_exception(exc)
+                if slot is not None:
+                    self.pool.release(slot)
+                _fail(req, exc)
                 continue
-            gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else None
-            if gen is None and req.temperature > 0:
-                gen = torch.Generator().manual_seed(int(np.random.SeedSequence().entropy % (2**63)))
             a = _Active(req, list(ids), len(ids), free.pop(0), slot, gen)
             self.active.append(a)
             new.append(a)
@@ -210,6 +241,7 @@ class GenerationEngine:
         B, Tq, _ = h.shape
         rows = torch.tensor([a.row for a in reqs])
         slots = torch.tensor([a.slot for a in reqs])
+        plan = segment_plan([a.slot for a in reqs])
         scale = self.pool.scaling.index_select(0, slots)[:, None, None]
         pos = starts[:, None] + torch.arange(Tq)[None]
         cos, sin = self.root.model.model.rotary_emb(h, pos)
@@ -222,9 +254,9 @@ class GenerationEngine:
         for li, layer in enumerate(self.upper):
             att = layer.self_attn
             x = layer.input_layernorm(h)
-            q = att.q_proj(x) + scale * segment_bmm(segment_bmm(x, slots, self.pool.qa[li]), slots, self.pool.qb[li])
+            q = att.q_proj(x) + scale * batched_lora(x, slots, self.pool.qa[li], self.pool.qb[li], 1.0, plan)
             k = att.k_proj(x)
-            v = att.v_proj(x) + scale * segment_bmm(segment_bmm(x, slots, self.pool.va[li]), slots, self.pool.vb[li])
+            v = att.v_proj(x) + scale * batched_lora(x, slots, self.pool.va[li], self.pool.vb[li], 1.0, plan)
             q = q.view(B, Tq, self.nh, self.hd).transpose(1, 2)
             k = k.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
             v = v.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
@@ -252,30 +284,40 @@ class GenerationEngine:
 
     def _sample(self, reqs: list[_Active], logits: torch.Tensor) -> None:
         for a, lg in zip(reqs, logits):
-            r = a.req
-            if r.temperature <= 0:
-                t = int(lg.argmax())
-            else:
-                p = torch.softmax(lg / r.temperature, -1)
-                if r.top_p < 1:
-                    sp, si = torch.sort(p, descending=True)
-                    keep = torch.cumsum(sp, 0) - sp < r.top_p
-                    p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
-                t = int(torch.multinomial(p / p.sum(), 1, generator=a.gen))
-            self.stats["tokens"] += 1
-            if t in self.stop_ids:
-                a.finish = "stop"
-                continue
-            a.ids.append(t)
-            text = self._completion(a)
-            hit = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                a.finish = "stop"
-            elif len(a.ids) - a.n_prompt >= r.max_new_tokens:
-                a.finish = "length"
-            elif len(a.ids) >= self.cfg.max_len:
-                a.finish = "length"
-            self._stream(a, text if hit < 0 else text[:hit], final=a.finish is not None)
+            try:
+                self._next_token(a, lg)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone; the others go on
+                a.finish = "error"
+                _fail(a.req, exc)
+
+    def _next_token(self, a: _Active, lg: torch.Tensor) -> None:
+        """Samples request ``a``'s next token from its logits (V,) and streams the new text."""
+        r = a.req
+        if not bool(torch.isfinite(lg).all()):
+            raise GenerationError("generation_failed", "the model produced non-finite scores for this request", 500)
+        if r.greedy:
+            t = int(lg.argmax())
+        else:
+            p = torch.softmax(lg / r.temperature, -1)
+            if r.top_p < 1:
+                sp, si = torch.sort(p, descending=True)
+                keep = torch.cumsum(sp, 0) - sp < r.top_p
+                p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
+            t = int(torch.multinomial(p / p.sum(), 1, generator=a.gen))
+        self.stats["tokens"] += 1
+        if t in self.stop_ids:
+            a.finish = "stop"
+            return
+        a.ids.append(t)
+        text = self._completion(a)
+        hit = min((i for i in (text.find(s) for s in r.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            a.finish = "stop"
+        elif len(a.ids) - a.n_prompt >= r.max_new_tokens:
+            a.finish = "length"
+        elif len(a.ids) >= self.cfg.max_len:
+            a.finish = "length"
+        self._stream(a, text if hit < 0 else text[:hit], final=a.finish is not None)
 
     def _completion(self, a: _Active) -> str:
         return self.root.tokenizer.decode(a.ids[a.n_prompt:], skip_special_tokens=True)
@@ -289,10 +331,19 @@ class GenerationEngine:
         if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
             upto = min(upto, len(text) - 1)
         if upto > a.emitted:
-            a.req.on_text(text[a.emitted:upto])
-            a.emitted = upto
+            piece, a.emitted = text[a.emitted:upto], upto
+            a.req.on_text(piece)
+
+    def _drop(self, a: _Active) -> None:
+        """Frees a request's row and slot without an answer (its client left, or it failed)."""
+        self.active.remove(a)
+        self.pool.release(a.slot)
+        self.stats["dropped"] = self.stats.get("dropped", 0) + 1
 
     def _finish(self, a: _Active) -> None:
+        if a.req.future.done():  # failed or cancelled on the way
+            self._drop(a)
+            return
         text = self._completion(a)
         for s in a.req.stop:
             i = text.find(s)
@@ -306,22 +357,42 @@ class GenerationEngine:
                                      "prompt_tokens": a.n_prompt})
 
 
+class ServiceClosedError(RuntimeError):
+    """The generation service is shutting down."""
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _fail(req: GenRequest, exc: BaseException) -> None:
+    if not req.future.done():
+        req.future.set_exception(exc)
+
+
 class GenerationService:
     """Runs a GenerationEngine in its own thread; requests from any thread join between steps."""
 
     def __init__(self, engine: GenerationEngine, max_waiting: int = 256):
         self.engine = engine
+        # Requests wait here, bounded: ``submit`` raises queue.Full past ``max_waiting`` (the HTTP
+        # layer answers 429).  The engine itself takes only as many as it has free rows.
         self._in: queue.Queue = queue.Queue(maxsize=max_waiting)
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hgpt", daemon=True)
         self._thread.start()
 
     def submit(self, req: GenRequest) -> Future:
+        """Validates and queues a request. Raises GenerationError (invalid), queue.Full (too many
+        waiting) or ServiceClosedError."""
         if self._closed:
-            raise RuntimeError("the generation service is shut down")
+            raise ServiceClosedError("the generation service is shut down")
         self.engine.validate(req)
         self._in.put_nowait(req)
         return req.future
+
+    def waiting(self) -> int:
+        return self._in.qsize() + len(self.engine.waiting)
 
     def _loop(self) -> None:
         e = self.engine
@@ -330,19 +401,18 @@ class GenerationService:
                 block = not (e.waiting or e.active)
                 item = self._in.get(timeout=0.1) if block else self._in.get_nowait()
                 e.waiting.append(item)
-                while True:
+                while len(e.waiting) < e.cfg.max_active - len(e.active):
                     e.waiting.append(self._in.get_nowait())
             except queue.Empty:
                 pass
             if e.waiting or e.active:
                 try:
                     e.step()
-                except Exception as exc:  # noqa: BLE001 - fail the step's requests, keep serving
+                except Exception as exc:  # noqa: BLE001 - a batched kernel failed: fail the step's requests, keep serving
+                    log.exception("generation step failed; failing its %d requests", len(e.active))
                     for a in list(e.active):
-                        e.active.remove(a)
-                        e.pool.release(a.slot)
-                        if not a.req.future.done():
-                            a.req.future.set_exception(exc)
+                        e._drop(a)
+                        _fail(a.req, exc)
 
     def shutdown(self, timeout: float = 60.0) -> None:
         self._closed = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import queue
 import sys
 import threading
@@ -41,8 +42,10 @@ from hmi.scheduler.types import (
     SchedulerClosedError,
     TenantEntry,
 )
+from hmi.textlimit import words_exceed
 
 _STOP = object()
+log = logging.getLogger("hmi.scheduler")
 
 
 @dataclass
@@ -57,6 +60,7 @@ class SchedulerConfig:
     queue_depth: int = 2  # prepared batches waiting for compute
     max_pending: int = 256  # submitted batches waiting for retrieval
     device: str = "auto"
+    max_labels: int = 32  # the widest head the pools hold
     trace: bool = False
     # Python's GIL hand-over interval (process-wide) while a scheduler runs.  Stage C releases the
     # GIL inside every kernel and needs it back between kernels; with the default 5 ms a stage-R
@@ -65,8 +69,13 @@ class SchedulerConfig:
 
 
 def pick_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` (refused with a clear error when no GPU is usable) or ``auto``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or auto")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but torch sees no usable GPU")
     return torch.device(name)
 
 
@@ -86,7 +95,7 @@ class Scheduler:
         self.lookups = lookups
         self.hidden = bert.config.hidden_size
         self.residency = ResidencyManager(len(layers), self.hidden, bert.config.intermediate_size,
-                                          self.cfg.pool_slots, self.device)
+                                          self.cfg.pool_slots, self.device, self.cfg.max_labels)
         self.tracer = Tracer(self.cfg.trace)
         self.stats = defaultdict(int)
         self._ids = itertools.count()
@@ -192,45 +201,95 @@ class Scheduler:
             return None
 
     def retrieve(self, batch_id: int, reqs: list[InferRequest]) -> Prepared | None:
+        """Stage R of one batch: tokenize, check, read adapters, PLOT lookup + merge.
+
+        Whatever belongs to one request or one tenant (a text over the limit, an unknown tenant,
+        an unreadable or ill-shaped adapter file, a domain whose PLOT cannot be opened) fails
+        those requests alone; the rest of the batch goes on."""
         with self.tracer.span("R:lookup", batch_id, size=len(reqs)):
-            valid, entries, id_lists, word_starts, weights = [], [], [], [], {}
-            texts = [r.text for r in reqs]
-            enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True) if texts else {"input_ids": []}
-            for i, r in enumerate(reqs):
-                if r.future.done():
-                    continue
+            todo = [r for r in reqs if not r.future.done() and self._fits(r)]
+            texts = [r.text for r in todo]
+            enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True) if texts else None
+            weights, bad = {}, {}
+            rows = []  # (request, entry, ids, word starts)
+            for i, r in enumerate(todo):
                 try:
                     entry = self.tenants(r.tenant)
                     ids = enc["input_ids"][i]
                     if len(ids) > self.cfg.max_len:
-                        raise RequestError("input_too_long", f"input {i} has {len(ids)} tokens; the limit is "
+                        raise RequestError("input_too_long", f"the input has {len(ids)} tokens; the limit is "
                                            f"{self.cfg.max_len}", 413)
+                    if r.tenant in bad:
+                        raise bad[r.tenant]
                     if r.tenant not in weights:
-                        weights[r.tenant] = self.store.load(r.tenant)
+                        weights[r.tenant] = self._load(entry)
                 except RequestError as exc:
+                    if exc.code in ("adapter_missing", "adapter_unreadable"):
+                        bad[r.tenant] = exc  # read once per batch, not once per request
                     _fail(r, exc)
                     continue
-                except TenantMissingError:
-                    _fail(r, RequestError("adapter_missing", f"tenant {r.tenant!r} has no stored adapter", 404))
-                    continue
-                valid.append(r)
-                entries.append(entry)
-                id_lists.append(ids)
-                word_starts.append(_word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else [])
-            if not valid:
+                rows.append((r, entry, ids, _word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []))
+            if not rows:
                 return None
-            ids, mask = as_numpy_ids(id_lists)
-            T = ids.shape[1]
-            hidden = torch.zeros(len(valid), T, self.hidden)
-            by_domain = defaultdict(list)
-            for i, e in enumerate(entries):
-                by_domain[e.domain].append(i)
-            for domain, rows in by_domain.items():
-                hidden[rows] = self.lookups(domain).merged(ids[rows], mask[rows])
+            ids, mask = as_numpy_ids([x[2] for x in rows])
+            hidden = torch.zeros(len(rows), ids.shape[1], self.hidden)
+            ok = self._lookup_by_domain(rows, ids, mask, hidden)
+            if not ok:
+                return None
+            if len(ok) < len(rows):
+                keep = torch.tensor(ok)
+                rows, hidden, mask = [rows[j] for j in ok], hidden.index_select(0, keep), mask[ok]
             mask_t = torch.from_numpy(mask)
             if self.device.type == "cuda":
                 hidden, mask_t = hidden.pin_memory(), mask_t.pin_memory()
-        return Prepared(batch_id, valid, entries, hidden, mask_t, word_starts, weights)
+        return Prepared(batch_id, [x[0] for x in rows], [x[1] for x in rows], hidden, mask_t, [x[3] for x in rows],
+                        weights)
+
+    def _fits(self, r: InferRequest) -> bool:
+        """Refuses a text that certainly exceeds the limit before any tokenization work."""
+        if words_exceed(r.text, self.cfg.max_len - 2):
+            _fail(r, RequestError("input_too_long", f"the input has more than {self.cfg.max_len} tokens; "
+                                  f"the limit is {self.cfg.max_len}", 413))
+            return False
+        return True
+
+    def _load(self, entry: TenantEntry) -> dict:
+        """A tenant's host weights, checked against its spec and the pools; RequestError otherwise."""
+        try:
+            w = self.store.load(entry.name)
+        except TenantMissingError:
+            raise RequestError("adapter_missing", f"tenant {entry.name!r} has no stored adapter", 404) from None
+        except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file fails its own tenant only
+            log.error("adapter of tenant %r is unreadable: %s", entry.name, exc)
+            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be read; "
+                               "update or re-create the tenant", 500) from None
+        try:
+            self.residency.check(entry, w)
+        except ValueError as exc:
+            log.error("adapter of tenant %r does not fit: %s", entry.name, exc)
+            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} does not fit "
+                               f"its spec: {exc}", 500) from None
+        return w
+
+    def _lookup_by_domain(self, rows: list, ids: np.ndarray, mask: np.ndarray, hidden: torch.Tensor) -> list[int]:
+        """Writes each row's merged lower representation into ``hidden`` (B, T, H), one PLOT chain
+        lookup per domain; returns the rows that succeeded (a domain whose PLOT cannot be read
+        fails its own requests only)."""
+        by_domain = defaultdict(list)
+        for j, (_, e, _, _) in enumerate(rows):
+            by_domain[e.domain].append(j)
+        ok = []
+        for domain, js in by_domain.items():
+            try:
+                hidden[js] = self.lookups(domain).merged(ids[js], mask[js])
+            except Exception as exc:  # noqa: BLE001 - one domain's store fails its own tenants only
+                log.error("PLOT lookup of domain %r failed: %s", domain, exc)
+                err = RequestError("domain_unavailable", f"the PLOT of domain {domain!r} cannot be read", 503)
+                for j in js:
+                    _fail(rows[j][0], err)
+                continue
+            ok += js
+        return sorted(ok)
 
     # -- stages A and C --------------------------------------------------------------------------
     def _compute_loop(self) -> None:

@@ -1,21 +1,62 @@
 """Stage A: making a batch's adapters resident in the device slot pools, layer by layer.
 
-On a GPU the copies run on their own CUDA stream from pinned host memory, and a CUDA event per
-layer lets the compute stream start layer l as soon as its weights have landed.  On the CPU a
-staging thread does the copies and a threading.Event per layer gives the same ordering.
+A staging thread issues the copies layer by layer and signals each layer's ``Ready``.  On a GPU
+the copies run on their own CUDA stream from pinned host memory: ``Ready.signal`` records a CUDA
+event on that stream and only then sets a host flag; ``Ready.wait`` waits for the flag before it
+makes the compute stream wait on the event.  (A CUDA wait on an event that was not recorded yet
+is a no-op: without the flag, layer l could read a slot that still holds zeros or the previous
+tenant's weights.)  On the CPU the copies are plain and the flag alone orders them.
 """
 
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from hmi.adapters.batched import Group
+from hmi.adapters.batched import Group, segment_plan
 from hmi.adapters.pool import SlotPool, lora_scaling
 from hmi.scheduler.types import TenantEntry
+
+
+@dataclass
+class CopyStreams:
+    """What the copy path needs of CUDA, injectable so the ordering can be tested without a GPU."""
+
+    copy: object  # the copy stream (torch.cuda.Stream)
+    new_event: Callable[[], object]  # torch.cuda.Event
+    compute: Callable[[], object]  # the compute stream of the pool's device
+    use: Callable[[object], object]  # context manager making a stream current (torch.cuda.stream)
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "CopyStreams":
+        return cls(torch.cuda.Stream(device), torch.cuda.Event, lambda: torch.cuda.current_stream(device),
+                   torch.cuda.stream)
+
+
+class Ready:
+    """One layer's (or the heads') weights have landed in the pools.
+
+    Contract: the staging thread calls ``signal`` after issuing the copies; the compute thread
+    calls ``wait`` before its kernels read them.  ``event`` is None on the CPU."""
+
+    def __init__(self, event=None):
+        self.flag = threading.Event()
+        self.event = event
+
+    def signal(self, stream=None) -> None:
+        if self.event is not None:
+            self.event.record(stream)
+        self.flag.set()  # after record(): a waiter never sees an unrecorded event
+
+    def wait(self, compute_stream: Callable[[], object] | None = None) -> None:
+        self.flag.wait()
+        if self.event is not None:  # the compute stream waits on the device; the host does not block
+            compute_stream().wait_event(self.event)
 
 
 @dataclass
@@ -24,39 +65,35 @@ class Residency:
 
     groups: list[Group]
     acquired: list[tuple[SlotPool, dict[str, int]]]
-    layer_ready: list  # per layer: threading.Event or torch.cuda.Event
-    head_ready: object
+    layer_ready: list[Ready]
+    head_ready: Ready
     loaded: int  # tenants copied host -> device for this batch
+    compute_stream: Callable[[], object] | None = None
     error: BaseException | None = None  # set by the staging worker when a copy failed
 
     def wait_layer(self, li: int) -> None:
-        _wait(self.layer_ready[li])
+        self.layer_ready[li].wait(self.compute_stream)
         if self.error is not None:
             raise RuntimeError(f"adapter copy failed: {self.error}") from self.error
 
     def wait_head(self) -> None:
-        _wait(self.head_ready)
+        self.head_ready.wait(self.compute_stream)
         if self.error is not None:
             raise RuntimeError(f"adapter copy failed: {self.error}") from self.error
-
-
-def _wait(ev) -> None:
-    if isinstance(ev, threading.Event):
-        ev.wait()
-    else:  # a CUDA event: the compute stream waits on the device, the host does not block
-        torch.cuda.current_stream().wait_event(ev)
 
 
 class ResidencyManager:
     """Pools per adapter signature, created on first use; one staging worker."""
 
     def __init__(self, n_layers: int, hidden: int, intermediate: int, slots: int, device: torch.device,
-                 max_labels: int = 32):
+                 max_labels: int = 32, streams: CopyStreams | None = None):
         self.n_layers, self.hidden, self.intermediate = n_layers, hidden, intermediate
-        self.slots, self.device, self.max_labels = slots, device, max_labels
+        self.slots, self.device, self.max_labels = slots, torch.device(device), max_labels
         self.pools: dict[tuple, SlotPool] = {}
-        self.cuda = device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        if streams is None and self.device.type == "cuda":
+            streams = CopyStreams.for_device(self.device)
+        self.streams = streams
+        self.cuda = streams is not None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="stage-A")
         self._versions: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -69,11 +106,16 @@ class ResidencyManager:
                                            self.max_labels, self.device, scaling=lora_scaling(entry.spec))
             return self.pools[sig]
 
+    def check(self, entry: TenantEntry, weights: dict[str, torch.Tensor]) -> None:
+        """Raises ValueError when a tenant's stored weights do not fit its spec and pool (a
+        damaged or foreign file): refused before its batch, so it fails only its own requests."""
+        self.pool(entry).check(weights, entry.spec.num_labels)
+
     def evict(self, tenant: str) -> None:
         for p in list(self.pools.values()):
             p.evict(tenant)
 
-    def acquire(self, rows_entries: list[TenantEntry], weights: dict, pipelined: bool, whole_batch_group: bool = True) -> Residency:
+    def acquire(self, rows_entries: list[TenantEntry], weights: dict, pipelined: bool) -> Residency:
         """Pins slots for the batch's tenants and starts copying what is not resident.
 
         With ``pipelined`` the copies proceed layer by layer in the background; otherwise they
@@ -95,45 +137,40 @@ class ResidencyManager:
                 for t in missing:
                     to_copy.append((p, slots[t], weights[t]))
                     self._versions[t] = next(e.version for e in rows_entries if e.name == t)
+                slot_list = [slots[n] for n in names]
                 groups.append(Group(torch.tensor(rows, device=self.device),
-                                    torch.tensor([slots[n] for n in names], device=self.device), p,
-                                    all_rows=whole_batch_group and len(by_pool) == 1))
+                                    torch.tensor(slot_list, device=self.device), p,
+                                    all_rows=len(by_pool) == 1, plan=segment_plan(slot_list, self.device)))
         except Exception:
             for p, slots in acquired:
                 p.release(slots)
             raise
-        if self.cuda:
-            layer_ready = [torch.cuda.Event() for _ in range(self.n_layers)]
-            head_ready = torch.cuda.Event()
-        else:
-            layer_ready = [threading.Event() for _ in range(self.n_layers)]
-            head_ready = threading.Event()
-        res = Residency(groups, acquired, layer_ready, head_ready, len(to_copy))
+        new = (lambda: Ready(self.streams.new_event())) if self.cuda else Ready
+        res = Residency(groups, acquired, [new() for _ in range(self.n_layers)], new(), len(to_copy),
+                        self.streams.compute if self.cuda else None)
         if pipelined and to_copy:
             self._stager.submit(self._copy, to_copy, res)
         else:
             self._copy(to_copy, res)
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
         return res
 
     def _copy(self, to_copy, res: Residency) -> None:
-        ctx = torch.cuda.stream(self._copy_stream) if self.cuda else _null()
+        stream = self.streams.copy if self.cuda else None
         done = 0
         try:
-            with ctx:
+            with self.streams.use(stream) if self.cuda else nullcontext():
                 for li in range(self.n_layers):
                     for pool, slot, w in to_copy:
                         pool.write_layer(slot, li, w, non_blocking=self.cuda)
-                    _signal(res.layer_ready[li], self._copy_stream)
+                    res.layer_ready[li].signal(stream)
                     done += 1
                 for pool, slot, w in to_copy:
                     pool.write_head(slot, w, non_blocking=self.cuda)
-                _signal(res.head_ready, self._copy_stream)
+                res.head_ready.signal(stream)
         except BaseException as exc:  # never leave the compute stage waiting
             res.error = exc
-            for ev in res.layer_ready[done:] + [res.head_ready]:
-                _signal(ev, self._copy_stream)
+            for ready in res.layer_ready[done:] + [res.head_ready]:
+                ready.signal(stream)
             for pool, slot, _ in to_copy:
                 pool.evict_slot(slot)
 
@@ -151,17 +188,3 @@ class ResidencyManager:
     def shutdown(self) -> None:
         self._stager.shutdown(wait=True)
 
-
-def _signal(ev, stream) -> None:
-    if isinstance(ev, threading.Event):
-        ev.set()
-    else:
-        ev.record(stream)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -1,17 +1,22 @@
 """Domain nodes, persisted atomically, with their weights, corpus and PLOT.
 
 Layout under ``$HMI_HOME/domains/<root artifact>/``: ``tree.json`` (every node record, replaced
-atomically) and one folder per branch (``windowed.safetensors``, ``corpus.txt``, ``plot/``).  A
-branch is built in a hidden ``.building-*`` folder and appears (folder renamed, then the record
-written) only when complete; on open, folders without a record and unfinished builds are removed,
-so a crash never leaves a half branch visible.
+atomically) and per branch one folder per version, ``<name>/<version>/`` (``windowed.safetensors``,
+``corpus.txt``, ``plot/``).  A version is built in a hidden ``.building-*`` folder, renamed into
+place when complete, and served once ``tree.json`` names it: creating or replacing a branch is
+one atomic rename of ``tree.json``, so a crash leaves the old version or the new, never neither.
+``tree.json`` is changed read-modify-write under an exclusive file lock, shared by the server and
+its worker processes, so a concurrent delete is never undone by an update that read before it.
+Opened PLOTs are never closed under readers: a replaced version's store is dropped from the cache
+and closes when the last lookup that holds it is gone (its files may be unlinked before that).
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
+import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -19,19 +24,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from hmi.home import hmi_home
-from hmi.io import atomic_write_json
+from hmi.io import atomic_write_json, fsync_dir, write_durable
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
+from hmi.names import is_valid_name
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
 from hmi.plot.default import open_root_version, plot_meta
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotStore
 from hmi.version_tree.fpt import FPTConfig, further_pretrain
 
-NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 MIN_CORPUS_TOKENS = 20_000  # below this, neither FPT nor tri-gram frequencies are meaningful
 
 
@@ -50,6 +55,7 @@ class DomainNode:
     fpt: dict = field(default_factory=dict)  # MLM losses before/after, steps, seconds
     created: float = 0.0
     updated: float = 0.0
+    version: str = ""  # the folder under <name>/ served now ("" : the files lie in <name>/ itself)
 
 
 class VersionTree:
@@ -58,36 +64,48 @@ class VersionTree:
         self.home = home or hmi_home()
         self.dir = self.home / "domains" / root.artifact_id
         self.dir.mkdir(parents=True, exist_ok=True)
-        # LMDB allows one open environment per file and process: versions are opened once here.
-        self._versions: dict[str, PlotVersion] = {"root": root_version} if root_version else {}
+        # LMDB allows one open environment per file and process: each version is opened once here,
+        # keyed by name and version folder so that a replaced version is never served from cache.
+        self._versions: dict[tuple[str, str], PlotVersion] = {("root", ""): root_version} if root_version else {}
         self._clean()
 
     # -- persistence ---------------------------------------------------------------------------
     def nodes(self) -> dict[str, DomainNode]:
-        import json
-
         p = self.dir / "tree.json"
         raw = json.loads(p.read_text()) if p.exists() else {}
         return {k: DomainNode(**v) for k, v in raw.items()}
+
+    def node_dir(self, node: DomainNode) -> Path:
+        return self.dir / node.name / node.version if node.version else self.dir / node.name
+
+    def _locked(self):
+        """An exclusive lock on the tree's records, across threads and processes (flock)."""
+        return _FileLock(self.dir / "tree.lock")
 
     def _save(self, nodes: dict[str, DomainNode]) -> None:
         atomic_write_json(self.dir / "tree.json", {k: asdict(v) for k, v in nodes.items()})
 
     def _clean(self) -> None:
         """Removes what crashed builds left: ``.building-*`` folders of processes that are gone,
-        ``.old-*`` folders, and branch folders without a record (older than a minute, so a build
-        between its rename and its record is left alone)."""
-        known = set(self.nodes())
-        for p in self.dir.iterdir():
-            if not p.is_dir():
-                continue
-            if p.name.startswith(".building-"):
-                if not _pid_alive(p.name.rsplit("-", 2)[-2]):
+        ``.old-*`` folders, and branch or version folders that no record names (older than a
+        minute, so a build between its rename and its record is left alone)."""
+        with self._locked():
+            nodes = self.nodes()
+            for p in self.dir.iterdir():
+                if not p.is_dir():
+                    continue
+                if p.name.startswith(".building-"):
+                    if not _pid_alive(p.name.rsplit("-", 2)[-2]):
+                        shutil.rmtree(p, ignore_errors=True)
+                elif p.name.startswith(".old-"):
                     shutil.rmtree(p, ignore_errors=True)
-            elif p.name.startswith(".old-"):
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.name not in known and time.time() - p.stat().st_mtime > 60:
-                shutil.rmtree(p, ignore_errors=True)
+                elif p.name not in nodes:
+                    if _stale(p):
+                        shutil.rmtree(p, ignore_errors=True)
+                else:
+                    for v in p.iterdir():
+                        if v.is_dir() and v.name not in (nodes[p.name].version, "plot") and _stale(v):
+                            shutil.rmtree(v, ignore_errors=True)
 
     # -- queries -------------------------------------------------------------------------------
     def chain(self, name: str) -> list[str]:
@@ -103,30 +121,38 @@ class VersionTree:
     def encoder(self, name: str) -> WindowedEncoder:
         if name == "root":
             return self.root.windowed
+        node = self.nodes().get(name)
+        if node is None:
+            raise DomainError(f"unknown domain {name!r}")
         enc = WindowedEncoder(self.root.bert, self.root.spec.l_low)
-        enc.load_state_dict(load_file(str(self.dir / name / "windowed.safetensors")))
+        enc.load_state_dict(load_file(str(self.node_dir(node) / "windowed.safetensors")))
         enc.eval()
         for p in enc.parameters():
             p.requires_grad_(False)
         return enc
 
     def version(self, name: str) -> PlotVersion:
-        """The opened PLOT version of a node (opened once per tree)."""
-        if name not in self._versions:
-            if name == "root":
-                self._versions[name] = open_root_version(self.root, self.home)
-            else:
-                if name not in self.nodes():
-                    raise DomainError(f"unknown domain {name!r}")
-                store = PlotStore(self.dir / name / "plot", readonly=True, expect=plot_meta(self.root))
-                self._versions[name] = PlotVersion(name, store, self.encoder(name))
-        return self._versions[name]
+        """The opened PLOT version of a node's current version (opened once per tree)."""
+        if name == "root":
+            if ("root", "") not in self._versions:
+                self._versions[("root", "")] = open_root_version(self.root, self.home)
+            return self._versions[("root", "")]
+        node = self.nodes().get(name)
+        if node is None:
+            raise DomainError(f"unknown domain {name!r}")
+        key = (name, node.version)
+        if key not in self._versions:
+            self.forget(name)
+            store = PlotStore(self.node_dir(node) / "plot", readonly=True, expect=plot_meta(self.root))
+            self._versions[key] = PlotVersion(name, store, self.encoder(name))
+        return self._versions[key]
 
     def forget(self, name: str) -> None:
-        """Closes a branch's opened PLOT (after it was updated or deleted elsewhere)."""
-        v = self._versions.pop(name, None) if name != "root" else None
-        if v is not None:
-            v.store.close()
+        """Drops a branch's opened PLOT versions from the cache (after an update or delete).  They are
+        not closed here: a lookup still reading one keeps it open, and it closes with the last one."""
+        if name != "root":
+            for key in [k for k in self._versions if k[0] == name]:
+                del self._versions[key]
 
     def lookup(self, name: str, policy: str = "backoff") -> PlotLookup:
         """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off."""
@@ -140,7 +166,7 @@ class VersionTree:
             for n in sorted(k for k, v in nodes.items() if v.parent == parent):
                 d = asdict(nodes[n])
                 d["depth"] = depth
-                d["bytes"] = sum(f.stat().st_size for f in (self.dir / n).rglob("*") if f.is_file())
+                d["bytes"] = sum(f.stat().st_size for f in self.node_dir(nodes[n]).rglob("*") if f.is_file())
                 out.append(d)
                 walk(n, depth + 1)
 
@@ -150,7 +176,7 @@ class VersionTree:
     # -- changes -------------------------------------------------------------------------------
     def create(self, name: str, parent: str, lines: list[str], alpha: float = 0.5, fpt: FPTConfig | None = None,
                progress: bool = True, should_stop=None) -> DomainNode:
-        if not isinstance(name, str) or not NAME.match(name) or name == "root":
+        if not is_valid_name(name) or name == "root":
             raise DomainError(f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-' (not 'root')")
         if name in self.nodes():
             raise DomainError(f"domain {name!r} already exists")
@@ -162,13 +188,18 @@ class VersionTree:
         try:
             encoder = copy.deepcopy(self.encoder(parent))
             node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop)
-            work.rename(self.dir / name)
+            self._place(work, node)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        nodes = self.nodes()
-        nodes[name] = node
-        self._save(nodes)
+        with self._locked():
+            nodes = self.nodes()
+            if name in nodes or (parent != "root" and parent not in nodes):
+                shutil.rmtree(self.node_dir(node), ignore_errors=True)
+                why = "was created meanwhile" if name in nodes else f"lost its parent {parent!r} meanwhile"
+                raise DomainError(f"domain {name!r} {why}")
+            nodes[name] = node
+            self._save(nodes)
         return node
 
     def update(self, name: str, lines: list[str], fpt: FPTConfig | None = None, progress: bool = True,
@@ -178,37 +209,63 @@ class VersionTree:
         if name not in nodes:
             raise DomainError(f"unknown domain {name!r}")
         node = nodes[name]
-        old = (self.dir / name / "corpus.txt").read_text().splitlines()
+        old = (self.node_dir(node) / "corpus.txt").read_text().splitlines()
         work = self._work_dir(name)
         try:
             new = self._build(work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
                               fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines))
             new.created = node.created
-            trash = self.dir / f".old-{name}-{uuid.uuid4().hex[:8]}"
-            (self.dir / name).rename(trash)
-            work.rename(self.dir / name)
+            self._place(work, new)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        nodes[name] = new
-        self._save(nodes)
+        with self._locked():
+            nodes = self.nodes()
+            if name not in nodes:  # deleted while this update ran: the delete stands
+                shutil.rmtree(self.node_dir(new), ignore_errors=True)
+                raise DomainError(f"domain {name!r} was deleted while it was being updated")
+            previous = nodes[name]
+            nodes[name] = new
+            self._save(nodes)
         self.forget(name)
-        shutil.rmtree(trash, ignore_errors=True)
+        self._drop_version(previous)
         return new
 
     def delete(self, name: str, in_use: set[str] = frozenset()) -> None:
-        nodes = self.nodes()
-        if name not in nodes:
-            raise DomainError(f"unknown domain {name!r}")
-        children = [k for k, v in nodes.items() if v.parent == name]
-        if children:
-            raise DomainError(f"domain {name!r} has child domains {children}; delete them first")
-        if name in in_use:
-            raise DomainError(f"domain {name!r} is used by tenants; delete or move them first")
-        del nodes[name]
-        self._save(nodes)
+        with self._locked():
+            nodes = self.nodes()
+            if name not in nodes:
+                raise DomainError(f"unknown domain {name!r}")
+            children = [k for k, v in nodes.items() if v.parent == name]
+            if children:
+                raise DomainError(f"domain {name!r} has child domains {children}; delete them first")
+            if name in in_use:
+                raise DomainError(f"domain {name!r} is used by tenants; delete or move them first")
+            del nodes[name]
+            self._save(nodes)
+            trash = self.dir / f".old-{name}-{uuid.uuid4().hex[:8]}"
+            if (self.dir / name).exists():
+                os.rename(self.dir / name, trash)
         self.forget(name)
-        shutil.rmtree(self.dir / name, ignore_errors=True)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def _place(self, work: Path, node: DomainNode) -> None:
+        """Moves a finished build to its version folder (flushed), not yet named by any record."""
+        node.version = f"v{uuid.uuid4().hex[:12]}"
+        (self.dir / node.name).mkdir(exist_ok=True)
+        fsync_dir(work)
+        os.rename(work, self.node_dir(node))
+        fsync_dir(self.dir / node.name)
+
+    def _drop_version(self, node: DomainNode) -> None:
+        """Removes a version that no record names any more."""
+        if node.version:
+            shutil.rmtree(self.node_dir(node), ignore_errors=True)
+        else:  # a branch stored before versions existed: its files lie in <name>/ itself
+            base = self.dir / node.name
+            for f in ("windowed.safetensors", "corpus.txt"):
+                (base / f).unlink(missing_ok=True)
+            shutil.rmtree(base / "plot", ignore_errors=True)
 
     def _work_dir(self, name: str) -> Path:
         work = self.dir / f".building-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -225,8 +282,8 @@ class VersionTree:
             raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
         fpt_metrics = further_pretrain(self.root.bert, tok, encoder, fpt_lines or lines, fpt,
                                        progress=progress, should_stop=should_stop)
-        save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(work / "windowed.safetensors"))
-        (work / "corpus.txt").write_text("\n".join(lines) + "\n")
+        write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
+        write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
         keys, counts = count_ngrams(token_lists)
         # A branch stores its own top tri-grams only; bi-grams and uni-grams come from the root.
         plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), 0, with_backoff=False)
@@ -243,6 +300,25 @@ class VersionTree:
                                   "distinct_trigrams": int(len(keys)), "covered_occurrences": round(covered, 4)},
                           plot={**stats, "build_seconds": summary["seconds"]}, fpt=fpt_metrics, created=now, updated=now)
 
+
+
+class _FileLock:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        return False
+
+
+def _stale(p: Path, age_s: float = 60.0) -> bool:
+    return time.time() - p.stat().st_mtime > age_s
 
 
 def _pid_alive(pid: str) -> bool:
