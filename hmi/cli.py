@@ -257,9 +257,15 @@ def cmd_serve(args) -> int:
     _quiet_transformers()
     from hmi.dispatcher.app import ServerConfig
     from hmi.dispatcher.serve import serve
+    from hmi.scheduler.pipeline import pick_device
 
+    try:
+        pick_device(args.device)
+    except ValueError as exc:
+        print(f"hmi serve: {exc}", file=sys.stderr)
+        return 2
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
-                       miss_policy=args.miss_policy)
+                       miss_policy=args.miss_policy, device=args.device)
     return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt)
 
 
@@ -522,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
+    srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where the upper layers, adapter pools and KV cache run (auto: cuda when torch sees a GPU)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

@@ -70,7 +70,7 @@ def enable_hgpt(server: Server, home: Path) -> None:
     from hmi.hgpt.runtime import HgptRuntime
 
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
-    server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant))
+    server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))
 
 
 def prepare_default(home: Path):

@@ -11,6 +11,7 @@ seed), ``max_new_tokens`` and stop strings.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import queue
@@ -86,6 +87,7 @@ class EngineConfig:
     lora_slots: int = 64
     rank: int = 8
     max_new_tokens_limit: int = 1024
+    device: str = "cpu"  # where the upper layers, the KV cache and the LoRA pool live
 
 
 class GenerationEngine:
@@ -97,14 +99,20 @@ class GenerationEngine:
         self.root, self.lookup, self.load_tenant = root, lookup, load_tenant
         self.cfg = cfg or EngineConfig()
         c = root.model.config
-        self.upper = root.layers[root.l_low:]
+        self.device = torch.device(self.cfg.device)
+        # The upper layers, final norm, LM head and rotary embedding run on the engine's device; on
+        # the CPU they are the root's own modules (shared with fine-tune workers), elsewhere copies.
+        m = root.model
+        on_device = (lambda mod: mod) if self.device.type == "cpu" else (lambda mod: copy.deepcopy(mod).to(self.device))
+        self.upper = on_device(root.layers[root.l_low:])
+        self.norm, self.lm_head, self.rotary = on_device(m.model.norm), on_device(m.lm_head), on_device(m.model.rotary_emb)
         self.nh, self.nkv = c.num_attention_heads, c.num_key_value_heads
         self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         n_up = len(self.upper)
         shape = (self.cfg.max_active, self.nkv, self.cfg.max_len, self.hd)
-        self.k_cache = [torch.zeros(shape) for _ in range(n_up)]
-        self.v_cache = [torch.zeros(shape) for _ in range(n_up)]
-        self.pool = LoraPool(self.cfg.lora_slots, n_up, c.hidden_size, self.nkv * self.hd, self.cfg.rank)
+        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
+        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
+        self.pool = LoraPool(self.cfg.lora_slots, n_up, c.hidden_size, self.nkv * self.hd, self.cfg.rank, self.device)
         self.waiting: list[GenRequest] = []
         self.active: list[_Active] = []
         tok = root.tokenizer
@@ -200,9 +208,10 @@ class GenerationEngine:
         for i, a in enumerate(new):
             ids[i, :lens[i]] = a.ids
             mask[i, :lens[i]] = 1
-        h = self.lookup.merged(ids, mask).float()
-        out = self._upper(h, new, torch.zeros(len(new), dtype=torch.long), torch.tensor(lens))
-        last = out[torch.arange(len(new)), torch.tensor(lens) - 1]
+        h = self.lookup.merged(ids, mask).float().to(self.device)
+        n_new = torch.tensor(lens, device=self.device)
+        out = self._upper(h, new, torch.zeros(len(new), dtype=torch.long, device=self.device), n_new)
+        last = out[torch.arange(len(new), device=self.device), n_new - 1]
         for a, n in zip(new, lens):
             a.pos = n
         self.stats["prefills"] += len(new)
@@ -220,15 +229,16 @@ class GenerationEngine:
         reps, hits = self.lookup.window_reps(uniq)
         self.lookup.record(hits)
         merged = self.lookup.merge(torch.from_numpy(reps.astype(np.float32))[None])[0]
-        h = merged[torch.from_numpy(inv.reshape(-1))].unsqueeze(1)
-        starts = torch.tensor([a.pos for a in running])
-        out = self._upper(h, running, starts, torch.ones(len(running), dtype=torch.long))
+        h = merged[torch.from_numpy(inv.reshape(-1))].unsqueeze(1).to(self.device)
+        starts = torch.tensor([a.pos for a in running], device=self.device)
+        out = self._upper(h, running, starts, torch.ones(len(running), dtype=torch.long, device=self.device))
         for a in running:
             a.pos += 1
         self._sample(running, self._logits(out[:, 0]))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.root.model.lm_head(self.root.model.model.norm(h)).float()
+        """Next-token scores (B, V), on the host: sampling uses per-request CPU generators."""
+        return self.lm_head(self.norm(h)).float().cpu()
 
     def _upper(self, h: torch.Tensor, reqs: list[_Active], starts: torch.Tensor, q_lens: torch.Tensor) -> torch.Tensor:
         """The upper layers for new tokens of several requests, with their KV cache and LoRA.
@@ -239,15 +249,16 @@ class GenerationEngine:
         Shapes: h (B, Tq, H); starts, q_lens (B,) -> (B, Tq, H) (before the final norm).
         """
         B, Tq, _ = h.shape
-        rows = torch.tensor([a.row for a in reqs])
-        slots = torch.tensor([a.slot for a in reqs])
-        plan = segment_plan([a.slot for a in reqs])
+        dev = self.device
+        rows = torch.tensor([a.row for a in reqs], device=dev)
+        slots = torch.tensor([a.slot for a in reqs], device=dev)
+        plan = segment_plan([a.slot for a in reqs], dev)
         scale = self.pool.scaling.index_select(0, slots)[:, None, None]
-        pos = starts[:, None] + torch.arange(Tq)[None]
-        cos, sin = self.root.model.model.rotary_emb(h, pos)
+        pos = starts[:, None] + torch.arange(Tq, device=dev)[None]
+        cos, sin = self.rotary(h, pos)
         ends = starts + q_lens
         Lk = int(ends.max())
-        kpos = torch.arange(Lk)
+        kpos = torch.arange(Lk, device=dev)
         allowed = (kpos[None, None, :] <= pos[:, :, None]) & (kpos[None, None, :] < ends[:, None, None])
         mask = additive_mask(allowed, h.dtype)
         rep = self.nh // self.nkv

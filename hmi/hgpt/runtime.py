@@ -69,7 +69,8 @@ class HgptRuntime:
         self.service = GenerationService(self.engine)
 
     @classmethod
-    def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True) -> "HgptRuntime":
+    def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True,
+                     device: str = "cpu") -> "HgptRuntime":
         from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
         root = load_calibrated_decoder(home)
@@ -78,7 +79,7 @@ class HgptRuntime:
             root, _ = calibrate_and_save(home, l_low, DecoderCalibrationConfig(), progress=progress)
         ensure_decoder_plot(root, home, progress=progress)
         store = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
-        return cls(root, store, load_tenant)
+        return cls(root, store, load_tenant, cfg=EngineConfig(rank=DEFAULT_RANK, device=device))
 
     @property
     def rank(self) -> int:
