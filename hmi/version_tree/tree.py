@@ -195,7 +195,7 @@ class VersionTree:
         with self._locked():
             nodes = self.nodes()
             if name in nodes or (parent != "root" and parent not in nodes):
-                shutil.rmtree(self.node_dir(node), ignore_errors=True)
+                self._discard(node)
                 why = "was created meanwhile" if name in nodes else f"lost its parent {parent!r} meanwhile"
                 raise DomainError(f"domain {name!r} {why}")
             nodes[name] = node
@@ -222,7 +222,7 @@ class VersionTree:
         with self._locked():
             nodes = self.nodes()
             if name not in nodes:  # deleted while this update ran: the delete stands
-                shutil.rmtree(self.node_dir(new), ignore_errors=True)
+                self._discard(new)
                 raise DomainError(f"domain {name!r} was deleted while it was being updated")
             previous = nodes[name]
             nodes[name] = new
@@ -256,6 +256,13 @@ class VersionTree:
         fsync_dir(work)
         os.rename(work, self.node_dir(node))
         fsync_dir(self.dir / node.name)
+
+    def _discard(self, node: DomainNode) -> None:
+        """Removes a placed version that will never be named (and its branch folder if now empty)."""
+        shutil.rmtree(self.node_dir(node), ignore_errors=True)
+        base = self.dir / node.name
+        if base.exists() and not any(base.iterdir()):
+            base.rmdir()
 
     def _drop_version(self, node: DomainNode) -> None:
         """Removes a version that no record names any more."""

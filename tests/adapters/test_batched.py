@@ -187,3 +187,24 @@ def test_spec_validation_gives_clear_errors(kw, msg):
     args = {"labels": ("a", "b"), **kw}
     with pytest.raises(SpecError, match=msg):
         AdapterSpec(**args)
+
+
+@pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 2, 2], [3, 1, 3, 0, 1, 3], [5]])
+def test_segment_bmm_with_a_host_plan_matches_the_loop_and_never_reads_the_device(slots, monkeypatch):
+    from hmi.adapters.batched import segment_plan
+
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(len(slots), 5, 8, generator=g), torch.randn(6, 8, 4, generator=g), torch.randn(6, 4, generator=g)
+    s = torch.tensor(slots)
+    plan = segment_plan(slots)
+
+    def no_sync(*a, **kw):
+        raise AssertionError("a host-device synchronization inside the layer loop")
+
+    for name in ("tolist", "item", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    monkeypatch.setattr(torch, "unique", no_sync)
+    got, got_nb = segment_bmm(x, s, w, b, plan=plan), segment_bmm(x, s, w, plan=plan)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, ref_segment_bmm(x, s, w, b))
+    torch.testing.assert_close(got_nb, ref_segment_bmm(x, s, w))

@@ -3,6 +3,7 @@ once, streaming, the OpenAI-style completions route, and the error rules of the 
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -168,3 +169,71 @@ def test_cli_generate_streams_the_completion(gpt, capsys):
     captured = capsys.readouterr()
     assert captured.out.rstrip("\n") == want["text"].rstrip("\n")
     assert "5 tokens" in captured.err
+
+
+def test_hostile_sampling_parameters_fail_only_their_own_request_over_http(gpt):
+    url = gpt["url"]
+    results = {}
+
+    def run(key, body):
+        results[key] = raw(url, "POST", "/v1/tenants/writer/generate", body)
+
+    bodies = {"seed": {"prompt": "the lazy", "seed": 2**64, "temperature": 0.7},
+              "tiny": {"prompt": "the lazy", "temperature": 1e-300, "max_new_tokens": 6},
+              "ok1": {"prompt": "the lazy", "max_new_tokens": 6}, "ok2": {"prompt": "a quick", "max_new_tokens": 6}}
+    threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["seed"][0] == 400 and results["seed"][1]["error"]["code"] == "bad_seed"
+    assert results["tiny"][0] == 200 and results["tiny"][1]["text"] == results["ok1"][1]["text"]  # greedy
+    assert results["ok2"][0] == 200 and results["ok2"][1]["tokens"] == 6
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_engine_slot(gpt, monkeypatch):
+    import socket
+    import urllib.parse
+
+    engine = gpt["server"].gpt.engine
+    real_decode = engine._decode
+
+    def slow_decode(running):  # 120 tokens take seconds: the request cannot finish on its own meanwhile
+        time.sleep(0.03)
+        return real_decode(running)
+
+    monkeypatch.setattr(engine, "_decode", slow_decode)
+    dropped = engine.stats.get("dropped", 0)
+    u = urllib.parse.urlparse(gpt["url"])
+    body = json.dumps({"prompt": "the quick", "max_new_tokens": 120, "stream": True}).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=30)
+    sock.sendall(b"POST /v1/tenants/writer/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: Bearer {ADMIN}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"200" in sock.recv(4096)
+    deadline = time.time() + 30
+    while not engine.active and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.active
+    sock.close()
+    deadline = time.time() + 30
+    while engine.active and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.active and not engine.pool._pins
+    assert engine.stats["dropped"] == dropped + 1  # it left because its client did, not because it finished
+    got, out = raw(gpt["url"], "POST", "/v1/tenants/writer/generate", {"prompt": "the", "max_new_tokens": 3})
+    assert got == 200 and out["tokens"] == 3
+
+
+def test_a_full_generation_queue_answers_429_with_retry_after(gpt, monkeypatch):
+    import queue
+
+    class Full(queue.Queue):
+        def put_nowait(self, item):
+            raise queue.Full
+
+    monkeypatch.setattr(gpt["server"].gpt.service, "_in", Full())
+    req = urllib.request.Request(gpt["url"] + "/v1/tenants/writer/generate", data=json.dumps({"prompt": "x"}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"

@@ -23,7 +23,7 @@ TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
-def tiny_server(home):
+def tiny_server(home, **cfg):
     spec = RootSpec(default_spec().model_dir, 2)
     bert = tiny_bert(layers=4, hidden=32, vocab=30522)
     root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
@@ -32,7 +32,8 @@ def tiny_server(home):
     if not path.exists():
         PlotStore(path, meta=meta, readonly=False).close()
     lookup = PlotLookup([PlotVersion("root", PlotStore(path, readonly=True, expect=meta), root.windowed)], "compute")
-    return Server(home, root, lookup, ServerConfig(max_inputs=8, max_input_chars=2000, max_body_mb=1), path, meta)
+    cfg = {"max_inputs": 8, "max_input_chars": 2000, "max_body_mb": 1, **cfg}
+    return Server(home, root, lookup, ServerConfig(**cfg), path, meta)
 
 
 @pytest.fixture(scope="module")

@@ -136,3 +136,33 @@ def test_crash_during_create_leaves_no_half_branch(root, tmp_path, monkeypatch):
     os.utime(tree.dir / "orphan", (1, 1))
     VersionTree(root, tmp_path)
     assert [p.name for p in tree.dir.iterdir() if p.is_dir()] == []
+
+
+def test_an_updated_domains_old_store_stays_readable_for_lookups_that_hold_it(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    tree.create("legal", "root", corpus(600), 0.5, FAST, progress=False)
+    before = tree.lookup("legal")
+    ids = np.array([root.tokenizer("the license grants permission to copy")["input_ids"]])
+    want = before.merged(ids, np.ones_like(ids))
+    tree.update("legal", corpus(200, seed=4), FAST, progress=False)
+    tree.forget("legal")
+    torch.testing.assert_close(before.merged(ids, np.ones_like(ids)), want)  # an in-flight batch still reads
+    after = tree.lookup("legal")
+    assert after.chain[0].store.path != before.chain[0].store.path  # new lookups read the new version
+
+
+def test_a_delete_during_an_update_is_not_undone(root, tmp_path):
+    tree = VersionTree(root, tmp_path)
+    tree.create("legal", "root", corpus(600), 0.5, FAST, progress=False)
+    build = tree._build
+
+    def build_then_concurrent_delete(*a, **kw):
+        node = build(*a, **kw)
+        VersionTree(root, tmp_path).delete("legal")  # another process (the server) deletes meanwhile
+        return node
+
+    tree._build = build_then_concurrent_delete
+    with pytest.raises(DomainError, match="deleted while"):
+        tree.update("legal", corpus(200, seed=4), FAST, progress=False)
+    assert "legal" not in tree.nodes()
+    assert not (tmp_path / "domains" / root.artifact_id / "legal").exists()

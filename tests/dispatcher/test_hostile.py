@@ -1,0 +1,257 @@
+"""Hostile input and fault injection through real HTTP: protocol edge cases, racing updates, a full
+job queue, a failing job thread, job time limits, 1,000 concurrent clients, and workers that die
+with a killed server."""
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from tests.dispatcher.test_server import ADMIN, TRAIN, live, raw  # noqa: F401 - fixture
+
+LABELS = {"type": "classification", "labels": ["neg", "pos"]}
+
+
+def send_raw(url: str, method: str, path: str, headers: dict, body: bytes = b"") -> tuple[int, dict]:
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.putrequest(method, path)
+    for k, v in headers.items():
+        conn.putheader(k, v)
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body)
+    resp = conn.getresponse()
+    out = resp.status, dict(resp.getheaders()), json.loads(resp.read() or b"{}")
+    conn.close()
+    return out
+
+
+def test_completions_authenticates_before_reading_the_body(live):
+    deep = b"[" * 200_000
+    for body in (deep, b"{not json", json.dumps({"model": "alpha", "prompt": "x"}).encode()):
+        status, _, payload = send_raw(live["url"], "POST", "/v1/completions", {"Content-Type": "application/json"}, body)
+        assert status == 401 and payload["error"]["code"] == "unauthorized"
+
+
+def test_deeply_nested_json_is_a_400_not_a_500(live):
+    status, _, payload = send_raw(live["url"], "POST", "/v1/tenants/alpha/infer",
+                                  {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"}, b"[" * 200_000)
+    assert status == 400 and payload["error"]["code"] == "malformed_json"
+
+
+def test_a_non_utf8_authorization_header_is_a_401(live):
+    status, _, payload = send_raw(live["url"], "GET", "/v1/tenants", {"Authorization": b"Bearer \xff\xfe\x80"})
+    assert status == 401 and payload["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/tenants", {"name": "trailing\n", "task": LABELS, "training_data": {"train": TRAIN}}),
+    ("/v1/domains", {"name": "trailing\n", "corpus_name": "legal"}),
+])
+def test_names_with_a_trailing_newline_are_refused(live, path, body):
+    status, payload = raw(live["url"], "POST", path, body)
+    assert status == 400 and payload["error"]["code"] == "invalid_name", payload
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"name": "d1", "corpus_name": "legal", "max_lines": "many"}, "invalid_type"),
+    ({"name": "d1", "corpus_name": "legal", "max_lines": 0}, "invalid_value"),
+])
+def test_max_lines_is_validated(live, body, code):
+    status, payload = raw(live["url"], "POST", "/v1/domains", body)
+    assert status == 400 and payload["error"]["code"] == code, payload
+
+
+@pytest.mark.parametrize("labels, code", [([["a"], "b"], "invalid_type"), ([1, 2], "invalid_type"),
+                                          ([f"l{i}" for i in range(33)], "too_many_labels")])
+def test_labels_must_be_a_short_enough_list_of_strings(live, labels, code):
+    status, payload = raw(live["url"], "POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": labels},
+                                                              "training_data": {"train": TRAIN}})
+    assert status == 400 and payload["error"]["code"] == code, payload
+
+
+def test_405_names_the_allowed_methods(live):
+    status, headers, payload = send_raw(live["url"], "PUT", "/v1/tenants", {"Authorization": f"Bearer {ADMIN}"})
+    assert status == 405 and payload["error"]["code"] == "method_not_allowed"
+    assert set(headers["Allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+
+
+def test_only_one_update_per_tenant_at_a_time(live):
+    results = []
+
+    def update():
+        results.append(raw(live["url"], "POST", "/v1/tenants/alpha/update", {"training_data": {"train": TRAIN}, "epochs": 1}))
+
+    threads = [threading.Thread(target=update) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = sorted(s for s, _ in results)
+    assert statuses.count(202) == 1 and statuses.count(409) == 5, results
+    job = next(p["job"] for s, p in results if s == 202)
+    assert live["admin"].wait_job(job, 300)["state"] == "succeeded"
+
+
+def test_a_full_job_queue_answers_429_and_creates_nothing(live, monkeypatch):
+    monkeypatch.setattr(live["server"].jobs, "max_queued", 0)
+    status, payload = raw(live["url"], "POST", "/v1/tenants", {"name": "queued-out", "task": LABELS, "training_data": {"train": TRAIN}})
+    assert status == 429 and payload["error"]["code"] == "too_many_jobs"
+    assert raw(live["url"], "GET", "/v1/tenants/queued-out")[0] == 404
+
+
+def test_the_job_thread_survives_an_error_and_jobs_have_a_time_limit(live, monkeypatch):
+    s, admin = live["server"], live["admin"]
+    real = s.jobs.on_finish
+    calls = []
+
+    def failing(job, state, info):
+        calls.append(job["id"])
+        if len(calls) == 1:
+            raise RuntimeError("injected failure while recording the job")
+        return real(job, state, info)
+
+    monkeypatch.setattr(s.jobs, "on_finish", failing)
+    first = admin.create_tenant("jt1", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    admin.wait_job(first["job"], 300)
+    second = admin.create_tenant("jt2", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    assert admin.wait_job(second["job"], 300)["state"] == "succeeded"  # the thread went on
+    assert admin.infer("jt2", ["great"])[0]["label"] in ("neg", "pos")
+    monkeypatch.setattr(s.jobs, "time_limit_s", 0.5)
+    slow = admin.create_tenant("jt3", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=50)
+    job = admin.wait_job(slow["job"], 120)
+    assert job["state"] == "failed" and "time limit" in job["error"]
+    assert admin.tenant("jt3")["state"] == "failed"
+    for t in ("jt1", "jt2", "jt3"):
+        admin.delete_tenant(t)
+
+
+def test_a_finished_job_whose_tenant_was_deleted_and_re_created_is_never_served(live):
+    s = live["server"]
+    from hmi.adapters.spec import AdapterSpec
+
+    spec = AdapterSpec(labels=("neg", "pos"))
+    weights = s.store.load("alpha")
+    s.store.save("reborn", spec, weights, version="newjob")
+    s.registry.create("tenants", "reborn", {"state": "ready", "spec": spec.to_dict(), "job": "newjob", "token_hash": "x"})
+    s.store.save("reborn", spec, {k: v * 0 for k, v in weights.items()}, version="oldjob", publish=False)
+    s._job_finished({"id": "oldjob", "kind": "create", "tenant": "reborn"}, "succeeded", {})
+    assert s.store.current("reborn").name == "newjob"
+    assert not (s.store.path("reborn") / "oldjob").exists()
+    s.registry.delete("tenants", "reborn")
+    s.store.delete("reborn")
+
+
+@pytest.fixture
+def small_server(live, tmp_path):
+    """A server with room for 4 waiting batches, serving a copy of tenant alpha."""
+    from hmi.adapters.store import AdapterStore
+    from hmi.dispatcher.registry import Registry
+    from hmi.dispatcher.serve import run_in_thread
+    from tests.dispatcher.test_server import tiny_server
+
+    src = live["server"]
+    AdapterStore(tmp_path / "tenants").save("alpha", src.store.spec("alpha"), src.store.load("alpha"))
+    reg = Registry(tmp_path / "registry")
+    reg.create("tenants", "alpha", {**src.registry.get("tenants", "alpha"), "state": "ready"})
+    reg.close()
+    server = tiny_server(tmp_path, max_pending=4, max_batch=8)
+    url, stop = run_in_thread(server)
+    yield {"url": url, "server": server}
+    stop()
+
+
+def test_a_thousand_concurrent_clients_get_answers_or_429_and_health_keeps_answering(small_server):
+    import aiohttp
+
+    live = small_server
+
+    async def burst():
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async def one(i):
+                async with session.post(f"{live['url']}/v1/tenants/alpha/infer", json={"inputs": [f"a great film {i}"]},
+                                        headers=headers) as r:
+                    return r.status, r.headers.get("Retry-After"), (await r.json())
+
+            health = []
+
+            async def probe():
+                while len(health) < 20:
+                    async with session.get(f"{live['url']}/healthz") as r:
+                        health.append(r.status)
+                    await asyncio.sleep(0.05)
+
+            results, _ = await asyncio.gather(asyncio.gather(*(one(i) for i in range(1000))), probe())
+            return results, health
+
+    results, health = asyncio.run(burst())
+    statuses = [s for s, _, _ in results]
+    assert set(statuses) <= {200, 429}, sorted(set(statuses))
+    assert statuses.count(200) > 0 and statuses.count(429) > 0
+    assert all(ra == "1" for s, ra, _ in results if s == 429)
+    assert all(p["error"]["code"] == "overloaded" for s, _, p in results if s == 429)
+    assert health == [200] * 20
+
+
+SERVE_TINY = """
+import os, sys
+from pathlib import Path
+from aiohttp import web
+from hmi.dispatcher.app import make_app
+from tests.dispatcher.test_server import tiny_server
+server = tiny_server(Path(sys.argv[1]))
+web.run_app(make_app(server), host="127.0.0.1", port=int(sys.argv[2]), print=lambda *a: print("READY", flush=True))
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_workers_die_with_a_killed_server_and_write_nothing(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "HMI_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(repo)}
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_TINY, str(tmp_path), str(port)], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "READY" in proc.stdout.readline()
+        url = f"http://127.0.0.1:{port}"
+        status, out = raw(url, "POST", "/v1/tenants", {"name": "orphan", "task": LABELS,
+                                                       "training_data": {"train": TRAIN * 200}, "epochs": 50})
+        assert status == 202
+        deadline, pid = time.time() + 120, None
+        while time.time() < deadline and pid is None:
+            job = raw(url, "GET", f"/v1/jobs/{out['job']}")[1]
+            pid = job.get("worker_pid") if job.get("progress", 0) > 0 else None
+            time.sleep(0.2)
+        assert pid and _alive(pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    deadline = time.time() + 30
+    while _alive(pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker outlived the killed server"
+    time.sleep(1.0)
+    tenant_dir = tmp_path / "tenants" / "orphan"
+    assert not tenant_dir.exists() or not any(tenant_dir.iterdir())
