@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+from pydantic import ValidationError
 
 from hmi.adapters.spec import AdapterSpec, SpecError
-from hmi.adapters.store import AdapterStore, TenantMissingError, check_tenant_name
+from hmi.adapters.store import AdapterStore, TenantMissingError
 from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.context import SERVER
@@ -22,8 +23,8 @@ from hmi.dispatcher.jobs import JobManager, WorkerContext, new_job_id
 from hmi.dispatcher.metrics import Metrics
 from hmi.dispatcher.openapi import openapi_document
 from hmi.dispatcher.registry import Registry
-from hmi.dispatcher.validation import ApiError, check_rows, error_response, field, json_body, unknown_fields
-from hmi.names import is_valid_name
+from hmi.dispatcher.schemas import Limits, api_error, build_models, parse
+from hmi.dispatcher.validation import ApiError, check_rows, error_response, json_body
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 
@@ -85,6 +86,7 @@ class Server:
                                                    max_labels=cfg.max_labels, device=str(self.device)))
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe)
+        self.models = build_models(Limits(cfg.max_inputs, cfg.max_input_chars, cfg.max_examples, cfg.max_labels))
         self.admin_token, self.admin_token_new = admin_token(home)
         root.bert.share_memory()
         root.windowed.share_memory()
@@ -256,26 +258,13 @@ async def infer(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
-    body = await json_body(request)
-    unknown_fields(body, {"inputs"})
-    inputs = field(body, "inputs", list)
-    if not inputs:
-        raise ApiError(400, "empty_inputs", "'inputs' must hold at least one text")
-    if len(inputs) > s.cfg.max_inputs:
-        raise ApiError(413, "too_many_inputs", f"{len(inputs)} inputs; the limit is {s.cfg.max_inputs} per request")
-    for i, x in enumerate(inputs):
-        if not isinstance(x, str):
-            raise ApiError(400, "invalid_type", f"inputs[{i}] must be a string, not {type(x).__name__}")
-        if not x.strip():
-            raise ApiError(400, "empty_input", f"inputs[{i}] is empty")
-        if len(x) > s.cfg.max_input_chars:
-            raise ApiError(413, "input_too_long", f"inputs[{i}] has {len(x)} characters; the limit is {s.cfg.max_input_chars}")
+    body = parse(s.models["InferBody"], await json_body(request))
     if tenant not in s._entries:
         rec = s.registry.get("tenants", tenant)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
-    reqs = [InferRequest(tenant, x) for x in inputs]
+    reqs = [InferRequest(tenant, x) for x in body.inputs]
     try:
         s.batcher.add(reqs)
     except QueueFullError:
@@ -295,148 +284,95 @@ async def infer(request: web.Request) -> web.Response:
     return web.json_response({"tenant": tenant, "outputs": outputs})
 
 
-def _spec_from_body(body: dict, max_labels: int) -> AdapterSpec:
-    task = field(body, "task", dict)
-    unknown_fields(task, {"type", "labels", "pooling"})
-    head = field(task, "type", str)
-    labels = field(task, "labels", list)
-    if not all(isinstance(x, str) for x in labels):
-        raise ApiError(400, "invalid_type", "'task.labels' must be a list of strings")
-    if len(labels) > max_labels:
-        raise ApiError(400, "too_many_labels", f"{len(labels)} labels; this server serves heads of at most {max_labels}")
-    adapter = field(body, "adapter", dict, required=False, default={})
-    unknown_fields(adapter, {"kind", "reduction_factor", "rank", "alpha"})
-    kw = {"kind": field(adapter, "kind", str, required=False, default="bottleneck"), "head": head, "labels": labels}
-    if "pooling" in task:  # else the spec's default
-        kw["pooling"] = field(task, "pooling", str)
-    for k, typ in (("reduction_factor", int), ("rank", int), ("alpha", (int, float))):
-        if k in adapter:
-            kw[k] = field(adapter, k, typ)
+def _spec(body) -> AdapterSpec:
+    """The AdapterSpec of a validated EncoderTenant body; 422 for combinations the spec refuses."""
+    kw = {"kind": body.adapter.kind, "head": body.task.type, "labels": body.task.labels}
+    if body.task.pooling is not None:  # else the spec's default
+        kw["pooling"] = body.task.pooling
+    for k in ("reduction_factor", "rank", "alpha"):
+        if getattr(body.adapter, k) is not None:
+            kw[k] = getattr(body.adapter, k)
     try:
         return AdapterSpec(**kw)
     except SpecError as exc:
-        raise ApiError(400, "invalid_spec", str(exc)) from None
+        raise ApiError(422, "invalid_spec", str(exc)) from None
 
 
-def _training_data(s: Server, body: dict, spec: AdapterSpec) -> dict:
-    data = field(body, "training_data", dict, required=False)
-    dataset = field(body, "dataset", str, required=False)
-    if (data is None) == (dataset is None):
-        raise ApiError(400, "missing_field", "give either 'training_data' ({'train': [...], 'dev': [...]}) or 'dataset'")
-    if dataset is not None:
-        from hmi.data import TASKS, is_tagging, task_labels
+def _training_data(body, spec: AdapterSpec) -> dict:
+    """A validated body's training data (a prepared dataset, or examples) checked against the
+    task: 422 when examples do not fit the head or use labels the task does not have."""
+    if body.dataset is not None:
+        from hmi.data import is_tagging, task_labels
 
-        if dataset not in TASKS:
-            raise ApiError(400, "unknown_dataset", f"unknown dataset {dataset!r}; prepared ones: {', '.join(TASKS)}")
-        if is_tagging(dataset) != (spec.head == "tagging"):
-            need = "tagging" if is_tagging(dataset) else "classification"
-            raise ApiError(400, "invalid_spec", f"dataset {dataset!r} needs a {need} task")
-        missing = sorted(set(task_labels(dataset)) - set(spec.labels))
+        if is_tagging(body.dataset) != (spec.head == "tagging"):
+            need = "tagging" if is_tagging(body.dataset) else "classification"
+            raise ApiError(422, "invalid_spec", f"dataset {body.dataset!r} needs a {need} task")
+        missing = sorted(set(task_labels(body.dataset)) - set(spec.labels))
         if missing:
-            raise ApiError(400, "labels_missing", f"labels {missing} of dataset {dataset!r} are not in the task's labels")
-        max_train = field(body, "max_train", int, required=False)
-        if max_train is not None and max_train < 1:
-            raise ApiError(400, "invalid_value", "'max_train' must be at least 1")
-        return {"dataset": dataset, "max_train": max_train}
-    unknown_fields(data, {"train", "dev", "test"})
+            raise ApiError(422, "labels_missing", f"labels {missing} of dataset {body.dataset!r} are not in the task's labels")
+        return {"dataset": body.dataset, "max_train": body.max_train}
     tagging = spec.head == "tagging"
-    train = check_rows(field(data, "train", list), tagging, "training_data.train", s.cfg.max_examples)
-    if not train:
-        raise ApiError(400, "empty_training_data", "training_data.train is empty")
-    dev = check_rows(data.get("dev") or [], tagging, "training_data.dev", s.cfg.max_examples)
-    test = check_rows(data.get("test") or [], tagging, "training_data.test", s.cfg.max_examples)
-    seen = {t for r in train + dev + test for t in (r["tags"] if tagging else [r["label"]])}
+    data = {split: check_rows([r.model_dump() for r in getattr(body.training_data, split)], tagging,
+                              f"training_data.{split}") for split in ("train", "dev", "test")}
+    seen = {t for rows in data.values() for r in rows for t in (r["tags"] if tagging else [r["label"]])}
     missing = sorted(seen - set(spec.labels))
     if missing:
-        raise ApiError(400, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
-    return {"train": train, "dev": dev, "test": test}
+        raise ApiError(422, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
+    return data
 
 
-def _epochs(body: dict, default: int = 4, most: int = 50) -> int:
-    epochs = field(body, "epochs", int, required=False, default=default)
-    if not 1 <= epochs <= most:
-        raise ApiError(400, "invalid_value", f"'epochs' must lie in [1, {most}]")
-    return epochs
+def _decoder_training(body) -> dict:
+    """``corpus`` (a prepared corpus name) or ``training_text`` of a validated decoder body."""
+    if body.corpus is not None:
+        return {"corpus": body.corpus, "max_train": body.max_train}
+    texts = body.training_text
+    return {"texts": texts[:body.max_train] if body.max_train else texts}
 
 
-def _tenant_name(body: dict) -> str:
-    name = field(body, "name", str)
-    try:
-        check_tenant_name(name)
-    except ValueError as exc:
-        raise ApiError(400, "invalid_name", str(exc)) from None
-    return name
-
-
-def _decoder_training(s: Server, body: dict) -> dict:
-    """``corpus`` (a prepared corpus name) or ``training_text`` (a list of texts) for a decoder tenant."""
-    corpus = field(body, "corpus", str, required=False)
-    texts = field(body, "training_text", list, required=False)
-    if (corpus is None) == (texts is None):
-        raise ApiError(400, "missing_field", "give either 'corpus' (a prepared corpus name) or 'training_text' (texts)")
-    max_train = field(body, "max_train", int, required=False)
-    if max_train is not None and max_train < 1:
-        raise ApiError(400, "invalid_value", "'max_train' must be at least 1")
-    if corpus is not None:
-        from hmi.data import CORPORA
-
-        if corpus not in CORPORA:
-            raise ApiError(400, "unknown_corpus", f"unknown corpus {corpus!r}; prepared ones: {', '.join(CORPORA)}")
-        return {"corpus": corpus, "max_train": max_train}
-    if not texts:
-        raise ApiError(400, "empty_training_data", "'training_text' is empty")
-    if len(texts) > s.cfg.max_examples:
-        raise ApiError(413, "too_many_examples", f"{len(texts)} texts; the limit is {s.cfg.max_examples}")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str) or not t.strip():
-            raise ApiError(400, "invalid_type", f"training_text[{i}] must be a non-empty string")
-    return {"texts": texts[:max_train] if max_train else texts}
-
-
-async def _create_decoder_tenant(s: Server, body: dict) -> web.Response:
+async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
     from hmi.hgpt.lora import LoraSpec
 
-    unknown_fields(body, {"name", "model", "adapter", "corpus", "training_text", "max_train", "epochs"})
-    name = _tenant_name(body)
-    s.require_gpt()
-    adapter = field(body, "adapter", dict, required=False, default={})
-    unknown_fields(adapter, {"kind", "rank", "alpha"})
-    if adapter.get("kind", "lora") != "lora":
-        raise ApiError(400, "invalid_spec", "decoder tenants use LoRA adapters")
-    rank = field(adapter, "rank", int, required=False, default=s.gpt.rank)
-    if rank != s.gpt.rank:
-        raise ApiError(400, "invalid_spec", f"this server batches decoder LoRA of rank {s.gpt.rank}")
-    try:
-        spec = LoraSpec(rank=rank, alpha=field(adapter, "alpha", (int, float), required=False, default=2.0 * rank))
-    except SpecError as exc:
-        raise ApiError(400, "invalid_spec", str(exc)) from None
-    data = _decoder_training(s, body)
-    epochs = _epochs(body, default=1, most=20)
-    token, job = s.create_tenant(name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()}, data,
-                                 epochs=epochs, model="decoder")
-    return web.json_response({"tenant": name, "token": token, "job": job,
+    body = parse(s.models["DecoderTenant"], raw)
+    gpt = s.require_gpt()
+    rank = body.adapter.rank or gpt.rank
+    if rank != gpt.rank:
+        raise ApiError(422, "invalid_spec", f"this server batches decoder LoRA of rank {gpt.rank}")
+    spec = LoraSpec(rank=rank, alpha=body.adapter.alpha or 2.0 * rank)
+    token, job = s.create_tenant(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
+                                 _decoder_training(body), epochs=body.epochs, model="decoder")
+    return web.json_response({"tenant": body.name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
 
 
 async def create_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     s.require_admin(request)
-    body = await json_body(request)
-    if body.get("model", "encoder") == "decoder":
-        return await _create_decoder_tenant(s, body)
-    unknown_fields(body, {"name", "model", "domain", "task", "adapter", "training_data", "dataset", "max_train", "epochs"})
-    if field(body, "model", str, required=False, default="encoder") != "encoder":
-        raise ApiError(400, "invalid_value", "'model' is 'encoder' (default) or 'decoder'")
-    name = _tenant_name(body)
-    domain = field(body, "domain", str, required=False, default="root")
-    if domain != "root" and domain not in s.tree.nodes():
-        raise ApiError(404, "unknown_domain", f"no domain {domain!r}")
-    spec = _spec_from_body(body, s.cfg.max_labels)
-    data = _training_data(s, body, spec)
-    epochs = _epochs(body)
-    token, job = s.create_tenant(name, {"domain": domain, "spec": spec.to_dict()}, data, epochs=epochs, domain=domain)
-    return web.json_response({"tenant": name, "token": token, "job": job,
+    raw = await json_body(request)
+    if raw.get("model") == "decoder":
+        return await _create_decoder_tenant(s, raw)
+    body = parse(s.models["EncoderTenant"], raw)
+    if body.domain != "root" and body.domain not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no domain {body.domain!r}")
+    spec = _spec(body)
+    data = _training_data(body, spec)
+    token, job = s.create_tenant(body.name, {"domain": body.domain, "spec": spec.to_dict()}, data, epochs=body.epochs,
+                                 domain=body.domain)
+    return web.json_response({"tenant": body.name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
+
+
+def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
+    """The body under the tenant's own update model; a body made for the other kind of tenant
+    is a 422 that says so (the document allows both on this route)."""
+    try:
+        return s.models[mine].model_validate(raw)
+    except ValidationError as exc:
+        try:
+            s.models[other].model_validate(raw)
+        except ValidationError:
+            raise api_error(exc) from None
+        raise ApiError(422, "wrong_tenant_kind", f"this body updates a {'decoder' if kind == 'encoder' else 'encoder'} "
+                       f"tenant; this tenant is an {kind} tenant") from None
 
 
 async def update_tenant(request: web.Request) -> web.Response:
@@ -446,16 +382,15 @@ async def update_tenant(request: web.Request) -> web.Response:
     rec = s.tenant_record(tenant)
     if rec["state"] != "ready":
         raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
-    body = await json_body(request)
+    raw = await json_body(request)
     if rec.get("model") == "decoder":
+        body = _parse_for_kind(s, raw, "DecoderUpdate", "EncoderUpdate", "decoder")
         s.require_gpt()
-        unknown_fields(body, {"corpus", "training_text", "max_train", "epochs"})
-        data = _decoder_training(s, body)
-        job = s.update_tenant(tenant, data, epochs=_epochs(body, default=1, most=20), model="decoder")
+        job = s.update_tenant(tenant, _decoder_training(body), epochs=body.epochs, model="decoder")
         return web.json_response({"tenant": tenant, "job": job}, status=202)
-    unknown_fields(body, {"training_data", "dataset", "max_train", "epochs"})
-    data = _training_data(s, body, AdapterSpec.from_dict(rec["spec"]))
-    job = s.update_tenant(tenant, data, epochs=_epochs(body), domain=rec.get("domain", "root"))
+    body = _parse_for_kind(s, raw, "EncoderUpdate", "DecoderUpdate", "encoder")
+    data = _training_data(body, AdapterSpec.from_dict(rec["spec"]))
+    job = s.update_tenant(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"))
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 
@@ -552,71 +487,44 @@ async def get_domain(request: web.Request) -> web.Response:
     raise ApiError(404, "unknown_domain", f"no domain {name!r}")
 
 
-async def _corpus_body(s: Server, request: web.Request) -> tuple[dict, list[str] | None]:
-    """A JSON body with ``corpus`` (list of lines) or ``corpus_name``, or a multipart form with a
-    ``corpus`` file (one document per line) and the other fields as text."""
-    if request.content_type.startswith("multipart/"):
-        form = await request.post()
-        body, lines = {}, None
-        for k, v in form.items():
-            if k == "corpus" and hasattr(v, "file"):
-                raw = v.file.read()
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise ApiError(400, "invalid_corpus", "the corpus file must be UTF-8 text") from None
-                lines = [x.strip() for x in text.splitlines() if x.strip()]
-            elif k in ("alpha",):
-                try:
-                    body[k] = float(v)
-                except ValueError:
-                    raise ApiError(400, "invalid_type", f"field {k!r} must be a number") from None
-            elif k in ("steps", "max_lines"):
-                try:
-                    body[k] = int(v)
-                except ValueError:
-                    raise ApiError(400, "invalid_type", f"field {k!r} must be an integer") from None
-            else:
-                body[k] = v
-        if lines is None and "corpus_name" not in body:
-            raise ApiError(400, "missing_field", "upload the corpus as a file field named 'corpus'")
-        return body, lines
-    body = await json_body(request)
-    lines = None
-    if "corpus" in body:
-        corpus = field(body, "corpus", list)
-        if not all(isinstance(x, str) for x in corpus):
-            raise ApiError(400, "invalid_type", "'corpus' must be a list of strings (one document per line)")
-        lines = [x.strip() for x in corpus if x.strip()]
-    return body, lines
+async def _corpus_body(request: web.Request) -> dict:
+    """A JSON body, or a multipart form with a ``corpus`` file (one document per line) and the
+    other fields as text, as the dict the domain models validate."""
+    if not request.content_type.startswith("multipart/"):
+        return await json_body(request)
+    form = await request.post()
+    body = {}
+    for k, v in form.items():
+        if k == "corpus" and hasattr(v, "file"):
+            try:
+                body["corpus"] = v.file.read().decode("utf-8").splitlines()
+            except UnicodeDecodeError:
+                raise ApiError(400, "invalid_corpus", "the corpus file must be UTF-8 text") from None
+        elif k in ("alpha", "steps", "max_lines"):
+            try:
+                body[k] = float(v) if k == "alpha" else int(v)
+            except ValueError:
+                raise ApiError(400, "invalid_type", f"field {k!r} must be a number") from None
+        else:
+            body[k] = v
+    if "corpus" not in body and "corpus_name" not in body:
+        raise ApiError(400, "missing_field", "upload the corpus as a file field named 'corpus'")
+    return body
 
 
-def _corpus_data(body: dict, lines: list[str] | None) -> dict:
-    from hmi.data import CORPORA
-
-    name = body.get("corpus_name")
-    if (lines is None) == (name is None):
-        raise ApiError(400, "missing_field", "give either 'corpus' (lines or an uploaded file) or 'corpus_name'")
-    if name is not None:
-        if not isinstance(name, str) or name not in CORPORA:
-            raise ApiError(400, "unknown_corpus", f"unknown corpus {name!r}; prepared ones: {', '.join(CORPORA)}")
-        return {"corpus_name": name, "max_lines": body.get("max_lines"), "lines": None}
-    if not lines:
-        raise ApiError(400, "empty_corpus", "the corpus is empty")
-    words = sum(len(x.split()) for x in lines)
+def _corpus_data(body) -> dict:
+    """The corpus of a validated domain body: a prepared corpus by name, or lines (422 when too
+    few words for a domain)."""
     from hmi.version_tree.tree import MIN_CORPUS_TOKENS
 
+    if body.corpus_name is not None:
+        return {"corpus_name": body.corpus_name, "max_lines": body.max_lines, "lines": None}
+    lines = [x.strip() for x in body.corpus if x.strip()]
+    words = sum(len(x.split()) for x in lines)
     if words < MIN_CORPUS_TOKENS // 2:
-        raise ApiError(400, "corpus_too_small", f"the corpus has {words} words; a domain needs about "
+        raise ApiError(422, "corpus_too_small", f"the corpus has {words} words; a domain needs about "
                        f"{MIN_CORPUS_TOKENS} tokens (see docs)")
     return {"lines": lines}
-
-
-def _steps(body: dict) -> int:
-    steps = body.get("steps", 150)
-    if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= 5000:
-        raise ApiError(400, "invalid_value", "'steps' must be an integer in [1, 5000]")
-    return steps
 
 
 def _pending_domain(s: Server, name: str) -> bool:
@@ -627,23 +535,19 @@ def _pending_domain(s: Server, name: str) -> bool:
 async def create_domain(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     s.require_admin(request)
-    body, lines = await _corpus_body(s, request)
-    unknown_fields(body, {"name", "parent", "alpha", "corpus", "corpus_name", "max_lines", "steps"})
-    name = field(body, "name", str)
-    if not is_valid_name(name) or name == "root":
-        raise ApiError(400, "invalid_name", f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-'")
-    parent = field(body, "parent", str, required=False, default="root")
-    alpha = field(body, "alpha", (int, float), required=False, default=0.5)
-    if not 0.0 <= alpha <= 1.0:
-        raise ApiError(400, "invalid_value", "'alpha' must lie in [0, 1]")
+    raw = await _corpus_body(request)
+    if raw.get("name") == "root":
+        raise ApiError(400, "invalid_name", "'root' is the root of every domain tree; choose another name")
+    body = parse(s.models["DomainCreate"], raw)
+    name, parent = body.name, body.parent
     if name in s.tree.nodes() or _pending_domain(s, name):
         raise ApiError(409, "domain_exists", f"domain {name!r} already exists or is being created")
     if parent != "root" and parent not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no parent domain {parent!r}")
-    data = _corpus_data(body, lines)
+    data = _corpus_data(body)
     s._require_job_room()
-    job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(alpha),
-                        steps=_steps(body))
+    job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(body.alpha),
+                        steps=body.steps)
     return web.json_response({"domain": name, "job": job}, status=202)
 
 
@@ -656,11 +560,10 @@ async def update_domain(request: web.Request) -> web.Response:
         raise ApiError(404, "unknown_domain", f"no domain {name!r}{hint}")
     if _pending_domain(s, name):
         raise ApiError(409, "domain_busy", f"domain {name!r} has a job running")
-    body, lines = await _corpus_body(s, request)
-    unknown_fields(body, {"corpus", "corpus_name", "max_lines", "steps"})
-    data = _corpus_data(body, lines)
+    body = parse(s.models["DomainUpdate"], await _corpus_body(request))
+    data = _corpus_data(body)
     s._require_job_room()
-    job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=_steps(body))
+    job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=body.steps)
     return web.json_response({"domain": name, "job": job}, status=202)
 
 
@@ -708,7 +611,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document(request.app))
+    s: Server = request.app[SERVER]
+    return web.json_response(openapi_document(request.app, s.models))
 
 
 # -- app -----------------------------------------------------------------------------------------

@@ -13,11 +13,9 @@ import uuid
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.validation import ApiError, field, json_body, unknown_fields
+from hmi.dispatcher.schemas import parse
+from hmi.dispatcher.validation import ApiError, json_body
 from hmi.hgpt.engine import GenerationError, GenRequest, ServiceClosedError
-
-GENERATE_FIELDS = {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stop", "stream"}
-COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "n", "user"}
 
 
 def _decoder_tenant(s, tenant: str) -> None:
@@ -26,33 +24,24 @@ def _decoder_tenant(s, tenant: str) -> None:
     if rec is None:
         raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
     if rec.get("model") != "decoder":
-        raise ApiError(400, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
+        raise ApiError(422, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
     if tenant not in s._gpt_ready:
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
 
 
-def _start(s, tenant: str, body: dict, max_key: str):
-    """Checks the tenant, queues the request; returns (request, stream sink or None)."""
+def _start(s, tenant: str, body, max_new_tokens: int):
+    """Checks the tenant, queues the request of a validated body; returns (request, stream sink or None)."""
     _decoder_tenant(s, tenant)
-    stream = field(body, "stream", bool, required=False, default=False)
-    sink: asyncio.Queue | None = asyncio.Queue() if stream else None
-    req = _request(s, tenant, body, max_key, asyncio.get_running_loop(), sink)
+    sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
+    req = _request(s, tenant, body, max_new_tokens, asyncio.get_running_loop(), sink)
     s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
     return req, sink
 
 
-def _request(s, tenant: str, body: dict, max_key: str, loop, sink):
-
-    prompt = field(body, "prompt", str)
-    if len(prompt) > s.cfg.max_input_chars:
-        raise ApiError(413, "input_too_long", f"the prompt has {len(prompt)} characters; the limit is {s.cfg.max_input_chars}")
-    stop = field(body, "stop", (list, str), required=False, default=[])
-    stop = [stop] if isinstance(stop, str) else stop
-    seed = field(body, "seed", int, required=False)
-    req = GenRequest(tenant, prompt, max_new_tokens=field(body, max_key, int, required=False, default=32),
-                     temperature=field(body, "temperature", (int, float), required=False, default=0.0),
-                     top_p=field(body, "top_p", (int, float), required=False, default=1.0), seed=seed,
-                     stop=tuple(stop),
+def _request(s, tenant: str, body, max_new_tokens: int, loop, sink):
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    req = GenRequest(tenant, body.prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+                     seed=body.seed, stop=tuple(stop),
                      on_text=(lambda piece: loop.call_soon_threadsafe(sink.put_nowait, piece)) if sink is not None else None)
     try:
         s.gpt.service.submit(req)
@@ -147,9 +136,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
-    body = await json_body(request)
-    unknown_fields(body, GENERATE_FIELDS)
-    req, sink = _start(s, tenant, body, "max_new_tokens")
+    body = parse(s.models["GenerateBody"], await json_body(request))
+    req, sink = _start(s, tenant, body, body.max_new_tokens)
     if sink is None:
         return web.json_response({"tenant": tenant, **await _result(request, s, req)})
     return await _stream(request, s, req, sink, "application/x-ndjson", lambda d: (json.dumps(d) + "\n").encode())
@@ -158,13 +146,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
     s.caller(request)  # authenticate before the body is read or parsed
-    body = await json_body(request)
-    unknown_fields(body, COMPLETION_FIELDS)
-    tenant = field(body, "model", str)
-    if field(body, "n", int, required=False, default=1) != 1:
-        raise ApiError(400, "invalid_value", "only n = 1 is supported")
+    body = parse(s.models["CompletionBody"], await json_body(request))
+    tenant = body.model
     s.require_owner(request, tenant)
-    req, sink = _start(s, tenant, body, "max_tokens")
+    req, sink = _start(s, tenant, body, body.max_tokens)
     cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def chunk(text: str, finish: str | None) -> dict:

@@ -1,103 +1,88 @@
-"""The OpenAPI document, generated from the registered routes and the descriptions below."""
+"""The OpenAPI document, generated from the registered routes and the body models that the
+handlers validate with (``hmi.dispatcher.schemas``): one declaration for both."""
 
 from __future__ import annotations
 
-ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "code": {"type": "string"}, "message": {"type": "string"}}}}}
-EXAMPLE = {"type": "object", "properties": {"text": {"type": "string"}, "label": {"type": "string"},
-                                            "tokens": {"type": "array", "items": {"type": "string"}},
-                                            "tags": {"type": "array", "items": {"type": "string"}}}}
-TRAINING = {"type": "object", "properties": {"train": {"type": "array", "items": EXAMPLE},
-                                             "dev": {"type": "array", "items": EXAMPLE},
-                                             "test": {"type": "array", "items": EXAMPLE}}}
+from pydantic.json_schema import models_json_schema
 
-DESCRIPTIONS = {
-    ("POST", "/v1/tenants/{tenant}/infer"): {
-        "summary": "Run the tenant's hPLM on texts (tenant or admin token)",
-        "body": {"type": "object", "required": ["inputs"],
-                 "properties": {"inputs": {"type": "array", "items": {"type": "string"}, "minItems": 1}}}},
-    ("POST", "/v1/tenants/{tenant}/generate"): {
-        "summary": "Generate text with a decoder tenant (hGPT); 'stream': true answers NDJSON lines as tokens come",
-        "body": {"type": "object", "required": ["prompt"], "properties": {
-            "prompt": {"type": "string"}, "max_new_tokens": {"type": "integer", "default": 32},
-            "temperature": {"type": "number", "default": 0}, "top_p": {"type": "number", "default": 1},
-            "seed": {"type": "integer"}, "stop": {"type": "array", "items": {"type": "string"}},
-            "stream": {"type": "boolean", "default": False}}}},
-    ("POST", "/v1/completions"): {
-        "summary": "OpenAI-style text completion; 'model' names the decoder tenant; 'stream' answers server-sent events",
-        "body": {"type": "object", "required": ["model", "prompt"], "properties": {
-            "model": {"type": "string"}, "prompt": {"type": "string"}, "max_tokens": {"type": "integer", "default": 32},
-            "temperature": {"type": "number"}, "top_p": {"type": "number"}, "seed": {"type": "integer"},
-            "stop": {"type": "array", "items": {"type": "string"}}, "stream": {"type": "boolean"}}}},
-    ("POST", "/v1/tenants"): {
-        "summary": "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin). "
-                   "Decoder tenants: 'model': 'decoder' with 'corpus' or 'training_text' (and 'adapter': {'rank', 'alpha'})",
-        "body": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string"}, "domain": {"type": "string", "default": "root"},
-            "model": {"enum": ["encoder", "decoder"], "default": "encoder"}, "corpus": {"type": "string"},
-            "training_text": {"type": "array", "items": {"type": "string"}},
-            "task": {"type": "object", "properties": {"type": {"enum": ["classification", "tagging"]},
-                                                      "labels": {"type": "array", "items": {"type": "string"}},
-                                                      "pooling": {"enum": ["cls", "mean"], "default": "cls"}}},
-            "adapter": {"type": "object", "properties": {"kind": {"enum": ["bottleneck", "lora", "ia3"]},
-                                                         "reduction_factor": {"type": "integer"},
-                                                         "rank": {"type": "integer"}, "alpha": {"type": "number"}}},
-            "training_data": TRAINING, "dataset": {"type": "string"}, "max_train": {"type": "integer"},
-            "epochs": {"type": "integer"}}}},
-    ("GET", "/v1/tenants"): {"summary": "List tenants (admin)"},
-    ("GET", "/v1/tenants/{tenant}"): {"summary": "A tenant's state, spec and metrics (owner or admin)"},
-    ("POST", "/v1/tenants/{tenant}/update"): {
-        "summary": "Continue training on more data: a job (owner or admin)",
-        "body": {"type": "object", "properties": {"training_data": TRAINING, "dataset": {"type": "string"},
-                                                  "max_train": {"type": "integer"}, "epochs": {"type": "integer"}}}},
-    ("DELETE", "/v1/tenants/{tenant}"): {"summary": "Delete the hPLM and its adapters (owner or admin)"},
-    ("POST", "/v1/domains"): {
-        "summary": "Create a domain branch: further pretraining + pruned PLOT, a job (admin). JSON or multipart "
-                   "(file field 'corpus')",
-        "body": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string"}, "parent": {"type": "string", "default": "root"},
-            "alpha": {"type": "number", "default": 0.5}, "corpus": {"type": "array", "items": {"type": "string"}},
-            "corpus_name": {"type": "string"}, "max_lines": {"type": "integer"}, "steps": {"type": "integer"}}}},
-    ("POST", "/v1/domains/{name}/update"): {
-        "summary": "Continue further pretraining on more corpus and refresh the branch's PLOT: a job (admin)",
-        "body": {"type": "object", "properties": {"corpus": {"type": "array", "items": {"type": "string"}},
-                                                  "corpus_name": {"type": "string"}, "steps": {"type": "integer"}}}},
-    ("DELETE", "/v1/domains/{name}"): {"summary": "Delete a domain branch no tenant uses (admin)"},
-    ("GET", "/v1/domains"): {"summary": "The domain version tree with PLOT sizes (admin)"},
-    ("GET", "/v1/domains/{name}"): {"summary": "One domain (admin)"},
-    ("GET", "/v1/jobs"): {"summary": "All jobs (admin)"},
-    ("GET", "/v1/jobs/{job}"): {"summary": "A job's state, progress and metrics (owner or admin)"},
-    ("DELETE", "/v1/jobs/{job}"): {"summary": "Cancel a queued or running job (owner or admin)"},
-    ("GET", "/healthz"): {"summary": "Liveness", "public": True},
-    ("GET", "/metrics"): {"summary": "Prometheus metrics", "public": True},
-    ("GET", "/openapi.json"): {"summary": "This document", "public": True},
+from hmi.names import NAME_PATTERN
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["code", "message"],
+    "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}}
+
+# (method, path) -> (summary, body models (any of), public)
+ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
+    ("POST", "/v1/tenants/{tenant}/infer"): ("Run the tenant's hPLM on texts (tenant or admin token)", ("InferBody",), False),
+    ("POST", "/v1/tenants/{tenant}/generate"): (
+        "Generate text with a decoder tenant (hGPT); 'stream': true answers NDJSON lines as tokens come",
+        ("GenerateBody",), False),
+    ("POST", "/v1/completions"): (
+        "OpenAI-style text completion; 'model' names the decoder tenant; 'stream' answers server-sent events",
+        ("CompletionBody",), False),
+    ("POST", "/v1/tenants"): (
+        "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin). Decoder tenants: "
+        "'model': 'decoder' with 'corpus' or 'training_text'", ("EncoderTenant", "DecoderTenant"), False),
+    ("GET", "/v1/tenants"): ("List tenants (admin)", (), False),
+    ("GET", "/v1/tenants/{tenant}"): ("A tenant's state, spec and metrics (owner or admin)", (), False),
+    ("POST", "/v1/tenants/{tenant}/update"): ("Continue training on more data: a job (owner or admin)",
+                                              ("EncoderUpdate", "DecoderUpdate"), False),
+    ("DELETE", "/v1/tenants/{tenant}"): ("Delete the hPLM and its adapters (owner or admin)", (), False),
+    ("POST", "/v1/domains"): ("Create a domain branch: further pretraining + pruned PLOT, a job (admin). Also accepts "
+                              "multipart/form-data with the corpus as a file field 'corpus'", ("DomainCreate",), False),
+    ("POST", "/v1/domains/{name}/update"): (
+        "Continue further pretraining on more corpus and refresh the branch's PLOT: a job (admin)", ("DomainUpdate",), False),
+    ("DELETE", "/v1/domains/{name}"): ("Delete a domain branch no tenant uses (admin)", (), False),
+    ("GET", "/v1/domains"): ("The domain version tree with PLOT sizes (admin)", (), False),
+    ("GET", "/v1/domains/{name}"): ("One domain (admin)", (), False),
+    ("GET", "/v1/jobs"): ("All jobs (admin)", (), False),
+    ("GET", "/v1/jobs/{job}"): ("A job's state, progress and metrics (owner or admin)", (), False),
+    ("DELETE", "/v1/jobs/{job}"): ("Cancel a queued or running job (owner or admin)", (), False),
+    ("GET", "/healthz"): ("Liveness", (), True),
+    ("GET", "/metrics"): ("Prometheus metrics", (), True),
+    ("GET", "/openapi.json"): ("This document", (), True),
+}
+
+ERRORS = {
+    "400": "the body is not what this document describes (malformed JSON, a field of the wrong type or range, "
+           "an unknown field)",
+    "401": "no token, or not a valid one", "403": "the token may not act on this resource",
+    "404": "no such tenant, domain, job or route", "405": "method not allowed (the Allow header lists the allowed ones)",
+    "409": "conflict: the name exists, or the tenant or domain is busy or not ready",
+    "413": "over a size limit: the body, the number of items, characters, examples, or the model's token limit",
+    "415": "the body is not JSON", "422": "well-formed but inconsistent (e.g. labels of the data missing from "
+                                          "the task's labels, a corpus too small for a domain)",
+    "429": "at capacity: retry after the Retry-After header's seconds",
+    "5XX": "a server-side failure confined to this request (an unreadable adapter, a timeout, shutting down)",
 }
 
 
 def routes_of(app) -> list[tuple[str, str]]:
-    out = []
-    for route in app.router.routes():
-        if route.method in ("HEAD", "OPTIONS"):
-            continue
-        out.append((route.method, route.resource.canonical))
-    return out
+    return [(r.method, r.resource.canonical) for r in app.router.routes() if r.method not in ("HEAD", "OPTIONS")]
 
 
-def openapi_document(app) -> dict:
+def openapi_document(app, models: dict) -> dict:
+    used = sorted({m for _, ms, _ in ROUTE_DOCS.values() for m in ms})
+    refs, defs = models_json_schema([(models[m], "validation") for m in used], ref_template="#/components/schemas/{model}")
+    ref = {m: refs[(models[m], "validation")] for m in used}
     paths: dict = {}
     for method, path in routes_of(app):
-        d = DESCRIPTIONS.get((method, path), {"summary": "undocumented"})
-        op = {"summary": d["summary"], "responses": {
-            "200": {"description": "success"}, "202": {"description": "accepted: a job started"},
-            "4XX": {"description": "client error", "content": {"application/json": {"schema": ERROR}}}}}
-        params = [{"name": seg[1:-1], "in": "path", "required": True, "schema": {"type": "string"}}
+        summary, bodies, public = ROUTE_DOCS.get((method, path), ("undocumented", (), False))
+        responses = {"200": {"description": "success"}, "202": {"description": "accepted: a job started"}}
+        responses.update({code: {"description": text, "content": {"application/json": {"schema": ERROR}}}
+                          for code, text in ERRORS.items()})
+        op = {"summary": summary, "responses": responses}
+        params = [{"name": seg[1:-1], "in": "path", "required": True,
+                   "schema": {"type": "string"} if seg == "{job}" else {"type": "string", "pattern": f"^{NAME_PATTERN}$"}}
                   for seg in path.split("/") if seg.startswith("{")]
         if params:
             op["parameters"] = params
-        if "body" in d:
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": d["body"]}}}
-        if not d.get("public"):
+        if bodies:
+            schema = ref[bodies[0]] if len(bodies) == 1 else {"anyOf": [ref[b] for b in bodies]}
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        if not public:
             op["security"] = [{"bearer": []}]
         paths.setdefault(path, {})[method.lower()] = op
-    return {"openapi": "3.0.3", "info": {"title": "HMI", "version": "0.1.0"}, "paths": paths,
-            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+    return {"openapi": "3.1.0", "info": {"title": "HMI", "version": "0.1.0"}, "paths": paths,
+            "components": {"schemas": defs.get("$defs", {}),
+                           "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}

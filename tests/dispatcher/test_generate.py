@@ -127,14 +127,14 @@ def test_openai_style_completions_answer_and_stream_server_sent_events(gpt):
     ("/v1/tenants/writer/generate", {"prompt": "hi", "bogus": 1}, ADMIN, 400, "unknown_field"),
     ("/v1/tenants/writer/generate", {"prompt": "hi", "stop": "x" * 0}, ADMIN, 400, "bad_stop"),
     ("/v1/tenants/writer/generate", {"prompt": "y" * 300}, ADMIN, 413, "input_too_long"),
-    ("/v1/tenants/classic/generate", {"prompt": "hi"}, ADMIN, 400, "not_a_decoder_tenant"),
+    ("/v1/tenants/classic/generate", {"prompt": "hi"}, ADMIN, 422, "not_a_decoder_tenant"),
     ("/v1/tenants/nobody/generate", {"prompt": "hi"}, ADMIN, 404, "unknown_tenant"),
     ("/v1/completions", {"prompt": "hi"}, ADMIN, 400, "missing_field"),
     ("/v1/completions", {"model": "writer", "prompt": "hi", "n": 2}, ADMIN, 400, "invalid_value"),
     ("/v1/tenants", {"name": "x1", "model": "decoder", "corpus": "nope"}, ADMIN, 400, "unknown_corpus"),
     ("/v1/tenants", {"name": "x2", "model": "decoder", "training_text": []}, ADMIN, 400, "empty_training_data"),
     ("/v1/tenants", {"name": "x4", "model": "decoder"}, ADMIN, 400, "missing_field"),
-    ("/v1/tenants", {"name": "x3", "model": "decoder", "training_text": ["a"], "adapter": {"rank": 16}}, ADMIN, 400,
+    ("/v1/tenants", {"name": "x3", "model": "decoder", "training_text": ["a"], "adapter": {"rank": 16}}, ADMIN, 422,
      "invalid_spec"),
 ])
 def test_bad_generation_requests_get_a_clear_4xx(gpt, path, body, token, status, code):

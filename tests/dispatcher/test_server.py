@@ -8,7 +8,7 @@ import pytest
 
 from hmi.client import ApiError, Client
 from hmi.dispatcher.app import ROUTES, Server, ServerConfig
-from hmi.dispatcher.openapi import DESCRIPTIONS
+from hmi.dispatcher.openapi import ROUTE_DOCS
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
@@ -194,7 +194,7 @@ BAD = [  # (method, path, body, status, code)
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
                              "training_data": {"train": []}}, 400, "empty_training_data"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "xyz"]},
-                             "training_data": {"train": TRAIN}}, 400, "labels_missing"),
+                             "training_data": {"train": TRAIN}}, 422, "labels_missing"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
                              "training_data": {"train": [{"text": "", "label": "pos"}]}}, 400, "invalid_example"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "tagging", "labels": ["N", "V"]},
@@ -213,7 +213,7 @@ BAD = [  # (method, path, body, status, code)
     ("GET", "/v1/jobs/nojob", None, 404, "unknown_job"),
     ("DELETE", "/v1/jobs/nojob", None, 404, "unknown_job"),
     ("GET", "/v1/domains/nowhere", None, 404, "unknown_domain"),
-    ("POST", "/v1/domains", {"name": "d1", "corpus": ["too small"]}, 400, "corpus_too_small"),
+    ("POST", "/v1/domains", {"name": "d1", "corpus": ["too small"]}, 422, "corpus_too_small"),
     ("POST", "/v1/domains", {"name": "d1"}, 400, "missing_field"),
     ("POST", "/v1/domains", {"name": "Bad!", "corpus_name": "legal"}, 400, "invalid_name"),
     ("POST", "/v1/domains", {"name": "d1", "corpus_name": "legal", "alpha": 2}, 400, "invalid_value"),
@@ -249,7 +249,7 @@ def test_openapi_describes_every_route(live):
     got, doc = raw(live["url"], "GET", "/openapi.json", token=None)
     assert got == 200
     for method, path, _ in ROUTES:
-        assert (method, path) in DESCRIPTIONS
+        assert (method, path) in ROUTE_DOCS
         assert method.lower() in doc["paths"][path]
         assert doc["paths"][path][method.lower()]["summary"] != "undocumented"
 

@@ -1,0 +1,272 @@
+"""The request bodies of the HTTP API, declared once.
+
+Handlers validate bodies with these models, and ``/openapi.json`` is generated from the same
+models, so the document and the server agree.  The limits come from the server's configuration.
+
+Status policy: 400 for a body the document does not allow; 413 for a size limit (body bytes,
+items, characters, examples, tokens); 422 for a body the document allows but that is
+inconsistent in ways a schema cannot state (labels of the data missing from the task's labels,
+a corpus too small for a domain, a prompt over the token limit is 413).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from hmi.adapters.spec import HEADS, KINDS, POOLINGS
+from hmi.data import CORPORA, TASKS
+from hmi.dispatcher.validation import ApiError
+from hmi.names import NAME_PATTERN
+
+SEED_LIMIT = 2**63
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits of one server (``ServerConfig``)."""
+
+    max_inputs: int = 64
+    max_input_chars: int = 20_000
+    max_examples: int = 50_000
+    max_labels: int = 32
+    max_new_tokens: int = 1024
+    max_corpus_lines: int = 1_000_000
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+Name = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$", description="1-63 characters a-z, 0-9, '_' or '-'")]
+Text = Annotated[str, Field(pattern=r"\S", description="a text with at least one non-space character")]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+def _exactly_one(*fields: str):
+    """A model check (and its JSON schema) that exactly one of ``fields`` is given."""
+
+    def check(self):
+        given = [f for f in fields if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("missing_field", "give exactly one of {fields}", {"fields": ", ".join(map(repr, fields))})
+        return self
+
+    return model_validator(mode="after")(check), {"oneOf": [{"required": [f]} for f in fields]}
+
+
+def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
+    """The body models of every route, with this server's limits."""
+    TextIn = Annotated[str, Field(pattern=r"\S", max_length=limits.max_input_chars)]
+
+    class InferBody(Body):
+        inputs: list[TextIn] = Field(min_length=1, max_length=limits.max_inputs)
+
+    class Task(Body):
+        type: Literal[HEADS] = "classification"  # type: ignore[valid-type]
+        labels: list[NonEmpty] = Field(min_length=2, max_length=limits.max_labels, json_schema_extra={"uniqueItems": True})
+        pooling: Literal[POOLINGS] | None = None  # type: ignore[valid-type]
+
+    class Adapter(Body):
+        kind: Literal[KINDS] = "bottleneck"  # type: ignore[valid-type]
+        reduction_factor: int | None = Field(None, ge=1, le=4096)
+        rank: int | None = Field(None, ge=1, le=256)
+        alpha: float | None = Field(None, gt=0, le=1e6)
+
+    class TextExample(Body):
+        text: Text
+        label: str
+
+    class TagExample(Body):
+        tokens: list[NonEmpty] = Field(min_length=1)
+        tags: list[str] = Field(min_length=1)
+
+    Examples = list[TextExample | TagExample]
+
+    class TrainingData(Body):
+        train: Examples = Field(min_length=1, max_length=limits.max_examples)
+        dev: Examples = Field([], max_length=limits.max_examples)
+        test: Examples = Field([], max_length=limits.max_examples)
+
+    one_data, one_data_schema = _exactly_one("training_data", "dataset")
+
+    class EncoderTenant(Body):
+        model_config = ConfigDict(json_schema_extra=one_data_schema)
+        name: Name
+        model: Literal["encoder"] = "encoder"
+        domain: Name = "root"
+        task: Task
+        adapter: Adapter = Adapter()
+        training_data: TrainingData | None = None
+        dataset: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
+        max_train: int | None = Field(None, ge=1)
+        epochs: int = Field(4, ge=1, le=50)
+        _one = one_data
+
+    one_text, one_text_schema = _exactly_one("corpus", "training_text")
+
+    class DecoderAdapter(Body):
+        kind: Literal["lora"] = "lora"
+        rank: int | None = Field(None, ge=1, le=256)
+        alpha: float | None = Field(None, gt=0, le=1e6)
+
+    TrainingText = Annotated[list[Text], Field(min_length=1, max_length=limits.max_examples)]
+
+    class DecoderTenant(Body):
+        model_config = ConfigDict(json_schema_extra=one_text_schema)
+        name: Name
+        model: Literal["decoder"]
+        adapter: DecoderAdapter = DecoderAdapter()
+        corpus: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
+        training_text: TrainingText | None = None
+        max_train: int | None = Field(None, ge=1)
+        epochs: int = Field(1, ge=1, le=20)
+        _one = one_text
+
+    class EncoderUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_data_schema)
+        training_data: TrainingData | None = None
+        dataset: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
+        max_train: int | None = Field(None, ge=1)
+        epochs: int = Field(4, ge=1, le=50)
+        _one = one_data
+
+    class DecoderUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_text_schema)
+        corpus: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
+        training_text: TrainingText | None = None
+        max_train: int | None = Field(None, ge=1)
+        epochs: int = Field(1, ge=1, le=20)
+        _one = one_text
+
+    one_corpus, one_corpus_schema = _exactly_one("corpus", "corpus_name")
+    Corpus = Annotated[list[str], Field(min_length=1, max_length=limits.max_corpus_lines,
+                                        description="one document per line")]
+
+    class DomainCreate(Body):
+        model_config = ConfigDict(json_schema_extra={**one_corpus_schema, "not": {"properties": {"name": {"const": "root"}}}})
+        name: Name
+        parent: Name = "root"
+        alpha: float = Field(0.5, ge=0, le=1)
+        corpus: Corpus | None = None
+        corpus_name: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
+        max_lines: int | None = Field(None, ge=1, le=limits.max_corpus_lines)
+        steps: int = Field(150, ge=1, le=5000)
+        _one = one_corpus
+
+    class DomainUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_corpus_schema)
+        corpus: Corpus | None = None
+        corpus_name: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
+        max_lines: int | None = Field(None, ge=1, le=limits.max_corpus_lines)
+        steps: int = Field(150, ge=1, le=5000)
+        _one = one_corpus
+
+    Stop = Annotated[list[NonEmpty], Field(max_length=8)] | NonEmpty
+
+    class Sampling(Body):
+        prompt: Annotated[str, Field(min_length=1, max_length=limits.max_input_chars)]
+        temperature: float = Field(0.0, ge=0, le=10, description="below 0.001: greedy")
+        top_p: float = Field(1.0, gt=0, le=1)
+        seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+        stop: Stop = []
+        stream: bool = False
+
+    class GenerateBody(Sampling):
+        max_new_tokens: int = Field(32, ge=1, le=limits.max_new_tokens)
+
+    class CompletionBody(Sampling):
+        model: Name = Field(description="the decoder tenant")
+        max_tokens: int = Field(32, ge=1, le=limits.max_new_tokens)
+        n: Literal[1] = 1
+        user: str | None = None
+
+    return {m.__name__: m for m in (InferBody, EncoderTenant, DecoderTenant, EncoderUpdate, DecoderUpdate,
+                                    DomainCreate, DomainUpdate, GenerateBody, CompletionBody)}
+
+
+# What a too-long list or a blank item is called, per field.
+_TOO_MANY = {"inputs": "too_many_inputs", "train": "too_many_examples", "dev": "too_many_examples",
+             "test": "too_many_examples", "training_text": "too_many_examples", "corpus": "too_many_lines"}
+_EMPTY = {"inputs": "empty_inputs", "train": "empty_training_data", "training_text": "empty_training_data",
+          "corpus": "empty_corpus"}
+_UNKNOWN = {"dataset": "unknown_dataset", "corpus": "unknown_corpus", "corpus_name": "unknown_corpus"}
+# Out-of-range values of generation fields keep the codes the generation engine uses.
+_BAD_VALUE = {"prompt": "bad_prompt", "max_new_tokens": "bad_max_new_tokens", "max_tokens": "bad_max_new_tokens",
+              "temperature": "bad_temperature", "top_p": "bad_top_p", "seed": "bad_seed", "stop": "bad_stop"}
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part[:1].isupper():  # a branch of a union: TextExample, ...
+            continue
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def api_error(exc: ValidationError) -> ApiError:
+    """The first problem of a ValidationError as the API's error: status, code and a message
+    naming the field."""
+    errors = exc.errors()
+    err = errors[0]
+    if err["type"].endswith("_type"):  # a union: report the branch the value was meant for, not the wrong type
+        err = next((e for e in errors if e["loc"][:1] == err["loc"][:1] and not e["type"].endswith("_type")), err)
+    t, loc = err["type"], tuple(err["loc"])
+    names = [p for p in loc if isinstance(p, str) and not p[:1].isupper()]
+    field, where = (names[-1] if names else ""), _where(loc)
+    in_example = any(p in ("train", "dev", "test") for p in names) and any(isinstance(p, int) for p in loc)
+    if in_example and t not in ("too_long",):
+        return ApiError(400, "invalid_example", f"{where.rsplit('.', 1)[0] if '.' in where else where}: each example "
+                        "needs 'text' (a non-blank string) and 'label' (a string), or 'tokens' and 'tags' "
+                        f"(non-empty lists of strings) ({err['msg']})")
+    if t == "missing":
+        return ApiError(400, "missing_field", f"field {where!r} is required")
+    if t == "extra_forbidden":
+        return ApiError(400, "unknown_field", f"unknown field {where!r}")
+    if t in ("missing_field",):
+        return ApiError(400, t, err["msg"])
+    top = names[0] if names else ""
+    if t in ("missing", "extra_forbidden") or t.endswith("_type"):
+        pass
+    elif top in _BAD_VALUE:
+        return ApiError(400, _BAD_VALUE[top], f"field {where!r}: {err['msg']}")
+    elif field == "labels" and t == "too_long":
+        return ApiError(400, "too_many_labels", f"more than {err['ctx']['max_length']} labels; this server serves "
+                        "heads of at most that many")
+    elif top in ("task", "adapter"):
+        return ApiError(400, "invalid_spec", f"field {where!r}: {err['msg']}")
+    if t in ("too_long", "string_too_long"):
+        if t == "string_too_long":
+            return ApiError(413, "input_too_long", f"{where} is longer than {err['ctx']['max_length']} characters")
+        key = next((p for p in reversed(names) if p in _TOO_MANY), field)
+        return ApiError(413, _TOO_MANY.get(key, "too_many_items"), f"{where} has more than {err['ctx']['max_length']} items")
+    if t == "too_short" and field in _EMPTY:
+        return ApiError(400, _EMPTY[field], f"{where} is empty")
+    if t == "string_pattern_mismatch":
+        if field in ("name", "domain", "parent", "model"):
+            return ApiError(400, "invalid_name", f"invalid name in {where!r}: 1-63 characters a-z, 0-9, '_' or '-', "
+                            "starting with a letter or digit")
+        return ApiError(400, "empty_input", f"{where} is empty or blank")
+    if t.endswith("_type") or t in ("int_from_float", "union_tag_invalid") or t.endswith("_parsing"):
+        return ApiError(400, "invalid_type", f"field {where!r}: {err['msg']}")
+    if t in ("literal_error", "enum"):
+        if field in _UNKNOWN:
+            return ApiError(400, _UNKNOWN[field], f"field {where!r}: {err['msg']}")
+        if names and names[0] in ("task", "adapter"):
+            return ApiError(400, "invalid_spec", f"field {where!r}: {err['msg']}")
+    return ApiError(400, "invalid_value", f"field {where!r}: {err['msg']}")
+
+
+def parse(model: type[BaseModel], body: dict) -> BaseModel:
+    """Validates a JSON body with a model; raises the ApiError of its first problem."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise api_error(exc) from None
