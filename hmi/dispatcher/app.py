@@ -492,7 +492,10 @@ async def _corpus_body(request: web.Request) -> dict:
     other fields as text, as the dict the domain models validate."""
     if not request.content_type.startswith("multipart/"):
         return await json_body(request)
-    form = await request.post()
+    try:
+        form = await request.post()
+    except ValueError as exc:  # no boundary, or a malformed part
+        raise ApiError(400, "malformed_multipart", f"the multipart body cannot be read: {exc}") from None
     body = {}
     for k, v in form.items():
         if k == "corpus" and hasattr(v, "file"):

@@ -279,6 +279,8 @@ class JobManager:
             if item is None:
                 return
             job, data = item
+            if self._closed:  # left queued: the next start's recovery marks it failed
+                continue
             try:
                 state, info = self._run_one(job, data)
             except Exception as exc:  # noqa: BLE001 - supervised: the job fails, the thread goes on
@@ -348,9 +350,11 @@ class JobManager:
     def running(self) -> int:
         return len(self._procs)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancels running jobs, starts no queued one, and returns once every job thread has
+        recorded its job's end (so the registry may be closed after this)."""
         self._closed = True
-        for ev in self._cancel.values():
+        for ev in list(self._cancel.values()):
             ev.set()
         for _ in self._threads:
             self._queue.put(None)
@@ -358,3 +362,5 @@ class JobManager:
             p.join(10)
             if p.is_alive():
                 p.kill()
+        for t in self._threads:
+            t.join(timeout)

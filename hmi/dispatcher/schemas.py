@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hmi.adapters.spec import HEADS, KINDS, POOLINGS
@@ -39,6 +39,23 @@ class Limits:
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _integral(v):
+    """JSON Schema counts 3.0 as an integer: such floats are taken as ints (strings and bools are not)."""
+    return int(v) if isinstance(v, float) and v.is_integer() and abs(v) < 2**63 else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+
+
+def _no_default(schema: dict) -> None:
+    schema.pop("default", None)
+
+
+def Absent(**kw):  # noqa: N802 - reads as a type in the models
+    """An optional field that may be left out but not sent as null (the document says so)."""
+    return Field(None, json_schema_extra=_no_default, **kw)
 
 
 Name = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$", description="1-63 characters a-z, 0-9, '_' or '-'")]
@@ -68,13 +85,13 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
     class Task(Body):
         type: Literal[HEADS] = "classification"  # type: ignore[valid-type]
         labels: list[NonEmpty] = Field(min_length=2, max_length=limits.max_labels, json_schema_extra={"uniqueItems": True})
-        pooling: Literal[POOLINGS] | None = None  # type: ignore[valid-type]
+        pooling: Literal[POOLINGS] = Absent()  # type: ignore[valid-type]
 
     class Adapter(Body):
         kind: Literal[KINDS] = "bottleneck"  # type: ignore[valid-type]
-        reduction_factor: int | None = Field(None, ge=1, le=4096)
-        rank: int | None = Field(None, ge=1, le=256)
-        alpha: float | None = Field(None, gt=0, le=1e6)
+        reduction_factor: Int = Absent(ge=1, le=4096)
+        rank: Int = Absent(ge=1, le=256)
+        alpha: float = Absent(gt=0, le=1e6)
 
     class TextExample(Body):
         text: Text
@@ -100,18 +117,18 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         domain: Name = "root"
         task: Task
         adapter: Adapter = Adapter()
-        training_data: TrainingData | None = None
-        dataset: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
-        max_train: int | None = Field(None, ge=1)
-        epochs: int = Field(4, ge=1, le=50)
+        training_data: TrainingData = Absent()
+        dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(4, ge=1, le=50)
         _one = one_data
 
     one_text, one_text_schema = _exactly_one("corpus", "training_text")
 
     class DecoderAdapter(Body):
         kind: Literal["lora"] = "lora"
-        rank: int | None = Field(None, ge=1, le=256)
-        alpha: float | None = Field(None, gt=0, le=1e6)
+        rank: Int = Absent(ge=1, le=256)
+        alpha: float = Absent(gt=0, le=1e6)
 
     TrainingText = Annotated[list[Text], Field(min_length=1, max_length=limits.max_examples)]
 
@@ -120,26 +137,26 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         name: Name
         model: Literal["decoder"]
         adapter: DecoderAdapter = DecoderAdapter()
-        corpus: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
-        training_text: TrainingText | None = None
-        max_train: int | None = Field(None, ge=1)
-        epochs: int = Field(1, ge=1, le=20)
+        corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        training_text: TrainingText = Absent()
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(1, ge=1, le=20)
         _one = one_text
 
     class EncoderUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_data_schema)
-        training_data: TrainingData | None = None
-        dataset: Literal[tuple(TASKS)] | None = None  # type: ignore[valid-type]
-        max_train: int | None = Field(None, ge=1)
-        epochs: int = Field(4, ge=1, le=50)
+        training_data: TrainingData = Absent()
+        dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(4, ge=1, le=50)
         _one = one_data
 
     class DecoderUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_text_schema)
-        corpus: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
-        training_text: TrainingText | None = None
-        max_train: int | None = Field(None, ge=1)
-        epochs: int = Field(1, ge=1, le=20)
+        corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        training_text: TrainingText = Absent()
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(1, ge=1, le=20)
         _one = one_text
 
     one_corpus, one_corpus_schema = _exactly_one("corpus", "corpus_name")
@@ -151,18 +168,18 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         name: Name
         parent: Name = "root"
         alpha: float = Field(0.5, ge=0, le=1)
-        corpus: Corpus | None = None
-        corpus_name: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
-        max_lines: int | None = Field(None, ge=1, le=limits.max_corpus_lines)
-        steps: int = Field(150, ge=1, le=5000)
+        corpus: Corpus = Absent()
+        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        max_lines: Int = Absent(ge=1, le=limits.max_corpus_lines)
+        steps: Int = Field(150, ge=1, le=5000)
         _one = one_corpus
 
     class DomainUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_corpus_schema)
-        corpus: Corpus | None = None
-        corpus_name: Literal[tuple(CORPORA)] | None = None  # type: ignore[valid-type]
-        max_lines: int | None = Field(None, ge=1, le=limits.max_corpus_lines)
-        steps: int = Field(150, ge=1, le=5000)
+        corpus: Corpus = Absent()
+        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        max_lines: Int = Absent(ge=1, le=limits.max_corpus_lines)
+        steps: Int = Field(150, ge=1, le=5000)
         _one = one_corpus
 
     Stop = Annotated[list[NonEmpty], Field(max_length=8)] | NonEmpty
@@ -171,18 +188,18 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         prompt: Annotated[str, Field(min_length=1, max_length=limits.max_input_chars)]
         temperature: float = Field(0.0, ge=0, le=10, description="below 0.001: greedy")
         top_p: float = Field(1.0, gt=0, le=1)
-        seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+        seed: Int = Absent(ge=0, lt=SEED_LIMIT)
         stop: Stop = []
         stream: bool = False
 
     class GenerateBody(Sampling):
-        max_new_tokens: int = Field(32, ge=1, le=limits.max_new_tokens)
+        max_new_tokens: Int = Field(32, ge=1, le=limits.max_new_tokens)
 
     class CompletionBody(Sampling):
         model: Name = Field(description="the decoder tenant")
-        max_tokens: int = Field(32, ge=1, le=limits.max_new_tokens)
+        max_tokens: Int = Field(32, ge=1, le=limits.max_new_tokens)
         n: Literal[1] = 1
-        user: str | None = None
+        user: str = Absent()
 
     return {m.__name__: m for m in (InferBody, EncoderTenant, DecoderTenant, EncoderUpdate, DecoderUpdate,
                                     DomainCreate, DomainUpdate, GenerateBody, CompletionBody)}
