@@ -23,7 +23,7 @@ from hmi.dispatcher.jobs import JobManager, WorkerContext, new_job_id
 from hmi.dispatcher.metrics import Metrics
 from hmi.dispatcher.openapi import openapi_document
 from hmi.dispatcher.registry import Registry
-from hmi.dispatcher.schemas import Limits, api_error, build_models, parse
+from hmi.dispatcher.schemas import api_error, build_models, parse
 from hmi.dispatcher.validation import ApiError, check_rows, error_response, json_body
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
@@ -86,7 +86,7 @@ class Server:
                                                    max_labels=cfg.max_labels, device=str(self.device)))
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe)
-        self.models = build_models(Limits(cfg.max_inputs, cfg.max_input_chars, cfg.max_examples, cfg.max_labels))
+        self.models = build_models(cfg)
         self.admin_token, self.admin_token_new = admin_token(home)
         root.bert.share_memory()
         root.windowed.share_memory()

@@ -11,7 +11,6 @@ a corpus too small for a domain, a prompt over the token limit is 413).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -23,18 +22,8 @@ from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
 
 SEED_LIMIT = 2**63
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Size limits of one server (``ServerConfig``)."""
-
-    max_inputs: int = 64
-    max_input_chars: int = 20_000
-    max_examples: int = 50_000
-    max_labels: int = 32
-    max_new_tokens: int = 1024
-    max_corpus_lines: int = 1_000_000
+MAX_NEW_TOKENS = 1024
+MAX_CORPUS_LINES = 1_000_000
 
 
 class Body(BaseModel):
@@ -63,20 +52,21 @@ Text = Annotated[str, Field(pattern=r"\S", description="a text with at least one
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 
-def _exactly_one(*fields: str):
-    """A model check (and its JSON schema) that exactly one of ``fields`` is given."""
-
-    def check(self):
-        given = [f for f in fields if getattr(self, f) is not None]
-        if len(given) != 1:
-            raise PydanticCustomError("missing_field", "give exactly one of {fields}", {"fields": ", ".join(map(repr, fields))})
-        return self
-
-    return model_validator(mode="after")(check), {"oneOf": [{"required": [f]} for f in fields]}
+def one_of(*fields: str) -> dict:
+    """The JSON schema of "exactly one of these fields"."""
+    return {"oneOf": [{"required": [f]} for f in fields]}
 
 
-def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
-    """The body models of every route, with this server's limits."""
+def exactly_one(model: BaseModel, *fields: str) -> BaseModel:
+    """Checks a validated model against ``one_of(*fields)`` (fields left out are None)."""
+    if sum(getattr(model, f) is not None for f in fields) != 1:
+        raise PydanticCustomError("missing_field", "give exactly one of {fields}", {"fields": ", ".join(map(repr, fields))})
+    return model
+
+
+def build_models(limits) -> dict[str, type[BaseModel]]:
+    """The body models of every route, with the limits of ``limits`` (a ServerConfig: max_inputs,
+    max_input_chars, max_examples, max_labels)."""
     TextIn = Annotated[str, Field(pattern=r"\S", max_length=limits.max_input_chars)]
 
     class InferBody(Body):
@@ -108,79 +98,62 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         dev: Examples = Field([], max_length=limits.max_examples)
         test: Examples = Field([], max_length=limits.max_examples)
 
-    one_data, one_data_schema = _exactly_one("training_data", "dataset")
+    class EncoderUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_of("training_data", "dataset"))
+        training_data: TrainingData = Absent()
+        dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(4, ge=1, le=50)
 
-    class EncoderTenant(Body):
-        model_config = ConfigDict(json_schema_extra=one_data_schema)
+        @model_validator(mode="after")
+        def _one_source(self):
+            return exactly_one(self, "training_data", "dataset")
+
+    class EncoderTenant(EncoderUpdate):
         name: Name
         model: Literal["encoder"] = "encoder"
         domain: Name = "root"
         task: Task
         adapter: Adapter = Adapter()
-        training_data: TrainingData = Absent()
-        dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
-        max_train: Int = Absent(ge=1)
-        epochs: Int = Field(4, ge=1, le=50)
-        _one = one_data
-
-    one_text, one_text_schema = _exactly_one("corpus", "training_text")
 
     class DecoderAdapter(Body):
         kind: Literal["lora"] = "lora"
         rank: Int = Absent(ge=1, le=256)
         alpha: float = Absent(gt=0, le=1e6)
 
-    TrainingText = Annotated[list[Text], Field(min_length=1, max_length=limits.max_examples)]
+    class DecoderUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_of("corpus", "training_text"))
+        corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        training_text: Annotated[list[Text], Field(min_length=1, max_length=limits.max_examples)] = Absent()
+        max_train: Int = Absent(ge=1)
+        epochs: Int = Field(1, ge=1, le=20)
 
-    class DecoderTenant(Body):
-        model_config = ConfigDict(json_schema_extra=one_text_schema)
+        @model_validator(mode="after")
+        def _one_source(self):
+            return exactly_one(self, "corpus", "training_text")
+
+    class DecoderTenant(DecoderUpdate):
         name: Name
         model: Literal["decoder"]
         adapter: DecoderAdapter = DecoderAdapter()
-        corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
-        training_text: TrainingText = Absent()
-        max_train: Int = Absent(ge=1)
-        epochs: Int = Field(1, ge=1, le=20)
-        _one = one_text
 
-    class EncoderUpdate(Body):
-        model_config = ConfigDict(json_schema_extra=one_data_schema)
-        training_data: TrainingData = Absent()
-        dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
-        max_train: Int = Absent(ge=1)
-        epochs: Int = Field(4, ge=1, le=50)
-        _one = one_data
+    class DomainUpdate(Body):
+        model_config = ConfigDict(json_schema_extra=one_of("corpus", "corpus_name"))
+        corpus: Annotated[list[str], Field(min_length=1, max_length=MAX_CORPUS_LINES, description="one document per line")] = Absent()
+        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+        max_lines: Int = Absent(ge=1, le=MAX_CORPUS_LINES)
+        steps: Int = Field(150, ge=1, le=5000)
 
-    class DecoderUpdate(Body):
-        model_config = ConfigDict(json_schema_extra=one_text_schema)
-        corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
-        training_text: TrainingText = Absent()
-        max_train: Int = Absent(ge=1)
-        epochs: Int = Field(1, ge=1, le=20)
-        _one = one_text
+        @model_validator(mode="after")
+        def _one_source(self):
+            return exactly_one(self, "corpus", "corpus_name")
 
-    one_corpus, one_corpus_schema = _exactly_one("corpus", "corpus_name")
-    Corpus = Annotated[list[str], Field(min_length=1, max_length=limits.max_corpus_lines,
-                                        description="one document per line")]
-
-    class DomainCreate(Body):
-        model_config = ConfigDict(json_schema_extra={**one_corpus_schema, "not": {"properties": {"name": {"const": "root"}}}})
+    class DomainCreate(DomainUpdate):
+        model_config = ConfigDict(json_schema_extra={**one_of("corpus", "corpus_name"),
+                                                     "not": {"properties": {"name": {"const": "root"}}}})
         name: Name
         parent: Name = "root"
         alpha: float = Field(0.5, ge=0, le=1)
-        corpus: Corpus = Absent()
-        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
-        max_lines: Int = Absent(ge=1, le=limits.max_corpus_lines)
-        steps: Int = Field(150, ge=1, le=5000)
-        _one = one_corpus
-
-    class DomainUpdate(Body):
-        model_config = ConfigDict(json_schema_extra=one_corpus_schema)
-        corpus: Corpus = Absent()
-        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
-        max_lines: Int = Absent(ge=1, le=limits.max_corpus_lines)
-        steps: Int = Field(150, ge=1, le=5000)
-        _one = one_corpus
 
     Stop = Annotated[list[NonEmpty], Field(max_length=8)] | NonEmpty
 
@@ -193,11 +166,11 @@ def build_models(limits: Limits) -> dict[str, type[BaseModel]]:
         stream: bool = False
 
     class GenerateBody(Sampling):
-        max_new_tokens: Int = Field(32, ge=1, le=limits.max_new_tokens)
+        max_new_tokens: Int = Field(32, ge=1, le=MAX_NEW_TOKENS)
 
     class CompletionBody(Sampling):
         model: Name = Field(description="the decoder tenant")
-        max_tokens: Int = Field(32, ge=1, le=limits.max_new_tokens)
+        max_tokens: Int = Field(32, ge=1, le=MAX_NEW_TOKENS)
         n: Literal[1] = 1
         user: str = Absent()
 
