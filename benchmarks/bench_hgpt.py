@@ -141,7 +141,7 @@ def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--model-files", type=int, default=None,
                                                      help="real dedicated model files (default 100; 12 with --quick)"))
     from hmi.adapters.store import AdapterStore, weights_bytes
-    from hmi.cli import held_out_texts
+    from hmi.data import held_out_texts
     from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
     from hmi.hgpt.engine import EngineConfig
     from hmi.hgpt.lora import LoraSpec, attach, from_library, library_copy

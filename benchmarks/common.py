@@ -25,9 +25,9 @@ def start(doc: str, extra=None):
         extra(ap)
     args = ap.parse_args()
     from hmi.allocator import tune_allocator
-    from hmi.cli import _quiet_transformers, ensure_data
+    from hmi.bootstrap import ensure_data, quiet_transformers
 
-    _quiet_transformers()
+    quiet_transformers()
     tune_allocator()  # as the server runs
     ensure_data()
     return args

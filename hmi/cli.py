@@ -8,30 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-
-def _quiet_transformers() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import logging as std_logging
-
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    # The adapters library warns on every forward of a model that holds inactive adapters.
-    std_logging.getLogger("adapters").setLevel(std_logging.ERROR)
-
-
-def held_out_texts(n: int = 256) -> list[str]:
-    """Real text never used for calibration: test texts of the four text tasks, in turn."""
-    from hmi.data import load_task
-
-    per = [load_task(t, "test", n) for t in ("news-topic", "review-sentiment", "tweet-sentiment", "license-category")]
-    out = []
-    for i in range(n):
-        for rows in per:
-            if i < len(rows) and len(out) < n:
-                out.append(rows[i]["text"])
-    return out
+from hmi.bootstrap import calibrate_default, ensure_data, prepare_default
+from hmi.bootstrap import quiet_transformers as _quiet_transformers
+from hmi.data import held_out_texts
 
 
 def cmd_data_prepare(args) -> int:
@@ -45,14 +24,6 @@ def cmd_data_prepare(args) -> int:
     for name, s in stats["corpora"].items():
         print(f"corpus {name:12s} lines={s['lines']:7d} chars={s['chars']:9d}")
     return 0
-
-
-def ensure_data() -> None:
-    from hmi.data import data_dir
-    from hmi.data.prepare import prepare
-
-    if not (data_dir() / "stats.json").exists():
-        prepare(data_dir())
 
 
 def cmd_calibrate_decoder(args) -> int:
@@ -77,19 +48,12 @@ def cmd_calibrate(args) -> int:
     _quiet_transformers()
     import torch
 
-    from hmi.data import load_corpus
-    from hmi.model.artifact import uncalibrated_root
-    from hmi.model.calibrate import CalibrationConfig, calibrate
-    from hmi.model.root import default_spec
-
     if args.threads:
         torch.set_num_threads(args.threads)
     ensure_data()
     if args.decoder:
         return cmd_calibrate_decoder(args)
-    cfg = CalibrationConfig(seed=args.seed, backoff=args.backoff, **given)
-    root = uncalibrated_root(default_spec(args.l_low or 3))
-    artifact_id, meta = calibrate(root, load_corpus("general"), held_out_texts(args.eval_texts), cfg)
+    artifact_id, meta = calibrate_default(args.l_low or 3, args.seed, args.backoff, args.eval_texts, **given)
     print(f"root artifact {artifact_id}")
     print_quality(meta)
     return 0
@@ -214,7 +178,6 @@ def cmd_plot_stats(args) -> int:
 def cmd_prepare(args) -> int:
     """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
     _quiet_transformers()
-    from hmi.dispatcher.serve import prepare_default
     from hmi.home import hmi_home
 
     root = prepare_default(hmi_home())
@@ -227,7 +190,6 @@ def cmd_demo(args) -> int:
     _quiet_transformers()
     import torch
 
-    from hmi.dispatcher.serve import prepare_default
     from hmi.home import hmi_home
     from hmi.plot.default import open_root_version
     from hmi.plot.lookup import PlotLookup

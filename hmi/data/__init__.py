@@ -71,3 +71,14 @@ def load_corpus(name: str, max_lines: int | None = None) -> list[str]:
                 if max_lines is not None and len(out) >= max_lines:
                     break
     return out
+
+
+def held_out_texts(n: int = 256) -> list[str]:
+    """Real text never used for calibration: test texts of the four text tasks, in turn."""
+    per = [load_task(t, "test", n) for t in ("news-topic", "review-sentiment", "tweet-sentiment", "license-category")]
+    out = []
+    for i in range(n):
+        for rows in per:
+            if i < len(rows) and len(out) < n:
+                out.append(rows[i]["text"])
+    return out

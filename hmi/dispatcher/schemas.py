@@ -64,32 +64,54 @@ def exactly_one(model: BaseModel, *fields: str) -> BaseModel:
     return model
 
 
-def build_models(limits) -> dict[str, type[BaseModel]]:
-    """The body models of every route, with the limits of ``limits`` (a ServerConfig: max_inputs,
-    max_input_chars, max_examples, max_labels)."""
-    TextIn = Annotated[str, Field(pattern=r"\S", max_length=limits.max_input_chars)]
+class Adapter(Body):
+    kind: Literal[KINDS] = "bottleneck"  # type: ignore[valid-type]
+    reduction_factor: Int = Absent(ge=1, le=4096)
+    rank: Int = Absent(ge=1, le=256)
+    alpha: float = Absent(gt=0, le=1e6)
 
-    class InferBody(Body):
-        inputs: list[TextIn] = Field(min_length=1, max_length=limits.max_inputs)
 
+class DecoderAdapter(Body):
+    kind: Literal["lora"] = "lora"
+    rank: Int = Absent(ge=1, le=256)
+    alpha: float = Absent(gt=0, le=1e6)
+
+
+class TextExample(Body):
+    text: Text
+    label: str
+
+
+class TagExample(Body):
+    tokens: list[NonEmpty] = Field(min_length=1)
+    tags: list[str] = Field(min_length=1)
+
+
+class DomainUpdate(Body):
+    model_config = ConfigDict(json_schema_extra=one_of("corpus", "corpus_name"))
+    corpus: Annotated[list[str], Field(min_length=1, max_length=MAX_CORPUS_LINES, description="one document per line")] = Absent()
+    corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
+    max_lines: Int = Absent(ge=1, le=MAX_CORPUS_LINES)
+    steps: Int = Field(150, ge=1, le=5000)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        return exactly_one(self, "corpus", "corpus_name")
+
+
+class DomainCreate(DomainUpdate):
+    model_config = ConfigDict(json_schema_extra={**one_of("corpus", "corpus_name"),
+                                                 "not": {"properties": {"name": {"const": "root"}}}})
+    name: Name
+    parent: Name = "root"
+    alpha: float = Field(0.5, ge=0, le=1)
+
+
+def _encoder_models(limits) -> list[type[BaseModel]]:
     class Task(Body):
         type: Literal[HEADS] = "classification"  # type: ignore[valid-type]
         labels: list[NonEmpty] = Field(min_length=2, max_length=limits.max_labels, json_schema_extra={"uniqueItems": True})
         pooling: Literal[POOLINGS] = Absent()  # type: ignore[valid-type]
-
-    class Adapter(Body):
-        kind: Literal[KINDS] = "bottleneck"  # type: ignore[valid-type]
-        reduction_factor: Int = Absent(ge=1, le=4096)
-        rank: Int = Absent(ge=1, le=256)
-        alpha: float = Absent(gt=0, le=1e6)
-
-    class TextExample(Body):
-        text: Text
-        label: str
-
-    class TagExample(Body):
-        tokens: list[NonEmpty] = Field(min_length=1)
-        tags: list[str] = Field(min_length=1)
 
     Examples = list[TextExample | TagExample]
 
@@ -116,11 +138,10 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
         task: Task
         adapter: Adapter = Adapter()
 
-    class DecoderAdapter(Body):
-        kind: Literal["lora"] = "lora"
-        rank: Int = Absent(ge=1, le=256)
-        alpha: float = Absent(gt=0, le=1e6)
+    return [EncoderUpdate, EncoderTenant]
 
+
+def _decoder_models(limits) -> list[type[BaseModel]]:
     class DecoderUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_of("corpus", "training_text"))
         corpus: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
@@ -137,32 +158,12 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
         model: Literal["decoder"]
         adapter: DecoderAdapter = DecoderAdapter()
 
-    class DomainUpdate(Body):
-        model_config = ConfigDict(json_schema_extra=one_of("corpus", "corpus_name"))
-        corpus: Annotated[list[str], Field(min_length=1, max_length=MAX_CORPUS_LINES, description="one document per line")] = Absent()
-        corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
-        max_lines: Int = Absent(ge=1, le=MAX_CORPUS_LINES)
-        steps: Int = Field(150, ge=1, le=5000)
-
-        @model_validator(mode="after")
-        def _one_source(self):
-            return exactly_one(self, "corpus", "corpus_name")
-
-    class DomainCreate(DomainUpdate):
-        model_config = ConfigDict(json_schema_extra={**one_of("corpus", "corpus_name"),
-                                                     "not": {"properties": {"name": {"const": "root"}}}})
-        name: Name
-        parent: Name = "root"
-        alpha: float = Field(0.5, ge=0, le=1)
-
-    Stop = Annotated[list[NonEmpty], Field(max_length=8)] | NonEmpty
-
     class Sampling(Body):
         prompt: Annotated[str, Field(min_length=1, max_length=limits.max_input_chars)]
         temperature: float = Field(0.0, ge=0, le=10, description="below 0.001: greedy")
         top_p: float = Field(1.0, gt=0, le=1)
         seed: Int = Absent(ge=0, lt=SEED_LIMIT)
-        stop: Stop = []
+        stop: Annotated[list[NonEmpty], Field(max_length=8)] | NonEmpty = []
         stream: bool = False
 
     class GenerateBody(Sampling):
@@ -174,8 +175,19 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
         n: Literal[1] = 1
         user: str = Absent()
 
-    return {m.__name__: m for m in (InferBody, EncoderTenant, DecoderTenant, EncoderUpdate, DecoderUpdate,
-                                    DomainCreate, DomainUpdate, GenerateBody, CompletionBody)}
+    return [DecoderUpdate, DecoderTenant, GenerateBody, CompletionBody]
+
+
+def build_models(limits) -> dict[str, type[BaseModel]]:
+    """The body models of every route, with the limits of ``limits`` (a ServerConfig: max_inputs,
+    max_input_chars, max_examples, max_labels), by class name."""
+
+    class InferBody(Body):
+        inputs: list[Annotated[str, Field(pattern=r"\S", max_length=limits.max_input_chars)]] = Field(
+            min_length=1, max_length=limits.max_inputs)
+
+    models = [InferBody, DomainUpdate, DomainCreate, *_encoder_models(limits), *_decoder_models(limits)]
+    return {m.__name__: m for m in models}
 
 
 # What a too-long list or a blank item is called, per field.

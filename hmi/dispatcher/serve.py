@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from hmi.bootstrap import prepare_default
 from hmi.dispatcher.app import Server, ServerConfig, make_app
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
@@ -71,23 +72,6 @@ def enable_hgpt(server: Server, home: Path) -> None:
 
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
     server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))
-
-
-def prepare_default(home: Path):
-    """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
-    from hmi.cli import build_parser, cmd_calibrate, ensure_data
-    from hmi.model.artifact import current_artifact_id, load_root
-    from hmi.plot.default import ensure_root_plot
-
-    ensure_data()
-    if current_artifact_id(home) is None:
-        print("calibrating the root model (first start only, 15 to 30 minutes on 2 cores)")
-        cmd_calibrate(build_parser().parse_args(["calibrate"]))
-    root = load_root(home=home)
-    summary = ensure_root_plot(root, home=home)
-    if not summary.get("up_to_date"):
-        print(f"root PLOT ready: {summary['entries']} entries")
-    return root
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False) -> int:

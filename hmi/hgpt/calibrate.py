@@ -102,8 +102,7 @@ def load_calibrated_decoder(home: Path) -> DecoderRoot | None:
 
 def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True) -> tuple[DecoderRoot, dict]:
     """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save."""
-    from hmi.cli import held_out_texts
-    from hmi.data import load_corpus
+    from hmi.data import held_out_texts, load_corpus
 
     root = load_decoder(l_low=l_low)
     texts = held_out_texts(cfg.eval_texts)

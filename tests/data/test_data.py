@@ -21,7 +21,7 @@ from hmi.data.prepare import dedupe, stratified_split
 
 @pytest.fixture(scope="session")
 def prepared():
-    from hmi.cli import ensure_data
+    from hmi.bootstrap import ensure_data
 
     ensure_data()
     return data_dir()

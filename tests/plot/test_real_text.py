@@ -9,7 +9,7 @@ from hmi.plot.store import PlotMeta, PlotStore
 
 
 def test_lookup_merge_equals_windowed_computation_on_real_text(real_root, tmp_path):
-    from hmi.cli import ensure_data
+    from hmi.bootstrap import ensure_data
     from hmi.data import load_task
 
     ensure_data()

@@ -1,0 +1,59 @@
+"""The embedded default made ready: prepared data, a calibrated root and its root PLOT, each only
+when missing.  Used by ``hmi serve``, ``hmi prepare``, ``hmi demo`` and the benchmarks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+
+def quiet_transformers() -> None:
+    """Offline, and without the libraries' per-call warnings."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    # The adapters library warns on every forward of a model that holds inactive adapters.
+    logging.getLogger("adapters").setLevel(logging.ERROR)
+
+
+def ensure_data() -> None:
+    """Fetches and prepares the tasks and corpora unless they are prepared already."""
+    from hmi.data import data_dir
+    from hmi.data.prepare import prepare
+
+    if not (data_dir() / "stats.json").exists():
+        prepare(data_dir())
+
+
+def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_texts: int = 256,
+                      home: Path | None = None, **config) -> tuple[str, dict]:
+    """Calibrates the packaged root's windowed lower layers on the general corpus (resumable);
+    ``config`` overrides CalibrationConfig's defaults. Returns (artifact id, its metadata)."""
+    from hmi.data import held_out_texts, load_corpus
+    from hmi.model.artifact import uncalibrated_root
+    from hmi.model.calibrate import CalibrationConfig, calibrate
+    from hmi.model.root import default_spec
+
+    ensure_data()
+    cfg = CalibrationConfig(seed=seed, backoff=backoff, **config)
+    root = uncalibrated_root(default_spec(l_low))
+    return calibrate(root, load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
+
+
+def prepare_default(home: Path):
+    """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
+    from hmi.model.artifact import current_artifact_id, load_root
+    from hmi.plot.default import ensure_root_plot
+
+    ensure_data()
+    if current_artifact_id(home) is None:
+        print("calibrating the root model (first start only, 15 to 30 minutes on 2 cores)")
+        calibrate_default(home=home)
+    root = load_root(home=home)
+    summary = ensure_root_plot(root, home=home)
+    if not summary.get("up_to_date"):
+        print(f"root PLOT ready: {summary['entries']} entries")
+    return root
