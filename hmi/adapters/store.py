@@ -180,9 +180,11 @@ class AdapterStore:
     def spec(self, tenant: str) -> AdapterSpec:
         return AdapterSpec.from_dict(self.info(tenant)["spec"])
 
-    def load(self, tenant: str) -> dict[str, torch.Tensor]:
+    def load(self, tenant: str, check=None) -> dict[str, torch.Tensor]:
         """A tenant's weights (stored dtype, fp16 by default) from the host cache, or from disk into
-        the cache.  The pool casts them to its compute dtype when it copies them in."""
+        the cache.  The pool casts them to its compute dtype when it copies them in.  ``check(weights)``,
+        when given, runs on what is read from disk before it is cached (weights it refuses by
+        raising are not cached)."""
         with self._lock:
             w = self._cache.get(tenant)
             if w is not None:
@@ -193,6 +195,8 @@ class AdapterStore:
         if cur is None or not (cur / WEIGHTS).exists():
             raise TenantMissingError(tenant)
         w = load_file(str(cur / WEIGHTS))
+        if check is not None:
+            check(w)
         if self.pin_memory:
             w = {k: v.pin_memory() for k, v in w.items()}
         size = weights_bytes(w)

@@ -254,22 +254,20 @@ class Scheduler:
         return True
 
     def _load(self, entry: TenantEntry) -> dict:
-        """A tenant's host weights, checked against its spec and the pools; RequestError otherwise."""
+        """A tenant's host weights, checked against its spec and the pools when read from disk;
+        RequestError otherwise."""
         try:
-            w = self.store.load(entry.name)
+            return self.store.load(entry.name, check=lambda w: self.residency.check(entry, w))
         except TenantMissingError:
             raise RequestError("adapter_missing", f"tenant {entry.name!r} has no stored adapter", 404) from None
-        except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file fails its own tenant only
-            log.error("adapter of tenant %r is unreadable: %s", entry.name, exc)
-            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be read; "
-                               "update or re-create the tenant", 500) from None
-        try:
-            self.residency.check(entry, w)
         except ValueError as exc:
             log.error("adapter of tenant %r does not fit: %s", entry.name, exc)
             raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} does not fit "
                                f"its spec: {exc}", 500) from None
-        return w
+        except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file fails its own tenant only
+            log.error("adapter of tenant %r is unreadable: %s", entry.name, exc)
+            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be read; "
+                               "update or re-create the tenant", 500) from None
 
     def _lookup_by_domain(self, rows: list, ids: np.ndarray, mask: np.ndarray, hidden: torch.Tensor) -> list[int]:
         """Writes each row's merged lower representation into ``hidden`` (B, T, H), one PLOT chain
