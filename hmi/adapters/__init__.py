@@ -1,1 +1,1 @@
-"""Per-tenant adapters in the shared upper layers (DESIGN section 4)."""
+"""Per-tenant adapters in the shared upper layers (docs/design.md, section 4)."""

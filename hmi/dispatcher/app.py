@@ -1,4 +1,4 @@
-"""The aiohttp application: routes of DESIGN section 7."""
+"""The aiohttp application: routes of docs/design.md, section 7."""
 
 from __future__ import annotations
 

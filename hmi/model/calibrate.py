@@ -1,4 +1,4 @@
-"""Root calibration (DESIGN section 5): distill the windowed lower stack from the full model.
+"""Root calibration (docs/design.md, section 5): distill the windowed lower stack from the full model.
 
 Trained: the windowed lower layers, the gate, the merge embeddings and LayerNorm.  Targets, from
 the frozen full-context root on real text: its layer-``L_low`` hidden states (MSE), the output

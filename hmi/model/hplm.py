@@ -1,4 +1,4 @@
-"""The hPLM of DESIGN section 1: windowed lower layers, gate, merge, shared upper layers."""
+"""The hPLM of docs/design.md, section 1: windowed lower layers, gate, merge, shared upper layers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Token windows of the lower layers (DESIGN section 1).
+"""Token windows of the lower layers (docs/design.md, section 1).
 
 Encoder window of token i: ``(x[i-1], x[i], x[i+1])``, id 0 at the sequence edges and for
 padding neighbours; padding positions get no window.  Causal window of token i:

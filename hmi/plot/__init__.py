@@ -1,1 +1,1 @@
-"""PLOT: precomputed lookup tables of the windowed lower layers (DESIGN section 2)."""
+"""PLOT: precomputed lookup tables of the windowed lower layers (docs/design.md, section 2)."""

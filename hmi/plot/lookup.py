@@ -1,4 +1,4 @@
-"""Lower-layer output from PLOT lookups along a version chain (DESIGN sections 1-3).
+"""Lower-layer output from PLOT lookups along a version chain (docs/design.md, sections 1-3).
 
 Order for each distinct window of a batch: the tri-gram in each version of the chain
 (branch, parent, ..., root), then the bi-gram ``(0, c, r)`` along the chain, then the uni-gram
