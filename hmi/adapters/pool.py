@@ -44,7 +44,7 @@ class SlotPool:
 
     def __init__(self, signature: tuple, n_slots: int, n_layers: int, hidden: int, intermediate: int,
                  max_labels: int = 32, device: str | torch.device = "cpu", dtype=torch.float32,
-                 scaling: float = 1.0, pin_memory: bool = False):
+                 scaling: float = 1.0):
         self.signature = signature
         self.kind = signature[0]
         self.n_slots = n_slots

@@ -13,8 +13,6 @@ from pathlib import Path
 import lmdb
 
 TABLES = (b"tenants", b"domains", b"jobs")
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-TENANT_STATES = ("training", "ready", "failed", "updating")
 
 
 class Registry:

@@ -112,7 +112,3 @@ def uncalibrated_root(spec: RootSpec | None = None) -> Root:
     bert = load_bert(spec.model_dir)
     windowed = WindowedEncoder(bert, spec.l_low).eval()
     return Root(spec, bert, load_tokenizer(spec.model_dir), windowed, "uncalibrated", {})
-
-
-def torch_threads() -> int:
-    return torch.get_num_threads()
