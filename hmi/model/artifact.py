@@ -14,7 +14,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import BertModel
 
