@@ -127,6 +127,8 @@ async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encod
         await resp.write_eof()
     except ApiError as exc:
         await resp.write(encode({"error": {"code": exc.code, "message": exc.message}}))
+    except ConnectionResetError:  # the client left mid-stream: nothing to answer, its request is cancelled below
+        pass
     finally:
         req.cancel()  # no-op once finished; frees the engine slot of a client that went away mid-stream
     return resp
