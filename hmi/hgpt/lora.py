@@ -102,6 +102,7 @@ class LoraPool:
         self.scaling = torch.zeros(slots, device=device, dtype=dtype)
         self._lru: OrderedDict[str, int] = OrderedDict()
         self._pins: dict[int, int] = {}
+        self._retired: set[int] = set()  # slots of evicted tenants still used by running requests
         self._lock = threading.Lock()
         self.stats = {"hits": 0, "loads": 0, "evictions": 0}
 
@@ -136,18 +137,18 @@ class LoraPool:
             self._pins[slot] -= 1
             if not self._pins[slot]:
                 del self._pins[slot]
+                self._retired.discard(slot)
 
     def evict(self, tenant: str) -> None:
         """Forgets a tenant's resident copy (after an update): the next request loads it again.  A
-        slot still used by running requests stays reserved under a stale name until it is free."""
+        slot still used by running requests stays reserved until they release it."""
         with self._lock:
             slot = self._lru.pop(tenant, None)
             if slot is not None and slot in self._pins:
-                self._lru[f"\0stale:{tenant}:{slot}"] = slot
-                self._lru.move_to_end(f"\0stale:{tenant}:{slot}", last=False)
+                self._retired.add(slot)
 
     def _free_slot(self) -> int:
-        used = set(self._lru.values())
+        used = set(self._lru.values()) | self._retired
         for s in range(self.slots):
             if s not in used:
                 return s

@@ -123,3 +123,20 @@ def test_an_over_long_prompt_is_refused_before_tokenization(world):
         e.submit(GenRequest("t0", "word " * 4000))
     assert err.value.code == "input_too_long" and err.value.status == 413
     assert calls == []
+
+
+def test_an_evicted_tenants_slot_stays_reserved_while_running_requests_use_it():
+    from hmi.hgpt.lora import LoraPool, LoraSpec
+
+    pool = LoraPool(slots=2, layers=1, hidden=4, kv=2, rank=2)
+    weights = {"layers.0.q_A": torch.ones(2, 4), "layers.0.q_B": torch.ones(4, 2), "layers.0.v_A": torch.ones(2, 4),
+               "layers.0.v_B": torch.ones(2, 2)}
+    load = lambda: (LoraSpec(rank=2, alpha=4), weights)  # noqa: E731
+    a = pool.acquire("a", load)
+    pool.evict("a")  # updated while a request still runs on slot a
+    b = pool.acquire("b", load)
+    assert b != a
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.acquire("c", load)  # a's slot is not handed out under the running request
+    pool.release(a)
+    assert pool.acquire("c", load) == a
