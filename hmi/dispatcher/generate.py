@@ -83,6 +83,8 @@ async def _outcome(request, s, req, sink: asyncio.Queue | None = None):
     finally:
         if getter is not None and not getter.done():
             getter.cancel()
+        if done.done() and not done.cancelled():
+            done.exception()  # the outcome is read from req.future; this marks the wrapper's as read
 
 
 def _final(req) -> dict:
@@ -93,6 +95,8 @@ def _final(req) -> dict:
         raise ApiError(404, "adapter_missing", f"tenant {req.tenant!r} has no stored adapter") from None
     except GenerationError as exc:
         raise ApiError(exc.status, exc.code, str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - it failed inside the engine: this request's failure alone
+        raise ApiError(500, "generation_failed", f"{type(exc).__name__}: {exc}") from None
 
 
 async def _result(request, s, req) -> dict:

@@ -238,3 +238,28 @@ def test_a_full_generation_queue_answers_429_with_retry_after(gpt, monkeypatch):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+
+
+def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(gpt, caplog):
+    from hmi.hgpt.lora import LoraSpec
+
+    s = gpt["server"]
+    spec = LoraSpec(rank=2, alpha=4.0)  # the engine batches rank 4
+    s.store.save("misfit", spec, {k: v[:2] if k.endswith("_A") else v[:, :2] for k, v in s.store.load("writer").items()})
+    s.registry.create("tenants", "misfit", {"state": "ready", "model": "decoder", "spec": spec.to_dict(), "token_hash": "x"})
+    s._gpt_ready.add("misfit")
+    try:
+        for stream in (False, True):
+            if stream:
+                _, lines = stream_lines(gpt["url"], "/v1/tenants/misfit/generate", {"prompt": "the", "stream": True})
+                assert json.loads(lines[-1])["error"]["code"] == "generation_failed"
+            else:
+                got, out = raw(gpt["url"], "POST", "/v1/tenants/misfit/generate", {"prompt": "the"})
+                assert got == 500 and out["error"]["code"] == "generation_failed", out
+        got, out = raw(gpt["url"], "POST", "/v1/tenants/writer/generate", {"prompt": "the", "max_new_tokens": 3})
+        assert got == 200 and out["tokens"] == 3
+        assert not any("unhandled error" in r.getMessage() for r in caplog.records)
+    finally:
+        s._gpt_ready.discard("misfit")
+        s.registry.delete("tenants", "misfit")
+        s.store.delete("misfit")
