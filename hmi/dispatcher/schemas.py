@@ -47,8 +47,11 @@ def Absent(**kw):  # noqa: N802 - reads as a type in the models
     return Field(None, json_schema_extra=_no_default, **kw)
 
 
+# "Has a character other than ASCII white space", spelled as an explicit class: ``\S`` differs
+# between the document's ECMA regexes and the validator's (U+0085 is white space to one only).
+NON_BLANK = r"[^\t\n\v\f\r ]"
 Name = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$", description="1-63 characters a-z, 0-9, '_' or '-'")]
-Text = Annotated[str, Field(pattern=r"\S", description="a text with at least one non-space character")]
+Text = Annotated[str, Field(pattern=NON_BLANK, description="a text with at least one non-space character")]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 
@@ -183,7 +186,7 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
     max_input_chars, max_examples, max_labels), by class name."""
 
     class InferBody(Body):
-        inputs: list[Annotated[str, Field(pattern=r"\S", max_length=limits.max_input_chars)]] = Field(
+        inputs: list[Annotated[str, Field(pattern=NON_BLANK, max_length=limits.max_input_chars)]] = Field(
             min_length=1, max_length=limits.max_inputs)
 
     models = [InferBody, DomainUpdate, DomainCreate, *_encoder_models(limits), *_decoder_models(limits)]

@@ -313,6 +313,7 @@ class GenerationEngine:
             if r.top_p < 1:
                 sp, si = torch.sort(p, descending=True)
                 keep = torch.cumsum(sp, 0) - sp < r.top_p
+                keep[0] = True  # the most likely token always stays (a tiny top_p underflows in float32)
                 p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
             t = int(torch.multinomial(p / p.sum(), 1, generator=a.gen))
         self.stats["tokens"] += 1

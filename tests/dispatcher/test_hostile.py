@@ -255,3 +255,18 @@ def test_workers_die_with_a_killed_server_and_write_nothing(tmp_path):
     time.sleep(1.0)
     tenant_dir = tmp_path / "tenants" / "orphan"
     assert not tenant_dir.exists() or not any(tenant_dir.iterdir())
+
+
+def test_the_document_and_the_validator_agree_on_blank_texts(live):
+    """U+0085 and U+00A0 are white space to some regex engines and not to others: both sides read
+    "blank" as ASCII white space only."""
+    import re
+
+    from hmi.dispatcher.schemas import NON_BLANK
+
+    model = live["server"].models["InferBody"]
+    for text, ok in (("\u0085", True), ("\u00a0x", True), (" \t\n", False), ("", False)):
+        assert bool(re.search(NON_BLANK, text)) == ok
+        status, payload = raw(live["url"], "POST", "/v1/tenants/alpha/infer", {"inputs": [text]})
+        assert (status == 200) == ok, payload
+    assert model.model_json_schema()["properties"]["inputs"]["items"]["pattern"] == NON_BLANK

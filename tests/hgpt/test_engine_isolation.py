@@ -140,3 +140,9 @@ def test_an_evicted_tenants_slot_stays_reserved_while_running_requests_use_it():
         pool.acquire("c", load)  # a's slot is not handed out under the running request
     pool.release(a)
     assert pool.acquire("c", load) == a
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token(world):
+    got = engine(world).generate([GenRequest("t0", "hello world", max_new_tokens=6, temperature=2.2, top_p=1e-281, seed=3)])[0]
+    greedy = engine(world).generate([GenRequest("t0", "hello world", max_new_tokens=6)])[0]
+    assert got["text"] == greedy["text"]
