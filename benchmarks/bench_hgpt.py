@@ -45,7 +45,7 @@ def random_lora(base: dict, g: torch.Generator) -> dict:
 
 
 def hgpt_tokens_per_s(runtime, tenants: list[str], texts: list[str], new_tokens: int, seed: int) -> tuple[float, int]:
-    from hmi.hgpt.engine import GenRequest
+    from hmi.scheduler.generation import GenRequest
 
     rng = random.Random(seed)
     reqs = [GenRequest(rng.choice(tenants), t, max_new_tokens=new_tokens) for t in texts]
@@ -62,7 +62,7 @@ def merged_state(model, lora: dict, spec, l_low: int) -> dict:
     for i in range(model.config.num_hidden_layers - l_low):
         layer = i + l_low
         for proj in ("q", "v"):
-            a, b = lora[f"layers.{i}.{proj}_A"].float(), lora[f"layers.{i}.{proj}_B"].float()
+            a, b = lora[f"layers.{i}.lora.{proj}_A"].float(), lora[f"layers.{i}.lora.{proj}_B"].float()
             sd[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] += spec.scaling * (b @ a)
     return sd
 
@@ -140,15 +140,16 @@ def plot_tokens(res: dict, png: Path) -> None:
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--model-files", type=int, default=None,
                                                      help="real dedicated model files (default 100; 12 with --quick)"))
+    from hmi.adapters.interop import attach, from_library, library_model
+    from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
     from hmi.data import held_out_texts
-    from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
-    from hmi.hgpt.engine import EngineConfig
-    from hmi.hgpt.lora import LoraSpec, attach, from_library, library_copy
-    from hmi.hgpt.runtime import HgptRuntime, decoder_plot_meta, decoder_plot_path, ensure_decoder_plot
     from hmi.home import hmi_home
     from hmi.model.decoder import perplexity
     from hmi.plot.store import PlotStore
+    from hmi.scheduler.decoder_runtime import HgptRuntime, decoder_plot_meta, decoder_plot_path, ensure_decoder_plot
+    from hmi.scheduler.generation import EngineConfig
+    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
     home = hmi_home()
     model_files = args.model_files or (12 if args.quick else 100)
@@ -186,10 +187,10 @@ def main() -> None:
     reqs_text = prompts(tok, n_req)
     tput: dict = {"hGPT": {}, "dedicated": {}}
     try:
-        spec = LoraSpec(rank=8, alpha=16)
-        lib = library_copy(root.model)
+        spec = AdapterSpec.decoder(rank=8, alpha=16)
+        lib = library_model(root.model)
         attach(lib, "t", spec, root.l_low)
-        base = from_library(lib, "t", root.l_low)
+        base = from_library(lib, "t", spec, root.l_low)
         del lib
         g = torch.Generator().manual_seed(0)
         variants = [random_lora(base, g) for _ in range(16)]

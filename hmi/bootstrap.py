@@ -34,8 +34,8 @@ def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_
     ``config`` overrides CalibrationConfig's defaults. Returns (artifact id, its metadata)."""
     from hmi.data import held_out_texts, load_corpus
     from hmi.model.artifact import uncalibrated_root
-    from hmi.model.calibrate import CalibrationConfig, calibrate
     from hmi.model.root import default_spec
+    from hmi.training.calibrate import CalibrationConfig, calibrate
 
     ensure_data()
     cfg = CalibrationConfig(seed=seed, backoff=backoff, **config)

@@ -27,8 +27,8 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_calibrate_decoder(args) -> int:
-    from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save
     from hmi.home import hmi_home
+    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save
 
     cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
     root, meta = calibrate_and_save(hmi_home(), args.l_low or 2, cfg)
@@ -138,10 +138,10 @@ def cmd_plot_build(args) -> int:
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
     if args.decoder:
-        from hmi.hgpt.calibrate import load_calibrated_decoder
-        from hmi.hgpt.runtime import decoder_plot_meta, decoder_plot_path
         from hmi.home import hmi_home
         from hmi.model.decoder import CausalLower
+        from hmi.scheduler.decoder_runtime import decoder_plot_meta, decoder_plot_path
+        from hmi.training.calibrate_decoder import load_calibrated_decoder
 
         droot = load_calibrated_decoder(hmi_home())
         if droot is None:

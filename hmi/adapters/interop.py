@@ -20,6 +20,9 @@ from hmi.adapters.spec import AdapterSpec, SpecError
 
 def _library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[str, bool]]:
     """Canonical key suffix -> (library state-dict key, transpose?) for one absolute layer."""
+    if spec.is_decoder:
+        s = f"model.layers.{layer}.self_attn"
+        return {f"lora.{p}_{part}": (f"{s}.{p}_proj.loras.{name}.lora_{part}", False) for p in "qv" for part in "AB"}
     base = f"encoder.layer.{layer}"
     if spec.kind == "bottleneck":
         a = f"{base}.attention.output.adapters.{name}"
@@ -42,9 +45,9 @@ def _convert(t: torch.Tensor, how) -> torch.Tensor:
     return t.contiguous()
 
 
-def attach(model: BertModel, name: str, spec: AdapterSpec, l_low: int, train: bool = False) -> None:
-    """Adds the spec's adapter to the upper layers of a root model with the library."""
-    import adapters
+def attach(model, name: str, spec: AdapterSpec, l_low: int, train: bool = False) -> None:
+    """Adds the spec's adapter to the upper layers of a root model (encoder or decoder) with the library."""
+    import adapters  # deferred: importing adapters patches transformers
 
     if not hasattr(model, "adapters_config"):
         adapters.init(model)
@@ -54,12 +57,13 @@ def attach(model: BertModel, name: str, spec: AdapterSpec, l_low: int, train: bo
     model.set_active_adapters(name)
 
 
-def library_model(bert: BertModel) -> BertModel:
-    """A private copy of the root for the library to modify (training, reference runs)."""
-    return copy.deepcopy(bert)
+def library_model(model):
+    """A private copy of the root (encoder or decoder) for the library to modify (training,
+    reference runs)."""
+    return copy.deepcopy(model)
 
 
-def from_library(model: BertModel, name: str, spec: AdapterSpec, l_low: int) -> dict[str, torch.Tensor]:
+def from_library(model, name: str, spec: AdapterSpec, l_low: int) -> dict[str, torch.Tensor]:
     """Canonical adapter weights (no head) of a library adapter."""
     sd = model.state_dict()
     out = {}
@@ -69,18 +73,17 @@ def from_library(model: BertModel, name: str, spec: AdapterSpec, l_low: int) -> 
     return out
 
 
-def to_library(model: BertModel, name: str, spec: AdapterSpec, l_low: int, weights: dict[str, torch.Tensor]) -> None:
+def to_library(model, name: str, spec: AdapterSpec, l_low: int, weights: dict[str, torch.Tensor]) -> None:
     """Loads canonical weights into an attached library adapter."""
     sd = {}
     params = dict(model.named_parameters())
     for layer in range(l_low, model.config.num_hidden_layers):
         for key, (lib, how) in _library_keys(spec, name, layer).items():
             t = weights[f"layers.{layer - l_low}.{key}"]
-            target = params[lib]
+            target = params.get(lib)
+            if target is None:
+                raise SpecError(f"library model lacks {lib}")
             sd[lib] = (t.t() if how is True else t.reshape(target.shape)).to(target.dtype)
-    missing = [k for k in sd if k not in params]
-    if missing:
-        raise SpecError(f"library model lacks {missing[:3]}")
     with torch.no_grad():
         for k, v in sd.items():
             params[k].copy_(v)
@@ -130,3 +133,4 @@ def import_library_format(root_bert: BertModel, in_dir: Path, l_low: int,
         weights["head.w"] = torch.zeros(root_bert.config.hidden_size, spec.num_labels)
         weights["head.b"] = torch.zeros(spec.num_labels)
     return spec, weights
+

@@ -1,8 +1,9 @@
 """Device slot pools: pre-allocated stacked adapter tensors, LRU over slots, pinning.
 
-One pool per adapter signature (kind and size).  A tenant is resident when its weights occupy a
-slot; a batch pins its slots until it finishes, so they are never evicted under it.  A batch
-needing more slots than the pool can free is refused (the scheduler splits it).
+One pool per adapter signature (kind and size), for encoder and decoder tenants alike.  A tenant
+is resident when its weights occupy a slot; a batch (or a running generation) pins its slots until
+it finishes, so they are never evicted under it.  A batch needing more slots than the pool can
+free is refused (the encoder scheduler splits it; the generation engine fails the request).
 """
 
 from __future__ import annotations
@@ -12,22 +13,21 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from hmi.adapters.spec import AdapterSpec
-
 
 class PoolExhaustedError(RuntimeError):
     """More distinct tenants in one batch than the pool has unpinned slots."""
 
 
-def layer_shapes(signature: tuple, hidden: int, intermediate: int) -> dict[str, tuple]:
-    """Per-layer tensor shapes of one slot, in the pool's (compute-ready) orientation."""
+def layer_shapes(signature: tuple, hidden: int, intermediate: int, value_width: int | None = None) -> dict[str, tuple]:
+    """Per-layer tensor shapes of one slot, in the pool's (compute-ready) orientation;
+    ``value_width`` is the value projection's output width (``hidden`` unless given)."""
     kind = signature[0]
     if kind == "bottleneck":
         r = signature[1]
         return {"down_w": (hidden, r), "down_b": (r,), "up_w": (r, hidden), "up_b": (hidden,)}
     if kind == "lora":
         r = signature[1]
-        return {"q_A": (hidden, r), "q_B": (r, hidden), "v_A": (hidden, r), "v_B": (r, hidden)}
+        return {"q_A": (hidden, r), "q_B": (r, hidden), "v_A": (hidden, r), "v_B": (r, value_width or hidden)}
     return {"k": (hidden,), "v": (hidden,), "ffn": (intermediate,)}
 
 
@@ -40,20 +40,27 @@ def to_pool_layout(kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 class SlotPool:
-    """Stacked weights of ``n_slots`` tenants of one signature, for ``n_layers`` upper layers."""
+    """Stacked weights of ``n_slots`` tenants of one signature, for ``n_layers`` upper layers.
+
+    ``scaling`` is the LoRA factor shared by the pool (encoder pools: alpha is in the signature);
+    ``scales`` (S,) holds each slot's own factor (decoder pools: one rank, any alpha).  A pool with
+    ``max_labels=0`` holds no head (decoder tenants use the root's language-model head).
+    """
 
     def __init__(self, signature: tuple, n_slots: int, n_layers: int, hidden: int, intermediate: int,
                  max_labels: int = 32, device: str | torch.device = "cpu", dtype=torch.float32,
-                 scaling: float = 1.0):
+                 scaling: float = 1.0, value_width: int | None = None):
         self.signature = signature
         self.kind = signature[0]
         self.n_slots = n_slots
         self.max_labels = max_labels
         self.device = torch.device(device)
         self.scaling = scaling
-        shapes = layer_shapes(signature, hidden, intermediate)
+        shapes = layer_shapes(signature, hidden, intermediate, value_width)
         self.layers = [{k: torch.zeros((n_slots, *s), device=self.device, dtype=dtype) for k, s in shapes.items()}
                        for _ in range(n_layers)]
+        self.scales = torch.full((n_slots,), float(scaling), device=self.device, dtype=dtype)
+        self.hidden = hidden
         self.head_w = torch.zeros(n_slots, hidden, max_labels, device=self.device, dtype=dtype)
         self.head_b = torch.zeros(n_slots, max_labels, device=self.device, dtype=dtype)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
@@ -137,7 +144,9 @@ class SlotPool:
                     raise ValueError(f"{key} is missing")
                 if tuple(got.shape) != want:
                     raise ValueError(f"{key} has shape {tuple(got.shape)}, expected {want}")
-        hidden = self.head_w.shape[1]
+        if not self.max_labels:
+            return
+        hidden = self.hidden
         if num_labels > self.max_labels:
             raise ValueError(f"a head of {num_labels} labels; this server serves at most {self.max_labels}")
         for key, want in (("head.w", (hidden, num_labels)), ("head.b", (num_labels,))):
@@ -162,10 +171,13 @@ class SlotPool:
         self.head_w[slot, :, :c].copy_(w, non_blocking=non_blocking)
         self.head_b[slot, :c].copy_(b, non_blocking=non_blocking)
 
-    def write(self, slot: int, weights: dict[str, torch.Tensor]) -> None:
+    def write(self, slot: int, weights: dict[str, torch.Tensor], scaling: float | None = None) -> None:
+        """Writes a tenant's whole canonical weights (and its own LoRA factor) into its slot."""
         for li in range(len(self.layers)):
             self.write_layer(slot, li, weights)
-        self.write_head(slot, weights)
+        if self.max_labels:
+            self.write_head(slot, weights)
+        self.scales[slot] = self.scaling if scaling is None else scaling
 
     @property
     def _site(self) -> str:
@@ -174,6 +186,3 @@ class SlotPool:
     def resident(self) -> list[str]:
         return list(self._slot_of)
 
-
-def lora_scaling(spec: AdapterSpec) -> float:
-    return spec.alpha / spec.rank if spec.kind == "lora" else 1.0

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.spec import AdapterSpec, canonical_names
 from hmi.io import atomic_write_text, fsync_dir, write_durable
 from hmi.names import is_valid_name
 
@@ -194,7 +194,7 @@ class AdapterStore:
         cur = self.current(tenant)
         if cur is None or not (cur / WEIGHTS).exists():
             raise TenantMissingError(tenant)
-        w = load_file(str(cur / WEIGHTS))
+        w = canonical_names(load_file(str(cur / WEIGHTS)))
         if check is not None:
             check(w)
         if self.pin_memory:

@@ -66,7 +66,7 @@ class Server:
         self.store.recover()
         self._entries: dict[str, TenantEntry] = {}
         self._gpt_ready: set[str] = set()  # decoder tenants that can generate
-        self.gpt = None  # hmi.hgpt.runtime.HgptRuntime once enabled
+        self.gpt = None  # hmi.scheduler.decoder_runtime.HgptRuntime once enabled
         self._token_owner_by_hash: dict[str, str] = {}
         for name, rec in self.registry.items("tenants"):
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
@@ -126,10 +126,8 @@ class Server:
         return self.gpt
 
     def load_decoder_tenant(self, name: str):
-        """(LoraSpec, weights) of a decoder tenant, for the generation engine."""
-        from hmi.hgpt.lora import LoraSpec
-
-        return LoraSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name)
+        """(AdapterSpec, weights) of a decoder tenant, for the generation engine."""
+        return AdapterSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name)
 
     def domain_changed(self, name: str) -> None:
         for d in list(self._lookups):
@@ -330,14 +328,12 @@ def _decoder_training(body) -> dict:
 
 
 async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
-    from hmi.hgpt.lora import LoraSpec
-
     body = parse(s.models["DecoderTenant"], raw)
     gpt = s.require_gpt()
     rank = body.adapter.rank or gpt.rank
     if rank != gpt.rank:
         raise ApiError(422, "invalid_spec", f"this server batches decoder LoRA of rank {gpt.rank}")
-    spec = LoraSpec(rank=rank, alpha=body.adapter.alpha or 2.0 * rank)
+    spec = AdapterSpec.decoder(rank=rank, alpha=body.adapter.alpha or None)
     token, job = s.create_tenant(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
                                  _decoder_training(body), epochs=body.epochs, model="decoder")
     return web.json_response({"tenant": body.name, "token": token, "job": job,

@@ -15,7 +15,7 @@ from aiohttp import web
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import parse
 from hmi.dispatcher.validation import ApiError, json_body
-from hmi.hgpt.engine import GenerationError, GenRequest, ServiceClosedError
+from hmi.scheduler.generation import GenerationError, GenRequest, ServiceClosedError
 
 
 def _decoder_tenant(s, tenant: str) -> None:

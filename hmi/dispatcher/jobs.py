@@ -66,7 +66,7 @@ class WorkerContext:
     miss_policy: str
     artifact_id: str = ""
     home: str = ""
-    gpt: object = None  # hmi.hgpt.runtime.WorkerDecoder when the server serves decoder tenants
+    gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
 
 
 def _root(ctx: WorkerContext):
@@ -189,13 +189,13 @@ def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     _worker_setup(job)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     try:
+        from hmi.adapters.spec import AdapterSpec
         from hmi.adapters.store import AdapterStore
-        from hmi.hgpt.lora import LoraSpec
-        from hmi.hgpt.train import LmFinetuneConfig, finetune_lm
+        from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
 
         if ctx.gpt is None:
             raise RuntimeError("the server does not serve decoder tenants")
-        spec = LoraSpec.from_dict(job["spec"])
+        spec = AdapterSpec.from_dict(job["spec"])
         data = job["data"]
         texts = data.get("texts")
         if data.get("corpus"):

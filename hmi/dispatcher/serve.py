@@ -68,7 +68,7 @@ def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
 
 def enable_hgpt(server: Server, home: Path) -> None:
     """Loads the decoder root and its causal PLOT (built on first start) into the server."""
-    from hmi.hgpt.runtime import HgptRuntime
+    from hmi.scheduler.decoder_runtime import HgptRuntime
 
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
     server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))

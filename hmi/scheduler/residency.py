@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from hmi.adapters.batched import Group, segment_plan
-from hmi.adapters.pool import SlotPool, lora_scaling
+from hmi.adapters.pool import SlotPool
 from hmi.scheduler.types import TenantEntry
 
 
@@ -103,7 +103,7 @@ class ResidencyManager:
         with self._lock:
             if sig not in self.pools:
                 self.pools[sig] = SlotPool(sig, self.slots, self.n_layers, self.hidden, self.intermediate,
-                                           self.max_labels, self.device, scaling=lora_scaling(entry.spec))
+                                           self.max_labels, self.device, scaling=entry.spec.scaling)
             return self.pools[sig]
 
     def check(self, entry: TenantEntry, weights: dict[str, torch.Tensor]) -> None:

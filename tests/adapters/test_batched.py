@@ -6,7 +6,7 @@ import torch
 
 from hmi.adapters.batched import Group, batched_heads, segment_bmm, upper_forward
 from hmi.adapters.interop import attach, from_library, library_model
-from hmi.adapters.pool import PoolExhaustedError, SlotPool, lora_scaling
+from hmi.adapters.pool import PoolExhaustedError, SlotPool
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import UpperLayers
 from tests.conftest import tiny_bert
@@ -77,7 +77,7 @@ def pools_for(bert, specs, n_slots=4):
         sig = spec.signature(H)
         if sig not in pools:
             pools[sig] = SlotPool(sig, n_slots, 2, H, bert.config.intermediate_size, max_labels=6,
-                                  scaling=lora_scaling(spec))
+                                  scaling=spec.scaling)
     return pools
 
 

@@ -127,3 +127,23 @@ def test_training_labels_outside_the_spec_are_refused(tiny_setup):
     _, _, tok, rows = tiny_setup
     with pytest.raises(SpecError, match="not in the tenant's label set"):
         encode(tok, rows + [{"text": "x", "label": "meh"}], AdapterSpec(labels=("neg", "pos")), 32)
+
+
+def test_decoder_specs_need_lora_without_labels_and_default_alpha_to_twice_the_rank():
+    spec = AdapterSpec.decoder(rank=4)
+    assert spec.alpha == 8.0 and spec.scaling == 2.0 and spec.is_decoder and spec.num_labels == 0
+    assert AdapterSpec.from_dict(spec.to_dict()) == spec
+    assert AdapterSpec.from_dict({"rank": 4, "alpha": 8.0, "kind": "lora", "head": "lm"}) == spec  # older records
+    with pytest.raises(SpecError, match="language-model head"):
+        AdapterSpec(kind="bottleneck", head="lm")
+    with pytest.raises(SpecError, match="rank"):
+        AdapterSpec.decoder(rank=0)
+
+
+def test_decoder_adapters_saved_under_the_older_names_load_under_the_canonical_ones(tmp_path):
+    from hmi.adapters.store import AdapterStore
+
+    store = AdapterStore(tmp_path)
+    old = {"layers.0.q_A": torch.ones(2, 4), "layers.0.v_B": torch.ones(4, 2)}
+    store.save("t", AdapterSpec.decoder(rank=2), old)
+    assert sorted(AdapterStore(tmp_path).load("t")) == ["layers.0.lora.q_A", "layers.0.lora.v_B"]

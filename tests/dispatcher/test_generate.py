@@ -9,13 +9,14 @@ import urllib.request
 import pytest
 import torch
 
+from hmi.adapters.spec import AdapterSpec
 from hmi.dispatcher.serve import run_in_thread
-from hmi.hgpt.engine import EngineConfig
-from hmi.hgpt.runtime import HgptRuntime
 from hmi.model.decoder import DecoderRoot
 from hmi.plot.store import PlotMeta, PlotStore
+from hmi.scheduler.decoder_runtime import HgptRuntime
+from hmi.scheduler.generation import EngineConfig
 from tests.dispatcher.test_server import ADMIN, TRAIN, raw, tiny_server
-from tests.hgpt.test_engine import CharTokenizer
+from tests.scheduler.test_generation import CharTokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day long"] * 3
 
@@ -241,10 +242,8 @@ def test_a_full_generation_queue_answers_429_with_retry_after(gpt, monkeypatch):
 
 
 def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(gpt, caplog):
-    from hmi.hgpt.lora import LoraSpec
-
     s = gpt["server"]
-    spec = LoraSpec(rank=2, alpha=4.0)  # the engine batches rank 4
+    spec = AdapterSpec.decoder(rank=2, alpha=4.0)  # the engine batches rank 4
     s.store.save("misfit", spec, {k: v[:2] if k.endswith("_A") else v[:, :2] for k, v in s.store.load("writer").items()})
     s.registry.create("tenants", "misfit", {"state": "ready", "model": "decoder", "spec": spec.to_dict(), "token_hash": "x"})
     s._gpt_ready.add("misfit")

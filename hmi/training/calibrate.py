@@ -30,6 +30,7 @@ from hmi.io import atomic_write_text
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
 from hmi.model.root import extended_mask, full_forward, mean_pool
+from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
 
 
@@ -58,8 +59,6 @@ class HeldOutBackoff:
     """
 
     def __init__(self, token_lists: list[list[int]]):
-        from hmi.plot.build import count_ngrams
-
         def tables(lists):
             tri, _ = count_ngrams(lists)
             return tri, np.unique(bigram_backoff(tri))

@@ -1,9 +1,9 @@
 import torch
 
 from hmi.model.artifact import Root, artifact_config, current_artifact_id, load_root, save_artifact
-from hmi.model.calibrate import CalibrationConfig, calibrate, quality
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec
+from hmi.training.calibrate import CalibrationConfig, calibrate, quality
 from tests.conftest import tiny_bert
 
 
@@ -50,7 +50,7 @@ def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path):
     # Interrupted run: stop after the step-3 checkpoint, then resume with a fresh process state.
     b = tiny_root()
     short = CalibrationConfig(**{**cfg.__dict__, "max_minutes": None})
-    import hmi.model.calibrate as cal
+    import hmi.training.calibrate as cal
 
     calls = {"n": 0}
     orig = cal.calibration_loss
@@ -97,7 +97,7 @@ def test_load_root_without_artifact_says_to_calibrate(tmp_path):
 def test_each_half_of_the_corpus_is_read_with_the_other_halfs_ngrams():
     import numpy as np
 
-    from hmi.model.calibrate import HeldOutBackoff
+    from hmi.training.calibrate import HeldOutBackoff
 
     # Texts 0 and 2 form half 0, texts 1 and 3 half 1.
     lists = [[1, 5, 6, 7, 2], [1, 5, 6, 8, 2], [1, 9, 9, 2], [1, 3, 6, 7, 2]]
@@ -115,10 +115,10 @@ def test_each_half_of_the_corpus_is_read_with_the_other_halfs_ngrams():
 def test_calibration_backoff_merges_what_a_plot_of_the_corpus_serves(tmp_path):
     import numpy as np
 
-    from hmi.model.calibrate import HeldOutBackoff
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.store import PlotMeta, PlotStore
+    from hmi.training.calibrate import HeldOutBackoff
 
     encoder = WindowedEncoder(tiny_bert(hidden=32, vocab=60), 2).eval()
     rng = np.random.default_rng(1)

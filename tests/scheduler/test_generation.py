@@ -3,11 +3,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hmi.hgpt.engine import EngineConfig, GenerationEngine, GenerationError, GenRequest
-from hmi.hgpt.lora import LoraSpec, attach, from_library, library_copy
+from hmi.adapters.interop import attach, from_library, library_model
+from hmi.adapters.spec import AdapterSpec
 from hmi.model.decoder import CausalLower, DecoderRoot, run_layers
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
+from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenRequest
 
 L_LOW, VOCAB = 2, 90
 
@@ -47,17 +48,17 @@ def world(tmp_path_factory):
     store = PlotStore(tmp_path_factory.mktemp("plot") / "p", meta=PlotMeta("tiny", L_LOW, 32, n=1, kind="causal"),
                       readonly=False)
     lookup = PlotLookup([PlotVersion("root", store, CausalLower(root))], policy="compute")
-    lib = library_copy(model)
+    lib = library_model(model)
     tenants = {}
     g = torch.Generator().manual_seed(1)
-    for i, spec in enumerate([LoraSpec(rank=4, alpha=8), LoraSpec(rank=4, alpha=4), LoraSpec(rank=4, alpha=16)]):
+    for i, spec in enumerate([AdapterSpec.decoder(rank=4, alpha=a) for a in (8, 4, 16)]):
         name = f"t{i}"
         attach(lib, name, spec, L_LOW)
         with torch.no_grad():
             for n, p in lib.named_parameters():
                 if f".loras.{name}." in n:
                     p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        tenants[name] = (spec, from_library(lib, name, L_LOW))
+        tenants[name] = (spec, from_library(lib, name, spec, L_LOW))
     return root, lookup, lib, tenants
 
 
@@ -149,19 +150,19 @@ def test_tenants_get_their_own_adapters(world):
 
 def test_lora_fine_tune_lowers_dev_loss_resumes_from_saved_weights_and_serves(world, tmp_path):
     from hmi.adapters.store import AdapterStore
-    from hmi.hgpt.train import LmFinetuneConfig, finetune_lm
+    from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
 
     root, lookup, _, _ = world
     text = ["the quick brown fox jumps over the lazy dog", "a quick brown dog jumps over the lazy fox"] * 4
     cfg = LmFinetuneConfig(epochs=3, batch_size=4, lr=1e-2, patience=3, max_len=48)
-    w, m = finetune_lm(root, lookup, LoraSpec(rank=4, alpha=8), text, text[:2], cfg, progress=False)
+    w, m = finetune_lm(root, lookup, AdapterSpec.decoder(rank=4, alpha=8), text, text[:2], cfg, progress=False)
     assert m["dev_ppl_after"] < m["dev_ppl_before"]
-    w2, m2 = finetune_lm(root, lookup, LoraSpec(rank=4, alpha=8), text, text[:2], LmFinetuneConfig(epochs=1, lr=1e-2, max_len=48),
-                         init=w, progress=False)
+    w2, m2 = finetune_lm(root, lookup, AdapterSpec.decoder(rank=4, alpha=8), text, text[:2],
+                         LmFinetuneConfig(epochs=1, lr=1e-2, max_len=48), init=w, progress=False)
     assert m2["dev_ppl_before"] == pytest.approx(m["dev_ppl_after"], rel=1e-3)  # continues where it stopped
     store = AdapterStore(tmp_path / "tenants")
-    store.save("fox", LoraSpec(rank=4, alpha=8), w2)
-    e = GenerationEngine(root, lookup, lambda t: (LoraSpec.from_dict(store.info(t)["spec"]), store.load(t)),
+    store.save("fox", AdapterSpec.decoder(rank=4, alpha=8), w2)
+    e = GenerationEngine(root, lookup, lambda t: (AdapterSpec.from_dict(store.info(t)["spec"]), store.load(t)),
                          EngineConfig(rank=4, max_len=96))
     out = e.generate([GenRequest("fox", "the quick brown", max_new_tokens=10)])[0]
     assert out["tokens"] == 10
@@ -170,8 +171,8 @@ def test_lora_fine_tune_lowers_dev_loss_resumes_from_saved_weights_and_serves(wo
 def test_decoder_calibration_moves_window_states_toward_the_full_context_states(world, tmp_path):
     import json
 
-    from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_decoder, save_decoder_artifact
     from hmi.model.decoder import full_hidden, windowed_hidden
+    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_decoder, save_decoder_artifact
 
     root = world[0]
     lines = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day"] * 8

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmi.hgpt.engine import EngineConfig, GenerationEngine, GenerationService
-from hmi.hgpt.lora import LoraSpec
+from hmi.adapters.spec import AdapterSpec
 from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.plot.build import Selection, build_from_corpus
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
+from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationService
 
 DEFAULT_L_LOW = 2
 DEFAULT_RANK = 8
@@ -59,7 +59,7 @@ class WorkerDecoder:
 
 
 class HgptRuntime:
-    """The decoder side of a server. ``load_tenant(name) -> (LoraSpec, weights)`` reads the adapter store."""
+    """The decoder side of a server. ``load_tenant(name) -> (AdapterSpec, weights)`` reads the adapter store."""
 
     def __init__(self, root: DecoderRoot, store: PlotStore, load_tenant, miss_policy: str = "compute",
                  cfg: EngineConfig | None = None):
@@ -71,7 +71,7 @@ class HgptRuntime:
     @classmethod
     def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True,
                      device: str = "cpu") -> "HgptRuntime":
-        from hmi.hgpt.calibrate import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
+        from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
         root = load_calibrated_decoder(home)
         if root is None:
@@ -85,8 +85,8 @@ class HgptRuntime:
     def rank(self) -> int:
         return self.engine.cfg.rank
 
-    def default_spec(self) -> LoraSpec:
-        return LoraSpec(rank=self.rank, alpha=2.0 * self.rank)
+    def default_spec(self) -> AdapterSpec:
+        return AdapterSpec.decoder(rank=self.rank)
 
     def worker_view(self) -> WorkerDecoder:
         self.root.model.share_memory()

@@ -5,8 +5,8 @@ import queue
 import pytest
 import torch
 
-from hmi.hgpt.engine import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
-from tests.hgpt.test_engine import PROMPTS, engine, world  # noqa: F401 - fixture
+from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
+from tests.scheduler.test_generation import PROMPTS, engine, world  # noqa: F401 - fixture
 
 
 def with_tenants(world, extra, **kw):
@@ -126,20 +126,17 @@ def test_an_over_long_prompt_is_refused_before_tokenization(world):
 
 
 def test_an_evicted_tenants_slot_stays_reserved_while_running_requests_use_it():
-    from hmi.hgpt.lora import LoraPool, LoraSpec
+    from hmi.adapters.pool import PoolExhaustedError, SlotPool
 
-    pool = LoraPool(slots=2, layers=1, hidden=4, kv=2, rank=2)
-    weights = {"layers.0.q_A": torch.ones(2, 4), "layers.0.q_B": torch.ones(4, 2), "layers.0.v_A": torch.ones(2, 4),
-               "layers.0.v_B": torch.ones(2, 2)}
-    load = lambda: (LoraSpec(rank=2, alpha=4), weights)  # noqa: E731
-    a = pool.acquire("a", load)
+    pool = SlotPool(("lora", 2), 2, 1, 4, 8, max_labels=0, value_width=2)
+    a = pool.acquire(["a"])[0]
     pool.evict("a")  # updated while a request still runs on slot a
-    b = pool.acquire("b", load)
-    assert b != a
-    with pytest.raises(RuntimeError, match="in use"):
-        pool.acquire("c", load)  # a's slot is not handed out under the running request
+    b = pool.acquire(["b"])[0]
+    assert b["b"] != a["a"]
+    with pytest.raises(PoolExhaustedError):
+        pool.acquire(["c"])  # a's slot is not handed out under the running request
     pool.release(a)
-    assert pool.acquire("c", load) == a
+    assert pool.acquire(["c"])[0]["c"] == a["a"]
 
 
 def test_a_tiny_top_p_keeps_the_most_likely_token(world):

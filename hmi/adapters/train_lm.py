@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hmi.adapters.interop import attach, from_library, library_model, to_library
+from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.train import Example, featurize
-from hmi.hgpt.lora import LoraSpec, attach, from_library, library_copy, to_library
 from hmi.model.decoder import DecoderRoot, run_layers
 from hmi.plot.lookup import PlotLookup
 
@@ -62,7 +63,7 @@ def lm_loss(model, root: DecoderRoot, items) -> tuple[torch.Tensor, int]:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tgt.reshape(-1), ignore_index=-100), n
 
 
-def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: LoraSpec, train_texts: list[str], dev_texts: list[str],
+def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: AdapterSpec, train_texts: list[str], dev_texts: list[str],
                 cfg: LmFinetuneConfig | None = None, init: dict[str, torch.Tensor] | None = None,
                 progress: bool = True, on_progress: Callable[[float, dict], None] | None = None,
                 should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
@@ -77,10 +78,10 @@ def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: LoraSpec, train_tex
     enc = lambda texts: [t for t in tok(texts, add_special_tokens=False, truncation=True,  # noqa: E731
                                         max_length=cfg.max_len)["input_ids"] if len(t) >= 2]
     train, dev = _features(lookup, enc(train_texts)), _features(lookup, enc(dev_texts or train_texts[:16]))
-    model = library_copy(root.model)
+    model = library_model(root.model)
     attach(model, NAME, spec, root.l_low, train=True)
     if init is not None:
-        to_library(model, NAME, root.l_low, init)
+        to_library(model, NAME, spec, root.l_low, init)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -94,7 +95,7 @@ def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: LoraSpec, train_tex
         return total / max(1, count)
 
     before = dev_loss()
-    best, best_w, bad, history, step = before, from_library(model, NAME, root.l_low), 0, [], 0
+    best, best_w, bad, history, step = before, from_library(model, NAME, spec, root.l_low), 0, [], 0
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
     rng = np.random.default_rng(cfg.seed)
@@ -120,7 +121,7 @@ def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: LoraSpec, train_tex
         d = dev_loss()
         history.append({"epoch": epoch + 1, "dev_loss": round(d, 4)})
         if d < best:
-            best, best_w, bad = d, from_library(model, NAME, root.l_low), 0
+            best, best_w, bad = d, from_library(model, NAME, spec, root.l_low), 0
         else:
             bad += 1
             if bad >= cfg.patience:

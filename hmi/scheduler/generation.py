@@ -25,12 +25,13 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hmi.adapters.batched import batched_lora, segment_plan
-from hmi.hgpt.lora import LoraPool
+from hmi.adapters.pool import SlotPool
+from hmi.adapters.spec import SpecError
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.plot.lookup import PlotLookup
 from hmi.textlimit import words_exceed
 
-log = logging.getLogger("hmi.hgpt")
+log = logging.getLogger("hmi.generation")
 
 
 SEED_LIMIT = 2**63  # torch.Generator seeds are signed 64-bit
@@ -112,7 +113,8 @@ class GenerationEngine:
         shape = (self.cfg.max_active, self.nkv, self.cfg.max_len, self.hd)
         self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
         self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
-        self.pool = LoraPool(self.cfg.lora_slots, n_up, c.hidden_size, self.nkv * self.hd, self.cfg.rank, self.device)
+        self.pool = SlotPool(("lora", self.cfg.rank), self.cfg.lora_slots, n_up, c.hidden_size, c.intermediate_size,
+                             max_labels=0, device=self.device, value_width=self.nkv * self.hd)
         self.waiting: list[GenRequest] = []
         self.active: list[_Active] = []
         tok = root.tokenizer
@@ -175,6 +177,24 @@ class GenerationEngine:
         for a in [a for a in self.active if a.finish]:
             self._finish(a)
 
+    def _acquire(self, tenant: str) -> int:
+        """The tenant's pinned LoRA slot, its weights written there on a miss (``load_tenant``); a
+        tenant whose weights cannot be read or do not fit fails alone and leaves its slot free."""
+        slots, missing = self.pool.acquire([tenant])
+        slot = slots[tenant]
+        if missing:
+            try:
+                spec, w = self.load_tenant(tenant)
+                if spec.rank != self.cfg.rank:
+                    raise SpecError(f"tenant {tenant!r} has rank {spec.rank}; this server batches rank {self.cfg.rank}")
+                self.pool.check(w, 0)
+                self.pool.write(slot, w, scaling=spec.scaling)
+            except Exception:
+                self.pool.evict(tenant)
+                self.pool.release(slots)
+                raise
+        return slot
+
     def _admit(self) -> list[_Active]:
         free = sorted(set(range(self.cfg.max_active)) - {a.row for a in self.active})
         new = []
@@ -185,14 +205,14 @@ class GenerationEngine:
             slot = None
             try:
                 ids = req.prompt_ids if req.prompt_ids is not None else self.validate(req)
-                slot = self.pool.acquire(req.tenant, lambda t=req.tenant: self.load_tenant(t))
+                slot = self._acquire(req.tenant)
                 gen = None
                 if not req.greedy:
                     seed = req.seed if req.seed is not None else int(np.random.SeedSequence().entropy % SEED_LIMIT)
                     gen = torch.Generator().manual_seed(seed)
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 if slot is not None:
-                    self.pool.release(slot)
+                    self.pool.release({req.tenant: slot})
                 _fail(req, exc)
                 continue
             a = _Active(req, list(ids), len(ids), free.pop(0), slot, gen)
@@ -253,7 +273,7 @@ class GenerationEngine:
         rows = torch.tensor([a.row for a in reqs], device=dev)
         slots = torch.tensor([a.slot for a in reqs], device=dev)
         plan = segment_plan([a.slot for a in reqs], dev)
-        scale = self.pool.scaling.index_select(0, slots)[:, None, None]
+        scale = self.pool.scales.index_select(0, slots)[:, None, None]
         pos = starts[:, None] + torch.arange(Tq, device=dev)[None]
         cos, sin = self.rotary(h, pos)
         ends = starts + q_lens
@@ -265,9 +285,10 @@ class GenerationEngine:
         for li, layer in enumerate(self.upper):
             att = layer.self_attn
             x = layer.input_layernorm(h)
-            q = att.q_proj(x) + scale * batched_lora(x, slots, self.pool.qa[li], self.pool.qb[li], 1.0, plan)
+            lw = self.pool.layer(li)
+            q = att.q_proj(x) + scale * batched_lora(x, slots, lw["q_A"], lw["q_B"], 1.0, plan)
             k = att.k_proj(x)
-            v = att.v_proj(x) + scale * batched_lora(x, slots, self.pool.va[li], self.pool.vb[li], 1.0, plan)
+            v = att.v_proj(x) + scale * batched_lora(x, slots, lw["v_A"], lw["v_B"], 1.0, plan)
             q = q.view(B, Tq, self.nh, self.hd).transpose(1, 2)
             k = k.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
             v = v.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
@@ -349,7 +370,7 @@ class GenerationEngine:
     def _drop(self, a: _Active) -> None:
         """Frees a request's row and slot without an answer (its client left, or it failed)."""
         self.active.remove(a)
-        self.pool.release(a.slot)
+        self.pool.release({a.req.tenant: a.slot})
         self.stats["dropped"] = self.stats.get("dropped", 0) + 1
 
     def _finish(self, a: _Active) -> None:
@@ -363,7 +384,7 @@ class GenerationEngine:
                 text = text[:i]
         self._stream(a, text, final=True)
         self.active.remove(a)
-        self.pool.release(a.slot)
+        self.pool.release({a.req.tenant: a.slot})
         if not a.req.future.done():
             a.req.future.set_result({"text": text, "tokens": len(a.ids) - a.n_prompt, "finish_reason": a.finish,
                                      "prompt_tokens": a.n_prompt})

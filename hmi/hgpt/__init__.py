@@ -1,1 +1,0 @@
-"""hGPT: decoder tenants on a windowed decoder root (causal PLOT, per-tenant LoRA, batched generation)."""
