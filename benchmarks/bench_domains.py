@@ -28,8 +28,8 @@ def main() -> None:
     from hmi.model.artifact import load_root
     from hmi.model.hplm import UpperLayers
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
-    from hmi.plot.default import ensure_root_plot, open_root_version, plot_meta
     from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.paths import ensure_root_plot, open_root_version, plot_meta
     from hmi.plot.store import PlotStore
     from hmi.version_tree.fpt import FPTConfig, further_pretrain, mlm_loss_through
 

@@ -146,8 +146,8 @@ def main() -> None:
     from hmi.data import held_out_texts
     from hmi.home import hmi_home
     from hmi.model.decoder import perplexity
-    from hmi.plot.store import PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime, decoder_plot_meta, decoder_plot_path, ensure_decoder_plot
+    from hmi.plot.paths import ensure_root_plot, open_root_store
+    from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
     from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
@@ -180,7 +180,7 @@ def main() -> None:
     print(split_table, flush=True)
 
     # -- throughput -----------------------------------------------------------------------------------
-    ensure_decoder_plot(root, home, progress=False)
+    ensure_root_plot(root, home=home, progress=False)
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-hgpt-"))
     n_req, new_tokens = (64, 24) if args.quick else (128, 32)
     tok = root.tokenizer
@@ -201,7 +201,7 @@ def main() -> None:
         for i in range(max(counts)):
             store.save(f"g{i:05d}", spec, variants[i % len(variants)])
         print(f"{max(counts)} LoRA adapters written in {time.perf_counter() - t0:.0f} s", flush=True)
-        pstore = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
+        pstore = open_root_store(root, home)
         runtime = HgptRuntime(root, pstore, lambda t: (spec, store.load(t)), miss_policy="compute",
                               cfg=EngineConfig(rank=8, max_active=64, max_len=256, lora_slots=64))
         runtime.service.shutdown()  # driven directly here

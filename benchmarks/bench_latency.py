@@ -149,7 +149,7 @@ def main() -> None:
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.home import hmi_home
     from hmi.model.artifact import load_root
-    from hmi.plot.default import ensure_root_plot
+    from hmi.plot.paths import ensure_root_plot
 
     real = hmi_home()
     ensure_root_plot(load_root(home=real), home=real, progress=False)

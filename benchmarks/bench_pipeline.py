@@ -73,8 +73,8 @@ def main() -> None:
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
     from hmi.model.artifact import load_root
-    from hmi.plot.default import ensure_root_plot, open_root_version
     from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import ensure_root_plot, open_root_version
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 

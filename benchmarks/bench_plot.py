@@ -21,9 +21,9 @@ def main() -> None:
     args = start(__doc__)
     from hmi.model.artifact import load_root
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys
-    from hmi.plot.default import ensure_root_plot, open_root_version, plot_meta
     from hmi.plot.keys import encoder_windows, unique_windows
     from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.paths import ensure_root_plot, open_root_version, plot_meta
     from hmi.plot.store import PlotStore
 
     repeat = 2 if args.quick else 10

@@ -271,8 +271,8 @@ def main() -> None:
     from hmi.adapters.train import TenantTrainer
     from hmi.data import load_task
     from hmi.model.artifact import load_root
-    from hmi.plot.default import ensure_root_plot, open_root_version, root_plot_path
     from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import ensure_root_plot, open_root_version, root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 

@@ -176,8 +176,8 @@ def main() -> None:
     from hmi.adapters.train import FinetuneConfig, encode, finetune
     from hmi.data import is_tagging, load_task, task_labels
     from hmi.model.artifact import load_root
-    from hmi.plot.default import ensure_root_plot, open_root_version
     from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import ensure_root_plot, open_root_version
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}

@@ -46,7 +46,7 @@ def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_
 def prepare_default(home: Path):
     """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
     from hmi.model.artifact import current_artifact_id, load_root
-    from hmi.plot.default import ensure_root_plot
+    from hmi.plot.paths import ensure_root_plot
 
     ensure_data()
     if current_artifact_id(home) is None:

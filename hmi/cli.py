@@ -132,29 +132,24 @@ def load_current_root():
 
 def cmd_plot_build(args) -> int:
     from hmi.plot.build import build_from_corpus
-    from hmi.plot.default import plot_meta, root_plot_path
+    from hmi.plot.paths import plot_meta, root_plot_path
     from hmi.plot.store import PlotStore
 
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
     if args.decoder:
         from hmi.home import hmi_home
-        from hmi.model.decoder import CausalLower
-        from hmi.scheduler.decoder_runtime import decoder_plot_meta, decoder_plot_path
         from hmi.training.calibrate_decoder import load_calibrated_decoder
 
-        droot = load_calibrated_decoder(hmi_home())
-        if droot is None:
+        root = load_calibrated_decoder(hmi_home())
+        if root is None:
             raise SystemExit("hmi: no calibrated decoder root yet; run `hmi calibrate --decoder` first")
-        out = Path(args.out) if args.out else decoder_plot_path(droot, hmi_home())
-        meta, lower, tokenizer = decoder_plot_meta(droot), CausalLower(droot), droot.tokenizer
     else:
         root = load_current_root()
-        out = Path(args.out) if args.out else root_plot_path(root)
-        meta, lower, tokenizer = plot_meta(root), root.windowed, root.tokenizer
-    store = PlotStore(out, meta=meta, readonly=False)
+    out = Path(args.out) if args.out else root_plot_path(root)
+    store = PlotStore(out, meta=plot_meta(root), readonly=False)
     try:
-        summary = build_from_corpus(store, lower, tokenizer, lines, sel, max_len=args.max_len)
+        summary = build_from_corpus(store, root.plot_lower, root.tokenizer, lines, sel, max_len=args.max_len)
     finally:
         store.close()
     if summary.get("up_to_date"):
@@ -191,8 +186,8 @@ def cmd_demo(args) -> int:
     import torch
 
     from hmi.home import hmi_home
-    from hmi.plot.default import open_root_version
     from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import open_root_version
 
     root = prepare_default(hmi_home())
     print(f"root artifact {root.artifact_id}")

@@ -27,8 +27,8 @@ DEMO_TENANTS = [
 def build_server(cfg: ServerConfig, home: Path | None = None, root=None) -> Server:
     """Loads the current root and its root PLOT (which must exist) into a Server."""
     from hmi.model.artifact import load_root
-    from hmi.plot.default import open_root_version, plot_meta, root_plot_path
     from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 
     home = home or hmi_home()
     root = root or load_root(home=home)

@@ -67,6 +67,13 @@ class DecoderRoot:
     def artifact_id(self) -> str:
         return f"{self.name}-l{self.l_low}"
 
+    plot_kind = "causal"
+
+    @property
+    def plot_lower(self) -> "CausalLower":
+        """What turns causal windows into PLOT values (hmi.plot.paths)."""
+        return CausalLower(self)
+
 
 def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
     """SmolLM2-135M from the package's GGUF file (dequantized to fp32; about 15 s), offline, with the

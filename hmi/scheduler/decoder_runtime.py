@@ -8,34 +8,14 @@ from pathlib import Path
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.decoder import CausalLower, DecoderRoot
-from hmi.plot.build import Selection, build_from_corpus
 from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.paths import ensure_root_plot, open_root_store
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationService
+from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
 DEFAULT_L_LOW = 2
 DEFAULT_RANK = 8
-
-
-def decoder_plot_meta(root: DecoderRoot) -> PlotMeta:
-    return PlotMeta(root_artifact=root.artifact_id, l_low=root.l_low, hidden_size=root.hidden_size, n=1, kind="causal")
-
-
-def decoder_plot_path(root: DecoderRoot, home: Path) -> Path:
-    return Path(home) / "plots" / root.artifact_id / "root"
-
-
-def ensure_decoder_plot(root: DecoderRoot, home: Path, lines: list[str] | None = None, progress: bool = True) -> dict:
-    """Builds (or finishes, or confirms) the decoder's causal root PLOT from the general corpus."""
-    if lines is None:
-        from hmi.data import load_corpus
-
-        lines = load_corpus("general")
-    store = PlotStore(decoder_plot_path(root, home), meta=decoder_plot_meta(root), readonly=False)
-    try:
-        return build_from_corpus(store, CausalLower(root), root.tokenizer, lines, Selection("all"), progress=progress)
-    finally:
-        store.close()
 
 
 @dataclass
@@ -71,14 +51,12 @@ class HgptRuntime:
     @classmethod
     def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True,
                      device: str = "cpu") -> "HgptRuntime":
-        from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
-
         root = load_calibrated_decoder(home)
         if root is None:
             print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, a few minutes)")
             root, _ = calibrate_and_save(home, l_low, DecoderCalibrationConfig(), progress=progress)
-        ensure_decoder_plot(root, home, progress=progress)
-        store = PlotStore(decoder_plot_path(root, home), readonly=True, expect=decoder_plot_meta(root))
+        ensure_root_plot(root, home=home, progress=progress)
+        store = open_root_store(root, home)
         return cls(root, store, load_tenant, cfg=EngineConfig(rank=DEFAULT_RANK, device=device))
 
     @property

@@ -6,7 +6,6 @@ layers stay untouched (the upper layers are shared and frozen)."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -14,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from hmi.io import atomic_write_text
+from hmi.data import held_out_texts, load_corpus
+from hmi.model.artifact import write_artifact
 from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, window_states
 from hmi.model.windows import causal_windows, unique_windows
 
@@ -64,25 +64,13 @@ def decoder_roots_dir(home: Path) -> Path:
 
 
 def save_decoder_artifact(root: DecoderRoot, lower: torch.nn.ModuleList, meta: dict, home: Path) -> str:
-    """Writes the calibrated lower layers (atomically) and marks them current; returns the artifact name."""
-    sd = {k: v.contiguous() for k, v in lower.state_dict().items()}
-    h = hashlib.sha256()
-    for k in sorted(sd):
-        h.update(k.encode())
-        h.update(sd[k].numpy().tobytes())
-    name = f"{root.name}-cal{h.hexdigest()[:12]}"
-    folder = decoder_roots_dir(home) / f"{name}-l{root.l_low}"
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(sd, str(tmp / "lower.safetensors"))
-    (tmp / "meta.json").write_text(json.dumps({"name": name, "l_low": root.l_low, **meta}, indent=1))
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    tmp.rename(folder)
-    atomic_write_text(decoder_roots_dir(home) / "current_decoder", folder.name)
-    return name
+    """Writes the calibrated lower layers as an artifact (hmi.model.artifact's format) and marks
+    them current; returns the root's name (the artifact folder is ``<name>-l<l_low>``)."""
+    name_of = lambda digest: f"{root.name}-cal{digest[:12]}-l{root.l_low}"  # noqa: E731
+    folder = write_artifact(decoder_roots_dir(home), name_of, lower.state_dict(), "lower.safetensors",
+                            lambda f: {"name": f.rsplit("-l", 1)[0], "l_low": root.l_low, **meta}, "meta.json",
+                            "current_decoder")
+    return folder.rsplit("-l", 1)[0]
 
 
 def load_calibrated_decoder(home: Path) -> DecoderRoot | None:
@@ -102,8 +90,6 @@ def load_calibrated_decoder(home: Path) -> DecoderRoot | None:
 
 def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True) -> tuple[DecoderRoot, dict]:
     """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save."""
-    from hmi.data import held_out_texts, load_corpus
-
     root = load_decoder(l_low=l_low)
     texts = held_out_texts(cfg.eval_texts)
     with torch.no_grad():

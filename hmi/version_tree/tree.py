@@ -32,8 +32,8 @@ from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.names import is_valid_name
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
-from hmi.plot.default import open_root_version, plot_meta
 from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.paths import open_root_version, plot_meta
 from hmi.plot.store import PlotStore
 from hmi.version_tree.fpt import FPTConfig, further_pretrain
 

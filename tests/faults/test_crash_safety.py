@@ -101,7 +101,7 @@ def open_tree(home):
 def test_kill_at_every_write_step_of_a_domain_update_leaves_old_or_new(tmp_path):
     import shutil
 
-    from hmi.plot.default import ensure_root_plot
+    from hmi.plot.paths import ensure_root_plot
     from tests.version_tree.test_tree import FAST, corpus
 
     base = tmp_path / "base"

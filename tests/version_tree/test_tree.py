@@ -5,7 +5,7 @@ import torch
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer
-from hmi.plot.default import ensure_root_plot
+from hmi.plot.paths import ensure_root_plot
 from hmi.version_tree.fpt import FPTConfig, further_pretrain, mask_tokens
 from hmi.version_tree.tree import DomainError, VersionTree
 from tests.conftest import tiny_bert

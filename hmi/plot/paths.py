@@ -1,0 +1,48 @@
+"""Where a root's PLOT lives and what it records, for every root (encoder or decoder).
+
+A root exposes ``artifact_id``, ``l_low``, ``hidden_size``, ``tokenizer``, ``plot_kind``
+("encoder": a value holds the three states of a tri-gram window; "causal": one state) and
+``plot_lower`` (the module that turns windows into values and merges them).  The root PLOT of an
+artifact is ``$HMI_HOME/plots/<artifact_id>/root``, built from the general corpus.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hmi.data import load_corpus
+from hmi.home import hmi_home
+from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot.lookup import PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+
+
+def plot_meta(root) -> PlotMeta:
+    """What a PLOT built from ``root`` records (checked whenever it is opened)."""
+    n = 1 if root.plot_kind == "causal" else 3
+    return PlotMeta(root_artifact=root.artifact_id, l_low=root.l_low, hidden_size=root.hidden_size, n=n,
+                    kind=root.plot_kind)
+
+
+def root_plot_path(root, home: Path | None = None) -> Path:
+    return Path(home or hmi_home()) / "plots" / root.artifact_id / "root"
+
+
+def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = None, progress: bool = True) -> dict:
+    """Builds (or finishes, or confirms) the root PLOT of ``root`` from ``lines`` (by default the
+    general corpus)."""
+    if lines is None:
+        lines = load_corpus("general")
+    store = PlotStore(root_plot_path(root, home), meta=plot_meta(root), readonly=False)
+    try:
+        return build_from_corpus(store, root.plot_lower, root.tokenizer, lines, Selection("all"), progress=progress)
+    finally:
+        store.close()
+
+
+def open_root_store(root, home: Path | None = None) -> PlotStore:
+    return PlotStore(root_plot_path(root, home), readonly=True, expect=plot_meta(root))
+
+
+def open_root_version(root, home: Path | None = None) -> PlotVersion:
+    return PlotVersion("root", open_root_store(root, home), root.plot_lower)
