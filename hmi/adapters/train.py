@@ -14,13 +14,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from hmi.adapters.batched import pooled
 from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import UpperLayers, as_numpy_ids
 from hmi.plot.lookup import PlotLookup
+from hmi.training.fit import Fit, early_stopping
 
 IGNORE = -100
 NAME = "tenant"
@@ -36,10 +36,6 @@ class FinetuneConfig:
     patience: int = 2
     seed: int = 0
     max_train: int | None = None
-
-
-class JobCancelled(RuntimeError):
-    """The job was cancelled by its owner."""
 
 
 @dataclass
@@ -204,41 +200,28 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
           (("train", train), ("dev", dev), ("test", test))}
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
     trainer = TenantTrainer(root_bert, l_low, spec, init, cfg.seed, private_copy=private_copy)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     tagging = spec.head == "tagging"
     rng = np.random.default_rng(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
-    total = steps_per_epoch * cfg.epochs
-    best, best_state, bad, history = float("-inf"), None, 0, []
-    bar = tqdm(total=total, desc="fine-tune", unit="step", disable=not progress)
-    step = 0
-    for epoch in range(cfg.epochs):
-        order = rng.permutation(len(ex["train"]))
-        for s in range(0, len(order), cfg.batch_size):
-            if should_stop is not None and should_stop():
-                bar.close()
-                raise JobCancelled("cancelled")
-            x, mask, y = collate(ex["train"], feats["train"], order[s:s + cfg.batch_size].tolist(), tagging)
-            logits = trainer.logits(x, mask, train=True)
-            loss = F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.4f}")
-            if on_progress is not None and step % 5 == 0:
-                on_progress(step / total, {"epoch": epoch + 1, "loss": round(loss.item(), 4)})
-        dev_m = trainer.evaluate(ex["dev"], feats["dev"]) if ex["dev"] else None
-        history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4), "dev": dev_m})
-        score = dev_m["accuracy"] if dev_m else -loss.item()  # without a dev set: the last batch's loss
-        if score > best:
-            best, best_state, bad = score, copy.deepcopy(trainer.weights()), 0
-        else:
-            bad += 1
-            if bad >= cfg.patience:
-                break
-    bar.close()
+    with Fit(trainer.parameters(), steps_per_epoch * cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay,
+             desc="fine-tune", progress=progress, should_stop=should_stop, on_progress=on_progress,
+             report_every=5) as fit:
+
+        def run_epoch(epoch: int) -> dict:
+            order = rng.permutation(len(ex["train"]))
+            for s in range(0, len(order), cfg.batch_size):
+                fit.check()
+                x, mask, y = collate(ex["train"], feats["train"], order[s:s + cfg.batch_size].tolist(), tagging)
+                logits = trainer.logits(x, mask, train=True)
+                loss = F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
+                fit.step(loss, {"epoch": epoch + 1}, epoch=epoch + 1)
+            dev_m = trainer.evaluate(ex["dev"], feats["dev"]) if ex["dev"] else None
+            return {"epoch": epoch + 1, "loss": round(fit.last_loss, 4), "dev": dev_m}
+
+        # Without a dev set the score is the last batch's loss.
+        _, best_state, history = early_stopping(
+            cfg.epochs, cfg.patience, run_epoch, lambda r: r["dev"]["accuracy"] if r["dev"] else -r["loss"],
+            lambda: copy.deepcopy(trainer.weights()))
     trainer.load(best_state)
     metrics = {"train": trainer.evaluate(ex["train"][:2000], feats["train"][:2000]),
                "dev": trainer.evaluate(ex["dev"], feats["dev"]),

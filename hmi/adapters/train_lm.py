@@ -13,13 +13,13 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.train import Example, featurize
 from hmi.model.decoder import DecoderRoot, run_layers
 from hmi.plot.lookup import PlotLookup
+from hmi.training.fit import Fit, early_stopping
 
 NAME = "tenant"
 
@@ -83,7 +83,6 @@ def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: AdapterSpec, train_
     if init is not None:
         to_library(model, NAME, spec, root.l_low, init)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
     @torch.no_grad()
     def dev_loss() -> float:
@@ -95,41 +94,29 @@ def finetune_lm(root: DecoderRoot, lookup: PlotLookup, spec: AdapterSpec, train_
         return total / max(1, count)
 
     before = dev_loss()
-    best, best_w, bad, history, step = before, from_library(model, NAME, spec, root.l_low), 0, [], 0
     steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
     total = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
     rng = np.random.default_rng(cfg.seed)
-    bar = tqdm(total=total, desc="LoRA fine-tune", unit="step", disable=not progress)
-    for epoch in range(cfg.epochs):
-        model.train()
-        order = rng.permutation(len(train))
-        for s in range(0, len(train), cfg.batch_size):
-            if step >= total:
-                break
-            if should_stop is not None and should_stop():
-                bar.close()
-                raise RuntimeError("cancelled")
-            loss, _ = lm_loss(model, root, [train[i] for i in order[s:s + cfg.batch_size]])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
-            if on_progress is not None:
-                on_progress(step / total, {"epoch": epoch + 1, "loss": round(loss.item(), 4)})
-        d = dev_loss()
-        history.append({"epoch": epoch + 1, "dev_loss": round(d, 4)})
-        if d < best:
-            best, best_w, bad = d, from_library(model, NAME, spec, root.l_low), 0
-        else:
-            bad += 1
-            if bad >= cfg.patience:
-                break
-        if step >= total:
-            break
-    bar.close()
-    metrics = {"dev_ppl_before": round(math.exp(before), 3), "dev_ppl_after": round(math.exp(best), 3),
-               "steps": step, "history": history, "seconds": round(time.time() - t0, 1), "config": asdict(cfg),
+    with Fit(params, total, lr=cfg.lr, weight_decay=cfg.weight_decay, desc="LoRA fine-tune", progress=progress,
+             should_stop=should_stop, on_progress=on_progress) as fit:
+
+        def run_epoch(epoch: int) -> dict:
+            model.train()
+            order = rng.permutation(len(train))
+            for s in range(0, len(train), cfg.batch_size):
+                if fit.done:
+                    break
+                fit.check()
+                loss, _ = lm_loss(model, root, [train[i] for i in order[s:s + cfg.batch_size]])
+                fit.step(loss, {"epoch": epoch + 1}, epoch=epoch + 1)
+            return {"epoch": epoch + 1, "dev_loss": dev_loss(), "stop": fit.done}
+
+        neg_best, best_w, history = early_stopping(
+            cfg.epochs, cfg.patience, run_epoch, lambda r: -r["dev_loss"],
+            lambda: from_library(model, NAME, spec, root.l_low), best=-before,
+            best_state=from_library(model, NAME, spec, root.l_low))
+    metrics = {"dev_ppl_before": round(math.exp(before), 3), "dev_ppl_after": round(math.exp(-neg_best), 3),
+               "steps": fit.step_count, "history": [{**r, "dev_loss": round(r["dev_loss"], 4)} for r in history],
+               "seconds": round(time.time() - t0, 1), "config": asdict(cfg),
                "train_texts": len(train), "dev_texts": len(dev), "lookup_hits": dict(lookup.hits)}
     return copy.deepcopy(best_w), metrics

@@ -82,3 +82,31 @@ def held_out_texts(n: int = 256) -> list[str]:
             if i < len(rows) and len(out) < n:
                 out.append(rows[i]["text"])
     return out
+
+
+def job_rows(data: dict) -> tuple[list[dict], list[dict], list[dict]]:
+    """The (train, dev, test) rows of an encoder fine-tune job's ``data``: a prepared dataset's
+    splits (``dataset``, ``max_train``, ``max_eval``) or the rows it carries (``train``, ``dev``,
+    ``test``)."""
+    if data.get("dataset"):
+        name, n_eval = data["dataset"], data.get("max_eval", 500)
+        return (load_task(name, "train", data.get("max_train")), load_task(name, "dev", n_eval),
+                load_task(name, "test", n_eval))
+    return data["train"], data.get("dev") or [], data.get("test") or []
+
+
+def job_texts(data: dict) -> tuple[list[str], list[str]]:
+    """The (train, dev) texts of a decoder fine-tune job's ``data``: a prepared corpus's first
+    lines (``corpus``, ``max_train``) or the texts it carries (``texts``); a tenth of them, at
+    least one and at most 32, is held out for early stopping."""
+    texts = load_corpus(data["corpus"], (data.get("max_train") or 400) + 32) if data.get("corpus") else data["texts"]
+    n_dev = max(1, min(32, len(texts) // 10))
+    return texts[n_dev:] or texts, texts[:n_dev]
+
+
+def job_lines(data: dict) -> list[str]:
+    """The corpus lines of a domain job's ``data``: a prepared corpus (``corpus_name``,
+    ``max_lines``) or the lines it carries (``lines``)."""
+    if data.get("corpus_name"):
+        return load_corpus(data["corpus_name"], data.get("max_lines"))
+    return data["lines"]

@@ -19,12 +19,13 @@ from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.generate import completions, generate
-from hmi.dispatcher.jobs import JobManager, WorkerContext, new_job_id
+from hmi.dispatcher.jobs import JobManager, new_job_id
 from hmi.dispatcher.metrics import Metrics
 from hmi.dispatcher.openapi import openapi_document
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.schemas import api_error, build_models, parse
 from hmi.dispatcher.validation import ApiError, check_rows, error_response, json_body
+from hmi.dispatcher.workers import WorkerContext
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 

@@ -1,4 +1,4 @@
-"""Background jobs (tenant fine-tuning) in worker processes.
+"""Background jobs (tenant fine-tuning, domains) in worker processes (hmi.dispatcher.workers).
 
 Workers are spawned with ``torch.multiprocessing``; the root's weights are moved to shared
 memory once, so a worker maps the server's copy instead of loading its own.  A job reports
@@ -10,25 +10,20 @@ still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
-import signal
 import threading
 import time
-import traceback
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch.multiprocessing as mp
 
 from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 
 log = logging.getLogger("hmi.jobs")
-PR_SET_PDEATHSIG = 1
 
 
 class JobQueueFullError(RuntimeError):
@@ -37,187 +32,6 @@ class JobQueueFullError(RuntimeError):
 
 def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def rss_kib() -> dict[str, int]:
-    """This process's resident memory split into anonymous (private) and shared pages, KiB."""
-    out = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0])
-    except OSError:
-        pass
-    return out
-
-
-@dataclass
-class WorkerContext:
-    """What every worker receives: shared-memory modules and where things live."""
-
-    bert: object  # BertModel, parameters in shared memory
-    windowed: object  # WindowedEncoder, in shared memory
-    tokenizer_dir: str
-    l_low: int
-    plot_path: str
-    plot_meta: object  # PlotMeta
-    tenants_dir: str
-    miss_policy: str
-    artifact_id: str = ""
-    home: str = ""
-    gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
-
-
-def _root(ctx: WorkerContext):
-    from hmi.model.artifact import Root
-    from hmi.model.root import RootSpec, load_tokenizer
-
-    spec = RootSpec(ctx.tokenizer_dir, ctx.l_low)
-    return Root(spec, ctx.bert, load_tokenizer(ctx.tokenizer_dir), ctx.windowed, ctx.artifact_id, {})
-
-
-def _tree(ctx: WorkerContext):
-    from hmi.plot.lookup import PlotVersion
-    from hmi.plot.store import PlotStore
-    from hmi.version_tree.tree import VersionTree
-
-    root_version = PlotVersion("root", PlotStore(ctx.plot_path, readonly=True, expect=ctx.plot_meta), ctx.windowed)
-    return VersionTree(_root(ctx), Path(ctx.home), root_version=root_version)
-
-
-def _lookup(ctx: WorkerContext, domain: str):
-    return _tree(ctx).lookup(domain, ctx.miss_policy)
-
-
-def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Runs in a worker process: creates or updates a domain branch."""
-    import torch
-
-    _worker_setup(job)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    try:
-        from hmi.version_tree.fpt import FPTConfig
-
-        data = job["data"]
-        lines = data["lines"]
-        if data.get("corpus_name"):
-            from hmi.data import load_corpus
-
-            lines = load_corpus(data["corpus_name"], data.get("max_lines"))
-        tree = _tree(ctx)
-        fpt = FPTConfig(steps=job.get("steps", 150))
-        progress.put(("progress", 0.05, {"stage": "further pretraining"}))
-        if job["kind"] == "domain-create":
-            node = tree.create(job["domain"], job["parent"], lines, job["alpha"], fpt, progress=False,
-                               should_stop=cancel.is_set)
-        else:
-            node = tree.update(job["domain"], lines, fpt, progress=False, should_stop=cancel.is_set)
-        from dataclasses import asdict
-
-        progress.put(("done", 1.0, {**asdict(node), "worker_memory_kib": rss_kib()}))
-    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
-        if cancel.is_set():
-            progress.put(("cancelled", 0.0, {}))
-        else:
-            progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Asks the kernel to SIGKILL this process when its parent dies (Linux), and exits now if the
-    parent is already gone (it died between spawning us and this call)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the server still terminates its workers on shutdown
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _worker_setup(job: dict) -> None:
-    from hmi.allocator import tune_allocator
-
-    die_with_parent(job["server_pid"])
-    logging.getLogger("adapters").setLevel(logging.ERROR)
-    tune_allocator()
-
-
-def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Runs in a worker process: fine-tunes one tenant and stores its adapter (unpublished)."""
-    import torch
-
-    _worker_setup(job)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    try:
-        from hmi.adapters.spec import AdapterSpec
-        from hmi.adapters.store import AdapterStore
-        from hmi.adapters.train import FinetuneConfig, JobCancelled, finetune
-        from hmi.model.root import load_tokenizer
-
-        spec = AdapterSpec.from_dict(job["spec"])
-        lookup = _lookup(ctx, job.get("domain", "root"))
-        data = job["data"]
-        if data.get("dataset"):
-            from hmi.data import load_task
-
-            train = load_task(data["dataset"], "train", data.get("max_train"))
-            dev = load_task(data["dataset"], "dev", data.get("max_eval", 500))
-            test = load_task(data["dataset"], "test", data.get("max_eval", 500))
-        else:
-            train, dev, test = data["train"], data.get("dev") or [], data.get("test") or []
-        adapters = AdapterStore(ctx.tenants_dir)
-        init = adapters.load(job["tenant"]) if job["kind"] == "update" else None
-        cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0))
-        weights, metrics = finetune(
-            ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec, train, dev, test, cfg, init=init,
-            progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)),
-            should_stop=cancel.is_set, private_copy=False)
-        metrics["worker_memory_kib"] = rss_kib()
-        adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
-                      version=job["id"], publish=False)
-        progress.put(("done", 1.0, metrics))
-    except JobCancelled:
-        progress.put(("cancelled", 0.0, {}))
-    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
-        progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
-
-
-def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Runs in a worker process: fine-tunes one decoder tenant's LoRA and stores it (unpublished)."""
-    import torch
-
-    _worker_setup(job)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    try:
-        from hmi.adapters.spec import AdapterSpec
-        from hmi.adapters.store import AdapterStore
-        from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
-
-        if ctx.gpt is None:
-            raise RuntimeError("the server does not serve decoder tenants")
-        spec = AdapterSpec.from_dict(job["spec"])
-        data = job["data"]
-        texts = data.get("texts")
-        if data.get("corpus"):
-            from hmi.data import load_corpus
-
-            texts = load_corpus(data["corpus"], (data.get("max_train") or 400) + 32)
-        n_dev = max(1, min(32, len(texts) // 10))
-        dev, train = texts[:n_dev], texts[n_dev:] or texts
-        adapters = AdapterStore(ctx.tenants_dir)
-        init = {k: v.float() for k, v in adapters.load(job["tenant"]).items()} if job["kind"] == "update" else None
-        weights, metrics = finetune_lm(
-            ctx.gpt.root(), ctx.gpt.lookup(), spec, train, dev, LmFinetuneConfig(epochs=job.get("epochs", 1)), init=init,
-            progress=False, on_progress=lambda f, info: progress.put(("progress", f, info)), should_stop=cancel.is_set)
-        metrics["worker_memory_kib"] = rss_kib()
-        adapters.save(job["tenant"], spec, weights, {"model": "decoder", "metrics": metrics},
-                      version=job["id"], publish=False)
-        progress.put(("done", 1.0, metrics))
-    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
-        if cancel.is_set():
-            progress.put(("cancelled", 0.0, {}))
-        else:
-            progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
 
 
 class JobManager:

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
@@ -32,6 +31,7 @@ from hmi.model.hplm import HPLM
 from hmi.model.root import extended_mask, full_forward, mean_pool
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
+from hmi.training.fit import Fit
 
 
 @dataclass
@@ -144,24 +144,21 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     for p in windowed.parameters():
         p.requires_grad_(True)
     params = [p for p in windowed.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
+    fit = Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="calibrate",
+              schedule=lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
 
     # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
     held = HeldOutBackoff(token_lists(root.tokenizer, train_texts, cfg.max_len))
     backoff = held if cfg.backoff else None
     serve_whole = held.serve(None)
     before = None
-    step = 0
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
         if ck["config"] == asdict(cfg):
             windowed.load_state_dict(ck["model"])
-            opt.load_state_dict(ck["optimizer"])
-            sched.load_state_dict(ck["scheduler"])
-            step, before = ck["step"], json.loads(ck["before"])
-            log(f"resuming calibration at step {step}/{cfg.steps}")
+            fit.load_state_dict(ck)
+            before = json.loads(ck["before"])
+            log(f"resuming calibration at step {fit.step_count}/{cfg.steps}")
     if before is None:
         windowed.eval()
         before = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
@@ -174,31 +171,23 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     hplm = HPLM(root.bert, windowed)
     windowed.train()
     start = time.time()
-    bar = tqdm(total=cfg.steps, initial=step, desc="calibrate", unit="step")
-    while step < cfg.steps:
-        if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
-            log(f"time budget of {cfg.max_minutes} min reached at step {step}")
-            break
-        fold = step % len(orders)
-        order, turn = orders[fold], step // len(orders)
-        idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
-        ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
-        loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.4f}", **{k: f"{v:.4f}" for k, v in parts.items()})
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            tmp = ckpt_path.with_suffix(".tmp")
-            torch.save({"model": windowed.state_dict(), "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(), "step": step, "config": asdict(cfg),
-                        "before": json.dumps(before)}, tmp)
-            tmp.replace(ckpt_path)
-    bar.close()
+    with fit:
+        while not fit.done:
+            if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
+                log(f"time budget of {cfg.max_minutes} min reached at step {fit.step_count}")
+                break
+            fold = fit.step_count % len(orders)
+            order, turn = orders[fold], fit.step_count // len(orders)
+            idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
+            ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
+            loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
+            fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
+            if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
+                tmp = ckpt_path.with_suffix(".tmp")
+                torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
+                            "before": json.dumps(before)}, tmp)
+                tmp.replace(ckpt_path)
+    step = fit.step_count
     seconds = time.time() - start
     windowed.eval()
     for p in windowed.parameters():

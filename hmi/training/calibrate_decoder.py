@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from tqdm import tqdm
 
 from hmi.data import held_out_texts, load_corpus
 from hmi.model.artifact import write_artifact
 from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, window_states
 from hmi.model.windows import causal_windows, unique_windows
+from hmi.training.fit import Fit
 
 
 @dataclass
@@ -38,23 +38,23 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     lower = copy.deepcopy(root.layers[:root.l_low]).requires_grad_(True).train()
-    opt = torch.optim.AdamW(lower.parameters(), lr=cfg.lr, weight_decay=0.0)
     tok, history, t0 = root.tokenizer, [], time.time()
-    for step in tqdm(range(cfg.steps), desc="calibrate decoder", unit="step", disable=not progress):
-        batch = [lines[i] for i in rng.integers(0, len(lines), cfg.batch_size)]
-        enc = tok(batch, truncation=True, max_length=cfg.max_len, padding=True, return_tensors="pt", add_special_tokens=False)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
-        with torch.no_grad():
-            target = full_hidden(root, ids, mask, root.l_low)
-        m = mask.numpy().astype(bool)
-        uniq, inv = unique_windows(causal_windows(ids.numpy(), mask.numpy()), mask.numpy())
-        pred = window_states(root, torch.from_numpy(uniq), lower)[torch.from_numpy(inv[m])]
-        loss = ((pred - target[torch.from_numpy(m)]) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % 10 == 0 or step == cfg.steps - 1:
-            history.append((step, round(loss.item(), 5)))
+    with Fit(lower.parameters(), cfg.steps, lr=cfg.lr, weight_decay=0.0, desc="calibrate decoder",
+             progress=progress) as fit:
+        while not fit.done:
+            batch = [lines[i] for i in rng.integers(0, len(lines), cfg.batch_size)]
+            enc = tok(batch, truncation=True, max_length=cfg.max_len, padding=True, return_tensors="pt",
+                      add_special_tokens=False)
+            ids, mask = enc["input_ids"], enc["attention_mask"]
+            with torch.no_grad():
+                target = full_hidden(root, ids, mask, root.l_low)
+            m = mask.numpy().astype(bool)
+            uniq, inv = unique_windows(causal_windows(ids.numpy(), mask.numpy()), mask.numpy())
+            pred = window_states(root, torch.from_numpy(uniq), lower)[torch.from_numpy(inv[m])]
+            step = fit.step_count
+            fit.step(((pred - target[torch.from_numpy(m)]) ** 2).mean())
+            if step % 10 == 0 or step == cfg.steps - 1:
+                history.append((step, round(fit.last_loss, 5)))
     lower.eval().requires_grad_(False)
     return lower, {"history": history, "train_seconds": round(time.time() - t0, 1)}
 

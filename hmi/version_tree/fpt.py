@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from hmi.model.hplm import UpperLayers, WindowedEncoder
+from hmi.training.fit import Fit
 
 IGNORE = -100
 
@@ -86,9 +86,11 @@ def mlm_loss(encoder, upper, head, tokenizer, lines, cfg, seed: int = 1) -> floa
 
 
 def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
-                     progress: bool = True, should_stop=None, keep_head: list | None = None) -> dict:
+                     progress: bool = True, should_stop=None, keep_head: list | None = None,
+                     on_progress=None) -> dict:
     """Trains ``encoder`` in place; returns held-out MLM loss before and after and timings.
-    ``keep_head``, when a list, receives the trained MLM head (for evaluations through a PLOT)."""
+    ``keep_head``, when a list, receives the trained MLM head (for evaluations through a PLOT);
+    ``on_progress(fraction, info)`` hears every fifth step; ``should_stop()`` cancels."""
     torch.manual_seed(cfg.seed)
     held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     upper = UpperLayers(bert, encoder.l_low)
@@ -98,7 +100,6 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
     before = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
     head_params = [p for n, p in head.named_parameters() if "decoder.weight" not in n]
     params = list(encoder.parameters()) + head_params
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     warmup_steps = int(cfg.head_warmup * cfg.steps)
     # The root ships no MLM head: a fresh head first learns to read the calibrated representations,
     # so that its early, large gradients do not pull the lower side away from what the upper
@@ -108,30 +109,22 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     t0 = time.time()
-    step = 0
-    bar = tqdm(total=cfg.steps, desc="further pretraining (MLM)", unit="step", disable=not progress)
     upper.eval()
-    while step < cfg.steps:
-        for ids, mask in _batches(tokenizer, train, cfg, rng):
-            if step >= cfg.steps:
-                break
-            if should_stop is not None and should_stop():
-                raise RuntimeError("cancelled")
-            if step == warmup_steps and warmup_steps:
-                for p in encoder.parameters():
-                    p.requires_grad_(True)
-            encoder.train()
-            mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
-            logits = head(upper(encoder(mids, mask), mask))
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-    bar.close()
+    with Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="further pretraining (MLM)",
+             progress=progress, should_stop=should_stop, on_progress=on_progress, report_every=5) as fit:
+        while not fit.done:
+            for ids, mask in _batches(tokenizer, train, cfg, rng):
+                if fit.done:
+                    break
+                fit.check()
+                if fit.step_count == warmup_steps and warmup_steps:
+                    for p in encoder.parameters():
+                        p.requires_grad_(True)
+                encoder.train()
+                mids, labels = mask_tokens(ids, mask, tokenizer, gen, cfg.mlm_probability)
+                logits = head(upper(encoder(mids, mask), mask))
+                fit.step(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE))
+    step = fit.step_count
     encoder.eval()
     for p in encoder.parameters():
         p.requires_grad_(False)

@@ -175,7 +175,7 @@ class VersionTree:
 
     # -- changes -------------------------------------------------------------------------------
     def create(self, name: str, parent: str, lines: list[str], alpha: float = 0.5, fpt: FPTConfig | None = None,
-               progress: bool = True, should_stop=None) -> DomainNode:
+               progress: bool = True, should_stop=None, on_progress=None) -> DomainNode:
         if not is_valid_name(name) or name == "root":
             raise DomainError(f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-' (not 'root')")
         if name in self.nodes():
@@ -187,7 +187,8 @@ class VersionTree:
         work = self._work_dir(name)
         try:
             encoder = copy.deepcopy(self.encoder(parent))
-            node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop)
+            node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop,
+                                   on_progress=on_progress)
             self._place(work, node)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -203,7 +204,7 @@ class VersionTree:
         return node
 
     def update(self, name: str, lines: list[str], fpt: FPTConfig | None = None, progress: bool = True,
-               should_stop=None) -> DomainNode:
+               should_stop=None, on_progress=None) -> DomainNode:
         """Continues FPT on more corpus, re-counts over all of the domain's corpus, refreshes the PLOT."""
         nodes = self.nodes()
         if name not in nodes:
@@ -213,7 +214,8 @@ class VersionTree:
         work = self._work_dir(name)
         try:
             new = self._build(work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
-                              fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines))
+                              fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines),
+                              on_progress=on_progress)
             new.created = node.created
             self._place(work, new)
         except BaseException:
@@ -280,7 +282,10 @@ class VersionTree:
         return work
 
     def _build(self, work: Path, name: str, parent: str, encoder: WindowedEncoder, lines: list[str], alpha: float,
-               fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None) -> DomainNode:
+               fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None,
+               on_progress=None) -> DomainNode:
+        """Further-pretrains ``encoder`` on the corpus and builds the branch's PLOT into ``work``;
+        ``on_progress(fraction of the pretraining, info)`` hears the pretraining, then 1.0."""
         lines = [x.strip() for x in lines if x and x.strip()]
         tok = self.root.tokenizer
         token_lists = tokenize_corpus(tok, lines, fpt.max_len, progress=False)
@@ -288,7 +293,9 @@ class VersionTree:
         if n_tokens < MIN_CORPUS_TOKENS:
             raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
         fpt_metrics = further_pretrain(self.root.bert, tok, encoder, fpt_lines or lines, fpt,
-                                       progress=progress, should_stop=should_stop)
+                                       progress=progress, should_stop=should_stop, on_progress=on_progress)
+        if on_progress is not None:
+            on_progress(1.0, {})
         write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
         write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
         keys, counts = count_ngrams(token_lists)

@@ -11,7 +11,7 @@ from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from tests.conftest import tiny_bert
-from tests.model.test_calibrate import CharTokenizer
+from tests.training.test_calibrate import CharTokenizer
 
 H, L_LOW = 32, 2
 

@@ -1,0 +1,170 @@
+"""What runs inside a job's worker process: encoder fine-tuning, decoder fine-tuning, and domain
+creation or update.  Each worker maps the server's shared-memory root (``WorkerContext``), dies
+with the server (``PR_SET_PDEATHSIG``), and reports through ``progress`` (a queue of
+``(state, fraction, info)``): ``progress`` while it runs, then ``done``, ``cancelled`` or
+``failed``.  What it writes (an adapter version, a domain folder) stays unpublished until the
+server publishes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.store import AdapterStore
+from hmi.adapters.train import FinetuneConfig, finetune
+from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
+from hmi.allocator import tune_allocator
+from hmi.data import job_lines, job_rows, job_texts
+from hmi.model.artifact import Root
+from hmi.model.root import RootSpec, load_tokenizer
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotStore
+from hmi.training.fit import Cancelled
+from hmi.version_tree.fpt import FPTConfig
+from hmi.version_tree.tree import VersionTree
+
+PR_SET_PDEATHSIG = 1
+FPT_SHARE = 0.75  # of a domain job's progress bar: further pretraining; the branch's PLOT build follows
+
+
+@dataclass
+class WorkerContext:
+    """What every worker receives: shared-memory modules and where things live."""
+
+    bert: object  # BertModel, parameters in shared memory
+    windowed: object  # WindowedEncoder, in shared memory
+    tokenizer_dir: str
+    l_low: int
+    plot_path: str
+    plot_meta: object  # PlotMeta
+    tenants_dir: str
+    miss_policy: str
+    artifact_id: str = ""
+    home: str = ""
+    gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
+
+    def root(self) -> Root:
+        spec = RootSpec(self.tokenizer_dir, self.l_low)
+        return Root(spec, self.bert, load_tokenizer(self.tokenizer_dir), self.windowed, self.artifact_id, {})
+
+    def tree(self) -> VersionTree:
+        store = PlotStore(self.plot_path, readonly=True, expect=self.plot_meta)
+        return VersionTree(self.root(), Path(self.home), root_version=PlotVersion("root", store, self.windowed))
+
+    def lookup(self, domain: str) -> PlotLookup:
+        return self.tree().lookup(domain, self.miss_policy)
+
+
+def rss_kib() -> dict[str, int]:
+    """This process's resident memory split into anonymous (private) and shared pages, KiB."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0])
+    except OSError:
+        pass
+    return out
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Asks the kernel to SIGKILL this process when its parent dies (Linux), and exits now if the
+    parent is already gone (it died between spawning us and this call)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the server still terminates its workers on shutdown
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], None]], dict]) -> None:
+    """The frame of every worker: set-up, then ``work(report)`` -> the job's result, reported as
+    ``done`` (with the worker's memory), ``cancelled`` or ``failed`` (with the error)."""
+    die_with_parent(job["server_pid"])
+    logging.getLogger("adapters").setLevel(logging.ERROR)
+    tune_allocator()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        result = work(lambda fraction, info: progress.put(("progress", fraction, info)))
+        progress.put(("done", 1.0, {**result, "worker_memory_kib": rss_kib()}))
+    except Exception as exc:  # noqa: BLE001 - reported to the server as the job's error
+        if isinstance(exc, Cancelled) or cancel.is_set():
+            progress.put(("cancelled", 0.0, {}))
+        else:
+            progress.put(("failed", 0.0, {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}))
+
+
+def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Creates or updates a domain branch (further pretraining, then the branch's PLOT)."""
+
+    def work(report) -> dict:
+        lines = job_lines(job["data"])
+        tree = ctx.tree()
+        fpt = FPTConfig(steps=job.get("steps", 150))
+        report(0.0, {"stage": "further pretraining"})
+
+        def on_progress(fraction: float, info: dict) -> None:
+            stage = "further pretraining" if fraction < 1 else "building the branch's PLOT"
+            report(FPT_SHARE * fraction, {**info, "stage": stage})
+
+        if job["kind"] == "domain-create":
+            node = tree.create(job["domain"], job["parent"], lines, job["alpha"], fpt, progress=False,
+                               should_stop=cancel.is_set, on_progress=on_progress)
+        else:
+            node = tree.update(job["domain"], lines, fpt, progress=False, should_stop=cancel.is_set,
+                               on_progress=on_progress)
+        return asdict(node)
+
+    _run(job, progress, cancel, work)
+
+
+def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Fine-tunes one encoder tenant and stores its adapter (unpublished, named by the job id)."""
+
+    def work(report) -> dict:
+        spec = AdapterSpec.from_dict(job["spec"])
+        train, dev, test = job_rows(job["data"])
+        adapters = AdapterStore(ctx.tenants_dir)
+        init = adapters.load(job["tenant"]) if job["kind"] == "update" else None
+        cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0))
+        weights, metrics = finetune(
+            ctx.bert, ctx.l_low, ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir), spec,
+            train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set,
+            private_copy=False)
+        adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
+                      version=job["id"], publish=False)
+        return metrics
+
+    _run(job, progress, cancel, work)
+
+
+def decoder_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
+    """Fine-tunes one decoder tenant's LoRA and stores it (unpublished, named by the job id)."""
+
+    def work(report) -> dict:
+        if ctx.gpt is None:
+            raise RuntimeError("the server does not serve decoder tenants")
+        spec = AdapterSpec.from_dict(job["spec"])
+        train, dev = job_texts(job["data"])
+        adapters = AdapterStore(ctx.tenants_dir)
+        init = {k: v.float() for k, v in adapters.load(job["tenant"]).items()} if job["kind"] == "update" else None
+        weights, metrics = finetune_lm(
+            ctx.gpt.root(), ctx.gpt.lookup(), spec, train, dev, LmFinetuneConfig(epochs=job.get("epochs", 1)),
+            init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
+        adapters.save(job["tenant"], spec, weights, {"model": "decoder", "metrics": metrics},
+                      version=job["id"], publish=False)
+        return metrics
+
+    _run(job, progress, cancel, work)
