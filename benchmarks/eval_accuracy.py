@@ -35,6 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import finish, start, table  # noqa: E402
+from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
@@ -83,7 +84,6 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
             p.requires_grad_(True)
     head = nn.Linear(bert.config.hidden_size, spec.num_labels)
     params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     tagging = spec.head == "tagging"
     drop = nn.Dropout(0.1)
     frozen: dict[int, torch.Tensor] = {}  # id(example) -> frozen root output, "head" only
@@ -132,21 +132,21 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
         return metrics_of(np.concatenate(preds), np.concatenate(gold), spec.num_labels)
 
     rng = np.random.default_rng(seed)
-    best, best_state = -1.0, None
-    for _ in range(epochs):
-        order = rng.permutation(len(ex_train))
-        for s in range(0, len(order), 32):
-            exs = [ex_train[i] for i in order[s:s + 32]]
-            ids, mask, y = batch(exs)
-            out = logits(exs, ids, mask, True)
-            loss = F.cross_entropy(out.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        dev = evaluate(ex_dev)["accuracy"]
-        if dev > best:
-            best = dev
-            best_state = ({k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in head.state_dict().items()})
+    with Fit(params, epochs * -(-len(ex_train) // 32), lr=lr, weight_decay=0.01, progress=False) as fit:
+
+        def run_epoch(_epoch: int) -> dict:
+            order = rng.permutation(len(ex_train))
+            for s in range(0, len(order), 32):
+                exs = [ex_train[i] for i in order[s:s + 32]]
+                ids, mask, y = batch(exs)
+                out = logits(exs, ids, mask, True)
+                fit.step(F.cross_entropy(out.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE))
+            return {"dev": evaluate(ex_dev)["accuracy"]}
+
+        # Every epoch runs (patience = epochs); the best on dev is kept.
+        best, best_state, _ = early_stopping(
+            epochs, epochs, run_epoch, lambda r: r["dev"],
+            lambda: ({k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in head.state_dict().items()}))
     model.load_state_dict(best_state[0])
     head.load_state_dict(best_state[1])
     return {"dev": {"accuracy": best}, "test": evaluate(ex_test)}

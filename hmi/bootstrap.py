@@ -1,5 +1,8 @@
 """The embedded default made ready: prepared data, a calibrated root and its root PLOT, each only
-when missing.  Used by ``hmi serve``, ``hmi prepare``, ``hmi demo`` and the benchmarks."""
+when missing.  Used by ``hmi serve``, ``hmi prepare``, ``hmi demo`` and the benchmarks.
+
+Imports of the model side (torch, transformers) happen inside the functions: importing this
+module must not load transformers before :func:`quiet_transformers` has switched it offline."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The ``hmi`` command line."""
+"""The ``hmi`` command line: argparse and printing only (nothing imports it).
+
+Light modules (data, home, client, allocator) are imported here; a command imports the model
+side (torch, transformers, the PLOT) when it runs, so that ``hmi --help`` and the HTTP client
+commands start in a fraction of a second."""
 
 from __future__ import annotations
 
@@ -8,15 +12,16 @@ import os
 import sys
 from pathlib import Path
 
+from hmi.allocator import tune_allocator
 from hmi.bootstrap import calibrate_default, ensure_data, prepare_default
 from hmi.bootstrap import quiet_transformers as _quiet_transformers
-from hmi.data import held_out_texts
+from hmi.client import ApiError, Client, load_rows
+from hmi.data import CORPORA, data_dir, held_out_texts, load_corpus, task_labels
+from hmi.data.prepare import prepare
+from hmi.home import hmi_home
 
 
 def cmd_data_prepare(args) -> int:
-    from hmi.data import data_dir
-    from hmi.data.prepare import prepare
-
     out = Path(args.out) if args.out else data_dir()
     stats = prepare(out, force=args.force)
     for name, s in stats["tasks"].items():
@@ -27,7 +32,6 @@ def cmd_data_prepare(args) -> int:
 
 
 def cmd_calibrate_decoder(args) -> int:
-    from hmi.home import hmi_home
     from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save
 
     cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
@@ -72,7 +76,6 @@ def print_quality(meta: dict) -> None:
 
 
 def cmd_info(args) -> int:
-    from hmi.home import hmi_home
     from hmi.model.artifact import artifact_config, current_artifact_id
 
     home = hmi_home()
@@ -109,8 +112,6 @@ def parse_selection(text: str):
 
 
 def read_corpus_arg(corpus: str) -> list[str]:
-    from hmi.data import CORPORA, load_corpus
-
     if corpus in CORPORA:
         ensure_data()
         return load_corpus(corpus)
@@ -138,7 +139,6 @@ def cmd_plot_build(args) -> int:
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
     if args.decoder:
-        from hmi.home import hmi_home
         from hmi.training.calibrate_decoder import load_calibrated_decoder
 
         root = load_calibrated_decoder(hmi_home())
@@ -173,8 +173,6 @@ def cmd_plot_stats(args) -> int:
 def cmd_prepare(args) -> int:
     """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
     _quiet_transformers()
-    from hmi.home import hmi_home
-
     root = prepare_default(hmi_home())
     print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
     return 0
@@ -185,7 +183,6 @@ def cmd_demo(args) -> int:
     _quiet_transformers()
     import torch
 
-    from hmi.home import hmi_home
     from hmi.plot.lookup import PlotLookup
     from hmi.plot.paths import open_root_version
 
@@ -227,8 +224,6 @@ def cmd_serve(args) -> int:
 
 
 def _client(args):
-    from hmi.client import Client
-
     return Client(args.url, args.token)
 
 
@@ -237,8 +232,6 @@ def _print(obj) -> None:
 
 
 def _run_client(fn):
-    from hmi.client import ApiError
-
     def wrapped(args) -> int:
         try:
             return fn(args) or 0
@@ -271,15 +264,11 @@ def cmd_generate(args):
 
 @_run_client
 def cmd_tenant_create(args):
-    from hmi.client import load_rows
-
     data = None
     if args.train:
         data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []}
     labels = args.labels.split(",") if args.labels else None
     if labels is None and args.dataset:
-        from hmi.data import task_labels
-
         labels = task_labels(args.dataset)
     if not labels:
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
@@ -293,8 +282,6 @@ def cmd_tenant_create(args):
 
 @_run_client
 def cmd_tenant_update(args):
-    from hmi.client import load_rows
-
     data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []} if args.train else None
     c = _client(args)
     out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs)
@@ -365,8 +352,6 @@ def cmd_domain_create(args):
 
 @_run_client
 def _domain_client(args, verb):
-    from hmi.data import CORPORA
-
     c = _client(args)
     if verb == "delete":
         _print(c.delete_domain(args.name))
@@ -396,8 +381,6 @@ def cmd_domain_update(args):
 @_domain_error
 def cmd_domain_delete(args):
     from hmi.dispatcher.registry import Registry
-    from hmi.home import hmi_home
-
     if _domain_via_server(args):
         return _domain_client(args, "delete")
 
@@ -579,8 +562,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hmi.allocator import tune_allocator
-
     args = build_parser().parse_args(argv)
     tune_allocator()
     return args.func(args)

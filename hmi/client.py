@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from hmi.home import hmi_home
 
 
 class ApiError(RuntimeError):
@@ -20,8 +23,6 @@ def default_token() -> str | None:
     for var in ("HMI_TOKEN", "HMI_ADMIN_TOKEN"):
         if os.environ.get(var):
             return os.environ[var]
-    from hmi.home import hmi_home
-
     p = hmi_home() / "admin_token"
     return p.read_text().strip() if p.exists() else None
 
@@ -144,8 +145,6 @@ class Client:
         return self.request("DELETE", f"/v1/domains/{name}")
 
     def wait_job(self, job_id: str, timeout: float = 1800, poll: float = 1.0) -> dict:
-        import time
-
         end = time.time() + timeout
         while time.time() < end:
             job = self.job(job_id)

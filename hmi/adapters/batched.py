@@ -140,8 +140,24 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
 
     Shapes: x (B, T, H); ext (B, 1, 1, T) additive mask -> (B, T, H).
     """
-    kinds = {g.pool.kind for g in groups}
     att = layer.attention.self
+    q, k, v = _adapted_qkv(li, att, x, groups)
+    B, T, H = x.shape
+    nh, hd = att.num_attention_heads, att.attention_head_size
+    qh = q.view(B, T, nh, hd).transpose(1, 2)
+    kh = k.view(B, T, nh, hd).transpose(1, 2)
+    vh = v.view(B, T, nh, hd).transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
+    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
+    y = _attention_output(li, layer.attention.output, ctx, x, groups)
+    inter = _ia3_scaled(li, "ffn", layer.intermediate.dense(y), groups)
+    inter = layer.intermediate.intermediate_act_fn(inter)
+    return layer.output.LayerNorm(layer.output.dense(inter) + y)
+
+
+def _adapted_qkv(li: int, att: nn.Module, x: torch.Tensor, groups: list[Group]):
+    """Query, key and value projections with each group's LoRA (query, value) or IA3 (key, value).
+    Shapes: x (B, T, H) -> three (B, T, H)."""
     q, k, v = att.query(x), att.key(x), att.value(x)
     for g in groups:
         p = g.pool
@@ -155,55 +171,46 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
             else:
                 q = q.index_add(0, g.rows, dq)
                 v = v.index_add(0, g.rows, dv)
-        elif p.kind == "ia3":
-            lw = p.layer(li)
-            ks = lw["k"].index_select(0, g.slots).unsqueeze(1)
-            vs = lw["v"].index_select(0, g.slots).unsqueeze(1)
-            if g.all_rows:
-                k, v = k * ks, v * vs
-            else:
-                k = k.index_copy(0, g.rows, k.index_select(0, g.rows) * ks)
-                v = v.index_copy(0, g.rows, v.index_select(0, g.rows) * vs)
-    B, T, H = x.shape
-    nh, hd = att.num_attention_heads, att.attention_head_size
-    qh = q.view(B, T, nh, hd).transpose(1, 2)
-    kh = k.view(B, T, nh, hd).transpose(1, 2)
-    vh = v.view(B, T, nh, hd).transpose(1, 2)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
-    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
-    so = layer.attention.output
-    h = so.dense(ctx)
-    pre = h + x
-    if "bottleneck" in kinds:
-        ys = []
-        y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
-        for g in groups:
-            if g.pool.kind != "bottleneck":
-                continue
-            lw = g.pool.layer(li)
-            rows_h = h if g.all_rows else h.index_select(0, g.rows)
-            rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
-            out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
-                                                             lw["up_w"], lw["up_b"], g.plan))
-            ys.append((g, out))
-        if y is None and len(ys) == 1 and ys[0][0].all_rows:
-            y = ys[0][1]
-        else:
-            y = so.LayerNorm(pre) if y is None else y
-            for g, out in ys:
-                y[g.rows] = out
-    else:
-        y = so.LayerNorm(pre)
-    inter = layer.intermediate.dense(y)
+    k = _ia3_scaled(li, "k", k, groups)
+    v = _ia3_scaled(li, "v", v, groups)
+    return q, k, v
+
+
+def _ia3_scaled(li: int, site: str, t: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """``t`` with the rows of each IA3 group scaled by their tenant's vector at ``site`` (k, v, ffn).
+    Shapes: t (B, T, D) -> (B, T, D)."""
     for g in groups:
         if g.pool.kind == "ia3":
-            fs = g.pool.layer(li)["ffn"].index_select(0, g.slots).unsqueeze(1)
-            if g.all_rows:
-                inter = inter * fs
-            else:
-                inter = inter.index_copy(0, g.rows, inter.index_select(0, g.rows) * fs)
-    inter = layer.intermediate.intermediate_act_fn(inter)
-    return layer.output.LayerNorm(layer.output.dense(inter) + y)
+            s = g.pool.layer(li)[site].index_select(0, g.slots).unsqueeze(1)
+            t = t * s if g.all_rows else t.index_copy(0, g.rows, t.index_select(0, g.rows) * s)
+    return t
+
+
+def _attention_output(li: int, so: nn.Module, ctx: torch.Tensor, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """The attention block's output ``LN(h + x)``, with ``+ up(relu(down(h)))`` inside the norm for
+    the rows of bottleneck groups (h = the output projection of ``ctx``).
+    Shapes: ctx, x (B, T, H) -> (B, T, H)."""
+    h = so.dense(ctx)
+    pre = h + x
+    if not any(g.pool.kind == "bottleneck" for g in groups):
+        return so.LayerNorm(pre)
+    ys = []
+    y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
+    for g in groups:
+        if g.pool.kind != "bottleneck":
+            continue
+        lw = g.pool.layer(li)
+        rows_h = h if g.all_rows else h.index_select(0, g.rows)
+        rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
+        out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
+                                                         lw["up_w"], lw["up_b"], g.plan))
+        ys.append((g, out))
+    if y is None and len(ys) == 1 and ys[0][0].all_rows:
+        return ys[0][1]
+    y = so.LayerNorm(pre) if y is None else y
+    for g, out in ys:
+        y[g.rows] = out
+    return y
 
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | bool) -> torch.Tensor:

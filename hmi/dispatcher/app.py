@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.adapters.store import AdapterStore, TenantMissingError
+from hmi.data import is_tagging, task_labels
 from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.context import SERVER
@@ -28,6 +29,7 @@ from hmi.dispatcher.validation import ApiError, check_rows, error_response, json
 from hmi.dispatcher.workers import WorkerContext
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
+from hmi.version_tree.tree import MIN_CORPUS_TOKENS, DomainError, VersionTree
 
 log = logging.getLogger("hmi.server")
 
@@ -76,8 +78,6 @@ class Server:
                     self._gpt_ready.add(name)
                 else:
                     self._entries[name] = self._entry(name, rec)
-        from hmi.version_tree.tree import VersionTree
-
         self.tree = VersionTree(root, home, root_version=lookup.chain[0])
         self._lookups: dict[str, object] = {"root": lookup}
         self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.resolve,
@@ -301,8 +301,6 @@ def _training_data(body, spec: AdapterSpec) -> dict:
     """A validated body's training data (a prepared dataset, or examples) checked against the
     task: 422 when examples do not fit the head or use labels the task does not have."""
     if body.dataset is not None:
-        from hmi.data import is_tagging, task_labels
-
         if is_tagging(body.dataset) != (spec.head == "tagging"):
             need = "tagging" if is_tagging(body.dataset) else "classification"
             raise ApiError(422, "invalid_spec", f"dataset {body.dataset!r} needs a {need} task")
@@ -515,8 +513,6 @@ async def _corpus_body(request: web.Request) -> dict:
 def _corpus_data(body) -> dict:
     """The corpus of a validated domain body: a prepared corpus by name, or lines (422 when too
     few words for a domain)."""
-    from hmi.version_tree.tree import MIN_CORPUS_TOKENS
-
     if body.corpus_name is not None:
         return {"corpus_name": body.corpus_name, "max_lines": body.max_lines, "lines": None}
     lines = [x.strip() for x in body.corpus if x.strip()]
@@ -568,8 +564,6 @@ async def update_domain(request: web.Request) -> web.Response:
 
 
 async def delete_domain(request: web.Request) -> web.Response:
-    from hmi.version_tree.tree import DomainError
-
     s: Server = request.app[SERVER]
     s.require_admin(request)
     name = request.match_info["name"]

@@ -6,14 +6,21 @@ import asyncio
 import json
 import logging
 import sys
+import threading
 from pathlib import Path
 
 from aiohttp import web
 
+from hmi.adapters.spec import AdapterSpec
 from hmi.bootstrap import prepare_default
+from hmi.data import task_labels
 from hmi.dispatcher.app import Server, ServerConfig, make_app
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
+from hmi.model.artifact import load_root
+from hmi.plot.lookup import PlotLookup
+from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
+from hmi.scheduler.decoder_runtime import HgptRuntime
 
 DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "corpus": "legal", "max_train": 160, "epochs": 1}]
 
@@ -26,10 +33,6 @@ DEMO_TENANTS = [
 
 def build_server(cfg: ServerConfig, home: Path | None = None, root=None) -> Server:
     """Loads the current root and its root PLOT (which must exist) into a Server."""
-    from hmi.model.artifact import load_root
-    from hmi.plot.lookup import PlotLookup
-    from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
-
     home = home or hmi_home()
     root = root or load_root(home=home)
     version = open_root_version(root, home)
@@ -39,9 +42,6 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None) -> Serv
 
 def start_demo_tenants(server: Server) -> dict[str, str]:
     """Creates the demo tenants that do not exist yet; returns the new tokens."""
-    from hmi.adapters.spec import AdapterSpec
-    from hmi.data import task_labels
-
     tokens = {}
     for d in DEMO_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
@@ -68,8 +68,6 @@ def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
 
 def enable_hgpt(server: Server, home: Path) -> None:
     """Loads the decoder root and its causal PLOT (built on first start) into the server."""
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
     server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))
 
@@ -115,8 +113,6 @@ HMI serving on {base}
 
 def run_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0):
     """Starts the app on a background event loop (tests, benchmarks); returns (base_url, stop)."""
-    import threading
-
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(make_app(server))
     ready = threading.Event()

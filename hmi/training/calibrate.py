@@ -130,6 +130,32 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
 
 
+def _train(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
+           checkpoint, log) -> None:
+    """The calibration steps from ``fit.step_count`` to the end (or the time budget), calling
+    ``checkpoint()`` every ``cfg.checkpoint_every`` steps and at the end.  With back-off, a step's
+    texts come from one half (alternating), read as the other half's PLOT serves them."""
+    rng = np.random.default_rng(cfg.seed)
+    folds = [np.arange(f, len(train_texts), 2) for f in range(2)] if backoff else [np.arange(len(train_texts))]
+    orders = [rng.permutation(f) for f in folds]
+    hplm = HPLM(root.bert, root.windowed)
+    root.windowed.train()
+    start = time.time()
+    with fit:
+        while not fit.done:
+            if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
+                log(f"time budget of {cfg.max_minutes} min reached at step {fit.step_count}")
+                break
+            fold = fit.step_count % len(orders)
+            order, turn = orders[fold], fit.step_count // len(orders)
+            idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
+            ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
+            loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
+            fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
+            if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
+                checkpoint()
+
+
 def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
               work_dir: Path | None = None, home: Path | None = None, log=print) -> tuple[str, dict]:
     """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata)."""
@@ -164,29 +190,14 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         before = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
         log(f"before calibration: {before}")
 
-    # With back-off, a step's texts come from one half (alternating), read as the other half's PLOT serves them.
-    rng = np.random.default_rng(cfg.seed)
-    folds = [np.arange(f, len(train_texts), 2) for f in range(2)] if backoff else [np.arange(len(train_texts))]
-    orders = [rng.permutation(f) for f in folds]
-    hplm = HPLM(root.bert, windowed)
-    windowed.train()
+    def checkpoint() -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
+                    "before": json.dumps(before)}, tmp)
+        tmp.replace(ckpt_path)
+
     start = time.time()
-    with fit:
-        while not fit.done:
-            if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
-                log(f"time budget of {cfg.max_minutes} min reached at step {fit.step_count}")
-                break
-            fold = fit.step_count % len(orders)
-            order, turn = orders[fold], fit.step_count // len(orders)
-            idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
-            ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
-            loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
-            fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
-            if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
-                tmp = ckpt_path.with_suffix(".tmp")
-                torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
-                            "before": json.dumps(before)}, tmp)
-                tmp.replace(ckpt_path)
+    _train(root, train_texts, cfg, fit, backoff, checkpoint, log)
     step = fit.step_count
     seconds = time.time() - start
     windowed.eval()

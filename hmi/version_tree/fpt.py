@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers.models.bert.modeling_bert import BertOnlyMLMHead
 
 from hmi.model.hplm import UpperLayers, WindowedEncoder
 from hmi.training.fit import Fit
@@ -53,8 +54,6 @@ def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, tokenizer, gen: torch.Gen
 def mlm_head(config, encoder: WindowedEncoder):
     """A fresh MLM head (the packaged root ships none: its transform and bias would be new anyway)
     with the decoder tied to the branch's word embeddings."""
-    from transformers.models.bert.modeling_bert import BertOnlyMLMHead
-
     torch.manual_seed(0)
     head = BertOnlyMLMHead(config)
     head.predictions.decoder.weight = encoder.lower.embeddings.word_embeddings.weight
