@@ -145,8 +145,8 @@ def cdf_png(runs: dict, png: Path) -> None:
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--client", action="store_true", help=argparse_suppress()))
     from hmi.data import load_task
-    from hmi.dispatcher.app import ServerConfig
     from hmi.dispatcher.serve import build_server, run_in_thread
+    from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
     from hmi.model.artifact import load_root
     from hmi.plot.paths import ensure_root_plot

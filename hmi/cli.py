@@ -209,8 +209,8 @@ def cmd_demo(args) -> int:
 
 def cmd_serve(args) -> int:
     _quiet_transformers()
-    from hmi.dispatcher.app import ServerConfig
     from hmi.dispatcher.serve import serve
+    from hmi.dispatcher.server import ServerConfig
     from hmi.scheduler.pipeline import pick_device
 
     try:

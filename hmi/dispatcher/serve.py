@@ -14,7 +14,8 @@ from aiohttp import web
 from hmi.adapters.spec import AdapterSpec
 from hmi.bootstrap import prepare_default
 from hmi.data import task_labels
-from hmi.dispatcher.app import Server, ServerConfig, make_app
+from hmi.dispatcher.app import make_app
+from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
 from hmi.model.artifact import load_root

@@ -7,9 +7,10 @@ import urllib.request
 import pytest
 
 from hmi.client import ApiError, Client
-from hmi.dispatcher.app import ROUTES, Server, ServerConfig
+from hmi.dispatcher.app import ROUTES
 from hmi.dispatcher.openapi import ROUTE_DOCS
 from hmi.dispatcher.serve import run_in_thread
+from hmi.dispatcher.server import Server, ServerConfig
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer

@@ -25,7 +25,7 @@ def _decoder_tenant(s, tenant: str) -> None:
         raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
     if rec.get("model") != "decoder":
         raise ApiError(422, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
-    if tenant not in s._gpt_ready:
+    if not s.decoder_ready(tenant):
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
 
 

@@ -1,0 +1,74 @@
+"""HTTP routes of operations: jobs (read, list, cancel), health, Prometheus metrics and the
+OpenAPI document."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from hmi.dispatcher.context import SERVER
+from hmi.dispatcher.openapi import openapi_document
+from hmi.dispatcher.server import Server
+from hmi.dispatcher.validation import ApiError
+
+
+def _job_for(request) -> tuple[Server, dict]:
+    s: Server = request.app[SERVER]
+    jid = request.match_info["job"]
+    who = s.caller(request)
+    job = s.registry.get("jobs", jid)
+    if job is None:
+        raise ApiError(404, "unknown_job", f"no job {jid!r}")
+    if who != "admin" and job.get("tenant") != who:
+        raise ApiError(403, "forbidden", f"this token may not see job {jid!r}")
+    return s, job
+
+
+async def get_job(request: web.Request) -> web.Response:
+    _, job = _job_for(request)
+    return web.json_response(job)
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    s, job = _job_for(request)
+    if not s.jobs.cancel(job["id"]):
+        raise ApiError(409, "job_finished", f"job {job['id']} is {job['state']}; only queued or running jobs can be cancelled")
+    return web.json_response({"job": job["id"], "cancelling": True}, status=202)
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    s.require_admin(request)
+    return web.json_response({"jobs": [j for _, j in s.registry.items("jobs")]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
+                              "tenants_servable": s.servable_count(), "root_artifact": s.root.artifact_id})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    m = s.metrics
+    m.queue_depth.set(s.scheduler.queue_depth())
+    for stage, secs in s.scheduler.tracer.stage_seconds().items():
+        m.stage_seconds.labels(stage).set(secs)
+    for level, n in dict(s.lookup.hits).items():
+        m.plot_hits.labels(level).set(n)
+    res = s.scheduler.residency.stats()
+    m.adapter_hits.labels("device").set(res["device_hits"])
+    m.adapter_hits.labels("host").set(s.store.stats["host_hits"])
+    m.adapter_hits.labels("disk").set(s.store.stats["disk_loads"])
+    counts = {st: 0 for st in ("queued", "running", "succeeded", "failed", "cancelled")}
+    for _, j in s.registry.items("jobs"):
+        counts[j["state"]] = counts.get(j["state"], 0) + 1
+    for st, n in counts.items():
+        m.jobs.labels(st).set(n)
+    return web.Response(body=m.render(), content_type="text/plain")
+
+
+async def openapi(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    return web.json_response(openapi_document(request.app, s.models))

@@ -1,0 +1,179 @@
+"""HTTP routes of tenants: infer, create, update, delete, list and read (docs/design.md, section 7)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.data import is_tagging, task_labels
+from hmi.dispatcher.context import SERVER
+from hmi.dispatcher.schemas import api_error, parse
+from hmi.dispatcher.server import Server
+from hmi.dispatcher.validation import ApiError, check_rows, json_body
+from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
+
+
+def public_tenant(name: str, rec: dict) -> dict:
+    keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
+    return {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
+
+
+async def infer(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    body = parse(s.models["InferBody"], await json_body(request))
+    if not s.servable(tenant):
+        rec = s.registry.get("tenants", tenant)
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
+    reqs = [InferRequest(tenant, x) for x in body.inputs]
+    try:
+        s.batcher.add(reqs)
+    except QueueFullError:
+        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc(len(reqs))
+    try:
+        outputs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)),
+                                         s.cfg.infer_timeout_s)
+    except RequestError as exc:
+        raise ApiError(exc.status, exc.code, exc.message) from None
+    except QueueFullError:
+        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    except SchedulerClosedError:
+        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+    except asyncio.TimeoutError:
+        raise ApiError(503, "timeout", "inference did not finish in time; retry") from None
+    return web.json_response({"tenant": tenant, "outputs": outputs})
+
+
+def _spec(body) -> AdapterSpec:
+    """The AdapterSpec of a validated EncoderTenant body; 422 for combinations the spec refuses."""
+    kw = {"kind": body.adapter.kind, "head": body.task.type, "labels": body.task.labels}
+    if body.task.pooling is not None:  # else the spec's default
+        kw["pooling"] = body.task.pooling
+    for k in ("reduction_factor", "rank", "alpha"):
+        if getattr(body.adapter, k) is not None:
+            kw[k] = getattr(body.adapter, k)
+    try:
+        return AdapterSpec(**kw)
+    except SpecError as exc:
+        raise ApiError(422, "invalid_spec", str(exc)) from None
+
+
+def _training_data(body, spec: AdapterSpec) -> dict:
+    """A validated body's training data (a prepared dataset, or examples) checked against the
+    task: 422 when examples do not fit the head or use labels the task does not have."""
+    if body.dataset is not None:
+        if is_tagging(body.dataset) != (spec.head == "tagging"):
+            need = "tagging" if is_tagging(body.dataset) else "classification"
+            raise ApiError(422, "invalid_spec", f"dataset {body.dataset!r} needs a {need} task")
+        missing = sorted(set(task_labels(body.dataset)) - set(spec.labels))
+        if missing:
+            raise ApiError(422, "labels_missing", f"labels {missing} of dataset {body.dataset!r} are not in the task's labels")
+        return {"dataset": body.dataset, "max_train": body.max_train}
+    tagging = spec.head == "tagging"
+    data = {split: check_rows([r.model_dump() for r in getattr(body.training_data, split)], tagging,
+                              f"training_data.{split}") for split in ("train", "dev", "test")}
+    seen = {t for rows in data.values() for r in rows for t in (r["tags"] if tagging else [r["label"]])}
+    missing = sorted(seen - set(spec.labels))
+    if missing:
+        raise ApiError(422, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
+    return data
+
+
+def _decoder_training(body) -> dict:
+    """``corpus`` (a prepared corpus name) or ``training_text`` of a validated decoder body."""
+    if body.corpus is not None:
+        return {"corpus": body.corpus, "max_train": body.max_train}
+    texts = body.training_text
+    return {"texts": texts[:body.max_train] if body.max_train else texts}
+
+
+async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
+    body = parse(s.models["DecoderTenant"], raw)
+    gpt = s.require_gpt()
+    rank = body.adapter.rank or gpt.rank
+    if rank != gpt.rank:
+        raise ApiError(422, "invalid_spec", f"this server batches decoder LoRA of rank {gpt.rank}")
+    spec = AdapterSpec.decoder(rank=rank, alpha=body.adapter.alpha or None)
+    token, job = s.create_tenant(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
+                                 _decoder_training(body), epochs=body.epochs, model="decoder")
+    return web.json_response({"tenant": body.name, "token": token, "job": job,
+                              "note": "keep the token: it is shown only once"}, status=202)
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    s.require_admin(request)
+    raw = await json_body(request)
+    if raw.get("model") == "decoder":
+        return await _create_decoder_tenant(s, raw)
+    body = parse(s.models["EncoderTenant"], raw)
+    if body.domain != "root" and body.domain not in s.tree.nodes():
+        raise ApiError(404, "unknown_domain", f"no domain {body.domain!r}")
+    spec = _spec(body)
+    data = _training_data(body, spec)
+    token, job = s.create_tenant(body.name, {"domain": body.domain, "spec": spec.to_dict()}, data, epochs=body.epochs,
+                                 domain=body.domain)
+    return web.json_response({"tenant": body.name, "token": token, "job": job,
+                              "note": "keep the token: it is shown only once"}, status=202)
+
+
+def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
+    """The body under the tenant's own update model; a body made for the other kind of tenant
+    is a 422 that says so (the document allows both on this route)."""
+    try:
+        return s.models[mine].model_validate(raw)
+    except ValidationError as exc:
+        try:
+            s.models[other].model_validate(raw)
+        except ValidationError:
+            raise api_error(exc) from None
+        raise ApiError(422, "wrong_tenant_kind", f"this body updates a {'decoder' if kind == 'encoder' else 'encoder'} "
+                       f"tenant; this tenant is an {kind} tenant") from None
+
+
+async def update_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    rec = s.tenant_record(tenant)
+    if rec["state"] != "ready":
+        raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
+    raw = await json_body(request)
+    if rec.get("model") == "decoder":
+        body = _parse_for_kind(s, raw, "DecoderUpdate", "EncoderUpdate", "decoder")
+        s.require_gpt()
+        job = s.update_tenant(tenant, _decoder_training(body), epochs=body.epochs, model="decoder")
+        return web.json_response({"tenant": tenant, "job": job}, status=202)
+    body = _parse_for_kind(s, raw, "EncoderUpdate", "DecoderUpdate", "encoder")
+    data = _training_data(body, AdapterSpec.from_dict(rec["spec"]))
+    job = s.update_tenant(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"))
+    return web.json_response({"tenant": tenant, "job": job}, status=202)
+
+
+async def delete_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    rec = s.tenant_record(tenant)
+    s.delete_tenant(tenant, rec)
+    return web.json_response({"tenant": tenant, "deleted": True})
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    s.require_admin(request)
+    return web.json_response({"tenants": [public_tenant(n, r) for n, r in s.registry.items("tenants")]})
+
+
+async def get_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    return web.json_response(public_tenant(tenant, s.tenant_record(tenant)))

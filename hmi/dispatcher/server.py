@@ -1,0 +1,269 @@
+"""What one serving process holds (``Server``): the root, PLOT lookups, version tree, adapter
+store, scheduler, batcher, registry, jobs and metrics, and the operations the routes call on
+them (tenant life cycle, authentication, domain changes)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.store import AdapterStore, TenantMissingError
+from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
+from hmi.dispatcher.batcher import Batcher
+from hmi.dispatcher.jobs import JobManager, new_job_id
+from hmi.dispatcher.metrics import Metrics
+from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.schemas import build_models
+from hmi.dispatcher.validation import ApiError
+from hmi.dispatcher.workers import WorkerContext
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
+from hmi.scheduler.types import RequestError, TenantEntry
+from hmi.version_tree.tree import VersionTree
+
+log = logging.getLogger("hmi.server")
+
+
+@dataclass
+class ServerConfig:
+    max_batch: int = 32
+    max_wait_ms: float = 5.0
+    max_len: int = 128
+    max_inputs: int = 64
+    max_input_chars: int = 20_000
+    max_examples: int = 50_000
+    max_body_mb: float = 32.0
+    pool_slots: int = 64
+    host_cache_mb: float = 1024
+    miss_policy: str = "backoff"
+    max_pending: int = 256
+    job_concurrency: int = 1
+    max_queued_jobs: int = 64
+    job_time_limit_s: float = 6 * 3600.0
+    infer_timeout_s: float = 60.0
+    max_labels: int = 32  # labels a tenant's head may have (the width of the device pools' heads)
+    device: str = "auto"  # cpu, cuda or auto
+
+
+class Server:
+    """Everything one serving process holds; built by ``build_server``."""
+
+    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta):
+        self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
+        self.metrics = Metrics()
+        self.registry = Registry(home / "registry")
+        self.recovered = self.registry.recover()
+        self.device = pick_device(cfg.device)
+        self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb,
+                                  pin_memory=self.device.type == "cuda")
+        self.store.recover()
+        self._entries: dict[str, TenantEntry] = {}
+        self._gpt_ready: set[str] = set()  # decoder tenants that can generate
+        self.gpt = None  # hmi.scheduler.decoder_runtime.HgptRuntime once enabled
+        self._token_owner_by_hash: dict[str, str] = {}
+        for name, rec in self.registry.items("tenants"):
+            self._token_owner_by_hash[rec.get("token_hash", "")] = name
+            if rec["state"] in ("ready", "updating"):
+                if rec.get("model") == "decoder":
+                    self._gpt_ready.add(name)
+                else:
+                    self._entries[name] = self._entry(name, rec)
+        self.tree = VersionTree(root, home, root_version=lookup.chain[0])
+        self._lookups: dict[str, object] = {"root": lookup}
+        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.resolve,
+                                   self.lookup_for,
+                                   SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
+                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
+                                                   max_labels=cfg.max_labels, device=str(self.device)))
+        self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
+                               on_close=self.metrics.batch_size.observe)
+        self.models = build_models(cfg)
+        self.admin_token, self.admin_token_new = admin_token(home)
+        root.bert.share_memory()
+        root.windowed.share_memory()
+        ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
+                            plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home))
+        self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
+                               cfg.job_time_limit_s)
+        self.started = time.time()
+
+    # -- tenants ---------------------------------------------------------------------------------
+    @staticmethod
+    def _entry(name: str, rec: dict) -> TenantEntry:
+        return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0))
+
+    def resolve(self, tenant: str) -> TenantEntry:
+        e = self._entries.get(tenant)
+        if e is None:
+            raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
+        return e
+
+    def lookup_for(self, domain: str):
+        """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
+        lk = self._lookups.get(domain)
+        if lk is None:
+            lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy)
+        return lk
+
+    def enable_hgpt(self, runtime) -> None:
+        """Serves decoder tenants with ``runtime`` (an HgptRuntime) and lets jobs train them."""
+        self.gpt = runtime
+        self.jobs.ctx.gpt = runtime.worker_view()
+
+    def require_gpt(self):
+        """The hGPT runtime, or a 404 telling how to enable it."""
+        if self.gpt is None:
+            raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+        return self.gpt
+
+    def load_decoder_tenant(self, name: str):
+        """(AdapterSpec, weights) of a decoder tenant, for the generation engine."""
+        return AdapterSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name)
+
+    def domain_changed(self, name: str) -> None:
+        for d in list(self._lookups):
+            if d != "root":
+                del self._lookups[d]
+        self.tree.forget(name)
+
+    def _job_finished(self, job: dict, state: str, info: dict) -> None:
+        if job["kind"].startswith("domain"):
+            if state == "succeeded":
+                self.domain_changed(job["domain"])
+            return
+        t = job["tenant"]
+        rec = self.registry.get("tenants", t)
+        if rec is None or rec.get("job") != job["id"]:
+            # The tenant was deleted (and maybe re-created) while this job ran: never serve its weights.
+            self.store.discard(t, job["id"])
+            return
+        if state == "succeeded":
+            self.store.publish(t, job["id"])
+            rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
+                                       metrics=info, error=None)
+            if rec.get("model") == "decoder":
+                self.store.invalidate(t)
+                if self.gpt is not None:
+                    self.gpt.forget(t)
+                self._gpt_ready.add(t)
+                return
+            self.scheduler.forget(t)
+            self._entries[t] = self._entry(t, rec)
+            return
+        self.store.discard(t, job["id"])
+        if job["kind"] == "create":
+            self.registry.update("tenants", t, state="failed", error=info.get("error") or state)
+        else:
+            self.registry.update("tenants", t, state="ready")
+
+    def require_job_room(self) -> None:
+        if self.jobs.full():
+            raise ApiError(429, "too_many_jobs", f"{self.jobs.max_queued} jobs are waiting; retry later",
+                           {"Retry-After": "30"})
+
+    def create_tenant(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
+        """Registers a new tenant and queues its first fine-tune job; returns (token, job id).
+        Raises ApiError: 429 when the job queue is full, 409 when the name is taken."""
+        self.require_job_room()
+        token, jid = new_token("hmi_t"), new_job_id()
+        rec = {**rec, "state": "training", "token_hash": hash_token(token), "version": 0, "job": jid}
+        if not self.registry.create("tenants", name, rec):
+            raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+        self._token_owner_by_hash[rec["token_hash"]] = name
+        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        return token, jid
+
+    def update_tenant(self, name: str, data: dict, **job) -> str:
+        """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
+        one is queued or running), checked and claimed in one registry transaction."""
+        self.require_job_room()
+        jid = new_job_id()
+        rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
+        if rec is None:
+            state = (self.registry.get("tenants", name) or {}).get("state", "deleted")
+            raise ApiError(409, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
+        self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
+        return jid
+
+    # -- auth ------------------------------------------------------------------------------------
+    def caller(self, request: web.Request) -> str:
+        """'admin', a tenant name, or raises 401."""
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
+        token = header[7:].strip()
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
+            raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
+        if same(token, self.admin_token):
+            return "admin"
+        digest = hash_token(token)
+        tenant = self._token_owner(digest)
+        if tenant is None:
+            raise ApiError(401, "unauthorized", "the token is not valid")
+        return tenant
+
+    def _token_owner(self, digest: str) -> str | None:
+        # Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful; the
+        # final comparison is constant-time all the same.
+        name = self._token_owner_by_hash.get(digest)
+        if name is None:
+            return None
+        rec = self.registry.get("tenants", name)
+        return name if rec is not None and same(rec.get("token_hash", ""), digest) else None
+
+    def require_admin(self, request) -> None:
+        if self.caller(request) != "admin":
+            raise ApiError(403, "forbidden", "this operation needs the admin token")
+
+    def require_owner(self, request, tenant: str) -> str:
+        who = self.caller(request)
+        if who != "admin" and who != tenant:
+            raise ApiError(403, "forbidden", f"this token may not act on tenant {tenant!r}")
+        return who
+
+    def tenant_record(self, tenant: str) -> dict:
+        rec = self.registry.get("tenants", tenant)
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        return rec
+
+    def servable(self, tenant: str) -> bool:
+        """Whether an encoder tenant's adapter is published and its requests are accepted."""
+        return tenant in self._entries
+
+    def servable_count(self) -> int:
+        return len(self._entries)
+
+    def decoder_ready(self, tenant: str) -> bool:
+        """Whether a decoder tenant's LoRA is published and its generations are accepted."""
+        return tenant in self._gpt_ready
+
+    def delete_tenant(self, tenant: str, rec: dict) -> None:
+        """Stops serving the tenant at once, cancels its job, forgets its record, token, resident
+        copies and stored adapter."""
+        self._entries.pop(tenant, None)
+        self._gpt_ready.discard(tenant)
+        if self.gpt is not None:
+            self.gpt.forget(tenant)
+        if rec.get("job"):
+            self.jobs.cancel(rec["job"])
+        self.registry.delete("tenants", tenant)
+        self._token_owner_by_hash.pop(rec.get("token_hash", ""), None)
+        self.scheduler.forget(tenant)
+        try:
+            self.store.delete(tenant)
+        except TenantMissingError:
+            pass
+
+    def shutdown(self) -> None:
+        if self.gpt is not None:
+            self.gpt.shutdown()
+        self.jobs.shutdown()
+        self.scheduler.shutdown(cancel=True)
+        self.registry.close()
