@@ -29,13 +29,13 @@ from hmi.adapters.pool import SlotPool
 from hmi.adapters.spec import SpecError
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.plot.lookup import PlotLookup
+from hmi.scheduler.sampling import GREEDY_BELOW, next_token, streamable
 from hmi.textlimit import words_exceed
 
 log = logging.getLogger("hmi.generation")
 
 
 SEED_LIMIT = 2**63  # torch.Generator seeds are signed 64-bit
-GREEDY_BELOW = 1e-3  # temperatures under this decode greedily: dividing logits by them overflows to inf/NaN
 
 
 class GenerationError(ValueError):
@@ -327,16 +327,7 @@ class GenerationEngine:
         r = a.req
         if not bool(torch.isfinite(lg).all()):
             raise GenerationError("generation_failed", "the model produced non-finite scores for this request", 500)
-        if r.greedy:
-            t = int(lg.argmax())
-        else:
-            p = torch.softmax(lg / r.temperature, -1)
-            if r.top_p < 1:
-                sp, si = torch.sort(p, descending=True)
-                keep = torch.cumsum(sp, 0) - sp < r.top_p
-                keep[0] = True  # the most likely token always stays (a tiny top_p underflows in float32)
-                p = torch.zeros_like(p).scatter(0, si[keep], sp[keep])
-            t = int(torch.multinomial(p / p.sum(), 1, generator=a.gen))
+        t = next_token(lg, r.temperature, r.top_p, None if r.greedy else a.gen)
         self.stats["tokens"] += 1
         if t in self.stop_ids:
             a.finish = "stop"
@@ -359,10 +350,7 @@ class GenerationEngine:
         """Emits new text, holding back a tail that could still become a stop string."""
         if a.req.on_text is None:
             return
-        hold = 0 if final else max((len(s) - 1 for s in a.req.stop), default=0)
-        upto = max(a.emitted, len(text) - hold)
-        if text.endswith("\ufffd") and not final:  # an incomplete multi-byte character
-            upto = min(upto, len(text) - 1)
+        upto = streamable(text, a.emitted, a.req.stop, final)
         if upto > a.emitted:
             piece, a.emitted = text[a.emitted:upto], upto
             a.req.on_text(piece)

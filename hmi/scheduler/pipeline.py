@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hmi.adapters.batched import batched_heads, upper_forward
+from hmi.adapters.heads import decode, word_starts
 from hmi.adapters.pool import PoolExhaustedError
 from hmi.adapters.store import AdapterStore, TenantMissingError
 from hmi.model.hplm import as_numpy_ids
@@ -228,7 +229,7 @@ class Scheduler:
                         bad[r.tenant] = exc  # read once per batch, not once per request
                     _fail(r, exc)
                     continue
-                rows.append((r, entry, ids, _word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []))
+                rows.append((r, entry, ids, word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []))
             if not rows:
                 return None
             ids, mask = as_numpy_ids([x[2] for x in rows])
@@ -365,38 +366,9 @@ class Scheduler:
             _resolve(p.requests[r], entries[j], logits[j], p.word_starts[r])
 
 
-def _word_starts(enc, i: int, text: str) -> list[tuple[int, str]]:
-    """(position, word) of the first sub-token of each word, from the fast tokenizer's word ids."""
-    out, prev = [], None
-    offsets = enc["offset_mapping"][i]
-    words = enc.word_ids(i)
-    for pos, w in enumerate(words):
-        if w is None or w == prev:
-            prev = w if w is not None else prev
-            continue
-        prev = w
-        start = offsets[pos][0]
-        end = start
-        for q in range(pos, len(words)):
-            if words[q] != w:
-                break
-            end = offsets[q][1]
-        out.append((pos, text[start:end]))
-    return out
-
-
-def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, word_starts) -> None:
-    labels = entry.spec.labels
-    c = len(labels)
-    if entry.spec.head == "classification":
-        probs = torch.softmax(logits[0, :c], -1).tolist()
-        best = int(np.argmax(probs))
-        result = {"label": labels[best], "scores": {lab: round(float(p), 6) for lab, p in zip(labels, probs)}}
-    else:
-        tags = logits[:, :c].argmax(-1).tolist()
-        result = {"tokens": [{"token": w, "tag": labels[tags[pos]]} for pos, w in word_starts]}
+def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts) -> None:
     if not req.future.done():
-        req.future.set_result(result)
+        req.future.set_result(decode(entry.spec, logits, starts))
 
 
 def _fail(req: InferRequest, exc: BaseException) -> None:
