@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, start, table  # noqa: E402
+from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
 
 ALPHAS = (1.0, 0.5, 0.3, 0.0)
 
@@ -25,11 +25,10 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, finetune
     from hmi.data import load_corpus, load_task, task_labels
-    from hmi.model.artifact import load_root
     from hmi.model.hplm import UpperLayers
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
     from hmi.plot.lookup import PlotLookup, PlotVersion
-    from hmi.plot.paths import ensure_root_plot, open_root_version, plot_meta
+    from hmi.plot.paths import plot_meta
     from hmi.plot.store import PlotStore
     from hmi.version_tree.fpt import FPTConfig, further_pretrain, mlm_loss_through
 
@@ -37,9 +36,7 @@ def main() -> None:
     steps = 30 if args.quick else 200
     domains = ("legal",) if args.quick else ("legal", "software")
     alphas = (1.0, 0.5, 0.0) if args.quick else ALPHAS
-    root = load_root()
-    ensure_root_plot(root, progress=False)
-    root_version = open_root_version(root)
+    root, root_version = prepared_root()
     rows, res = [], {}
     tmp = Path(tempfile.mkdtemp())
     try:

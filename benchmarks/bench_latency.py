@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, start, table  # noqa: E402
 
 TENANTS = 1000
 
@@ -95,11 +95,9 @@ def run_load(spec: dict) -> dict:
 # -- server side ------------------------------------------------------------------------------------
 def temp_home(tmp: Path, real: Path, n: int):
     """A home sharing the real root artifact and root PLOT, with ``n`` ready tenants."""
-    import torch
 
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
-    from hmi.adapters.train import TenantTrainer
     from hmi.dispatcher.auth import hash_token, new_token
     from hmi.dispatcher.registry import Registry
     from hmi.model.artifact import load_root
@@ -108,9 +106,7 @@ def temp_home(tmp: Path, real: Path, n: int):
         (tmp / part).symlink_to(real / part)
     root = load_root(home=tmp)
     spec = AdapterSpec("bottleneck", labels=tuple("abcde"))
-    base = TenantTrainer(root.bert, root.spec.l_low, spec).weights()
-    g = torch.Generator().manual_seed(0)
-    variants = [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(16)]
+    variants = adapter_variants(root.bert, root.spec.l_low, spec, 16, seed=0)
     store = AdapterStore(tmp / "tenants")
     reg = Registry(tmp / "registry")
     names = [f"bench-{i:04d}" for i in range(n)]
@@ -148,11 +144,9 @@ def main() -> None:
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
-    from hmi.model.artifact import load_root
-    from hmi.plot.paths import ensure_root_plot
 
     real = hmi_home()
-    ensure_root_plot(load_root(home=real), home=real, progress=False)
+    prepared_root(real)
     seconds = 10 if args.quick else 40
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-latency-"))
     os.environ["HMI_ADMIN_TOKEN"] = token = "bench-admin-token-" + os.urandom(8).hex()

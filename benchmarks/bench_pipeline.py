@@ -17,17 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, finish, start, table, timeit  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, start, table, timeit  # noqa: E402
 
 
 def make_tenants(store, spec, n, H, bert, l_low, seed=0):
-    from hmi.adapters.train import TenantTrainer
-
-    t = TenantTrainer(bert, l_low, spec, seed=seed)
-    base = t.weights()
-    g = torch.Generator().manual_seed(seed)
-    for i in range(n):
-        store.save(f"t{i:05d}", spec, {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()})
+    for i, w in enumerate(adapter_variants(bert, l_low, spec, n, seed=seed, trainer_seed=seed)):
+        store.save(f"t{i:05d}", spec, w)
 
 
 def run(scheduler, texts, tenants, batches, B, rng):
@@ -72,15 +67,12 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
-    from hmi.model.artifact import load_root
     from hmi.plot.lookup import PlotLookup
-    from hmi.plot.paths import ensure_root_plot, open_root_version
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 
-    root = load_root()
-    ensure_root_plot(root, progress=False)
-    lookup = PlotLookup([open_root_version(root)], policy="backoff")
+    root, version = prepared_root()
+    lookup = PlotLookup([version], policy="backoff")
     B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer

@@ -14,26 +14,23 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, real_batch, start, table, timeit  # noqa: E402
+from benchmarks.common import finish, prepared_root, real_batch, start, table, timeit  # noqa: E402
 
 
 def main() -> None:
     args = start(__doc__)
-    from hmi.model.artifact import load_root
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys
     from hmi.plot.keys import encoder_windows, unique_windows
     from hmi.plot.lookup import PlotLookup, PlotVersion
-    from hmi.plot.paths import ensure_root_plot, open_root_version, plot_meta
+    from hmi.plot.paths import plot_meta
     from hmi.plot.store import PlotStore
 
     repeat = 2 if args.quick else 10
-    root = load_root()
-    ensure_root_plot(root, progress=False)
+    root, version = prepared_root()
     ids, mask = real_batch(root.tokenizer)
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
     tokens = int(mask.sum())
     bert, enc = root.bert, root.windowed
-    version = open_root_version(root)
     lookup = PlotLookup([version], policy="backoff")
     lookup_compute = PlotLookup([version], policy="compute")
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, start, table  # noqa: E402
 from hmi.model.kernels import use_onednn_linear  # noqa: E402
 
 BUDGET = 2 * 2**30  # bytes of model weights every scheme may hold in memory
@@ -268,17 +268,14 @@ def main() -> None:
                                                      help="real model files per swapping scheme (disk budget)"))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
-    from hmi.adapters.train import TenantTrainer
     from hmi.data import load_task
-    from hmi.model.artifact import load_root
     from hmi.plot.lookup import PlotLookup
-    from hmi.plot.paths import ensure_root_plot, open_root_version, root_plot_path
+    from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 
-    root = load_root()
-    ensure_root_plot(root, progress=False)
-    lookup = PlotLookup([open_root_version(root)], policy="backoff")
+    root, version = prepared_root()
+    lookup = PlotLookup([version], policy="backoff")
     tok, bert, l_low, H = root.tokenizer, root.bert, root.spec.l_low, root.hidden_size
     texts = [r["text"] for r in load_task("news-topic", "test")]
     texts = [tok.decode(tok(t, truncation=True, max_length=MAX_LEN)["input_ids"][1:-1]) for t in texts]
@@ -292,10 +289,8 @@ def main() -> None:
     try:
         # Tenant state: 10,000 adapters (fp16 files) and 100 model files per swapping scheme.
         t0 = time.perf_counter()
-        base = TenantTrainer(bert, l_low, spec).weights()
-        g = torch.Generator().manual_seed(1)
-        variants = [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(32)]
-        adapter_bytes = weights_bytes({k: v.half() for k, v in base.items()})
+        variants = adapter_variants(bert, l_low, spec, 32, seed=1)
+        adapter_bytes = weights_bytes({k: v.half() for k, v in variants[0].items()})
         upper_bytes = sum(p.numel() * 4 for p in bert.encoder.layer[l_low:].parameters())
         root_bytes = sum(p.numel() * 4 for p in bert.parameters())
         store = AdapterStore(tmp / "adapters", host_cache_mb=(BUDGET - root_bytes) / 2**20)

@@ -91,3 +91,26 @@ def finish(name: str, text: str, result: dict, command: str) -> None:
     print(text)
     print(json.dumps(result))
     sys.stdout.flush()
+
+
+def prepared_root(home: Path | None = None):
+    """The current calibrated root with its root PLOT built (``make bench`` prepares both first):
+    ``(root, root PLOT version)``."""
+    from hmi.model.artifact import load_root
+    from hmi.plot.paths import ensure_root_plot, open_root_version
+
+    root = load_root(home=home)
+    ensure_root_plot(root, home=home, progress=False)
+    return root, open_root_version(root, home)
+
+
+def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed: int = 0) -> list[dict]:
+    """``n`` tenants' canonical weights: a freshly initialized adapter and head of ``spec`` plus
+    independent Gaussian noise (std 0.02) each, seeded."""
+    import torch
+
+    from hmi.adapters.train import TenantTrainer
+
+    base = TenantTrainer(bert, l_low, spec, seed=trainer_seed).weights()
+    g = torch.Generator().manual_seed(seed)
+    return [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(n)]

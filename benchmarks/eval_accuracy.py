@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, start, table  # noqa: E402
+from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
@@ -175,9 +175,7 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
     from hmi.data import is_tagging, load_task, task_labels
-    from hmi.model.artifact import load_root
     from hmi.plot.lookup import PlotLookup
-    from hmi.plot.paths import ensure_root_plot, open_root_version
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}
@@ -195,9 +193,7 @@ def main() -> None:
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
     exact = HBERT_EXACT in schemes
-    root = load_root()
-    ensure_root_plot(root, progress=False)
-    version = open_root_version(root)
+    root, version = prepared_root()
     rows, res = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     full_context = [s for s in SCHEMES if s[0] in schemes]
