@@ -76,3 +76,22 @@ def test_nothing_inside_the_package_imports_the_command_line():
 def test_the_cycle_finder_finds_a_planted_cycle():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def package_of(module: str) -> str:
+    """``hmi.plot.store`` -> ``plot``; top-level modules (``hmi.cli``) are their own package."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def packages_both_ways(edges) -> list[tuple[str, str]]:
+    between = {(package_of(m), package_of(n)) for m, ns in edges.items() for n in ns}
+    return sorted((a, b) for a, b in between if a < b and (b, a) in between)
+
+
+def test_no_two_packages_import_each_other():
+    assert packages_both_ways(graph()) == []
+
+
+def test_the_package_pair_finder_finds_a_planted_pair():
+    assert packages_both_ways({"hmi.model.a": {"hmi.plot.b"}, "hmi.plot.b": {"hmi.model.c"}}) == [("model", "plot")]
