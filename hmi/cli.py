@@ -210,17 +210,23 @@ def cmd_demo(args) -> int:
 def cmd_serve(args) -> int:
     _quiet_transformers()
     from hmi.dispatcher.serve import serve
-    from hmi.dispatcher.server import ServerConfig
+    from hmi.dispatcher.server import ServerConfig, ServerConfigError
     from hmi.scheduler.pipeline import pick_device
 
     try:
         pick_device(args.device)
+        if not 8 <= args.max_len <= 512:  # the position limit of both packaged roots; the server checks its own
+            raise ValueError(f"--max-len {args.max_len} is outside [8, 512]")
     except ValueError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
-                       miss_policy=args.miss_policy, device=args.device)
-    return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt)
+                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len)
+    try:
+        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt)
+    except ServerConfigError as exc:
+        print(f"hmi serve: {exc}", file=sys.stderr)
+        return 2
 
 
 def _client(args):
@@ -244,7 +250,7 @@ def _run_client(fn):
 
 @_run_client
 def cmd_infer(args):
-    _print(_client(args).infer(args.tenant, args.texts))
+    _print(_client(args).infer(args.tenant, args.texts, truncate=args.truncate))
 
 
 @_run_client
@@ -274,7 +280,7 @@ def cmd_tenant_create(args):
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
     c = _client(args)
     out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, {"kind": args.kind},
-                          args.max_train, args.epochs, pooling=args.pooling)
+                          args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate)
     _print(out)
     if args.wait:
         _print(c.wait_job(out["job"]))
@@ -464,6 +470,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-batch", type=int, default=32)
     srv.add_argument("--max-wait-ms", type=float, default=5.0)
     srv.add_argument("--pool-slots", type=int, default=64)
+    srv.add_argument("--max-len", type=int, default=128,
+                     help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
+                          "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
+                          "measures the cost)")
     srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute"],
                      help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
     srv.add_argument("--hgpt", action="store_true",
@@ -490,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     inf = client_args(sub.add_parser("infer", help="run a tenant's model on texts (through the server)"))
     inf.add_argument("tenant")
     inf.add_argument("texts", nargs="+")
+    inf.add_argument("--truncate", action=argparse.BooleanOptionalAction, default=None,
+                     help="cut texts over the server's token limit (default: the tenant's setting)")
     inf.set_defaults(func=cmd_infer)
 
     ten = sub.add_parser("tenant", help="tenant hPLMs on a server").add_subparsers(dest="tenant_cmd", required=True)
@@ -506,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)
+    tc.add_argument("--truncate", action="store_true",
+                    help="cut texts over the server's token limit in training and inference (default: refuse them)")
     tc.add_argument("--wait", action="store_true", help="wait for the job and print it")
     tc.set_defaults(func=cmd_tenant_create)
     tu = client_args(ten.add_parser("update", help="continue training a tenant on more data"))

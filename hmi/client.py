@@ -58,8 +58,11 @@ class Client:
         except urllib.error.URLError as exc:
             raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
 
-    def infer(self, tenant: str, inputs: list[str]) -> list[dict]:
-        return self.request("POST", f"/v1/tenants/{tenant}/infer", {"inputs": inputs})["outputs"]
+    def infer(self, tenant: str, inputs: list[str], truncate: bool | None = None) -> list[dict]:
+        """The tenant's answers; ``truncate`` (default: the tenant's setting) cuts texts over the
+        server's token limit instead of having them refused."""
+        body = {"inputs": inputs} if truncate is None else {"inputs": inputs, "truncate": truncate}
+        return self.request("POST", f"/v1/tenants/{tenant}/infer", body)["outputs"]
 
     def generate(self, tenant: str, prompt: str, **options) -> dict:
         return self.request("POST", f"/v1/tenants/{tenant}/generate", {"prompt": prompt, **options})
@@ -92,8 +95,9 @@ class Client:
 
     def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
                       dataset: str | None = None, domain: str = "root", adapter: dict | None = None,
-                      max_train: int | None = None, epochs: int | None = None, pooling: str | None = None) -> dict:
-        body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}}
+                      max_train: int | None = None, epochs: int | None = None, pooling: str | None = None,
+                      truncate: bool = False) -> dict:
+        body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}, "truncate": truncate}
         if pooling is not None:
             body["task"]["pooling"] = pooling
         for k, v in (("training_data", training_data), ("dataset", dataset), ("adapter", adapter),

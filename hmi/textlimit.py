@@ -25,3 +25,25 @@ def words_exceed(text: str, limit: int) -> bool:
             if n > limit:
                 return True
     return False
+
+
+class TooLongError(ValueError):
+    """A tokenized text is over the limit and may not be cut (``row``: its index, when one of many)."""
+
+    def __init__(self, n_tokens: int, limit: int, row: int | None = None):
+        where = "" if row is None else f"row {row} has "
+        super().__init__(f"{where}{n_tokens} tokens; the limit is {limit}")
+        self.n_tokens, self.limit, self.row = n_tokens, limit, row
+
+
+def fit_ids(ids: list, limit: int, truncate: bool) -> tuple[list, bool]:
+    """A tokenized text (``[CLS] ... [SEP]``, or per-token targets aligned with it) within
+    ``limit`` tokens, and whether it was cut: unchanged when it fits; with ``truncate``, its first
+    ``limit - 1`` items and its last (the closing special token), as the tokenizer's own
+    truncation of a single text makes it; otherwise :class:`TooLongError`.  Training and inference
+    both read texts through this, so a tenant sees a text the same way in both."""
+    if len(ids) <= limit:
+        return ids, False
+    if not truncate:
+        raise TooLongError(len(ids), limit)
+    return list(ids[:limit - 1]) + [ids[-1]], True

@@ -20,6 +20,7 @@ from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import UpperLayers, as_numpy_ids
 from hmi.plot.lookup import PlotLookup
+from hmi.textlimit import TooLongError, fit_ids
 from hmi.training.fit import Fit, early_stopping
 
 IGNORE = -100
@@ -36,6 +37,7 @@ class FinetuneConfig:
     patience: int = 2
     seed: int = 0
     max_train: int | None = None
+    truncate: bool = True  # texts over max_len are cut (else refused, naming the row), as inference reads them
 
 
 @dataclass
@@ -44,8 +46,10 @@ class Example:
     target: int | list[int]  # label index, or per-token label indices (IGNORE off first sub-tokens)
 
 
-def encode(tokenizer, rows: list[dict], spec: AdapterSpec, max_len: int) -> list[Example]:
-    """Tokenizes rows ``{"text", "label"}`` (classification) or ``{"tokens", "tags"}`` (tagging)."""
+def encode(tokenizer, rows: list[dict], spec: AdapterSpec, max_len: int, truncate: bool = True) -> list[Example]:
+    """Tokenizes rows ``{"text", "label"}`` (classification) or ``{"tokens", "tags"}`` (tagging),
+    each within ``max_len`` tokens as inference reads it (:func:`hmi.textlimit.fit_ids`): cut when
+    ``truncate``, else a row over the limit raises :class:`TooLongError` naming it."""
     index = {label: i for i, label in enumerate(spec.labels)}
     out = []
     if not rows:
@@ -54,19 +58,28 @@ def encode(tokenizer, rows: list[dict], spec: AdapterSpec, max_len: int) -> list
         missing = sorted({r["label"] for r in rows} - set(index))
         if missing:
             raise SpecError(f"training labels {missing[:5]} are not in the tenant's label set")
-        enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=max_len)
-        return [Example(ids, index[r["label"]]) for ids, r in zip(enc["input_ids"], rows)]
+        enc = tokenizer([r["text"] for r in rows], truncation=False)
+        return [Example(_fit(ids, max_len, truncate, i)[0], index[r["label"]])
+                for i, (ids, r) in enumerate(zip(enc["input_ids"], rows))]
     missing = sorted({t for r in rows for t in r["tags"]} - set(index))
     if missing:
         raise SpecError(f"training tags {missing[:5]} are not in the tenant's label set")
-    for r in rows:
-        enc = tokenizer(r["tokens"], is_split_into_words=True, truncation=True, max_length=max_len)
+    for i, r in enumerate(rows):
+        enc = tokenizer(r["tokens"], is_split_into_words=True, truncation=False)
         targets, prev = [], None
         for w in enc.word_ids():
             targets.append(IGNORE if w is None or w == prev else index[r["tags"][w]])
             prev = w
-        out.append(Example(enc["input_ids"], targets))
+        ids, _ = _fit(enc["input_ids"], max_len, truncate, i)
+        out.append(Example(ids, fit_ids(targets, max_len, True)[0]))
     return out
+
+
+def _fit(ids: list[int], max_len: int, truncate: bool, row: int) -> tuple[list[int], bool]:
+    try:
+        return fit_ids(ids, max_len, truncate)
+    except TooLongError as exc:
+        raise TooLongError(exc.n_tokens, exc.limit, row) from None
 
 
 def pad(examples: list[Example]) -> tuple[np.ndarray, np.ndarray]:
@@ -196,7 +209,7 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
     np.random.seed(cfg.seed)
     t0 = time.time()
     train = train[:cfg.max_train] if cfg.max_train else train
-    ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len) for name, rows in
+    ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len, cfg.truncate) for name, rows in
           (("train", train), ("dev", dev), ("test", test))}
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
     trainer = TenantTrainer(root_bert, l_low, spec, init, cfg.seed, private_copy=private_copy)

@@ -8,17 +8,24 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from hmi.adapters.spec import AdapterSpec, SpecError
-from hmi.data import is_tagging, task_labels
+from hmi.adapters.train import encode
+from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import api_error, parse
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError, check_rows, json_body
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
+from hmi.textlimit import TooLongError
 
 
-def public_tenant(name: str, rec: dict) -> dict:
+def public_tenant(name: str, rec: dict, max_tokens: int) -> dict:
+    """A tenant's record as the API shows it; encoder tenants also state how texts are read:
+    ``max_tokens`` (the server's limit) and ``truncate`` (what happens to a longer text)."""
     keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
-    return {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
+    out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
+    if rec.get("model", "encoder") == "encoder":
+        out.update(max_tokens=max_tokens, truncate=rec.get("truncate", False))
+    return out
 
 
 async def infer(request: web.Request) -> web.Response:
@@ -31,7 +38,8 @@ async def infer(request: web.Request) -> web.Response:
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
-    reqs = [InferRequest(tenant, x) for x in body.inputs]
+    truncate = body.truncate if body.truncate is not None else s.tenant_truncates(tenant)
+    reqs = [InferRequest(tenant, x, truncate=truncate) for x in body.inputs]
     try:
         s.batcher.add(reqs)
     except QueueFullError:
@@ -86,6 +94,27 @@ def _training_data(body, spec: AdapterSpec) -> dict:
     return data
 
 
+async def _check_lengths(s: Server, data: dict, spec: AdapterSpec, truncate: bool) -> None:
+    """Unless the tenant truncates, every training text must fit the server's limit as inference
+    reads it: 413 naming the first one that does not (tokenized off the event loop)."""
+    if truncate:
+        return
+
+    def first_too_long() -> str | None:
+        for split, rows in zip(("train", "dev", "test"), job_rows(data)):
+            try:
+                encode(s.root.tokenizer, rows, spec, s.cfg.max_len, truncate=False)
+            except TooLongError as exc:
+                where = f"dataset {data['dataset']!r}, {split} split" if data.get("dataset") else f"training_data.{split}"
+                return f"{where}, row {exc.row}: {exc.n_tokens} tokens; the limit is {exc.limit}"
+        return None
+
+    found = await asyncio.get_running_loop().run_in_executor(None, first_too_long)
+    if found:
+        raise ApiError(413, "input_too_long", f"{found}. Create the tenant with \"truncate\": true to cut texts "
+                       "to the limit in training and inference alike")
+
+
 def _decoder_training(body) -> dict:
     """``corpus`` (a prepared corpus name) or ``training_text`` of a validated decoder body."""
     if body.corpus is not None:
@@ -118,8 +147,10 @@ async def create_tenant(request: web.Request) -> web.Response:
         raise ApiError(404, "unknown_domain", f"no domain {body.domain!r}")
     spec = _spec(body)
     data = _training_data(body, spec)
-    token, job = s.create_tenant(body.name, {"domain": body.domain, "spec": spec.to_dict()}, data, epochs=body.epochs,
-                                 domain=body.domain)
+    await _check_lengths(s, data, spec, body.truncate)
+    token, job = s.create_tenant(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
+                                 data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
+                                 max_len=s.cfg.max_len)
     return web.json_response({"tenant": body.name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
 
@@ -152,8 +183,11 @@ async def update_tenant(request: web.Request) -> web.Response:
         job = s.update_tenant(tenant, _decoder_training(body), epochs=body.epochs, model="decoder")
         return web.json_response({"tenant": tenant, "job": job}, status=202)
     body = _parse_for_kind(s, raw, "EncoderUpdate", "DecoderUpdate", "encoder")
-    data = _training_data(body, AdapterSpec.from_dict(rec["spec"]))
-    job = s.update_tenant(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"))
+    spec, truncate = AdapterSpec.from_dict(rec["spec"]), rec.get("truncate", False)
+    data = _training_data(body, spec)
+    await _check_lengths(s, data, spec, truncate)
+    job = s.update_tenant(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
+                          max_len=s.cfg.max_len)
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 
@@ -169,11 +203,11 @@ async def delete_tenant(request: web.Request) -> web.Response:
 async def list_tenants(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     s.require_admin(request)
-    return web.json_response({"tenants": [public_tenant(n, r) for n, r in s.registry.items("tenants")]})
+    return web.json_response({"tenants": [public_tenant(n, r, s.cfg.max_len) for n, r in s.registry.items("tenants")]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
-    return web.json_response(public_tenant(tenant, s.tenant_record(tenant)))
+    return web.json_response(public_tenant(tenant, s.tenant_record(tenant), s.cfg.max_len))

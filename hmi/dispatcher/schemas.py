@@ -140,6 +140,8 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         domain: Name = "root"
         task: Task
         adapter: Adapter = Adapter()
+        truncate: bool = Field(False, description="cut texts over the server's token limit (max_tokens) in training "
+                               "and inference alike; by default they are refused (413), so that nothing is cut unseen")
 
     return [EncoderUpdate, EncoderTenant]
 
@@ -188,6 +190,8 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
     class InferBody(Body):
         inputs: list[Annotated[str, Field(pattern=NON_BLANK, max_length=limits.max_input_chars)]] = Field(
             min_length=1, max_length=limits.max_inputs)
+        truncate: bool = Absent(description="cut inputs over the token limit (their answer says \"truncated\": "
+                                "true) instead of refusing them (413); default: the tenant's setting")
 
     models = [InferBody, DomainUpdate, DomainCreate, *_encoder_models(limits), *_decoder_models(limits)]
     return {m.__name__: m for m in models}

@@ -49,10 +49,23 @@ class ServerConfig:
     device: str = "auto"  # cpu, cuda or auto
 
 
+class ServerConfigError(ValueError):
+    """A server setting the root cannot honour."""
+
+
+def check_config(cfg: ServerConfig, root) -> None:
+    """Raises ServerConfigError for settings the root cannot serve (a token limit past its
+    position embeddings)."""
+    limit = root.bert.config.max_position_embeddings
+    if not 8 <= cfg.max_len <= limit:
+        raise ServerConfigError(f"max_len {cfg.max_len} is outside [8, {limit}] (the root's position limit)")
+
+
 class Server:
     """Everything one serving process holds; built by ``build_server``."""
 
     def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta):
+        check_config(cfg, root)
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
         self.registry = Registry(home / "registry")
@@ -236,6 +249,10 @@ class Server:
     def servable(self, tenant: str) -> bool:
         """Whether an encoder tenant's adapter is published and its requests are accepted."""
         return tenant in self._entries
+
+    def tenant_truncates(self, tenant: str) -> bool:
+        """The tenant's own choice for texts over the limit (set at creation; False by default)."""
+        return bool((self.registry.get("tenants", tenant) or {}).get("truncate", False))
 
     def servable_count(self) -> int:
         return len(self._entries)

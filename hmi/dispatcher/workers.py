@@ -138,7 +138,9 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         train, dev, test = job_rows(job["data"])
         adapters = AdapterStore(ctx.tenants_dir)
         init = adapters.load(job["tenant"]) if job["kind"] == "update" else None
-        cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0))
+        # Jobs queued before tenants chose how long texts are read kept the old rule: cut at 128.
+        cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
+                             truncate=job.get("truncate", True))
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir), spec,
             train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set,

@@ -43,10 +43,13 @@ from hmi.scheduler.types import (
     SchedulerClosedError,
     TenantEntry,
 )
-from hmi.textlimit import words_exceed
+from hmi.textlimit import TooLongError, fit_ids, words_exceed
 
 _STOP = object()
 log = logging.getLogger("hmi.scheduler")
+
+
+TRUNCATE_HINT = 'send "truncate": true to cut it to the limit'
 
 
 @dataclass
@@ -212,14 +215,14 @@ class Scheduler:
             texts = [r.text for r in todo]
             enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True) if texts else None
             weights, bad = {}, {}
-            rows = []  # (request, entry, ids, word starts)
+            rows = []  # (request, entry, ids, word starts, truncated?)
             for i, r in enumerate(todo):
                 try:
                     entry = self.tenants(r.tenant)
-                    ids = enc["input_ids"][i]
-                    if len(ids) > self.cfg.max_len:
-                        raise RequestError("input_too_long", f"the input has {len(ids)} tokens; the limit is "
-                                           f"{self.cfg.max_len}", 413)
+                    try:
+                        ids, cut = fit_ids(enc["input_ids"][i], self.cfg.max_len, r.truncate)
+                    except TooLongError as exc:
+                        raise RequestError("input_too_long", f"the input has {exc}; {TRUNCATE_HINT}", 413) from None
                     if r.tenant in bad:
                         raise bad[r.tenant]
                     if r.tenant not in weights:
@@ -229,7 +232,8 @@ class Scheduler:
                         bad[r.tenant] = exc  # read once per batch, not once per request
                     _fail(r, exc)
                     continue
-                rows.append((r, entry, ids, word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []))
+                starts = word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []
+                rows.append((r, entry, ids, [s for s in starts if s[0] < len(ids) - 1], cut))
             if not rows:
                 return None
             ids, mask = as_numpy_ids([x[2] for x in rows])
@@ -244,13 +248,13 @@ class Scheduler:
             if self.device.type == "cuda":
                 hidden, mask_t = hidden.pin_memory(), mask_t.pin_memory()
         return Prepared(batch_id, [x[0] for x in rows], [x[1] for x in rows], hidden, mask_t, [x[3] for x in rows],
-                        weights)
+                        weights, [x[4] for x in rows])
 
     def _fits(self, r: InferRequest) -> bool:
         """Refuses a text that certainly exceeds the limit before any tokenization work."""
-        if words_exceed(r.text, self.cfg.max_len - 2):
-            _fail(r, RequestError("input_too_long", f"the input has more than {self.cfg.max_len} tokens; "
-                                  f"the limit is {self.cfg.max_len}", 413))
+        if not r.truncate and words_exceed(r.text, self.cfg.max_len - 2):
+            _fail(r, RequestError("input_too_long", f"the input has more than {self.cfg.max_len} tokens; the limit is "
+                                  f"{self.cfg.max_len}; {TRUNCATE_HINT}", 413))
             return False
         return True
 
@@ -275,7 +279,7 @@ class Scheduler:
         lookup per domain; returns the rows that succeeded (a domain whose PLOT cannot be read
         fails its own requests only)."""
         by_domain = defaultdict(list)
-        for j, (_, e, _, _) in enumerate(rows):
+        for j, (_, e, *_) in enumerate(rows):
             by_domain[e.domain].append(j)
         ok = []
         for domain, js in by_domain.items():
@@ -363,12 +367,13 @@ class Scheduler:
         finally:
             self.residency.release(res)
         for j, r in enumerate(rows):
-            _resolve(p.requests[r], entries[j], logits[j], p.word_starts[r])
+            _resolve(p.requests[r], entries[j], logits[j], p.word_starts[r], p.truncated[r])
 
 
-def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts) -> None:
+def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts, truncated: bool) -> None:
     if not req.future.done():
-        req.future.set_result(decode(entry.spec, logits, starts))
+        out = decode(entry.spec, logits, starts)
+        req.future.set_result({**out, "truncated": True} if truncated else out)
 
 
 def _fail(req: InferRequest, exc: BaseException) -> None:

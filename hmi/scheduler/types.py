@@ -39,6 +39,7 @@ class InferRequest:
     tenant: str
     text: str
     future: Future = field(default_factory=Future)
+    truncate: bool = False  # cut a text over the limit (answer marked "truncated") instead of refusing it
 
 
 @dataclass
@@ -52,3 +53,4 @@ class Prepared:
     mask: object  # torch.Tensor (B, T)
     word_starts: list[list[tuple[int, str]]]  # per request: (token position, word) of each word's first sub-token
     weights: dict  # tenant -> host weights
+    truncated: list[bool] = field(default_factory=list)  # per request: its text was cut to the limit
