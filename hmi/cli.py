@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from hmi.allocator import tune_allocator
+from hmi.archive import zip_folder
 from hmi.bootstrap import calibrate_default, ensure_data, prepare_default
 from hmi.bootstrap import quiet_transformers as _quiet_transformers
 from hmi.client import ApiError, Client, load_rows
@@ -287,6 +288,21 @@ def cmd_tenant_create(args):
 
 
 @_run_client
+def cmd_tenant_import(args):
+    path = Path(args.archive)
+    data = zip_folder(path) if path.is_dir() else path.read_bytes()
+    _print(_client(args).import_adapter(args.name, data, model=args.model))
+
+
+@_run_client
+def cmd_tenant_export(args):
+    data = _client(args).export_adapter(args.name)
+    out = Path(args.out or f"{args.name}-adapter.zip")
+    out.write_bytes(data)
+    print(f"wrote {out} ({len(data)} bytes)")
+
+
+@_run_client
 def cmd_tenant_update(args):
     data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []} if args.train else None
     c = _client(args)
@@ -522,6 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cut texts over the server's token limit in training and inference (default: refuse them)")
     tc.add_argument("--wait", action="store_true", help="wait for the job and print it")
     tc.set_defaults(func=cmd_tenant_create)
+    ti = client_args(ten.add_parser("import", help="bring your own adapter: upload an adapters-library folder (or PEFT "
+                                    "LoRA folder with --model decoder), as a folder or a zip"))
+    ti.add_argument("name")
+    ti.add_argument("archive", help="the saved folder, or a zip of it")
+    ti.add_argument("--model", default="encoder", choices=["encoder", "decoder"], help="the kind of a new tenant")
+    ti.set_defaults(func=cmd_tenant_import)
+    te = client_args(ten.add_parser("export", help="download a tenant's adapter as a zip (same format)"))
+    te.add_argument("name")
+    te.add_argument("-o", "--out", help="default: NAME-adapter.zip")
+    te.set_defaults(func=cmd_tenant_export)
     tu = client_args(ten.add_parser("update", help="continue training a tenant on more data"))
     tu.add_argument("name")
     tu.add_argument("--dataset")

@@ -44,19 +44,35 @@ class Client:
 
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
+        raw, ctype = self._send(method, path, data, "application/json")
+        return json.loads(raw) if raw and ctype == "application/json" else {"text": raw.decode()}
+
+    def _send(self, method: str, path: str, data: bytes | None, ctype: str) -> tuple[bytes, str]:
+        """(body, content type) of one request; HTTP errors become ApiError."""
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if data is not None:
-            req.add_header("Content-Type", "application/json")
+            req.add_header("Content-Type", ctype)
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-                return json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else {"text": raw.decode()}
+                return resp.read(), resp.headers.get_content_type()
         except urllib.error.HTTPError as exc:
             raise _api_error(exc) from None
         except urllib.error.URLError as exc:
             raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
+
+    def import_adapter(self, name: str, archive: bytes | str | Path, model: str = "encoder") -> dict:
+        """Uploads an adapter (a zip of the adapters library's saved folder, or of PEFT's LoRA
+        folder for ``model="decoder"``): creates the tenant (its token comes back once) or
+        replaces its adapter."""
+        data = archive if isinstance(archive, bytes) else Path(archive).read_bytes()
+        raw, _ = self._send("POST", f"/v1/tenants/{name}/adapter?model={model}", data, "application/zip")
+        return json.loads(raw)
+
+    def export_adapter(self, name: str) -> bytes:
+        """The tenant's adapter as a zip in the same format."""
+        return self._send("GET", f"/v1/tenants/{name}/adapter", None, "")[0]
 
     def infer(self, tenant: str, inputs: list[str], truncate: bool | None = None) -> list[dict]:
         """The tenant's answers; ``truncate`` (default: the tenant's setting) cuts texts over the

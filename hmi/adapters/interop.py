@@ -18,7 +18,7 @@ from transformers import BertModel
 from hmi.adapters.spec import AdapterSpec, SpecError
 
 
-def _library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[str, bool]]:
+def library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[str, bool]]:
     """Canonical key suffix -> (library state-dict key, transpose?) for one absolute layer."""
     if spec.is_decoder:
         s = f"model.layers.{layer}.self_attn"
@@ -37,7 +37,7 @@ def _library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[s
             "ia3.ffn": (f"{base}.intermediate.dense.loras.{name}.lora_B", None)}
 
 
-def _convert(t: torch.Tensor, how) -> torch.Tensor:
+def convert(t: torch.Tensor, how) -> torch.Tensor:
     if how is True:
         return t.t().contiguous()
     if how is None:  # IA3 vectors are stored (H, 1) by the library
@@ -68,8 +68,8 @@ def from_library(model, name: str, spec: AdapterSpec, l_low: int) -> dict[str, t
     sd = model.state_dict()
     out = {}
     for layer in range(l_low, model.config.num_hidden_layers):
-        for key, (lib, how) in _library_keys(spec, name, layer).items():
-            out[f"layers.{layer - l_low}.{key}"] = _convert(sd[lib].detach(), how).clone()
+        for key, (lib, how) in library_keys(spec, name, layer).items():
+            out[f"layers.{layer - l_low}.{key}"] = convert(sd[lib].detach(), how).clone()
     return out
 
 
@@ -78,7 +78,7 @@ def to_library(model, name: str, spec: AdapterSpec, l_low: int, weights: dict[st
     sd = {}
     params = dict(model.named_parameters())
     for layer in range(l_low, model.config.num_hidden_layers):
-        for key, (lib, how) in _library_keys(spec, name, layer).items():
+        for key, (lib, how) in library_keys(spec, name, layer).items():
             t = weights[f"layers.{layer - l_low}.{key}"]
             target = params.get(lib)
             if target is None:

@@ -15,7 +15,16 @@ from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
 from hmi.dispatcher.routes_generate import completions, generate
 from hmi.dispatcher.routes_ops import cancel_job, get_job, healthz, list_jobs, metrics, openapi
-from hmi.dispatcher.routes_tenants import create_tenant, delete_tenant, get_tenant, infer, list_tenants, update_tenant
+from hmi.dispatcher.routes_tenants import (
+    create_tenant,
+    delete_tenant,
+    download_adapter,
+    get_tenant,
+    infer,
+    list_tenants,
+    update_tenant,
+    upload_adapter,
+)
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError, error_response
 
@@ -63,6 +72,8 @@ ROUTES = [
     ("GET", "/v1/tenants/{tenant}", get_tenant),
     ("POST", "/v1/tenants/{tenant}/update", update_tenant),
     ("DELETE", "/v1/tenants/{tenant}", delete_tenant),
+    ("POST", "/v1/tenants/{tenant}/adapter", upload_adapter),
+    ("GET", "/v1/tenants/{tenant}/adapter", download_adapter),
     ("POST", "/v1/domains", create_domain),
     ("POST", "/v1/domains/{name}/update", update_domain),
     ("DELETE", "/v1/domains/{name}", delete_domain),

@@ -28,6 +28,12 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("POST", "/v1/tenants/{tenant}/update"): ("Continue training on more data: a job (owner or admin)",
                                               ("EncoderUpdate", "DecoderUpdate"), False),
     ("DELETE", "/v1/tenants/{tenant}"): ("Delete the hPLM and its adapters (owner or admin)", (), False),
+    ("POST", "/v1/tenants/{tenant}/adapter"): (
+        "Bring your own adapter: a zip of the adapters library's saved folder (safetensors; encoder tenants) or of "
+        "PEFT's LoRA folder (?model=decoder). A new name creates a ready tenant (admin, 201 with its token); the "
+        "owner of an existing tenant replaces its adapter", (), False),
+    ("GET", "/v1/tenants/{tenant}/adapter"): (
+        "Download the tenant's adapter as a zip in the same format (owner or admin)", (), False),
     ("POST", "/v1/domains"): ("Create a domain branch: further pretraining + pruned PLOT, a job (admin). Also accepts "
                               "multipart/form-data with the corpus as a file field 'corpus'", ("DomainCreate",), False),
     ("POST", "/v1/domains/{name}/update"): (
@@ -43,6 +49,10 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("GET", "/openapi.json"): ("This document", (), True),
 }
 
+ZIP_BODY = {("POST", "/v1/tenants/{tenant}/adapter")}
+ZIP_RESPONSE = {("GET", "/v1/tenants/{tenant}/adapter")}
+BINARY = {"type": "string", "format": "binary"}
+
 ERRORS = {
     "400": "the body is not what this document describes (malformed JSON, a field of the wrong type or range, "
            "an unknown field)",
@@ -50,8 +60,9 @@ ERRORS = {
     "404": "no such tenant, domain, job or route", "405": "method not allowed (the Allow header lists the allowed ones)",
     "409": "conflict: the name exists, or the tenant or domain is busy or not ready",
     "413": "over a size limit: the body, the number of items, characters, examples, or the model's token limit",
-    "415": "the body is not JSON", "422": "well-formed but inconsistent (e.g. labels of the data missing from "
-                                          "the task's labels, a corpus too small for a domain)",
+    "415": "the body is not JSON (or, for an adapter upload, not a zip)",
+    "422": "well-formed but inconsistent (e.g. labels of the data missing from the task's labels, a corpus too small "
+           "for a domain, an uploaded adapter the server cannot batch)",
     "429": "at capacity: retry after the Retry-After header's seconds",
     "5XX": "a server-side failure confined to this request (an unreadable adapter, a timeout, shutting down)",
 }
@@ -80,6 +91,15 @@ def openapi_document(app, models: dict) -> dict:
         if bodies:
             schema = ref[bodies[0]] if len(bodies) == 1 else {"anyOf": [ref[b] for b in bodies]}
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
+        if (method, path) in ZIP_BODY:
+            op["requestBody"] = {"required": True, "content": {"application/zip": {"schema": BINARY}}}
+            op["parameters"] = op.get("parameters", []) + [{"name": "model", "in": "query", "required": False, "schema": {
+                "type": "string", "enum": ["encoder", "decoder"]}, "description": "the kind of a new tenant"}]
+        if (method, path) in ZIP_RESPONSE:
+            responses["200"] = {"description": "the adapter's folder as a zip", "content": {"application/zip": {
+                "schema": BINARY}}}
+        if (method, path) in ZIP_BODY:
+            responses["201"] = {"description": "a new tenant: its token, shown once"}
         if not public:
             op["security"] = [{"bearer": []}]
         paths.setdefault(path, {})[method.lower()] = op

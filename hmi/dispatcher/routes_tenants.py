@@ -7,13 +7,16 @@ import asyncio
 from aiohttp import web
 from pydantic import ValidationError
 
+from hmi.adapters.portable import read_decoder, read_encoder, write_decoder, write_encoder
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.adapters.train import encode
+from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import api_error, parse
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError, check_rows, json_body
+from hmi.names import is_valid_name
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
 from hmi.textlimit import TooLongError
 
@@ -211,3 +214,66 @@ async def get_tenant(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     return web.json_response(public_tenant(tenant, s.tenant_record(tenant), s.cfg.max_len))
+
+
+async def upload_adapter(request: web.Request) -> web.Response:
+    """``POST /v1/tenants/{tenant}/adapter``: a zip of the adapters library's saved folder
+    (encoder tenants) or of PEFT's LoRA folder (decoder tenants, ``?model=decoder``).  A new name
+    creates a ready tenant (admin; 201 with its token); an existing tenant's owner replaces its
+    adapter (200)."""
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    if not is_valid_name(tenant):
+        raise ApiError(400, "invalid_name", f"{tenant!r} is not a tenant name (1-63 characters a-z, 0-9, '_' or '-')")
+    rec = s.registry.get("tenants", tenant)
+    asked = request.query.get("model")
+    if asked not in (None, "encoder", "decoder"):
+        raise ApiError(400, "invalid_model", f"model must be encoder or decoder, not {asked!r}")
+    if rec is None:
+        s.require_admin(request)
+        model = asked or "encoder"
+    else:
+        s.require_owner(request, tenant)
+        model = rec.get("model", "encoder")
+        if asked not in (None, model):
+            raise ApiError(422, "wrong_tenant_kind", f"tenant {tenant!r} is an {model} tenant")
+    if request.content_type not in ("application/zip", "application/octet-stream"):
+        raise ApiError(415, "unsupported_media_type", "send the adapter's saved folder as a zip archive "
+                       f"(Content-Type: application/zip), not {request.content_type}")
+    data = await request.read()
+    shape = s.root_shape(model)
+
+    def read():
+        files = unzip(data, int(s.cfg.max_body_mb * 2**20))
+        return read_decoder(files, shape, s.gpt.rank) if model == "decoder" else read_encoder(files, shape)
+
+    try:
+        spec, weights = await asyncio.get_running_loop().run_in_executor(None, read)
+    except ArchiveError as exc:  # a PortableError too
+        raise ApiError(exc.status, exc.code, exc.message) from None
+    if model == "encoder" and spec.num_labels > s.cfg.max_labels:
+        raise ApiError(422, "too_many_labels", f"the head has {spec.num_labels} labels; this server serves at most "
+                       f"{s.cfg.max_labels}")
+    token = await asyncio.get_running_loop().run_in_executor(None, s.import_adapter, tenant, model, spec, weights)
+    out = {"tenant": tenant, "model": model, "spec": spec.to_dict(), "state": "ready"}
+    if token is None:
+        return web.json_response(out)
+    return web.json_response({**out, "token": token, "note": "keep the token: it is shown only once"}, status=201)
+
+
+async def download_adapter(request: web.Request) -> web.Response:
+    """``GET /v1/tenants/{tenant}/adapter``: the tenant's published adapter as a zip of the
+    adapters library's saved folder (encoder) or PEFT's LoRA folder (decoder); owner or admin."""
+    s: Server = request.app[SERVER]
+    tenant = request.match_info["tenant"]
+    s.require_owner(request, tenant)
+    spec, weights, model = s.export_adapter(tenant)
+    shape = s.root_shape(model)
+
+    def write() -> bytes:
+        files = write_decoder(spec, weights, shape) if model == "decoder" else write_encoder(spec, weights, shape, tenant)
+        return zip_files(files, tenant)
+
+    body = await asyncio.get_running_loop().run_in_executor(None, write)
+    return web.Response(body=body, content_type="application/zip",
+                        headers={"Content-Disposition": f'attachment; filename="{tenant}-adapter.zip"'})

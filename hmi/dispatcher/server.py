@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from hmi.adapters.portable import RootShape
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore, TenantMissingError
 from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
@@ -80,6 +81,8 @@ class Server:
         self._token_owner_by_hash: dict[str, str] = {}
         for name, rec in self.registry.items("tenants"):
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
+            if rec["state"] == "importing":
+                rec = self._recover_import(name, rec)
             if rec["state"] in ("ready", "updating"):
                 if rec.get("model") == "decoder":
                     self._gpt_ready.add(name)
@@ -158,20 +161,97 @@ class Server:
             self.store.publish(t, job["id"])
             rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
                                        metrics=info, error=None)
-            if rec.get("model") == "decoder":
-                self.store.invalidate(t)
-                if self.gpt is not None:
-                    self.gpt.forget(t)
-                self._gpt_ready.add(t)
-                return
-            self.scheduler.forget(t)
-            self._entries[t] = self._entry(t, rec)
+            self._serve_new_version(t, rec)
             return
         self.store.discard(t, job["id"])
         if job["kind"] == "create":
             self.registry.update("tenants", t, state="failed", error=info.get("error") or state)
         else:
             self.registry.update("tenants", t, state="ready")
+
+    # -- bring your own adapter -------------------------------------------------------------------
+    def root_shape(self, model: str) -> RootShape:
+        """What an adapter of an ``encoder`` or ``decoder`` tenant must fit on this server."""
+        if model == "decoder":
+            gpt = self.require_gpt()
+            c = gpt.root.model.config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            return RootShape("llama", c.hidden_size, c.num_hidden_layers, gpt.root.l_low,
+                             c.num_key_value_heads * head_dim, gpt.root.name)
+        c = self.root.bert.config
+        return RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, self.root.l_low, c.hidden_size,
+                         self.root.spec.name)
+
+    def import_adapter(self, name: str, model: str, spec: AdapterSpec, weights: dict) -> str | None:
+        """Serves an uploaded adapter: for a new tenant (returns its token, shown once) or as a new
+        version of an existing tenant of the same kind (returns None).  The version is written
+        before it is published, and the record says ``importing`` meanwhile: a crash leaves the
+        old version served (or, for a new tenant, a failed record), never a mix."""
+        try:
+            self.pool_check(spec, weights, model)
+        except ValueError as exc:
+            raise ApiError(422, "wrong_shape", f"the adapter does not fit this server: {exc}") from None
+        rec = self.registry.get("tenants", name)
+        if rec is None:
+            token = new_token("hmi_t")
+            new = {"state": "importing", "model": model, "domain": "root", "spec": spec.to_dict(), "truncate": False,
+                   "token_hash": hash_token(token), "version": 0, "job": None, "import_of": "new"}
+            if not self.registry.create("tenants", name, new):
+                raise ApiError(409, "tenant_exists", f"tenant {name!r} was created meanwhile; upload again")
+            self._token_owner_by_hash[new["token_hash"]] = name
+        else:
+            token = None
+            if rec.get("model", "encoder") != model:
+                raise ApiError(422, "wrong_tenant_kind", f"tenant {name!r} is an {rec.get('model', 'encoder')} tenant")
+            if self.registry.update_if("tenants", name, ("ready",), state="importing", import_of="update") is None:
+                raise ApiError(409, "tenant_busy", f"tenant {name!r} is {rec['state']}; upload once it is ready")
+        try:
+            version = self.store.save(name, spec, weights, {"model": model, "imported": True}, publish=False)
+            self.store.publish(name, version)
+        except Exception:
+            self._recover_import(name, self.registry.get("tenants", name))
+            raise
+        rec = self.registry.get("tenants", name)
+        rec = self.registry.update("tenants", name, state="ready", spec=spec.to_dict(), version=rec.get("version", 0) + 1,
+                                   metrics={"imported": True}, error=None, import_of=None)
+        self._serve_new_version(name, rec)
+        return token
+
+    def _recover_import(self, name: str, rec: dict) -> dict:
+        """An upload a crash interrupted: a new tenant fails; an existing one serves whatever
+        version its store's pointer names, under that version's spec."""
+        if rec.get("import_of") == "new":
+            return self.registry.update("tenants", name, state="failed", error="the upload was interrupted by a restart")
+        try:
+            spec = self.store.spec(name).to_dict()
+        except TenantMissingError:
+            spec = rec["spec"]
+        return self.registry.update("tenants", name, state="ready", spec=spec, import_of=None)
+
+    def pool_check(self, spec: AdapterSpec, weights: dict, model: str) -> None:
+        """Raises ValueError unless the weights fill a device slot of this server (shapes, head width)."""
+        if model == "decoder":
+            self.require_gpt().engine.pool.check(weights, 0)
+        else:
+            self.scheduler.residency.check(TenantEntry("upload", spec), weights)
+
+    def _serve_new_version(self, name: str, rec: dict) -> None:
+        """Drops every cached copy of a tenant whose published version changed, and serves it."""
+        self.store.invalidate(name)
+        if rec.get("model") == "decoder":
+            if self.gpt is not None:
+                self.gpt.forget(name)
+            self._gpt_ready.add(name)
+            return
+        self.scheduler.forget(name)
+        self._entries[name] = self._entry(name, rec)
+
+    def export_adapter(self, name: str) -> tuple[AdapterSpec, dict, str]:
+        """(spec, canonical weights, model kind) of a ready tenant's published adapter."""
+        rec = self.tenant_record(name)
+        if rec["state"] not in ("ready", "updating"):
+            raise ApiError(409, "tenant_not_ready", f"tenant {name!r} is {rec['state']}; it has no adapter to download yet")
+        return AdapterSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name), rec.get("model", "encoder")
 
     def require_job_room(self) -> None:
         if self.jobs.full():

@@ -1,6 +1,7 @@
 """Decoder tenants through real HTTP: created by a fine-tune job, generating for several tenants at
 once, streaming, the OpenAI-style completions route, and the error rules of the rest of the API."""
 
+import copy
 import json
 import threading
 import time
@@ -262,3 +263,34 @@ def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(
         s._gpt_ready.discard("misfit")
         s.registry.delete("tenants", "misfit")
         s.store.delete("misfit")
+
+
+def test_a_peft_lora_uploads_as_a_decoder_tenant_generates_like_the_trained_one_and_downloads_for_peft(gpt, tmp_path):
+    import io
+    import zipfile
+
+    from peft import PeftModel
+
+    from hmi.client import ApiError as ClientError
+    from hmi.client import Client
+
+    admin = Client(gpt["url"], ADMIN)
+    data = admin.export_adapter("writer")  # PEFT's folder, zipped
+    zipfile.ZipFile(io.BytesIO(data)).extractall(tmp_path)
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    root = gpt["server"].gpt.root
+    peft = PeftModel.from_pretrained(copy.deepcopy(root.model), str(folder))  # PEFT reads what we wrote
+    assert sorted(peft.peft_config["default"].target_modules) == ["q_proj", "v_proj"]
+    out = admin.import_adapter("writer-copy", data, model="decoder")
+    assert out["token"] and out["spec"]["head"] == "lm"
+    body = {"prompt": "the quick", "max_new_tokens": 6}
+    assert admin.generate("writer-copy", **body)["text"] == admin.generate("writer", **body)["text"]
+    bad = zipfile.ZipFile(io.BytesIO(data))
+    files = {n.split("/")[-1]: bad.read(n) for n in bad.namelist()}
+    cfg = json.loads(files["adapter_config.json"])
+    from hmi.archive import zip_files
+
+    with pytest.raises(ClientError) as err:
+        admin.import_adapter("wrong-rank", zip_files({**files, "adapter_config.json": json.dumps({**cfg, "r": 8}).encode()},
+                                                     "f"), model="decoder")
+    assert "rank 4" in str(err.value)

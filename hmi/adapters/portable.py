@@ -1,0 +1,311 @@
+"""Portable adapter formats: what a tenant brings from elsewhere, or takes away.
+
+* Encoder tenants: the ``adapters`` library's saved folder (``model.save_adapter(dir, name,
+  use_safetensors=True)``): ``adapter_config.json`` and ``adapter.safetensors``, with a head either
+  the library's own (``head_config.json`` + ``model_head.safetensors``, a one-layer classification
+  or tagging head, ``add_classification_head(..., layers=1)``) or HMI's (``hmi_head.safetensors``
+  with ``head.w`` (H, C) and ``head.b`` (C,), and ``hmi_spec.json``, which also carries the
+  pooling).
+* Decoder tenants: PEFT's LoRA folder (``model.save_pretrained(dir)``): ``adapter_config.json``
+  and ``adapter_model.safetensors``.
+
+Over HTTP a folder travels as one zip archive.  Reading is strict: safetensors only (a pickle
+file is refused, never loaded), only what the server batches (the adapter variants its kernels
+compute, weights in the upper layers only, the root's sizes), and every refusal says what
+differs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from hmi.adapters.interop import convert, library_keys
+from hmi.adapters.pool import layer_shapes
+from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.archive import ArchiveError
+
+# The adapter variants the batched kernels compute (hmi.adapters.batched), as library config values.
+REQUIRED = {
+    "bottleneck": {"mh_adapter": True, "output_adapter": False, "non_linearity": "relu", "original_ln_before": False,
+                   "original_ln_after": True, "residual_before_ln": True, "adapter_residual_before_ln": False,
+                   "ln_before": False, "ln_after": False, "is_parallel": False, "scaling": 1.0, "use_gating": False,
+                   "phm_layer": False, "cross_adapter": False, "inv_adapter": None},
+    "lora": {"selfattn_lora": True, "intermediate_lora": False, "output_lora": False, "attn_matrices": ["q", "v"],
+             "composition_mode": "add", "use_gating": False, "use_dora": False, "vera_d": None, "vera_b": None},
+    "ia3": {"selfattn_lora": True, "intermediate_lora": True, "output_lora": False, "attn_matrices": ["k", "v"],
+            "composition_mode": "scale", "use_gating": False, "use_dora": False, "vera_d": None, "vera_b": None},
+}
+PEFT_REQUIRED = {"peft_type": "LORA", "bias": "none", "use_rslora": False, "use_dora": False,
+                 "modules_to_save": None, "fan_in_fan_out": False}
+
+
+class PortableError(ArchiveError):
+    """An uploaded adapter that cannot be served here; ``status`` 413 for size, else 422."""
+
+
+@dataclass(frozen=True)
+class RootShape:
+    """What an adapter must fit: the root's family, sizes and split."""
+
+    model_type: str  # "bert" (encoder roots) or "llama" (the decoder root)
+    hidden: int
+    layers: int
+    l_low: int
+    value_width: int  # the value projection's output width (decoders: key/value heads x head size)
+    name: str = ""
+
+
+def _json(files: dict[str, bytes], name: str) -> dict:
+    if name not in files:
+        raise PortableError("missing_file", f"the archive has no {name}")
+    try:
+        obj = json.loads(files[name])
+    except (ValueError, UnicodeDecodeError):
+        raise PortableError("bad_file", f"{name} is not JSON") from None
+    if not isinstance(obj, dict):
+        raise PortableError("bad_file", f"{name} is not a JSON object")
+    return obj
+
+
+def _tensors(files: dict[str, bytes], name: str) -> dict[str, torch.Tensor]:
+    if name not in files:
+        raise PortableError("missing_file", f"the archive has no {name}")
+    try:
+        return {k: v.float() for k, v in load_safetensors(files[name]).items()}
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the upload's fault
+        raise PortableError("bad_file", f"{name} is not a readable safetensors file ({exc})") from None
+
+
+# -- encoder tenants: the adapters library's format -----------------------------------------------
+def _library_config(cfg: dict):
+    import adapters  # deferred: importing adapters patches transformers
+
+    try:
+        return adapters.AdapterConfig.load(cfg).to_dict()
+    except Exception as exc:  # noqa: BLE001 - the library's own message says what it could not read
+        raise PortableError("bad_config", f"adapter_config.json is not an adapters-library config ({exc})") from None
+
+
+def _kind(cfg: dict) -> str:
+    arch = cfg.get("architecture")
+    if arch in (None, "bottleneck"):
+        return "bottleneck"
+    if arch == "lora":
+        return "ia3" if cfg.get("composition_mode") == "scale" else "lora"
+    raise PortableError("unsupported_adapter", f"{arch} adapters are not served here; the server batches bottleneck, "
+                        "LoRA and IA3 adapters")
+
+
+def _check_config(kind: str, cfg: dict) -> None:
+    diff = [f"{k}={cfg.get(k)!r} (served: {v!r})" for k, v in REQUIRED[kind].items() if cfg.get(k) != v]
+    if diff:
+        raise PortableError("unsupported_adapter", f"this {kind} adapter differs from what the server batches: "
+                            + ", ".join(diff))
+
+
+def _canonical_key(key: str) -> tuple[int, str] | None:
+    """(absolute layer, library key with the adapter's name as ``{name}``, without the model's
+    prefix), or None for a key that is no adapter weight."""
+    m = re.search(r"(?:^|\.)(encoder\.layer\.(\d+)\..+)$", key)
+    if m is None:
+        return None
+    return int(m.group(2)), re.sub(r"\.(adapters|loras)\.[^.]+\.", r".\1.{name}.", m.group(1))
+
+
+def read_encoder(files: dict[str, bytes], root: RootShape) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
+    """An encoder tenant's spec and canonical weights from an adapters-library folder."""
+    saved = _json(files, "adapter_config.json")
+    cfg = _library_config(saved.get("config", saved))
+    if saved.get("model_type", root.model_type) != root.model_type:
+        raise PortableError("wrong_root", f"the adapter was saved for a {saved['model_type']} model; this root is "
+                            f"{root.model_type}")
+    if saved.get("hidden_size", root.hidden) != root.hidden:
+        raise PortableError("wrong_root", f"the adapter was saved for hidden size {saved['hidden_size']}; this root "
+                            f"has {root.hidden}")
+    kind = _kind(cfg)
+    _check_config(kind, cfg)
+    raw = _tensors(files, "adapter.safetensors")
+    head_spec, head = _read_head(files, root)
+    params = {"kind": kind, "head": head_spec["head"], "labels": head_spec["labels"],
+              "pooling": head_spec.get("pooling", "cls")}
+    if kind == "lora":
+        params.update(rank=cfg["r"], alpha=cfg["alpha"])
+    if kind == "bottleneck":
+        down = next((v for k, v in raw.items() if k.endswith("adapter_down.0.weight")), None)
+        if down is None:
+            raise PortableError("missing_weights", "adapter.safetensors has no bottleneck weights (adapter_down)")
+        params["reduction_factor"] = max(1, root.hidden // down.shape[0])
+    try:
+        spec = AdapterSpec(**params)
+    except SpecError as exc:
+        raise PortableError("invalid_spec", str(exc)) from None
+    weights = _library_weights(raw, spec, root)
+    return spec, {**weights, **head}
+
+
+def _library_weights(raw: dict[str, torch.Tensor], spec: AdapterSpec, root: RootShape) -> dict[str, torch.Tensor]:
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    for key, t in raw.items():
+        parsed = _canonical_key(key)
+        if parsed is None:
+            raise PortableError("unexpected_weights", f"adapter.safetensors holds {key}, which is no adapter weight")
+        found[parsed] = t
+    lower = sorted({layer for layer, _ in found if layer < root.l_low})
+    if lower:
+        raise PortableError("lower_layer_weights", f"the adapter has weights in layers {lower}, which this server "
+                            f"reads from its PLOT; train it with leave_out={list(range(root.l_low))}")
+    out = {}
+    for layer in range(root.l_low, root.layers):
+        for canon, (lib, how) in library_keys(spec, "{name}", layer).items():
+            t = found.pop((layer, lib), None)
+            if t is None:
+                raise PortableError("missing_weights", f"the adapter has no {lib} (every upper layer "
+                                    f"{root.l_low}-{root.layers - 1} needs its weights)")
+            out[f"layers.{layer - root.l_low}.{canon}"] = convert(t, how)
+    if found:
+        extra = sorted(k for _, k in found)[:3]
+        raise PortableError("unexpected_weights", f"adapter.safetensors holds weights this kind has no place for: {extra}")
+    _check_shapes(out, spec, root)
+    return out
+
+
+def _check_shapes(w: dict[str, torch.Tensor], spec: AdapterSpec, root: RootShape) -> None:
+    sig = spec.signature(root.hidden)
+    for name, shape in layer_shapes(sig, root.hidden, 0, root.value_width).items():
+        site = {"bottleneck": "bn", "lora": "lora", "ia3": "ia3"}[spec.kind]
+        want = shape[::-1] if spec.kind == "lora" else shape
+        for i in range(root.layers - root.l_low):
+            got = tuple(w[f"layers.{i}.{site}.{name}"].shape)
+            if name == "ffn":
+                continue  # the FFN's width is the root's (checked when the pool takes it)
+            if got != tuple(want):
+                raise PortableError("wrong_shape", f"layer {i + root.l_low} {name} has shape {got}; this root needs "
+                                    f"{tuple(want)}")
+
+
+def _read_head(files: dict[str, bytes], root: RootShape) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The head's spec fields and weights: HMI's head when present, else the library's."""
+    if "hmi_head.safetensors" in files or "hmi_spec.json" in files:
+        spec = _json(files, "hmi_spec.json")
+        w = _tensors(files, "hmi_head.safetensors")
+        if set(w) != {"head.w", "head.b"}:
+            raise PortableError("bad_head", "hmi_head.safetensors must hold head.w (H, C) and head.b (C,)")
+        labels = spec.get("labels") or []
+        if tuple(w["head.w"].shape) != (root.hidden, len(labels)) or tuple(w["head.b"].shape) != (len(labels),):
+            raise PortableError("bad_head", f"the head's shapes {tuple(w['head.w'].shape)}, {tuple(w['head.b'].shape)} "
+                                f"do not fit hidden size {root.hidden} and {len(labels)} labels")
+        return {"head": spec.get("head", "classification"), "labels": labels, "pooling": spec.get("pooling", "cls")}, w
+    if "head_config.json" not in files:
+        raise PortableError("missing_head", "the archive has no head: save the adapter with its head (with_head=True, a "
+                            "one-layer classification or tagging head) or add hmi_head.safetensors and hmi_spec.json")
+    cfg = _json(files, "head_config.json").get("config", {})
+    kind = {"classification": "classification", "tagging": "tagging"}.get(cfg.get("head_type"))
+    if kind is None or cfg.get("layers") != 1 or cfg.get("use_pooler") or cfg.get("bias") is False:
+        raise PortableError("unsupported_head", "the server serves one-layer classification or tagging heads with a bias "
+                            f"and without pooler (head_config.json says {json.dumps(cfg)[:200]})")
+    label2id = cfg.get("label2id") or {}
+    labels = [label for label, _ in sorted(label2id.items(), key=lambda kv: kv[1])] or \
+             [f"LABEL_{i}" for i in range(int(cfg.get("num_labels", 0)))]
+    w = _tensors(files, "model_head.safetensors")
+    lin = {k.rsplit(".", 1)[-1]: v for k, v in w.items() if re.search(r"\.1\.(weight|bias)$", k)}
+    if set(lin) != {"weight", "bias"} or len(w) != 2:
+        raise PortableError("unsupported_head", "model_head.safetensors must hold one linear layer (heads.<name>.1)")
+    if tuple(lin["weight"].shape) != (len(labels), root.hidden):
+        raise PortableError("bad_head", f"the head's weight has shape {tuple(lin['weight'].shape)}; {len(labels)} labels "
+                            f"on hidden size {root.hidden} need {(len(labels), root.hidden)}")
+    return {"head": kind, "labels": labels}, {"head.w": lin["weight"].t().contiguous(), "head.b": lin["bias"]}
+
+
+def write_encoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: RootShape, name: str) -> dict[str, bytes]:
+    """An encoder tenant's adapter as the library saves it (loadable with ``load_adapter`` and
+    ``load_head``), plus HMI's head and spec (the pooling has no place in the library's head)."""
+    import adapters  # deferred: importing adapters patches transformers
+
+    prefix = "bert."
+    lib = {}
+    for layer in range(root.l_low, root.layers):
+        for canon, (key, how) in library_keys(spec, name, layer).items():
+            t = weights[f"layers.{layer - root.l_low}.{canon}"].float()
+            lib[prefix + key] = (t.t() if how is True else t.reshape(-1, 1) if how is None else t).contiguous()
+    cfg = {"config": spec.library_config(root.l_low).to_dict(), "hidden_size": root.hidden,
+           "model_class": "BertAdapterModel", "model_name": root.name, "model_type": root.model_type, "name": name,
+           "version": f"adapters.{adapters.__version__}"}
+    hw, hb = weights["head.w"].float(), weights["head.b"].float()
+    head_cfg = {"config": {"head_type": spec.head, "num_labels": spec.num_labels, "layers": 1,
+                           "activation_function": None if spec.head == "tagging" else "tanh",
+                           "label2id": {label: i for i, label in enumerate(spec.labels)}, "use_pooler": False,
+                           "bias": True, "dropout_prob": None},
+                "hidden_size": root.hidden, "model_class": "BertAdapterModel", "model_name": root.name,
+                "model_type": root.model_type, "name": name, "version": f"adapters.{adapters.__version__}"}
+    if spec.head == "tagging":
+        head_cfg["config"].pop("use_pooler")
+    return {"adapter_config.json": json.dumps(cfg, indent=1).encode(),
+            "adapter.safetensors": save_safetensors(lib),
+            "head_config.json": json.dumps(head_cfg, indent=1).encode(),
+            "model_head.safetensors": save_safetensors({f"heads.{name}.1.weight": hw.t().contiguous(),
+                                                        f"heads.{name}.1.bias": hb.contiguous()}),
+            "hmi_head.safetensors": save_safetensors({"head.w": hw.contiguous(), "head.b": hb.contiguous()}),
+            "hmi_spec.json": json.dumps(spec.to_dict(), indent=1).encode()}
+
+
+# -- decoder tenants: PEFT's LoRA format ----------------------------------------------------------
+def _peft_key(layer: int, proj: str, part: str) -> str:
+    return f"base_model.model.model.layers.{layer}.self_attn.{proj}_proj.lora_{part}.weight"
+
+
+def read_decoder(files: dict[str, bytes], root: RootShape, rank: int) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
+    """A decoder tenant's spec and canonical weights from a PEFT LoRA folder."""
+    cfg = _json(files, "adapter_config.json")
+    diff = [f"{k}={cfg.get(k, v)!r} (served: {v!r})" for k, v in PEFT_REQUIRED.items() if cfg.get(k, v) != v]
+    targets = cfg.get("target_modules")
+    targets = sorted(targets) if isinstance(targets, list) else targets
+    if targets != ["q_proj", "v_proj"]:
+        diff.append(f"target_modules={targets!r} (served: ['q_proj', 'v_proj'])")
+    if cfg.get("r") != rank:
+        diff.append(f"r={cfg.get('r')!r} (this server batches rank {rank})")
+    if diff:
+        raise PortableError("unsupported_adapter", "this LoRA differs from what the server batches: " + ", ".join(diff))
+    try:
+        spec = AdapterSpec.decoder(rank=rank, alpha=float(cfg.get("lora_alpha", 8)))
+    except (SpecError, TypeError, ValueError) as exc:
+        raise PortableError("invalid_spec", str(exc)) from None
+    raw = _tensors(files, "adapter_model.safetensors")
+    layers = {int(m.group(1)) for k in raw if (m := re.search(r"\.layers\.(\d+)\.", k))}
+    lower = sorted(x for x in layers if x < root.l_low)
+    if lower:
+        raise PortableError("lower_layer_weights", f"the LoRA has weights in layers {lower}, which this server reads from "
+                            f"its PLOT; train it with layers_to_transform={list(range(root.l_low, root.layers))}")
+    out = {}
+    for layer in range(root.l_low, root.layers):
+        for proj in "qv":
+            for part in "AB":
+                t = raw.pop(_peft_key(layer, proj, part), None)
+                if t is None:
+                    raise PortableError("missing_weights", f"the LoRA has no {_peft_key(layer, proj, part)}")
+                want = (rank, root.hidden) if part == "A" else ((root.hidden if proj == "q" else root.value_width), rank)
+                if tuple(t.shape) != want:
+                    raise PortableError("wrong_shape", f"{_peft_key(layer, proj, part)} has shape {tuple(t.shape)}; "
+                                        f"this root needs {want}")
+                out[f"layers.{layer - root.l_low}.lora.{proj}_{part}"] = t
+    if raw:
+        raise PortableError("unexpected_weights", f"adapter_model.safetensors holds weights the server has no place for: "
+                            f"{sorted(raw)[:3]}")
+    return spec, out
+
+
+def write_decoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: RootShape) -> dict[str, bytes]:
+    """A decoder tenant's LoRA as PEFT saves it (loadable with ``PeftModel.from_pretrained``)."""
+    cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": root.name, "r": spec.rank,
+           "lora_alpha": spec.alpha, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+           "layers_to_transform": list(range(root.l_low, root.layers)), "bias": "none", "fan_in_fan_out": False,
+           "modules_to_save": None, "use_rslora": False, "use_dora": False, "inference_mode": True}
+    tensors = {_peft_key(layer, proj, part): weights[f"layers.{layer - root.l_low}.lora.{proj}_{part}"].float().contiguous()
+               for layer in range(root.l_low, root.layers) for proj in "qv" for part in "AB"}
+    return {"adapter_config.json": json.dumps(cfg, indent=1).encode(),
+            "adapter_model.safetensors": save_safetensors(tensors)}

@@ -1,0 +1,189 @@
+"""Bring-your-own adapters: the adapters library's saved folder (and PEFT's LoRA folder) read into
+canonical weights that the batched path serves exactly as the library (or PEFT) computes them;
+written back in a form the library loads; and every malformed or foreign upload refused with a
+reason."""
+
+import copy
+import json
+
+import pytest
+import torch
+from adapters import BertAdapterModel, BnConfig, IA3Config, LoRAConfig
+
+from hmi.adapters.batched import Group, batched_heads, upper_forward
+from hmi.adapters.pool import SlotPool
+from hmi.adapters.portable import PortableError, RootShape, read_decoder, read_encoder, write_decoder, write_encoder
+from hmi.archive import ArchiveError, unzip, zip_files, zip_folder
+from hmi.model.hplm import UpperLayers
+from tests.conftest import tiny_bert
+
+L_LOW, H, LAYERS = 2, 32, 4
+SHAPE = RootShape("bert", H, LAYERS, L_LOW, H, "tiny")
+
+
+def library_folder(tmp_path, config, name="mine", labels=("neg", "pos", "meh"), head_layers=1, seed=0, bert=None):
+    """An adapter trained 'elsewhere': a library AdapterModel on ``bert`` (a tiny root by default)
+    with random adapter and head weights, saved as the library saves it."""
+    bert = bert if bert is not None else tiny_bert(layers=LAYERS, hidden=H)
+    model = BertAdapterModel(copy.deepcopy(bert.config))  # the library records heads in the config
+    model.bert.load_state_dict(bert.state_dict(), strict=False)
+    model.add_adapter(name, config=config)
+    model.add_classification_head(name, num_labels=len(labels), layers=head_layers,
+                                  id2label=dict(enumerate(labels)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if f".{name}." in pname:
+                p.copy_((1.0 if isinstance(config, IA3Config) else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    model.set_active_adapters(name)
+    model.eval()
+    out = tmp_path / name
+    out.mkdir(parents=True)
+    model.save_adapter(str(out), name, with_head=True, use_safetensors=True)
+    return model, out
+
+
+def served_logits(spec, weights, hidden, mask):
+    pool = SlotPool(spec.signature(H), 2, LAYERS - L_LOW, H, 2 * H, max_labels=8, scaling=spec.scaling)
+    pool.write(0, weights)
+    b = hidden.shape[0]
+    groups = [Group(torch.arange(b), torch.zeros(b, dtype=torch.long), pool, True)]
+    out = upper_forward(torch.nn.ModuleList(BERT.encoder.layer[L_LOW:]), hidden, mask, groups)
+    tagging = torch.tensor([spec.head == "tagging"] * b)
+    mean = torch.tensor([spec.pooling == "mean"] * b)
+    return batched_heads(out, groups, tagging, mask, mean)[:, 0, :spec.num_labels]
+
+
+BERT = tiny_bert(layers=LAYERS, hidden=H)
+
+
+@pytest.mark.parametrize("config", [
+    BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu", leave_out=[0, 1]),
+    LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]),
+    IA3Config(leave_out=[0, 1]),
+], ids=["bottleneck", "lora", "ia3"])
+def test_a_library_saved_adapter_is_served_as_the_library_computes_it(tmp_path, config):
+    model, folder = library_folder(tmp_path, config)
+    spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
+    assert spec.labels == ("neg", "pos", "meh") and spec.head == "classification"
+    torch.manual_seed(3)
+    hidden, mask = torch.randn(2, 7, H), torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        ref_out = UpperLayers(model.bert, L_LOW)(hidden, mask)
+        ref = model.heads["mine"][1](ref_out[:, 0])  # the library's one-layer head reads [CLS]
+        got = served_logits(spec, weights, hidden, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_written_adapters_load_in_the_library_and_compute_the_same(tmp_path):
+    model, folder = library_folder(tmp_path, LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]))
+    spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
+    files = write_encoder(spec, weights, SHAPE, "roundtrip")
+    out = tmp_path / "exported"
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    again = BertAdapterModel(BERT.config)
+    again.bert.load_state_dict(BERT.state_dict(), strict=False)
+    name = again.load_adapter(str(out), set_active=True, use_safetensors=True)
+    again.load_head(str(out), use_safetensors=True)
+    again.eval()
+    torch.manual_seed(4)
+    hidden, mask = torch.randn(1, 5, H), torch.ones(1, 5, dtype=torch.long)
+    with torch.no_grad():
+        ref = again.heads[name][1](UpperLayers(again.bert, L_LOW)(hidden, mask)[:, 0])
+        torch.testing.assert_close(served_logits(spec, weights, hidden, mask), ref, atol=1e-4, rtol=1e-4)
+    spec2, weights2 = read_encoder(files, SHAPE)
+    assert spec2 == spec and all(torch.equal(weights[k], weights2[k]) for k in weights)
+
+
+def refused(files, code, match=""):
+    with pytest.raises(PortableError) as err:
+        read_encoder(files, SHAPE)
+    assert err.value.code == code and match in err.value.message, err.value.message
+    return err.value
+
+
+def saved(tmp_path, config=None, **kw):
+    config = config or BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu",
+                                leave_out=[0, 1])
+    return unzip(zip_folder(library_folder(tmp_path, config, **kw)[1]), 2**24)
+
+
+def test_an_adapter_the_server_cannot_batch_is_refused_naming_the_difference(tmp_path):
+    files = saved(tmp_path, BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="swish",
+                                     leave_out=[0, 1]))
+    refused(files, "unsupported_adapter", "non_linearity='swish'")
+
+
+def test_weights_in_the_lower_layers_are_refused(tmp_path):
+    files = saved(tmp_path, BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu"))
+    refused(files, "lower_layer_weights", "leave_out=[0, 1]")
+
+
+def test_an_adapter_of_another_root_is_refused(tmp_path):
+    files = saved(tmp_path)
+    cfg = json.loads(files["adapter_config.json"])
+    refused({**files, "adapter_config.json": json.dumps({**cfg, "hidden_size": 768}).encode()}, "wrong_root", "768")
+
+
+def test_missing_or_unsupported_heads_are_refused(tmp_path):
+    files = saved(tmp_path)
+    refused({k: v for k, v in files.items() if not k.startswith(("head", "model_head"))}, "missing_head")
+    refused(saved(tmp_path / "two", head_layers=2), "unsupported_head")
+
+
+def test_damaged_files_are_refused(tmp_path):
+    files = saved(tmp_path)
+    refused({**files, "adapter.safetensors": b"not safetensors"}, "bad_file", "adapter.safetensors")
+    refused({**files, "adapter_config.json": b"{"}, "bad_file", "adapter_config.json")
+    refused({k: v for k, v in files.items() if k != "adapter_config.json"}, "missing_file", "adapter_config.json")
+
+
+def test_archives_refuse_pickle_bombs_and_non_zips():
+    with pytest.raises(ArchiveError, match="pickle") as err:
+        unzip(zip_files({"adapter_config.json": b"{}", "pytorch_adapter.bin": b"x"}, "f"), 2**20)
+    assert err.value.code == "pickle_refused"
+    with pytest.raises(ArchiveError) as err:
+        unzip(b"PK no zip", 2**20)
+    assert err.value.code == "not_a_zip"
+    with pytest.raises(ArchiveError) as err:
+        unzip(zip_files({"adapter.safetensors": b"\0" * 4096}, "f"), 1000)
+    assert err.value.status == 413
+    with pytest.raises(ArchiveError) as err:
+        unzip(zip_files({"a/b/c.json": b"{}"}, "f"), 1000)
+    assert err.value.code == "bad_archive"
+
+
+# -- decoder tenants: PEFT ---------------------------------------------------------------------------
+def test_a_peft_lora_reads_into_the_canonical_update_peft_computes(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128)
+    base = LlamaForCausalLM(cfg).eval()
+    plain = {i: (base.model.layers[i].self_attn.q_proj.weight.clone(), base.model.layers[i].self_attn.v_proj.weight.clone())
+             for i in range(5)}
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            layers_to_transform=[2, 3, 4], lora_dropout=0.0))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape))
+    model.save_pretrained(str(tmp_path / "peft"))
+    shape = RootShape("llama", 32, 5, 2, 16, "tiny")
+    spec, w = read_decoder(unzip(zip_folder(tmp_path / "peft"), 2**24), shape, rank=4)
+    assert spec.is_decoder and spec.rank == 4 and spec.alpha == 8
+    x = torch.randn(3, 32)
+    for li in range(3):
+        layer = model.base_model.model.model.layers[li + 2].self_attn
+        for proj, pw in (("q", plain[li + 2][0]), ("v", plain[li + 2][1])):
+            want = getattr(layer, f"{proj}_proj")(x)
+            a, b = w[f"layers.{li}.lora.{proj}_A"], w[f"layers.{li}.lora.{proj}_B"]
+            torch.testing.assert_close(x @ pw.t() + spec.scaling * x @ a.t() @ b.t(), want, atol=1e-5, rtol=1e-5)
+    again = read_decoder(write_decoder(spec, w, shape), shape, rank=4)
+    assert again[0] == spec and all(torch.equal(again[1][k], w[k]) for k in w)
+    with pytest.raises(PortableError, match="this server batches rank 8"):
+        read_decoder(unzip(zip_folder(tmp_path / "peft"), 2**24), shape, rank=8)
