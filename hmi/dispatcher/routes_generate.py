@@ -73,6 +73,8 @@ async def _outcome(request, s, req, sink: asyncio.Queue | None = None):
             if getter is not None and getter.done():
                 return "text", getter.result()
             if done.done():
+                if not req.future.cancelled() and req.future.exception() is None:
+                    s.record_usage(req.tenant, 1, time.monotonic() - req.created)
                 return "done", None
             if _gone(request):
                 req.cancel()

@@ -4,6 +4,7 @@ OpenAPI document."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -72,3 +73,26 @@ async def metrics(request: web.Request) -> web.Response:
 async def openapi(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response(openapi_document(request.app, s.models))
+
+
+async def me(request: web.Request) -> web.Response:
+    """Who the token belongs to: ``admin`` or a tenant's name."""
+    s: Server = request.app[SERVER]
+    return web.json_response({"caller": s.caller(request)})
+
+
+CONSOLE = Path(__file__).with_name("console")
+CONSOLE_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+
+
+async def console_index(request: web.Request) -> web.Response:
+    """The web console (static files shipped in the package; the token is typed in the page)."""
+    return web.Response(body=(CONSOLE / "index.html").read_bytes(), content_type="text/html", charset="utf-8")
+
+
+async def console_file(request: web.Request) -> web.Response:
+    name = request.match_info["file"]
+    path = CONSOLE / name
+    if name not in {p.name for p in CONSOLE.iterdir()} or path.suffix not in CONSOLE_TYPES:
+        raise ApiError(404, "not_found", f"no console file {name!r}")
+    return web.Response(body=path.read_bytes(), content_type=CONSOLE_TYPES[path.suffix], charset="utf-8")

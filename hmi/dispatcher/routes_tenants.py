@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -21,13 +22,13 @@ from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, Sche
 from hmi.textlimit import TooLongError
 
 
-def public_tenant(name: str, rec: dict, max_tokens: int) -> dict:
-    """A tenant's record as the API shows it; encoder tenants also state how texts are read:
-    ``max_tokens`` (the server's limit) and ``truncate`` (what happens to a longer text)."""
+def public_tenant(s: Server, name: str, rec: dict) -> dict:
+    """A tenant's record as the API shows it, with its usage and residency tier; encoder tenants
+    also state how texts are read: ``max_tokens`` (the server's limit) and ``truncate``."""
     keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
-    out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}}
+    out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}, **s.usage(name, rec)}
     if rec.get("model", "encoder") == "encoder":
-        out.update(max_tokens=max_tokens, truncate=rec.get("truncate", False))
+        out.update(max_tokens=s.cfg.max_len, truncate=rec.get("truncate", False))
     return out
 
 
@@ -48,6 +49,7 @@ async def infer(request: web.Request) -> web.Response:
     except QueueFullError:
         raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
     s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc(len(reqs))
+    start = time.perf_counter()
     try:
         outputs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)),
                                          s.cfg.infer_timeout_s)
@@ -59,6 +61,7 @@ async def infer(request: web.Request) -> web.Response:
         raise ApiError(503, "shutting_down", "the server is shutting down") from None
     except asyncio.TimeoutError:
         raise ApiError(503, "timeout", "inference did not finish in time; retry") from None
+    s.record_usage(tenant, len(reqs), time.perf_counter() - start)
     return web.json_response({"tenant": tenant, "outputs": outputs})
 
 
@@ -206,14 +209,14 @@ async def delete_tenant(request: web.Request) -> web.Response:
 async def list_tenants(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     s.require_admin(request)
-    return web.json_response({"tenants": [public_tenant(n, r, s.cfg.max_len) for n, r in s.registry.items("tenants")]})
+    return web.json_response({"tenants": [public_tenant(s, n, r) for n, r in s.registry.items("tenants")]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
-    return web.json_response(public_tenant(tenant, s.tenant_record(tenant), s.cfg.max_len))
+    return web.json_response(public_tenant(s, tenant, s.tenant_record(tenant)))
 
 
 async def upload_adapter(request: web.Request) -> web.Response:

@@ -79,6 +79,7 @@ class Server:
         self._gpt_ready: set[str] = set()  # decoder tenants that can generate
         self.gpt = None  # hmi.scheduler.decoder_runtime.HgptRuntime once enabled
         self._token_owner_by_hash: dict[str, str] = {}
+        self._usage: dict[str, tuple[int, float]] = {}  # tenant -> (requests answered, seconds summed)
         for name, rec in self.registry.items("tenants"):
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
             if rec["state"] == "importing":
@@ -329,6 +330,22 @@ class Server:
     def servable(self, tenant: str) -> bool:
         """Whether an encoder tenant's adapter is published and its requests are accepted."""
         return tenant in self._entries
+
+    def record_usage(self, tenant: str, requests: int, seconds: float) -> None:
+        """Counts a tenant's answered requests and their latency (for the console and the listing)."""
+        n, total = self._usage.get(tenant, (0, 0.0))
+        self._usage[tenant] = (n + requests, total + seconds * requests)
+
+    def usage(self, tenant: str, rec: dict) -> dict:
+        """Requests answered since start, their mean latency, and where the adapter is now:
+        ``device`` (a pool slot), ``host`` (the memory cache) or ``disk``."""
+        n, total = self._usage.get(tenant, (0, 0.0))
+        if rec.get("model") == "decoder":
+            on_device = self.gpt is not None and self.gpt.engine.pool.slot_of(tenant) is not None
+        else:
+            on_device = self.scheduler.residency.resident(tenant)
+        tier = "device" if on_device else "host" if self.store.cached(tenant) else "disk"
+        return {"residency": tier, "requests": n, "latency_ms": round(1000 * total / n, 2) if n else None}
 
     def tenant_truncates(self, tenant: str) -> bool:
         """The tenant's own choice for texts over the limit (set at creation; False by default)."""

@@ -116,8 +116,10 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         report(0.0, {"stage": "further pretraining"})
 
         def on_progress(fraction: float, info: dict) -> None:
-            stage = "further pretraining" if fraction < 1 else "building the branch's PLOT"
-            report(FPT_SHARE * fraction, {**info, "stage": stage})
+            if info["stage"] == "further pretraining":
+                report(FPT_SHARE * fraction, info)
+            else:
+                report(FPT_SHARE + (1 - FPT_SHARE) * fraction, info)
 
         if job["kind"] == "domain-create":
             node = tree.create(job["domain"], job["parent"], lines, job["alpha"], fpt, progress=False,

@@ -100,8 +100,9 @@ def build_fingerprint(keys: np.ndarray, artifact: str) -> str:
 
 @torch.no_grad()
 def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_windows: int = CHUNK,
-          progress: bool = True, desc: str = "PLOT build") -> dict:
-    """Computes and writes the representation of every key, resuming where a previous run stopped.
+          progress: bool = True, desc: str = "PLOT build", on_progress=None) -> dict:
+    """Computes and writes the representation of every key, resuming where a previous run stopped;
+    ``on_progress(fraction done, info)`` hears every chunk.
 
     Returns a summary: entries written by this run, total entries, bytes, seconds.
     """
@@ -123,6 +124,8 @@ def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_wi
         store.put_many(chunk, reps, records={"build": {"fingerprint": fp, "done": pos, "total": len(keys),
                                                        "complete": pos >= len(keys)}})
         bar.update(len(chunk))
+        if on_progress is not None:
+            on_progress(pos / max(1, len(keys)), {"entries": pos})
     bar.close()
     seconds = time.time() - start
     stats = store.stats()

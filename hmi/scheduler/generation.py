@@ -16,6 +16,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,6 +59,7 @@ class GenRequest:
     on_text: Callable[[str], None] | None = None  # streaming: each new piece of text, in order
     future: Future = field(default_factory=Future)
     prompt_ids: list[int] | None = field(default=None, init=False)  # set once the request is validated
+    created: float = field(default_factory=time.monotonic, init=False)
 
     def cancel(self) -> None:
         """The client is gone: the engine drops the request at its next step and frees its slot."""

@@ -111,6 +111,10 @@ class ResidencyManager:
         damaged or foreign file): refused before its batch, so it fails only its own requests."""
         self.pool(entry).check(weights, entry.spec.num_labels)
 
+    def resident(self, tenant: str) -> bool:
+        """Whether the tenant's weights occupy a device slot now."""
+        return any(p.slot_of(tenant) is not None for p in list(self.pools.values()))
+
     def evict(self, tenant: str) -> None:
         for p in list(self.pools.values()):
             p.evict(tenant)

@@ -47,7 +47,7 @@ class Fit:
 
     def step(self, loss: torch.Tensor, info: dict | None = None, **postfix) -> None:
         """One optimizer step on ``loss`` (backward, clipping, AdamW, schedule), then the bar and,
-        every ``report_every`` steps, ``on_progress(fraction done, {**info, "loss": ...})``."""
+        every ``report_every`` steps and at the last, ``on_progress(fraction done, {**info, "loss": ...})``."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if self.clip is not None:
@@ -59,7 +59,7 @@ class Fit:
         self.last_loss = loss.item()
         self.bar.update(1)
         self.bar.set_postfix(**postfix, loss=f"{self.last_loss:.4f}")
-        if self.on_progress is not None and self.step_count % self.report_every == 0:
+        if self.on_progress is not None and (self.step_count % self.report_every == 0 or self.done):
             self.on_progress(self.step_count / max(1, self.total), {**(info or {}), "loss": round(self.last_loss, 4)})
 
     def state_dict(self) -> dict:

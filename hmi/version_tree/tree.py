@@ -285,7 +285,8 @@ class VersionTree:
                fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None,
                on_progress=None) -> DomainNode:
         """Further-pretrains ``encoder`` on the corpus and builds the branch's PLOT into ``work``;
-        ``on_progress(fraction of the pretraining, info)`` hears the pretraining, then 1.0."""
+        ``on_progress(fraction, info)`` hears the pretraining (``info["stage"]`` "further
+        pretraining") and then the PLOT build ("building the branch's PLOT"), each from 0 to 1."""
         lines = [x.strip() for x in lines if x and x.strip()]
         tok = self.root.tokenizer
         token_lists = tokenize_corpus(tok, lines, fpt.max_len, progress=False)
@@ -293,9 +294,9 @@ class VersionTree:
         if n_tokens < MIN_CORPUS_TOKENS:
             raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
         fpt_metrics = further_pretrain(self.root.bert, tok, encoder, fpt_lines or lines, fpt,
-                                       progress=progress, should_stop=should_stop, on_progress=on_progress)
-        if on_progress is not None:
-            on_progress(1.0, {})
+                                       progress=progress, should_stop=should_stop,
+                                       on_progress=None if on_progress is None else
+                                       lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}))
         write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
         write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
         keys, counts = count_ngrams(token_lists)
@@ -303,7 +304,9 @@ class VersionTree:
         plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), 0, with_backoff=False)
         store = PlotStore(work / "plot", meta=plot_meta(self.root), readonly=False)
         try:
-            summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}")
+            summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}",
+                            on_progress=None if on_progress is None else
+                            lambda f, info: on_progress(f, {**info, "stage": "building the branch's PLOT"}))
             stats = store.stats()
         finally:
             store.close()

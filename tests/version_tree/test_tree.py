@@ -85,6 +85,18 @@ def test_create_branch_prunes_by_alpha_and_chains_to_root(root, tmp_path):
     assert sub.parent == "legal" and [d["name"] for d in tree.listing()] == ["root", "legal", "legal-eu"]
 
 
+def test_a_branch_reports_progress_through_pretraining_and_its_plot_build(root, tmp_path):
+    heard = []
+    VersionTree(root, tmp_path).create("progress", "root", corpus(), alpha=0.5, fpt=FAST, progress=False,
+                                       on_progress=lambda f, info: heard.append((info["stage"], f)))
+    stages = [s for s, _ in heard]
+    assert stages[0] == "further pretraining" and stages[-1] == "building the branch's PLOT"
+    assert stages == sorted(stages, key=lambda s: s != "further pretraining")  # one stage after the other
+    for stage in set(stages):
+        fractions = [f for s, f in heard if s == stage]
+        assert fractions == sorted(fractions) and fractions[-1] == 1.0
+
+
 def test_update_refreshes_entries_and_counts(root, tmp_path):
     tree = VersionTree(root, tmp_path)
     first = tree.create("news", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)

@@ -1,0 +1,141 @@
+"""The web console in a real browser: headless Chromium (Debian's chromium and chromium-driver)
+driven through Selenium logs in with a token, opens every view, watches a domain job's progress and
+runs an inference; screenshots go to docs/console/."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from hmi.client import Client
+from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+SHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
+                                "(apt-get install chromium chromium-driver; .ci/run installs them)")
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    server = tiny_server(tmp_path_factory.mktemp("home"))
+    url, stop = run_in_thread(server)
+    admin = Client(url, ADMIN)
+    out = admin.create_tenant("reviews", ["neg", "pos"], training_data={"train": TRAIN * 2}, epochs=2)
+    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    admin.infer("reviews", ["a great film", "a dull film"])
+    yield {"url": url, "admin": admin, "token": out["token"]}
+    stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,720"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+def texts(browser, css) -> list[str]:
+    """The text of every displayed element matching ``css`` (the views refresh every second, so an
+    element read mid-refresh is read again)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    for _ in range(20):
+        try:
+            return [e.text for e in browser.find_elements(By.CSS_SELECTOR, css) if e.is_displayed()]
+        except StaleElementReferenceException:
+            time.sleep(0.05)
+    return []
+
+
+def wait_for(browser, css, text=None, timeout=30.0) -> list[str]:
+    end = time.time() + timeout
+    while time.time() < end:
+        found = texts(browser, css)
+        if found and (text is None or any(text in t for t in found)):
+            return [t for t in found if text is None or text in t]
+        time.sleep(0.1)
+    raise AssertionError(f"{css} with {text!r} did not appear; page: {texts(browser, 'body')}")
+
+
+def login(browser, url, token):
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/")
+    field = browser.find_element(By.ID, "token")
+    field.clear()
+    field.send_keys(token)
+    browser.find_element(By.ID, "connect").click()
+
+
+def open_view(browser, name):
+    from selenium.webdriver.common.by import By
+
+    browser.find_element(By.CSS_SELECTOR, f'#tabs button[data-view="{name}"]').click()
+
+
+def shot(browser, name):
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SHOTS / f"{name}.png"))
+
+
+def test_the_admin_sees_every_view_follows_a_job_and_runs_an_inference(live, browser):
+    from selenium.webdriver.common.by import By
+
+    login(browser, live["url"], ADMIN)
+    wait_for(browser, "#who", "admin")
+    row = wait_for(browser, "#tenants tbody tr", "reviews")[0]
+    assert "ready" in row and "bottleneck" in row
+    assert any(t in row for t in ("device", "host", "disk")) and " 2 " in f" {row} "
+    shot(browser, "tenants")
+    job = live["admin"].create_domain("legal", "root", corpus=domain_corpus(), alpha=0.5, steps=30)["job"]
+    open_view(browser, "jobs")
+    assert "domain" in wait_for(browser, "#jobs tbody tr", job)[0]
+    seen = set()
+    end = time.time() + 240
+    while time.time() < end and "succeeded" not in seen:
+        text = " ".join(t for t in texts(browser, "#jobs tbody tr") if job in t)
+        seen.update(w for w in ("further pretraining", "building the branch's PLOT", "succeeded") if w in text)
+        if ("further pretraining" in text and " 0%" not in text or "PLOT" in text) and "shot" not in seen:
+            seen.add("shot")  # the bar part-way through a stage
+            shot(browser, "jobs")
+        time.sleep(0.2)
+    assert "succeeded" in seen and "further pretraining" in seen, seen
+    if "shot" not in seen:
+        shot(browser, "jobs")
+    open_view(browser, "domains")
+    wait_for(browser, "#domains tbody tr", "legal")
+    shot(browser, "domains")
+    open_view(browser, "try")
+    wait_for(browser, "#try-tenant option", "reviews")
+    box = browser.find_element(By.ID, "try-input")
+    box.clear()
+    box.send_keys("a great film\nan awful, boring mess")
+    browser.find_element(By.ID, "try-run").click()
+    out = wait_for(browser, "#try-output tbody tr")
+    assert len(out) == 2 and all(("pos" in r or "neg" in r) for r in out)
+    shot(browser, "try")
+
+
+def test_a_tenant_token_sees_only_its_own_tenant_and_a_bad_token_is_told(live, browser):
+    from selenium.webdriver.common.by import By
+
+    login(browser, live["url"], live["token"])
+    wait_for(browser, "#who", "tenant reviews")
+    assert not browser.find_element(By.CSS_SELECTOR, '#tabs button[data-view="domains"]').is_displayed()
+    rows = wait_for(browser, "#tenants tbody tr", "reviews")
+    assert len(rows) == 1
+    login(browser, live["url"], "not-a-token")
+    wait_for(browser, "#error", "401")
