@@ -60,3 +60,48 @@ def prepare_default(home: Path):
     if not summary.get("up_to_date"):
         print(f"root PLOT ready: {summary['entries']} entries")
     return root
+
+
+def is_prepared(home: Path) -> bool:
+    """Whether data, a calibrated root and its complete root PLOT exist, read from their records
+    alone (no tokenizing, no model loading)."""
+    from hmi.data import data_dir
+    from hmi.model.artifact import current_artifact_id
+    from hmi.plot.store import PlotStore
+
+    artifact = current_artifact_id(home)
+    plot = Path(home) / "plots" / str(artifact) / "root"
+    if artifact is None or not (data_dir() / "stats.json").exists() or not (plot / "data.mdb").exists():
+        return False
+    store = PlotStore(plot, readonly=True)
+    try:
+        return bool((store.get_record("build") or {}).get("complete"))
+    finally:
+        store.close()
+
+
+def _prepare_child(home: str) -> None:
+    from hmi.allocator import tune_allocator
+
+    quiet_transformers()
+    tune_allocator()
+    prepare_default(Path(home))
+
+
+def prepare_in_child(home: Path):
+    """The embedded default made ready in a child process when anything is missing, so that the
+    memory calibration and the PLOT build take returns to the system when the child ends (the
+    serving process keeps freed heap for reuse, ``hmi.allocator``); then the root loaded here."""
+    import multiprocessing
+
+    from hmi.model.artifact import load_root
+
+    if not is_prepared(home):
+        child = multiprocessing.get_context("spawn").Process(target=_prepare_child, args=(str(home),),
+                                                             name="hmi-prepare")
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"hmi: preparing the embedded default failed (exit code {child.exitcode}); "
+                             "the messages above say why, and the next start resumes where it stopped")
+    return load_root(home=home)

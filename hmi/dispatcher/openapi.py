@@ -96,7 +96,10 @@ def openapi_document(app, models: dict) -> dict:
             schema = ref[bodies[0]] if len(bodies) == 1 else {"anyOf": [ref[b] for b in bodies]}
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
         if (method, path) in ZIP_BODY:
-            op["requestBody"] = {"required": True, "content": {"application/zip": {"schema": BINARY}}}
+            # application/octet-stream: the generic name of a byte body, which every client and
+            # fuzzer can send; the server takes application/zip as well.
+            op["requestBody"] = {"required": True, "description": "a zip archive of the adapter's saved folder",
+                                 "content": {"application/octet-stream": {"schema": BINARY}}}
             op["parameters"] = op.get("parameters", []) + [{"name": "model", "in": "query", "required": False, "schema": {
                 "type": "string", "enum": ["encoder", "decoder"]}, "description": "the kind of a new tenant"}]
         if (method, path) in ZIP_RESPONSE:

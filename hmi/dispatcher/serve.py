@@ -12,7 +12,7 @@ from pathlib import Path
 from aiohttp import web
 
 from hmi.adapters.spec import AdapterSpec
-from hmi.bootstrap import prepare_default
+from hmi.bootstrap import prepare_in_child
 from hmi.data import task_labels
 from hmi.dispatcher.app import make_app
 from hmi.dispatcher.server import Server, ServerConfig
@@ -79,7 +79,7 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
-    root = prepare_default(home)
+    root = prepare_in_child(home)
     server = build_server(cfg, home, root)
     if server.recovered:
         print(f"marked {len(server.recovered)} interrupted job(s) as failed")

@@ -139,5 +139,5 @@ def test_the_openapi_document_describes_the_adapter_routes(live):
     with urllib.request.urlopen(live["url"] + "/openapi.json") as r:
         doc = json.loads(r.read())
     op = doc["paths"]["/v1/tenants/{tenant}/adapter"]
-    assert "application/zip" in op["post"]["requestBody"]["content"]
+    assert "application/octet-stream" in op["post"]["requestBody"]["content"]
     assert "application/zip" in op["get"]["responses"]["200"]["content"]

@@ -17,5 +17,7 @@ $PY -m schemathesis.cli --config-file tests/fuzz/schemathesis.toml run "http://1
     --checks all -H "Authorization: Bearer $token" --max-time "$SECONDS_BUDGET" --workers 1 --seed 20261123 \
     --report ndjson --report-dir "$home/report" | tee "$home/st.log" | tail -40
 status=${PIPESTATUS[0]}
+# The failures and errors themselves, which the tail above may not reach.
+if [ "$status" != 0 ]; then grep -B2 -A40 -m3 "FAILURES\|ERRORS\|Errors:" "$home/st.log" | head -150; fi
 if grep -q "unhandled error" "$home/server.log"; then echo "the server logged an unhandled error:"; grep -A20 "unhandled error" "$home/server.log" | head -60; exit 1; fi
 exit "$status"
