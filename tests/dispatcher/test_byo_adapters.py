@@ -141,3 +141,18 @@ def test_the_openapi_document_describes_the_adapter_routes(live):
     op = doc["paths"]["/v1/tenants/{tenant}/adapter"]
     assert "application/octet-stream" in op["post"]["requestBody"]["content"]
     assert "application/zip" in op["get"]["responses"]["200"]["content"]
+
+
+def test_the_command_line_imports_a_saved_folder_and_exports_a_zip(live, tmp_path, capsys):
+    from hmi.cli import main
+
+    server = live["server"]
+    _, folder = library_folder(live["tmp"] / "cli", BN, bert=server.root.bert, seed=5)
+    common = ["--url", live["url"], "--token", ADMIN]
+    assert main(["tenant", "import", "from-cli", str(folder), *common]) == 0
+    assert '"token"' in capsys.readouterr().out
+    out = tmp_path / "exported.zip"
+    assert main(["tenant", "export", "from-cli", "-o", str(out), *common]) == 0
+    assert zipfile.is_zipfile(out)
+    assert main(["tenant", "import", "from-cli", str(out), *common]) == 0  # the owner's new version
+    assert live["admin"].tenant("from-cli")["version"] == 2
