@@ -2,13 +2,19 @@
 when missing.  Used by ``hmi serve``, ``hmi prepare``, ``hmi demo`` and the benchmarks.
 
 Imports of the model side (torch, transformers) happen inside the functions: importing this
-module must not load transformers before :func:`quiet_transformers` has switched it offline."""
+module must not load transformers before :func:`quiet_transformers` has switched it offline
+(the data and allocator modules load neither)."""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from pathlib import Path
+
+from hmi.allocator import tune_allocator
+from hmi.data import data_dir, held_out_texts, load_corpus
+from hmi.data.prepare import prepare
 
 
 def quiet_transformers() -> None:
@@ -24,9 +30,6 @@ def quiet_transformers() -> None:
 
 def ensure_data() -> None:
     """Fetches and prepares the tasks and corpora unless they are prepared already."""
-    from hmi.data import data_dir
-    from hmi.data.prepare import prepare
-
     if not (data_dir() / "stats.json").exists():
         prepare(data_dir())
 
@@ -35,7 +38,6 @@ def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_
                       home: Path | None = None, **config) -> tuple[str, dict]:
     """Calibrates the packaged root's windowed lower layers on the general corpus (resumable);
     ``config`` overrides CalibrationConfig's defaults. Returns (artifact id, its metadata)."""
-    from hmi.data import held_out_texts, load_corpus
     from hmi.model.artifact import uncalibrated_root
     from hmi.model.root import default_spec
     from hmi.training.calibrate import CalibrationConfig, calibrate
@@ -65,7 +67,6 @@ def prepare_default(home: Path):
 def is_prepared(home: Path) -> bool:
     """Whether data, a calibrated root and its complete root PLOT exist, read from their records
     alone (no tokenizing, no model loading)."""
-    from hmi.data import data_dir
     from hmi.model.artifact import current_artifact_id
     from hmi.plot.store import PlotStore
 
@@ -81,8 +82,6 @@ def is_prepared(home: Path) -> bool:
 
 
 def _prepare_child(home: str) -> None:
-    from hmi.allocator import tune_allocator
-
     quiet_transformers()
     tune_allocator()
     prepare_default(Path(home))
@@ -92,8 +91,6 @@ def prepare_in_child(home: Path):
     """The embedded default made ready in a child process when anything is missing, so that the
     memory calibration and the PLOT build take returns to the system when the child ends (the
     serving process keeps freed heap for reuse, ``hmi.allocator``); then the root loaded here."""
-    import multiprocessing
-
     from hmi.model.artifact import load_root
 
     if not is_prepared(home):
