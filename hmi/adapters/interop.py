@@ -45,6 +45,16 @@ def convert(t: torch.Tensor, how) -> torch.Tensor:
     return t.contiguous()
 
 
+def to_library_layout(t: torch.Tensor, how) -> torch.Tensor:
+    """The inverse of :func:`convert`: a canonical tensor as the library stores it (transposed,
+    IA3 vectors as (H, 1) columns, or as is)."""
+    if how is True:
+        return t.t().contiguous()
+    if how is None:
+        return t.reshape(-1, 1).contiguous()
+    return t.contiguous()
+
+
 def attach(model, name: str, spec: AdapterSpec, l_low: int, train: bool = False) -> None:
     """Adds the spec's adapter to the upper layers of a root model (encoder or decoder) with the library."""
     import adapters  # deferred: importing adapters patches transformers
@@ -83,7 +93,7 @@ def to_library(model, name: str, spec: AdapterSpec, l_low: int, weights: dict[st
             target = params.get(lib)
             if target is None:
                 raise SpecError(f"library model lacks {lib}")
-            sd[lib] = (t.t() if how is True else t.reshape(target.shape)).to(target.dtype)
+            sd[lib] = to_library_layout(t, how).reshape(target.shape).to(target.dtype)
     with torch.no_grad():
         for k, v in sd.items():
             params[k].copy_(v)

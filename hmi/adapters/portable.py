@@ -25,8 +25,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from hmi.adapters.interop import convert, library_keys
-from hmi.adapters.pool import layer_shapes
+from hmi.adapters.interop import convert, library_keys, to_library_layout
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.archive import ArchiveError
 
@@ -171,22 +170,7 @@ def _library_weights(raw: dict[str, torch.Tensor], spec: AdapterSpec, root: Root
     if found:
         extra = sorted(k for _, k in found)[:3]
         raise PortableError("unexpected_weights", f"adapter.safetensors holds weights this kind has no place for: {extra}")
-    _check_shapes(out, spec, root)
-    return out
-
-
-def _check_shapes(w: dict[str, torch.Tensor], spec: AdapterSpec, root: RootShape) -> None:
-    sig = spec.signature(root.hidden)
-    for name, shape in layer_shapes(sig, root.hidden, 0, root.value_width).items():
-        site = {"bottleneck": "bn", "lora": "lora", "ia3": "ia3"}[spec.kind]
-        want = shape[::-1] if spec.kind == "lora" else shape
-        for i in range(root.layers - root.l_low):
-            got = tuple(w[f"layers.{i}.{site}.{name}"].shape)
-            if name == "ffn":
-                continue  # the FFN's width is the root's (checked when the pool takes it)
-            if got != tuple(want):
-                raise PortableError("wrong_shape", f"layer {i + root.l_low} {name} has shape {got}; this root needs "
-                                    f"{tuple(want)}")
+    return out  # shapes: the server's SlotPool.check, as for every stored adapter
 
 
 def _read_head(files: dict[str, bytes], root: RootShape) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -231,8 +215,7 @@ def write_encoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: Roo
     lib = {}
     for layer in range(root.l_low, root.layers):
         for canon, (key, how) in library_keys(spec, name, layer).items():
-            t = weights[f"layers.{layer - root.l_low}.{canon}"].float()
-            lib[prefix + key] = (t.t() if how is True else t.reshape(-1, 1) if how is None else t).contiguous()
+            lib[prefix + key] = to_library_layout(weights[f"layers.{layer - root.l_low}.{canon}"].float(), how)
     cfg = {"config": spec.library_config(root.l_low).to_dict(), "hidden_size": root.hidden,
            "model_class": "BertAdapterModel", "model_name": root.name, "model_type": root.model_type, "name": name,
            "version": f"adapters.{adapters.__version__}"}
