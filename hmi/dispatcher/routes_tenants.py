@@ -37,12 +37,15 @@ async def infer(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     s.require_owner(request, tenant)
     body = parse(s.models["InferBody"], await json_body(request))
-    if not s.servable(tenant):
+    try:
+        entry = s.resolve(tenant)
+    except RequestError:
         rec = s.registry.get("tenants", tenant)
         if rec is None:
-            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
-        raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
-    truncate = body.truncate if body.truncate is not None else s.tenant_truncates(tenant)
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}") from None
+        raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds") \
+            from None
+    truncate = body.truncate if body.truncate is not None else entry.truncate
     reqs = [InferRequest(tenant, x, truncate=truncate) for x in body.inputs]
     try:
         s.batcher.add(reqs)

@@ -111,7 +111,8 @@ class Server:
     # -- tenants ---------------------------------------------------------------------------------
     @staticmethod
     def _entry(name: str, rec: dict) -> TenantEntry:
-        return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0))
+        return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0),
+                           rec.get("truncate", False))
 
     def resolve(self, tenant: str) -> TenantEntry:
         e = self._entries.get(tenant)
@@ -194,12 +195,8 @@ class Server:
             raise ApiError(422, "wrong_shape", f"the adapter does not fit this server: {exc}") from None
         rec = self.registry.get("tenants", name)
         if rec is None:
-            token = new_token("hmi_t")
-            new = {"state": "importing", "model": model, "domain": "root", "spec": spec.to_dict(), "truncate": False,
-                   "token_hash": hash_token(token), "version": 0, "job": None, "import_of": "new"}
-            if not self.registry.create("tenants", name, new):
-                raise ApiError(409, "tenant_exists", f"tenant {name!r} was created meanwhile; upload again")
-            self._token_owner_by_hash[new["token_hash"]] = name
+            token = self._register(name, {"state": "importing", "model": model, "domain": "root", "spec": spec.to_dict(),
+                                          "truncate": False, "job": None, "import_of": "new"})
         else:
             token = None
             if rec.get("model", "encoder") != model:
@@ -263,13 +260,20 @@ class Server:
         """Registers a new tenant and queues its first fine-tune job; returns (token, job id).
         Raises ApiError: 429 when the job queue is full, 409 when the name is taken."""
         self.require_job_room()
-        token, jid = new_token("hmi_t"), new_job_id()
-        rec = {**rec, "state": "training", "token_hash": hash_token(token), "version": 0, "job": jid}
+        jid = new_job_id()
+        token = self._register(name, {**rec, "state": "training", "job": jid})
+        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        return token, jid
+
+    def _register(self, name: str, rec: dict) -> str:
+        """Creates a tenant's record (version 0) with a new token, which it returns (shown once);
+        409 when the name is taken."""
+        token = new_token("hmi_t")
+        rec = {**rec, "token_hash": hash_token(token), "version": 0}
         if not self.registry.create("tenants", name, rec):
             raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
         self._token_owner_by_hash[rec["token_hash"]] = name
-        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
-        return token, jid
+        return token
 
     def update_tenant(self, name: str, data: dict, **job) -> str:
         """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
@@ -327,10 +331,6 @@ class Server:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
         return rec
 
-    def servable(self, tenant: str) -> bool:
-        """Whether an encoder tenant's adapter is published and its requests are accepted."""
-        return tenant in self._entries
-
     def record_usage(self, tenant: str, requests: int, seconds: float) -> None:
         """Counts a tenant's answered requests and their latency (for the console and the listing)."""
         n, total = self._usage.get(tenant, (0, 0.0))
@@ -346,10 +346,6 @@ class Server:
             on_device = self.scheduler.residency.resident(tenant)
         tier = "device" if on_device else "host" if self.store.cached(tenant) else "disk"
         return {"residency": tier, "requests": n, "latency_ms": round(1000 * total / n, 2) if n else None}
-
-    def tenant_truncates(self, tenant: str) -> bool:
-        """The tenant's own choice for texts over the limit (set at creation; False by default)."""
-        return bool((self.registry.get("tenants", tenant) or {}).get("truncate", False))
 
     def servable_count(self) -> int:
         return len(self._entries)

@@ -32,6 +32,7 @@ class TenantEntry:
     spec: AdapterSpec
     domain: str = "root"
     version: int = 0  # bumped on update, so stale device copies are replaced
+    truncate: bool = False  # the tenant's choice for texts over the limit (a request may override it)
 
 
 @dataclass
