@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import tempfile
 from pathlib import Path
 
 from hmi.allocator import tune_allocator
@@ -48,15 +49,33 @@ def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_
     return calibrate(root, load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
 
 
+def check_shipped(l_low: int = 3) -> tuple[str | None, str]:
+    """Calibrates with the defaults in a throw-away home; returns (the shipped artifact's id for
+    this root and split or None, the id just calibrated): equal ids are equal weights, bit for bit."""
+    from hmi.model.artifact import find_shipped
+    from hmi.model.root import default_spec, load_bert
+
+    shipped = find_shipped(load_bert(default_spec(l_low).model_dir), l_low)
+    with tempfile.TemporaryDirectory(prefix="hmi-check-") as tmp:
+        artifact_id, _ = calibrate_default(l_low, home=Path(tmp))
+    return (shipped.name if shipped else None), artifact_id
+
+
 def prepare_default(home: Path):
     """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
-    from hmi.model.artifact import current_artifact_id, load_root
+    from hmi.model.artifact import current_artifact_id, install_shipped, load_root
+    from hmi.model.root import default_spec, load_bert
     from hmi.plot.paths import ensure_root_plot
 
     ensure_data()
     if current_artifact_id(home) is None:
-        print("calibrating the root model (first start only, 15 to 30 minutes on 2 cores)")
-        calibrate_default(home=home)
+        spec = default_spec()
+        shipped = install_shipped(load_bert(spec.model_dir), spec.l_low, home)
+        if shipped is not None:
+            print(f"root artifact {shipped}: the calibrated lower layers shipped with hmi, checked against the root")
+        else:
+            print("calibrating the root model (first start only, about 10 minutes on 2 cores)")
+            calibrate_default(home=home)
     root = load_root(home=home)
     summary = ensure_root_plot(root, home=home)
     if not summary.get("up_to_date"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hmi.allocator import tune_allocator
 from hmi.archive import zip_folder
-from hmi.bootstrap import calibrate_default, ensure_data, prepare_default
+from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default
 from hmi.bootstrap import quiet_transformers as _quiet_transformers
 from hmi.client import ApiError, Client, load_rows
 from hmi.data import CORPORA, data_dir, held_out_texts, load_corpus, task_labels
@@ -58,6 +58,13 @@ def cmd_calibrate(args) -> int:
     ensure_data()
     if args.decoder:
         return cmd_calibrate_decoder(args)
+    if args.check_shipped:
+        if given or args.seed or not args.backoff or args.eval_texts != 256:
+            raise SystemExit("hmi calibrate --check-shipped: the shipped artifact is reproduced with the defaults only")
+        shipped, made = check_shipped(args.l_low or 3)
+        print(f"shipped: {shipped or 'none for this root and split'}\ncalibrated now: {made}")
+        print("identical, bit for bit" if shipped == made else "different")
+        return 0 if shipped == made else 1
     artifact_id, meta = calibrate_default(args.l_low or 3, args.seed, args.backoff, args.eval_texts, **given)
     print(f"root artifact {artifact_id}")
     print_quality(meta)
@@ -459,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",
                      help="train every window computed, not as the PLOT serves text (windows it misses back off)")
+    cal.add_argument("--check-shipped", action="store_true",
+                     help="calibrate with the defaults in a throw-away home and compare with the artifact shipped "
+                          "in the package (same CPU kind, torch and thread count: identical bit for bit)")
     cal.set_defaults(func=cmd_calibrate)
 
     plot = sub.add_parser("plot", help="PLOT lookup tables").add_subparsers(dest="plot_cmd", required=True)

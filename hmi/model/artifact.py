@@ -25,7 +25,7 @@ from transformers import BertModel
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, fsync_dir
 from hmi.model.hplm import HPLM, WindowedEncoder
-from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer
+from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer, weights_fingerprint
 
 
 class ArtifactMissingError(RuntimeError):
@@ -71,39 +71,62 @@ def write_artifact(base: Path, name_of, weights: dict[str, torch.Tensor], weight
                    config_file: str, pointer: str | None) -> str:
     """Writes one artifact atomically and returns its folder name: the weights go to a temporary
     folder, ``name_of(digest)`` names the folder from the weights' sha256 (hex), ``config_of(name)``
-    gives the metadata; the folder is fsynced and renamed into place, then ``pointer`` (if any)
-    is replaced atomically to name it."""
+    gives the metadata (to which ``weights_sha256`` is added); the folder is fsynced and renamed
+    into place, then ``pointer`` (if any) is replaced atomically to name it."""
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / weights_file))
-        name = name_of(hashlib.sha256((tmp / weights_file).read_bytes()).hexdigest())
-        (tmp / config_file).write_text(json.dumps(config_of(name), indent=1, sort_keys=True))
-        for f in (weights_file, config_file):
-            with open(tmp / f, "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        final = base / name
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        fsync_dir(base)
+        digest = file_sha256(tmp / weights_file)
+        name = name_of(digest)
+        (tmp / config_file).write_text(json.dumps({**config_of(name), "weights_sha256": digest}, indent=1,
+                                                  sort_keys=True))
+        _place(tmp, base, name, pointer)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    if pointer is not None:
-        atomic_write_text(base / pointer, name)
     return name
 
 
-def save_artifact(windowed: WindowedEncoder, spec: RootSpec, meta: dict, home: Path | None = None,
+def _place(tmp: Path, base: Path, name: str, pointer: str | None) -> None:
+    """Moves the staged folder ``tmp`` (inside ``base``) to ``base/name`` durably, then points ``pointer`` at it."""
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    final = base / name
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(base)
+    if pointer is not None:
+        atomic_write_text(base / pointer, name)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def save_artifact(windowed: WindowedEncoder, bert: BertModel, spec: RootSpec, meta: dict, home: Path | None = None,
                   make_current: bool = True) -> str:
-    """Writes an encoder root's calibrated windowed encoder as an artifact and returns its id."""
+    """Writes an encoder root's calibrated windowed encoder as an artifact and returns its id.
+
+    Tensors still equal to the root's (the word embeddings, which calibration keeps) are not
+    stored: the config names them (``from_root``) and loading copies them from the root, whose
+    identity the config records (``root_fingerprint``)."""
+    state = windowed.state_dict()
+    initial = WindowedEncoder(bert, spec.l_low).state_dict()
+    from_root = sorted(k for k, v in state.items() if torch.equal(v, initial[k]))
     return write_artifact(
-        roots_dir(home), lambda digest: f"minilm-l{spec.l_low}-{digest[:16]}", windowed.state_dict(),
-        "windowed.safetensors",
+        roots_dir(home), lambda digest: f"minilm-l{spec.l_low}-{digest[:16]}",
+        {k: v for k, v in state.items() if k not in from_root}, "windowed.safetensors",
         lambda name: {**meta, "artifact_id": name, "root": spec.name, "l_low": spec.l_low,
-                      "hidden_size": windowed.lower.hidden_size},
+                      "hidden_size": windowed.lower.hidden_size, "from_root": from_root,
+                      "root_fingerprint": weights_fingerprint(bert)},
         "config.json", "current" if make_current else None)
 
 
@@ -119,6 +142,34 @@ def artifact_config(artifact_id: str, home: Path | None = None) -> dict:
     return json.loads(p.read_text())
 
 
+class ArtifactMismatchError(RuntimeError):
+    """An artifact that does not belong to the root it is loaded with, or whose files are damaged."""
+
+
+def load_windowed(folder: Path, config: dict, bert: BertModel, l_low: int) -> WindowedEncoder:
+    """The calibrated windowed encoder of the artifact in ``folder``, checked against ``bert``:
+    the root's fingerprint (when recorded) and the stored tensors plus those taken from the root
+    covering the encoder exactly."""
+    recorded = config.get("root_fingerprint")
+    if recorded is not None and recorded != weights_fingerprint(bert):
+        raise ArtifactMismatchError(
+            f"root artifact {folder.name!r} was calibrated from another root (fingerprint {recorded[:12]}); "
+            f"the installed root is {weights_fingerprint(bert)[:12]}: calibrate this root with `hmi calibrate`")
+    windowed = WindowedEncoder(bert, l_low)
+    stored = load_file(str(folder / "windowed.safetensors"))
+    expected = set(windowed.state_dict())
+    from_root = set(config.get("from_root", []))
+    if set(stored) | from_root != expected or set(stored) & from_root:
+        raise ArtifactMismatchError(
+            f"root artifact {folder.name!r} does not fit this root: missing "
+            f"{sorted(expected - set(stored) - from_root)[:3]}, unexpected {sorted(set(stored) - expected)[:3]}")
+    windowed.load_state_dict(stored, strict=False)
+    windowed.eval()
+    for p in windowed.parameters():
+        p.requires_grad_(False)
+    return windowed
+
+
 def load_root(artifact_id: str | None = None, home: Path | None = None, spec: RootSpec | None = None) -> Root:
     """Loads the packaged root and a calibrated artifact (the current one by default)."""
     artifact_id = artifact_id or current_artifact_id(home)
@@ -127,12 +178,44 @@ def load_root(artifact_id: str | None = None, home: Path | None = None, spec: Ro
     meta = artifact_config(artifact_id, home)
     spec = spec or default_spec(meta["l_low"])
     bert = load_bert(spec.model_dir)
-    windowed = WindowedEncoder(bert, spec.l_low)
-    windowed.load_state_dict(load_file(str(roots_dir(home) / artifact_id / "windowed.safetensors")))
-    windowed.eval()
-    for p in windowed.parameters():
-        p.requires_grad_(False)
+    windowed = load_windowed(roots_dir(home) / artifact_id, meta, bert, spec.l_low)
     return Root(spec, bert, load_tokenizer(spec.model_dir), windowed, artifact_id, meta)
+
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+
+
+def find_shipped(bert: BertModel, l_low: int, shipped: Path = SHIPPED_DIR) -> Path | None:
+    """The folder of the calibrated artifact shipped with the package for this root (by its
+    fingerprint) and split, checked against its recorded sha256; None when none fits."""
+    fingerprint = weights_fingerprint(bert)
+    for folder in sorted(shipped.glob("minilm-l*")) if shipped.is_dir() else []:
+        config = json.loads((folder / "config.json").read_text())
+        if config.get("l_low") != l_low or config.get("root_fingerprint") != fingerprint:
+            continue
+        if file_sha256(folder / "windowed.safetensors") != config.get("weights_sha256"):
+            raise ArtifactMismatchError(f"the shipped root artifact {folder.name} is damaged (its sha256 differs)")
+        return folder
+    return None
+
+
+def install_shipped(bert: BertModel, l_low: int, home: Path | None = None, shipped: Path = SHIPPED_DIR) -> str | None:
+    """Installs the artifact :func:`find_shipped` finds as the current one (``hmi calibrate`` with
+    its defaults reproduces it, ``hmi calibrate --check-shipped``); returns its id, or None."""
+    folder = find_shipped(bert, l_low, shipped)
+    if folder is None:
+        return None
+    base = roots_dir(home)
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
+    try:
+        for f in ("windowed.safetensors", "config.json"):
+            shutil.copyfile(folder / f, tmp / f)
+        _place(tmp, base, folder.name, "current")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return folder.name
 
 
 def uncalibrated_root(spec: RootSpec | None = None) -> Root:

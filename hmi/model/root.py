@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -71,6 +72,17 @@ def load_bert(model_dir: str) -> BertModel:
     for p in model.parameters():
         p.requires_grad_(False)
     return use_onednn_linear(model)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 (hex) over a model's parameters and buffers as loaded (names, dtypes, shapes, bytes
+    in state-dict order): the identity of a root, recorded by everything derived from it."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def extended_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

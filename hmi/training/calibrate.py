@@ -31,7 +31,7 @@ from hmi.model.hplm import HPLM
 from hmi.model.root import extended_mask, full_forward, mean_pool
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
-from hmi.training.fit import Fit
+from hmi.training.fit import Fit, deterministic
 
 
 @dataclass
@@ -50,6 +50,9 @@ class CalibrationConfig:
     max_minutes: float | None = 30.0
     backoff: bool = True
     length_grouped: bool = True  # batches of texts of similar length: little padding in the full-context passes
+    # The word embeddings stay the root's: the windowed layers learn around them, and the artifact
+    # then stores no copy of the largest tensor (hmi.model.artifact stores what differs from the root).
+    train_word_embeddings: bool = False
 
 
 class HeldOutBackoff:
@@ -188,6 +191,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     windowed = root.windowed
     for p in windowed.parameters():
         p.requires_grad_(True)
+    windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
     params = [p for p in windowed.parameters() if p.requires_grad]
     fit = Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="calibrate",
               schedule=lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
@@ -217,7 +221,8 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         tmp.replace(ckpt_path)
 
     start = time.time()
-    _train(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
+    with deterministic():
+        _train(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
     step = fit.step_count
     seconds = time.time() - start
     windowed.eval()
@@ -226,8 +231,9 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
     meta = {"calibration": {**asdict(cfg), "steps_done": step, "train_seconds_this_run": round(seconds, 1),
-                            "torch_threads": torch.get_num_threads()},
+                            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                            "cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}
-    artifact_id = save_artifact(windowed, root.spec, meta, home)
+    artifact_id = save_artifact(windowed, root.bert, root.spec, meta, home)
     atomic_write_text(work_dir / "done", artifact_id)
     return artifact_id, meta

@@ -10,10 +10,24 @@ with the caller; :func:`early_stopping` runs epochs and keeps the best one's sta
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
 from tqdm import tqdm
+
+
+@contextmanager
+def deterministic():
+    """Training that repeats bit for bit on one machine (same CPU kind, torch build and thread
+    count): torch's kernels that accumulate in arrival order (the backward of index gathers,
+    ``index_put_`` with accumulate) take their ordered variants inside the block."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 class Cancelled(RuntimeError):

@@ -74,15 +74,71 @@ def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=k)
 
 
-def test_saved_artifact_round_trips_weights(tmp_path):
-    root = tiny_root()
-    aid = save_artifact(root.windowed, root.spec, {"note": "x"}, home=tmp_path)
-    assert aid.startswith("minilm-l2-")
+def test_saved_artifact_round_trips_weights_and_takes_untouched_tensors_from_the_root(tmp_path):
     from safetensors.torch import load_file
 
-    loaded = load_file(str(tmp_path / "roots" / aid / "windowed.safetensors"))
+    from hmi.model.artifact import load_windowed
+
+    root = tiny_root()
+    with torch.no_grad():
+        root.windowed.lower.layers[0].output.dense.weight.add_(0.5)  # as if calibrated
+    aid = save_artifact(root.windowed, root.bert, root.spec, {"note": "x"}, home=tmp_path)
+    assert aid.startswith("minilm-l2-")
+    config = artifact_config(aid, tmp_path)
+    stored = load_file(str(tmp_path / "roots" / aid / "windowed.safetensors"))
+    assert "lower.embeddings.word_embeddings.weight" in config["from_root"]
+    assert "lower.embeddings.word_embeddings.weight" not in stored
+    assert "lower.layers.0.output.dense.weight" in stored
+    loaded = load_windowed(tmp_path / "roots" / aid, config, root.bert, 2)
     for k, v in root.windowed.state_dict().items():
-        assert torch.equal(loaded[k], v)
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_artifact_of_another_root_is_refused_with_a_clear_error(tmp_path):
+    import pytest
+
+    from hmi.model.artifact import ArtifactMismatchError, load_windowed
+
+    root = tiny_root()
+    aid = save_artifact(root.windowed, root.bert, root.spec, {}, home=tmp_path)
+    other = tiny_bert(layers=4, hidden=32, vocab=110)
+    with torch.no_grad():
+        other.encoder.layer[3].output.dense.weight.add_(1.0)
+    with pytest.raises(ArtifactMismatchError, match="calibrated from another root"):
+        load_windowed(tmp_path / "roots" / aid, artifact_config(aid, tmp_path), other, 2)
+
+
+def test_calibration_repeats_bit_for_bit(tmp_path):
+    cfg = CalibrationConfig(steps=5, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2)
+    ids = [calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / f"w{i}", home=tmp_path / f"h{i}",
+                     log=lambda *_: None)[0] for i in range(2)]
+    assert ids[0] == ids[1]  # the id is the weights file's sha256
+
+
+def test_shipped_artifact_is_installed_only_for_its_root_and_only_when_intact(tmp_path):
+    import shutil
+
+    import pytest
+
+    from hmi.model.artifact import ArtifactMismatchError, install_shipped
+
+    root = tiny_root()
+    with torch.no_grad():
+        root.windowed.lower.gate.bias.add_(1.0)
+    aid = save_artifact(root.windowed, root.bert, root.spec, {}, home=tmp_path / "build")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(tmp_path / "build" / "roots" / aid, shipped / aid)
+    other = tiny_bert(layers=4, hidden=32, vocab=110)
+    with torch.no_grad():
+        other.embeddings.word_embeddings.weight.add_(1.0)
+    assert install_shipped(other, 2, tmp_path / "a", shipped) is None  # another root: nothing fits
+    assert install_shipped(root.bert, 3, tmp_path / "a", shipped) is None  # another split
+    assert current_artifact_id(tmp_path / "a") is None
+    assert install_shipped(root.bert, 2, tmp_path / "b", shipped) == aid
+    assert current_artifact_id(tmp_path / "b") == aid
+    (shipped / aid / "windowed.safetensors").write_bytes(b"damaged")
+    with pytest.raises(ArtifactMismatchError, match="damaged"):
+        install_shipped(root.bert, 2, tmp_path / "c", shipped)
 
 
 def test_load_root_without_artifact_says_to_calibrate(tmp_path):
