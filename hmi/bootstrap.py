@@ -16,6 +16,7 @@ from pathlib import Path
 from hmi.allocator import tune_allocator
 from hmi.data import data_dir, held_out_texts, load_corpus
 from hmi.data.prepare import prepare
+from hmi.model.aliases import DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
 
 
 def quiet_transformers() -> None:
@@ -35,21 +36,22 @@ def ensure_data() -> None:
         prepare(data_dir())
 
 
-def calibrate_default(l_low: int = 3, seed: int = 0, backoff: bool = True, eval_texts: int = 256,
-                      home: Path | None = None, **config) -> tuple[str, dict]:
-    """Calibrates the packaged root's windowed lower layers on the general corpus (resumable);
-    ``config`` overrides CalibrationConfig's defaults. Returns (artifact id, its metadata)."""
+def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = True, eval_texts: int = 256,
+                      home: Path | None = None, root: str = DEFAULT_ROOT, **config) -> tuple[str, dict]:
+    """Calibrates a root's windowed lower layers (by default the packaged MiniLM-L6's, split 3+3)
+    on the general corpus (resumable); ``config`` overrides CalibrationConfig's defaults.
+    Returns (artifact id, its metadata)."""
     from hmi.model.artifact import uncalibrated_root
-    from hmi.model.root import default_spec
+    from hmi.model.catalog import root_spec
     from hmi.training.calibrate import CalibrationConfig, calibrate
 
     ensure_data()
     cfg = CalibrationConfig(seed=seed, backoff=backoff, **config)
-    root = uncalibrated_root(default_spec(l_low))
-    return calibrate(root, load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
+    spec = root_spec(root, l_low, home)
+    return calibrate(uncalibrated_root(spec), load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
 
 
-def check_shipped(l_low: int = 3) -> tuple[str | None, str]:
+def check_shipped(l_low: int = DEFAULT_L_LOW) -> tuple[str | None, str]:
     """Calibrates with the defaults in a throw-away home; returns (the shipped artifact's id for
     this root and split or None, the id just calibrated): equal ids are equal weights, bit for bit."""
     from hmi.model.artifact import find_shipped
@@ -61,35 +63,40 @@ def check_shipped(l_low: int = 3) -> tuple[str | None, str]:
     return (shipped.name if shipped else None), artifact_id
 
 
-def prepare_default(home: Path):
-    """Data, calibrated root and root PLOT, each only when missing (with progress bars)."""
+def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
+    """Data, calibrated root and root PLOT, each only when missing (with progress bars); the
+    default root's shipped calibration is installed rather than recomputed where it fits."""
     from hmi.model.artifact import current_artifact_id, install_shipped, load_root
-    from hmi.model.root import default_spec, load_bert
+    from hmi.model.catalog import root_spec
+    from hmi.model.root import load_bert
     from hmi.plot.paths import ensure_root_plot
 
     ensure_data()
-    if current_artifact_id(home) is None:
-        spec = default_spec()
-        shipped = install_shipped(load_bert(spec.model_dir), spec.l_low, home)
+    spec = root_spec(root, l_low, home)
+    if current_artifact_id(home, spec.pointer) is None:
+        shipped = install_shipped(load_bert(spec.model_dir), spec.l_low, home) if spec.source is None else None
         if shipped is not None:
             print(f"root artifact {shipped}: the calibrated lower layers shipped with hmi, checked against the root")
         else:
-            print("calibrating the root model (first start only, about 10 minutes on 2 cores)")
-            calibrate_default(home=home)
-    root = load_root(home=home)
+            print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only; about 10 minutes "
+                  "on 2 cores for MiniLM-L6, 90 for a 12-layer root; resumable)")
+            calibrate_default(spec.l_low, home=home, root=root)
+    root = load_root(home=home, spec=spec)
     summary = ensure_root_plot(root, home=home)
     if not summary.get("up_to_date"):
         print(f"root PLOT ready: {summary['entries']} entries")
     return root
 
 
-def is_prepared(home: Path) -> bool:
+def is_prepared(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None) -> bool:
     """Whether data, a calibrated root and its complete root PLOT exist, read from their records
     alone (no tokenizing, no model loading)."""
     from hmi.model.artifact import current_artifact_id
     from hmi.plot.store import PlotStore
 
-    artifact = current_artifact_id(home)
+    if l_low is None and default_l_low(root) is None:
+        return False
+    artifact = current_artifact_id(home, pointer_name(source_of(root), l_low or default_l_low(root)))
     plot = Path(home) / "plots" / str(artifact) / "root"
     if artifact is None or not (data_dir() / "stats.json").exists() or not (plot / "data.mdb").exists():
         return False
@@ -100,24 +107,25 @@ def is_prepared(home: Path) -> bool:
         store.close()
 
 
-def _prepare_child(home: str) -> None:
+def _prepare_child(home: str, root: str, l_low: int | None) -> None:
     quiet_transformers()
     tune_allocator()
-    prepare_default(Path(home))
+    prepare_default(Path(home), root, l_low)
 
 
-def prepare_in_child(home: Path):
+def prepare_in_child(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
     """The embedded default made ready in a child process when anything is missing, so that the
     memory calibration and the PLOT build take returns to the system when the child ends (the
     serving process keeps freed heap for reuse, ``hmi.allocator``); then the root loaded here."""
     from hmi.model.artifact import load_root
+    from hmi.model.catalog import root_spec
 
-    if not is_prepared(home):
-        child = multiprocessing.get_context("spawn").Process(target=_prepare_child, args=(str(home),),
+    if not is_prepared(home, root, l_low):
+        child = multiprocessing.get_context("spawn").Process(target=_prepare_child, args=(str(home), root, l_low),
                                                              name="hmi-prepare")
         child.start()
         child.join()
         if child.exitcode != 0:
             raise SystemExit(f"hmi: preparing the embedded default failed (exit code {child.exitcode}); "
                              "the messages above say why, and the next start resumes where it stopped")
-    return load_root(home=home)
+    return load_root(home=home, spec=root_spec(root, l_low, home))

@@ -20,6 +20,7 @@ from hmi.client import ApiError, Client, load_rows
 from hmi.data import CORPORA, data_dir, held_out_texts, load_corpus, task_labels
 from hmi.data.prepare import prepare
 from hmi.home import hmi_home
+from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, RootError
 
 
 def cmd_data_prepare(args) -> int:
@@ -59,13 +60,13 @@ def cmd_calibrate(args) -> int:
     if args.decoder:
         return cmd_calibrate_decoder(args)
     if args.check_shipped:
-        if given or args.seed or not args.backoff or args.eval_texts != 256:
+        if given or args.seed or not args.backoff or args.eval_texts != 256 or args.root != DEFAULT_ROOT:
             raise SystemExit("hmi calibrate --check-shipped: the shipped artifact is reproduced with the defaults only")
-        shipped, made = check_shipped(args.l_low or 3)
+        shipped, made = check_shipped(args.l_low or DEFAULT_L_LOW)
         print(f"shipped: {shipped or 'none for this root and split'}\ncalibrated now: {made}")
         print("identical, bit for bit" if shipped == made else "different")
         return 0 if shipped == made else 1
-    artifact_id, meta = calibrate_default(args.l_low or 3, args.seed, args.backoff, args.eval_texts, **given)
+    artifact_id, meta = calibrate_default(args.l_low, args.seed, args.backoff, args.eval_texts, root=args.root, **given)
     print(f"root artifact {artifact_id}")
     print_quality(meta)
     return 0
@@ -129,12 +130,13 @@ def read_corpus_arg(corpus: str) -> list[str]:
     return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
 
 
-def load_current_root():
+def load_current_root(root: str = DEFAULT_ROOT, l_low: int | None = None):
     _quiet_transformers()
     from hmi.model.artifact import ArtifactMissingError, load_root
+    from hmi.model.catalog import root_spec
 
     try:
-        return load_root()
+        return load_root(spec=root_spec(root, l_low))
     except ArtifactMissingError as exc:
         raise SystemExit(f"hmi: {exc}")
 
@@ -153,7 +155,7 @@ def cmd_plot_build(args) -> int:
         if root is None:
             raise SystemExit("hmi: no calibrated decoder root yet; run `hmi calibrate --decoder` first")
     else:
-        root = load_current_root()
+        root = load_current_root(args.root, args.l_low)
     out = Path(args.out) if args.out else root_plot_path(root)
     store = PlotStore(out, meta=plot_meta(root), readonly=False)
     try:
@@ -181,7 +183,7 @@ def cmd_plot_stats(args) -> int:
 def cmd_prepare(args) -> int:
     """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
     _quiet_transformers()
-    root = prepare_default(hmi_home())
+    root = prepare_default(hmi_home(), args.root, args.l_low)
     print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
     return 0
 
@@ -231,7 +233,7 @@ def cmd_serve(args) -> int:
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
                        miss_policy=args.miss_policy, device=args.device, max_len=args.max_len)
     try:
-        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt)
+        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
@@ -443,6 +445,14 @@ def cmd_domain_list(args):
     return 0
 
 
+def add_root_options(parser) -> None:
+    parser.add_argument("--root", default=DEFAULT_ROOT,
+                        help=f"an alias ({', '.join(ALIASES)}; default {DEFAULT_ROOT}) or a BERT/RoBERTa/MPNet "
+                             "checkpoint folder (converted once into HMI_HOME)")
+    parser.add_argument("--l-low", type=int, default=None,
+                        help="how many lower layers become PLOT lookups (default: half the root's layers)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hmi", description="HMI: hierarchical multi-tenant inference server")
     sub = p.add_subparsers(dest="command", required=True)
@@ -459,7 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
     cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder)")
     cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--l-low", type=int, default=None, help="default 3 of 6 (encoder), 2 of 30 (decoder)")
+    cal.add_argument("--root", default=DEFAULT_ROOT,
+                     help=f"an alias ({', '.join(ALIASES)}; default {DEFAULT_ROOT}) or a BERT/RoBERTa/MPNet checkpoint folder")
+    cal.add_argument("--l-low", type=int, default=None,
+                     help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
     cal.add_argument("--max-minutes", type=float, default=None,
                      help="encoder training time budget (default 30; about 20 are needed on 2 cores)")
     cal.add_argument("--eval-texts", type=int, default=256)
@@ -478,12 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--select", default="all", help="all, alpha:A (coverage) or top_k:K")
     pb.add_argument("--max-len", type=int, default=128)
     pb.add_argument("--decoder", action="store_true", help="a causal PLOT of the calibrated hGPT decoder root")
+    add_root_options(pb)
     pb.set_defaults(func=cmd_plot_build)
     ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
     ps.add_argument("path")
     ps.set_defaults(func=cmd_plot_stats)
 
     prep_all = sub.add_parser("prepare", help="data, calibrated root and root PLOT, each only when missing")
+    add_root_options(prep_all)
     prep_all.set_defaults(func=cmd_prepare)
 
     demo = sub.add_parser("demo", help="set up the embedded default and encode held-out texts through it")
@@ -493,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8080)
     srv.add_argument("--no-demo", action="store_true", help="do not create the demo tenants")
+    add_root_options(srv)
     srv.add_argument("--max-batch", type=int, default=32)
     srv.add_argument("--max-wait-ms", type=float, default=5.0)
     srv.add_argument("--pool-slots", type=int, default=64)
@@ -614,7 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tune_allocator()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except RootError as exc:  # an unknown root, a failed fetch, a checkpoint HMI cannot split
+        print(f"hmi: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

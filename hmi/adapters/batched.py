@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hmi.model.root import extended_mask
+from hmi.model.root import attention_mask
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Group:
 
 
 def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, groups: list[Group],
-                  before_layer=None) -> torch.Tensor:
+                  before_layer=None, relative_bias=None) -> torch.Tensor:
     """The shared BERT upper layers with each request's adapter applied.
 
     Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual + LayerNorm)
@@ -124,10 +124,11 @@ def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tenso
     the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
     attention output projection and x the layer input (the library's default BnConfig).
     ``before_layer(i)``, when given, is called before layer i runs (the scheduler waits there for
-    that layer's adapter weights to be resident).
+    that layer's adapter weights to be resident); ``relative_bias``: an MPNet root's
+    (``hmi.model.root.attention_mask``).
     Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
     """
-    ext = extended_mask(mask, hidden.dtype)
+    ext = attention_mask(mask, hidden.dtype, relative_bias)
     for li, layer in enumerate(layers):
         if before_layer is not None:
             before_layer(li)

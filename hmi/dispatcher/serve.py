@@ -18,6 +18,7 @@ from hmi.dispatcher.app import make_app
 from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
+from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
@@ -79,12 +80,12 @@ def enable_hgpt(server: Server, home: Path) -> None:
     server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))
 
 
-def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False) -> int:
+def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False, root: str = DEFAULT_ROOT,
+          l_low: int | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
-    root = prepare_in_child(home)
-    server = build_server(cfg, home, root)
+    server = build_server(cfg, home, prepare_in_child(home, root, l_low))
     if server.recovered:
         print(f"marked {len(server.recovered)} interrupted job(s) as failed")
     token_file = home / "admin_token"

@@ -22,6 +22,7 @@ from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.schemas import build_models
 from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext
+from hmi.model.root import weights_fingerprint
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.scheduler.types import RequestError, TenantEntry
 from hmi.version_tree.tree import VersionTree
@@ -76,6 +77,10 @@ class Server:
                                   pin_memory=self.device.type == "cuda")
         self.store.recover()
         self._entries: dict[str, TenantEntry] = {}
+        # Encoder tenants record the root they were trained on (its fingerprint); those of
+        # another root stay in the registry but are not served by this one.
+        self.root_fingerprint = weights_fingerprint(root.bert)
+        self._foreign: dict[str, str] = {}
         self._gpt_ready: set[str] = set()  # decoder tenants that can generate
         self.gpt = None  # hmi.scheduler.decoder_runtime.HgptRuntime once enabled
         self._token_owner_by_hash: dict[str, str] = {}
@@ -84,7 +89,9 @@ class Server:
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
             if rec["state"] == "importing":
                 rec = self._recover_import(name, rec)
-            if rec["state"] in ("ready", "updating"):
+            if rec.get("model") != "decoder" and rec.get("root", self.root_fingerprint) != self.root_fingerprint:
+                self._foreign[name] = rec["root"]
+            elif rec["state"] in ("ready", "updating"):
                 if rec.get("model") == "decoder":
                     self._gpt_ready.add(name)
                 else:
@@ -116,9 +123,15 @@ class Server:
 
     def resolve(self, tenant: str) -> TenantEntry:
         e = self._entries.get(tenant)
+        if e is None and tenant in self._foreign:
+            raise RequestError("wrong_root", self.foreign_message(tenant), 409)
         if e is None:
             raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
         return e
+
+    def foreign_message(self, tenant: str) -> str:
+        return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "
+                f"server serves {self.root.spec.name} ({self.root_fingerprint[:12]}): serve that root to use it")
 
     def lookup_for(self, domain: str):
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
@@ -270,6 +283,8 @@ class Server:
         409 when the name is taken."""
         token = new_token("hmi_t")
         rec = {**rec, "token_hash": hash_token(token), "version": 0}
+        if rec.get("model") != "decoder":
+            rec["root"] = self.root_fingerprint
         if not self.registry.create("tenants", name, rec):
             raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
         self._token_owner_by_hash[rec["token_hash"]] = name
@@ -278,6 +293,8 @@ class Server:
     def update_tenant(self, name: str, data: dict, **job) -> str:
         """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
         one is queued or running), checked and claimed in one registry transaction."""
+        if name in self._foreign:
+            raise ApiError(409, "wrong_root", self.foreign_message(name))
         self.require_job_room()
         jid = new_job_id()
         rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
@@ -376,4 +393,5 @@ class Server:
             self.gpt.shutdown()
         self.jobs.shutdown()
         self.scheduler.shutdown(cancel=True)
+        self.tree.close()
         self.registry.close()

@@ -24,6 +24,7 @@ from transformers import BertModel
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, fsync_dir
+from hmi.model.catalog import root_spec
 from hmi.model.hplm import HPLM, WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer, weights_fingerprint
 
@@ -122,16 +123,17 @@ def save_artifact(windowed: WindowedEncoder, bert: BertModel, spec: RootSpec, me
     initial = WindowedEncoder(bert, spec.l_low).state_dict()
     from_root = sorted(k for k, v in state.items() if torch.equal(v, initial[k]))
     return write_artifact(
-        roots_dir(home), lambda digest: f"minilm-l{spec.l_low}-{digest[:16]}",
+        roots_dir(home), lambda digest: f"{spec.prefix}-l{spec.l_low}-{digest[:16]}",
         {k: v for k, v in state.items() if k not in from_root}, "windowed.safetensors",
-        lambda name: {**meta, "artifact_id": name, "root": spec.name, "l_low": spec.l_low,
+        lambda name: {**meta, "artifact_id": name, "root": spec.name, "root_source": spec.source, "l_low": spec.l_low,
                       "hidden_size": windowed.lower.hidden_size, "from_root": from_root,
                       "root_fingerprint": weights_fingerprint(bert)},
-        "config.json", "current" if make_current else None)
+        "config.json", spec.pointer if make_current else None)
 
 
-def current_artifact_id(home: Path | None = None) -> str | None:
-    p = roots_dir(home) / "current"
+def current_artifact_id(home: Path | None = None, pointer: str = "current") -> str | None:
+    """The artifact a root's pointer names (``RootSpec.pointer``; the default root's: ``current``)."""
+    p = roots_dir(home) / pointer
     return p.read_text().strip() if p.exists() else None
 
 
@@ -171,12 +173,18 @@ def load_windowed(folder: Path, config: dict, bert: BertModel, l_low: int) -> Wi
 
 
 def load_root(artifact_id: str | None = None, home: Path | None = None, spec: RootSpec | None = None) -> Root:
-    """Loads the packaged root and a calibrated artifact (the current one by default)."""
-    artifact_id = artifact_id or current_artifact_id(home)
+    """Loads a root and a calibrated artifact of it: by default the one ``spec``'s pointer names
+    (the default root's when no spec is given); without ``spec``, the root the artifact records."""
+    artifact_id = artifact_id or current_artifact_id(home, spec.pointer if spec else "current")
     if artifact_id is None:
-        raise ArtifactMissingError("no calibrated root yet: run `hmi calibrate` first")
+        named = f" --root {spec.source} --l-low {spec.l_low}" if spec and spec.source else ""
+        raise ArtifactMissingError(f"no calibrated root yet: run `hmi calibrate{named}` first")
     meta = artifact_config(artifact_id, home)
-    spec = spec or default_spec(meta["l_low"])
+    if spec is None:
+        source = meta.get("root_source")
+        spec = default_spec(meta["l_low"]) if source is None else root_spec(source, meta["l_low"], home)
+    elif spec.l_low != meta["l_low"]:
+        raise ArtifactMismatchError(f"root artifact {artifact_id!r} splits at L_low={meta['l_low']}, not {spec.l_low}")
     bert = load_bert(spec.model_dir)
     windowed = load_windowed(roots_dir(home) / artifact_id, meta, bert, spec.l_low)
     return Root(spec, bert, load_tokenizer(spec.model_dir), windowed, artifact_id, meta)

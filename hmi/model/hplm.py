@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import BertModel
 
-from hmi.model.root import extended_mask
+from hmi.model.root import attention_mask
 from hmi.model.windows import encoder_windows, unique_windows
 
 
@@ -29,11 +29,32 @@ class WindowedLower(nn.Module):
         self.gate = nn.Linear(hidden, 1)
         nn.init.zeros_(self.gate.weight)
         nn.init.constant_(self.gate.bias, 2.0)
+        # An MPNet root's relative position bias, over the window's local positions (trained with the windows).
+        self.relative_bias = copy.deepcopy(getattr(bert, "relative_bias", None))
         self.register_buffer("local_positions", torch.arange(3).unsqueeze(0), persistent=False)
 
     @property
     def hidden_size(self) -> int:
         return self.gate.in_features
+
+    def window_mask(self, windows: torch.Tensor) -> torch.Tensor:
+        """Which tokens of each window exist (id > 0; the centre always). Shapes: (N, 3) -> (N, 3) bool."""
+        mask = windows > 0
+        mask[:, 1] = True
+        return mask
+
+    def states(self, windows: torch.Tensor) -> torch.Tensor:
+        """The lower layers' output on each window as its own sequence (before the gate): what the
+        full root computes for those three tokens alone. Shapes: windows (N, 3) int64 -> (N, 3, H)."""
+        h = self.embeddings(
+            input_ids=windows,
+            token_type_ids=torch.zeros_like(windows),
+            position_ids=self.local_positions.expand(windows.shape[0], 3),
+        )
+        ext = attention_mask(self.window_mask(windows).long(), h.dtype, self.relative_bias)
+        for layer in self.layers:
+            h = layer(h, attention_mask=ext)[0]
+        return h
 
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         """Representations of windows.
@@ -41,17 +62,8 @@ class WindowedLower(nn.Module):
         Semantics: rep[n] = gated lower-layer output of the sequence windows[n] (3 tokens).
         Shapes: windows (N, 3) int64 -> rep (N, 3, H) float.
         """
-        mask = windows > 0
-        mask[:, 1] = True
-        h = self.embeddings(
-            input_ids=windows,
-            token_type_ids=torch.zeros_like(windows),
-            position_ids=self.local_positions.expand(windows.shape[0], 3),
-        )
-        ext = extended_mask(mask.long(), h.dtype)
-        for layer in self.layers:
-            h = layer(h, attention_mask=ext)[0]
-        return h * torch.sigmoid(self.gate(h)) * mask.unsqueeze(-1).to(h.dtype)
+        h = self.states(windows)
+        return h * torch.sigmoid(self.gate(h)) * self.window_mask(windows).unsqueeze(-1).to(h.dtype)
 
 
 class Merge(nn.Module):
@@ -108,10 +120,11 @@ class UpperLayers(nn.Module):
     def __init__(self, bert: BertModel, l_low: int):
         super().__init__()
         self.layers = nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
+        self.relative_bias = getattr(bert, "relative_bias", None)  # the root's own (MPNet), shared
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Shapes: hidden (B, T, H); mask (B, T) {0,1} -> (B, T, H)."""
-        ext = extended_mask(mask, hidden.dtype)
+        ext = attention_mask(mask, hidden.dtype, self.relative_bias)
         for layer in self.layers:
             hidden = layer(hidden, ext)[0]  # positional: the adapters library hooks read args[1]
         return hidden

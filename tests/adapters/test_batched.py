@@ -39,10 +39,25 @@ TENANTS = {  # name -> spec; mixed kinds, sizes, label counts and pooling
 }
 
 
-@pytest.fixture(scope="module")
-def setup():
+def tiny_root_model(family: str, tmp_path_factory):
+    """A tiny BERT, or a tiny random MPNet converted to HMI's layout (relative position bias included)."""
+    if family == "bert":
+        return tiny_bert(layers=4, hidden=H)
+    from hmi.model.convert import convert_checkpoint
+    from hmi.model.root import load_bert
+    from tests.model.test_convert import tiny_checkpoint
+
+    tmp = tmp_path_factory.mktemp(family)
+    convert_checkpoint(tiny_checkpoint(tmp, family), tmp / "bert")
+    bert = load_bert(str(tmp / "bert"))
+    assert bert.relative_bias is not None
+    return bert
+
+
+@pytest.fixture(scope="module", params=["bert", "mpnet"])
+def setup(request, tmp_path_factory):
     """A library model with every tenant's adapter (random, non-trivial weights) and canonical copies."""
-    bert = tiny_bert(layers=4, hidden=H)
+    bert = tiny_root_model(request.param, tmp_path_factory)
     lib = library_model(bert)
     weights = {}
     g = torch.Generator().manual_seed(1)
@@ -98,7 +113,8 @@ def run_batched(bert, weights, batch, hidden, mask, pools):
     tagging = torch.tensor([TENANTS[n].head == "tagging" for n in batch])
     mean = torch.tensor([TENANTS[n].pooling == "mean" for n in batch])
     with torch.no_grad():
-        out = upper_forward(UpperLayers(bert, L_LOW).layers, hidden, mask, groups)
+        out = upper_forward(UpperLayers(bert, L_LOW).layers, hidden, mask, groups,
+                            relative_bias=getattr(bert, "relative_bias", None))
         logits = batched_heads(out, groups, tagging, mask, mean)
     for pool, slots in acquired:
         pool.release(slots)

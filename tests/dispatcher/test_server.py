@@ -24,9 +24,9 @@ TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
-def tiny_server(home, **cfg):
+def tiny_server(home, seed=0, **cfg):
     spec = RootSpec(default_spec().model_dir, 2)
-    bert = tiny_bert(layers=4, hidden=32, vocab=30522)
+    bert = tiny_bert(layers=4, hidden=32, vocab=30522, seed=seed)
     root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
     meta = PlotMeta("tiny", 2, 32)
     path = home / "plot"

