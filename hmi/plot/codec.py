@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
 PAGE = 4096
 PAGE_HEADER = 16
@@ -36,16 +37,30 @@ def value_bytes(dtype: str, n: int, hidden: int) -> int:
     raise ValueError(f"unknown PLOT value format {dtype!r}; one of {', '.join(FORMATS)}")
 
 
-def leaf_chunks(value_size: int, key_size: int = 8) -> int:
-    """The fewest records per value whose disk cost is within 5% of the least, every record in a
-    leaf page (pages packed with as many whole records as fit: the build appends keys in order)."""
+def leaf_chunks(value_size: int, key_size: int = 8, within: float = 1.25) -> int:
+    """The fewest records per value, each kept in a leaf page, whose disk cost stays within
+    ``within`` times the value's bytes (pages packed with as many whole records as fit: a build
+    appends its keys in order); the cheapest count if none does.  Fewer is faster: every record
+    is one more B-tree search in a lookup (``benchmarks/bench_plot_formats.py``)."""
     costs = {}
     for chunks in range(1, 17):
         record = math.ceil(value_size / chunks) + key_size + (chunks > 1) + NODE_OVERHEAD
         if record - 2 <= MAX_NODE:
             costs[chunks] = chunks * PAGE / ((PAGE - PAGE_HEADER) // record)
-    least = min(costs.values())
-    return min(c for c, cost in costs.items() if cost <= 1.05 * least)
+    fitting = [c for c, cost in costs.items() if cost <= within * value_size]
+    return min(fitting) if fitting else min(costs, key=costs.get)
+
+
+def chunk_keys(keys: np.ndarray, chunks: int) -> list[bytes]:
+    """The LMDB keys of each value's records: the 8-byte big-endian key, then the chunk's index
+    byte (none when a value is one record). Shapes: keys (N,) uint64 -> N * chunks keys, in order."""
+    be = np.asarray(keys, dtype=">u8")
+    if chunks == 1:
+        return be.view("V8").tolist()
+    out = np.empty((len(be), chunks, 9), dtype=np.uint8)
+    out[:, :, :8] = be.view(np.uint8).reshape(-1, 1, 8)
+    out[:, :, 8] = np.arange(chunks, dtype=np.uint8)
+    return out.reshape(-1, 9).view("V9").ravel().tolist()
 
 
 def encode(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -75,5 +90,6 @@ def decode(raw: np.ndarray, dtype: str, n: int, hidden: int) -> np.ndarray:
     if dtype == "float16":
         return np.ascontiguousarray(raw).view(np.float16).reshape(N, n, hidden)
     scale = np.ascontiguousarray(raw[:, : 4 * n]).view(np.float32).reshape(N, n, 1)
-    q = raw[:, 4 * n:].view(np.int8).reshape(N, n, hidden)
-    return (q * scale).astype(np.float16)
+    q = np.ascontiguousarray(raw[:, 4 * n:]).view(np.int8).reshape(N, n, hidden)
+    v = torch.from_numpy(q.astype(np.float32)).mul_(torch.from_numpy(scale.copy()))
+    return v.to(torch.float16).numpy()  # torch's fp16 conversion is vectorized, numpy's is not

@@ -13,15 +13,21 @@ from pathlib import Path
 from hmi.data import load_corpus
 from hmi.home import hmi_home
 from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot.codec import leaf_chunks, value_bytes
 from hmi.plot.lookup import PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 
 
 def plot_meta(root) -> PlotMeta:
-    """What a PLOT built from ``root`` records (checked whenever it is opened)."""
+    """What a PLOT built from ``root`` records (checked whenever it is opened, the value format
+    aside: an existing PLOT keeps its own). New encoder PLOTs store int8 rows with a scale each,
+    a third of fp16's disk at hidden 384 for a 0.0002 lower pooled cosine
+    (``docs/bench_plot_formats.md``); a decoder's causal PLOT keeps fp16 (its hidden states
+    have outlier dimensions that one scale per row would flatten). Either in leaf-sized records."""
     n = 1 if root.plot_kind == "causal" else 3
+    dtype = "float16" if root.plot_kind == "causal" else "int8"
     return PlotMeta(root_artifact=root.artifact_id, l_low=root.l_low, hidden_size=root.hidden_size, n=n,
-                    kind=root.plot_kind)
+                    kind=root.plot_kind, dtype=dtype, chunks=leaf_chunks(value_bytes(dtype, n, root.hidden_size)))
 
 
 def root_plot_path(root, home: Path | None = None) -> Path:

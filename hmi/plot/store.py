@@ -16,7 +16,7 @@ import lmdb
 import numpy as np
 
 from hmi.plot import codec
-from hmi.plot.keys import from_bytes, ngram_order, to_bytes
+from hmi.plot.keys import from_bytes, ngram_order
 
 INITIAL_MAP_SIZE = 1 << 30
 
@@ -112,12 +112,9 @@ class PlotStore:
         keys, last = np.unique(keys[::-1], return_index=True)
         raw = codec.encode(values[::-1][last], self.meta.dtype)
         c = self.meta.chunks
-        if c == 1:
-            items = [(k, raw[i].tobytes()) for i, k in enumerate(to_bytes(keys))]
-        else:
-            size = -(-raw.shape[1] // c)
-            items = [(k + bytes([j]), raw[i, j * size:(j + 1) * size].tobytes())
-                     for i, k in enumerate(to_bytes(keys)) for j in range(c)]
+        size = -(-raw.shape[1] // c)
+        parts = [raw[i, j * size:(j + 1) * size].tobytes() for i in range(len(keys)) for j in range(c)]
+        items = list(zip(codec.chunk_keys(keys, c), parts))
 
         def write(txn):
             cursor = txn.cursor(db=self._entries)
@@ -140,11 +137,8 @@ class PlotStore:
         # found pairs, which come back in query order, easy to place.  A value's chunks are
         # written in one transaction: all of them are there, or none.
         uniq, inverse = np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)
-        kb = to_bytes(uniq)
-        if m.chunks > 1:
-            kb = [k + bytes([j]) for k in kb for j in range(m.chunks)]
         with self.env.begin(db=self._entries, buffers=True) as txn:
-            pairs = txn.cursor().getmulti(kb)
+            pairs = txn.cursor().getmulti(codec.chunk_keys(uniq, m.chunks))
             vals_u = np.zeros((len(uniq), m.n, m.hidden_size), dtype=np.float16)
             found_u = np.zeros(len(uniq), dtype=bool)
             if pairs:
