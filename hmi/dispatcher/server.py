@@ -89,8 +89,8 @@ class Server:
             self._token_owner_by_hash[rec.get("token_hash", "")] = name
             if rec["state"] == "importing":
                 rec = self._recover_import(name, rec)
-            if rec.get("model") != "decoder" and rec.get("root", self.root_fingerprint) != self.root_fingerprint:
-                self._foreign[name] = rec["root"]
+            if rec.get("model") != "decoder" and not self._own_root(rec):
+                self._foreign[name] = rec.get("root") or "the default root's"
             elif rec["state"] in ("ready", "updating"):
                 if rec.get("model") == "decoder":
                     self._gpt_ready.add(name)
@@ -128,6 +128,13 @@ class Server:
         if e is None:
             raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
         return e
+
+    def _own_root(self, rec: dict) -> bool:
+        """Whether an encoder tenant was trained on this server's root; records from before roots
+        were recorded belong to the default root, the only one then."""
+        if "root" not in rec:
+            return self.root.spec.source is None
+        return rec["root"] == self.root_fingerprint
 
     def foreign_message(self, tenant: str) -> str:
         return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "

@@ -32,3 +32,21 @@ def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):
         assert e.value.status == 409
     finally:
         other.shutdown()
+
+
+def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path):
+    from dataclasses import replace
+
+    rec = {"domain": "root", "spec": AdapterSpec(labels=("neg", "pos")).to_dict(), "state": "ready"}
+    server = tiny_server(tmp_path)
+    server._register("old", rec)
+    record = {k: v for k, v in server.registry.get("tenants", "old").items() if k != "root"}
+    server.registry.put("tenants", "old", record)  # as written before roots were recorded
+    server.shutdown()
+    default = tiny_server(tmp_path)
+    try:
+        assert default.resolve("old").name == "old"
+        default.root.spec = replace(default.root.spec, source="mpnet-base")  # another root's server
+        assert not default._own_root(record)
+    finally:
+        default.shutdown()
