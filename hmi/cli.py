@@ -20,7 +20,7 @@ from hmi.client import ApiError, Client, load_rows
 from hmi.data import CORPORA, data_dir, held_out_texts, load_corpus, task_labels
 from hmi.data.prepare import prepare
 from hmi.home import hmi_home
-from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, RootError
+from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, RootError, default_l_low, pointer_name, source_of
 
 
 def cmd_data_prepare(args) -> int:
@@ -88,10 +88,14 @@ def cmd_info(args) -> int:
     from hmi.model.artifact import artifact_config, current_artifact_id
 
     home = hmi_home()
-    aid = current_artifact_id()
+    l_low = args.l_low or default_l_low(args.root)
+    if l_low is None:
+        raise SystemExit(f"hmi info: root {args.root!r} is a checkpoint folder: say --l-low")
+    aid = current_artifact_id(home, pointer_name(source_of(args.root), l_low))
     print(f"HMI home: {home}")
     if aid is None:
-        print("root artifact: none (run `hmi calibrate`)")
+        named = "" if args.root == DEFAULT_ROOT else f" --root {args.root} --l-low {l_low}"
+        print(f"root artifact: none (run `hmi calibrate{named}`)")
         return 0
     meta = artifact_config(aid)
     print(f"root artifact: {aid}  root={meta['root']}  L_low={meta['l_low']}  hidden={meta['hidden_size']}")
@@ -623,6 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="home directory, root artifact and its quality figures")
     info.add_argument("--json", action="store_true")
+    add_root_options(info)
     info.set_defaults(func=cmd_info)
     return p
 
