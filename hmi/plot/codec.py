@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 
+from hmi.plot.keys import to_bytes
+
 PAGE = 4096
 PAGE_HEADER = 16
 NODE_OVERHEAD = 8 + 2  # the node header and its slot in the page's index
@@ -54,9 +56,9 @@ def leaf_chunks(value_size: int, key_size: int = 8, within: float = 1.25) -> int
 def chunk_keys(keys: np.ndarray, chunks: int) -> list[bytes]:
     """The LMDB keys of each value's records: the 8-byte big-endian key, then the chunk's index
     byte (none when a value is one record). Shapes: keys (N,) uint64 -> N * chunks keys, in order."""
-    be = np.asarray(keys, dtype=">u8")
     if chunks == 1:
-        return be.view("V8").tolist()
+        return to_bytes(keys)
+    be = np.asarray(keys, dtype=">u8")
     out = np.empty((len(be), chunks, 9), dtype=np.uint8)
     out[:, :, :8] = be.view(np.uint8).reshape(-1, 1, 8)
     out[:, :, 8] = np.arange(chunks, dtype=np.uint8)

@@ -39,8 +39,7 @@ def unpack(keys: np.ndarray) -> np.ndarray:
 
 def to_bytes(keys: np.ndarray) -> list[bytes]:
     """The LMDB key of each packed key: 8 bytes, big-endian."""
-    raw = np.asarray(keys, dtype=">u8").tobytes()
-    return [raw[i:i + 8] for i in range(0, len(raw), 8)]
+    return np.asarray(keys, dtype=">u8").reshape(-1).view("V8").tolist()
 
 
 def from_bytes(raw: list[bytes]) -> np.ndarray:
