@@ -73,7 +73,6 @@ def root_spec(name: str = DEFAULT_ROOT, l_low: int | None = None, home: Path | N
     return RootSpec(str(folder), l_low, source_of(name))
 
 
-
 def _folder_digest(src: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(src.glob("*.json")) + sorted(src.glob("*.safetensors")):
