@@ -78,10 +78,10 @@ def load_tokenizer(model_dir: str):
 
 
 def load_bert(model_dir: str) -> BertModel:
-    """The full-context root (safetensors only: pickled weights are never read), frozen, in eval mode,
-    with eager attention (adapters-compatible) and the
-    oneDNN linear layers of :mod:`hmi.model.kernels`; ``model.relative_bias`` is an MPNet root's
-    relative position bias (:mod:`hmi.model.convert`), else None."""
+    """The full-context root, frozen, in eval mode, with eager attention (adapters-compatible) and the
+    oneDNN linear layers of :mod:`hmi.model.kernels`; weights from safetensors only (pickled ones
+    are never read); ``model.relative_bias`` is an MPNet root's relative position bias
+    (:mod:`hmi.model.convert`), else None."""
     _offline()
     model = BertModel.from_pretrained(
         model_dir, local_files_only=True, attn_implementation="eager", add_pooling_layer=False, use_safetensors=True
