@@ -99,7 +99,9 @@ class PlotLookup:
             todo[idx] = False
             hits["computed"] += int(idx.size)
             if self.policy == "compute+insert":
-                self.chain[0].store.put_many(keys[idx], out[idx])
+                store = self.chain[0].store
+                store.put_many(keys[idx], out[idx])
+                out[idx] = store.as_stored(out[idx])  # what every later lookup reads: the same answer each time
         if todo.any():
             serve("bigram", bigram_backoff(keys))
         if todo.any():

@@ -125,6 +125,10 @@ class PlotStore:
 
         self._write(write)
 
+    def as_stored(self, values: np.ndarray) -> np.ndarray:
+        """Values as this PLOT gives them back (its format's rounding). Shapes: (N, n, H) -> (N, n, H) float16."""
+        return codec.decode(codec.encode(values, self.meta.dtype), self.meta.dtype, self.meta.n, self.meta.hidden_size)
+
     def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Batched lookup in one read transaction.
 

@@ -227,3 +227,37 @@ def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooli
         probs = torch.softmax(trainer.logits(lookup.merged(ids, mask), torch.from_numpy(mask), train=False), -1)
     for g, p in zip(got, probs):
         assert [g["scores"][c] for c in spec.labels] == pytest.approx(p.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["bottleneck", "lora", "ia3"])
+def test_served_scores_equal_the_fine_tune_model_on_an_mpnet_root(tmp_path, kind):
+    """The whole serving path on a converted MPNet root (relative position bias in the windows
+    and in the shared upper layers) computes what the library-trained tenant computes."""
+    from hmi.model.convert import convert_checkpoint
+    from hmi.model.hplm import as_numpy_ids
+    from hmi.model.root import load_bert
+    from tests.model.test_convert import TEXTS as WORD_TEXTS
+    from tests.model.test_convert import tiny_checkpoint
+
+    convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "root")
+    bert, tok = load_bert(str(tmp_path / "root")), load_tokenizer(str(tmp_path / "root"))
+    enc = WindowedEncoder(bert, L_LOW).eval()
+    store = PlotStore(tmp_path / "plot", meta=PlotMeta("tiny-mpnet", L_LOW, H, dtype="int8"), readonly=False)
+    lookup = PlotLookup([PlotVersion("root", store, enc)], policy="compute+insert")
+    adapters = AdapterStore(tmp_path / "tenants")
+    spec = AdapterSpec(kind, labels=("a", "b", "c"), pooling="mean")
+    trainer = TenantTrainer(bert, L_LOW, spec, seed=5)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    adapters.save("m", spec, trainer.weights())
+    trainer.load(adapters.load("m"))
+    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig())
+    got = s.infer([("m", text) for text in WORD_TEXTS])
+    s.shutdown()
+    ids, mask = as_numpy_ids(tok(WORD_TEXTS)["input_ids"])
+    with torch.no_grad():
+        probs = torch.softmax(trainer.logits(lookup.merged(ids, mask), torch.from_numpy(mask), train=False), -1)
+    for g, p in zip(got, probs):
+        assert [g["scores"][c] for c in spec.labels] == pytest.approx(p.tolist(), abs=1e-4)
+    store.close()
