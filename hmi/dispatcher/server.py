@@ -110,7 +110,8 @@ class Server:
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
-                            plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home))
+                            plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
+                            source=root.spec.source)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s)
         self.started = time.time()

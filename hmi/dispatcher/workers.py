@@ -52,9 +52,10 @@ class WorkerContext:
     artifact_id: str = ""
     home: str = ""
     gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
+    source: str | None = None  # RootSpec.source: the root's name (None: the default root)
 
     def root(self) -> Root:
-        spec = RootSpec(self.tokenizer_dir, self.l_low)
+        spec = RootSpec(self.tokenizer_dir, self.l_low, self.source)
         return Root(spec, self.bert, load_tokenizer(self.tokenizer_dir), self.windowed, self.artifact_id, {})
 
     def tree(self) -> VersionTree:
