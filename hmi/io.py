@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -52,3 +53,12 @@ def atomic_write_text(path: Path | str, text: str, mode: int | None = None) -> N
 
 def atomic_write_json(path: Path | str, obj, mode: int | None = None) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True), mode)
+
+
+def sha256_file(path: Path | str) -> str:
+    """sha256 (hex) of a file, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

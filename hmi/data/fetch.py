@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hmi.io import sha256_file
 
 MANIFEST = Path(__file__).resolve().parents[2] / "data" / "manifest.json"
 
@@ -19,14 +20,6 @@ class FetchError(RuntimeError):
 
 def load_manifest(path: Path = MANIFEST) -> dict[str, dict]:
     return json.loads(path.read_text())
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch(name: str, entry: dict, archive_dir: Path) -> Path | None:

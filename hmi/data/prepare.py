@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from hmi.data.fetch import MANIFEST, fetch, load_manifest, sha256_file
+from hmi.data.fetch import MANIFEST, fetch, load_manifest
 from hmi.data.parsers import (
     BROWN_FICTION,
     COARSE_TAGS,
@@ -27,7 +27,7 @@ from hmi.data.parsers import (
     parse_rotten,
     parse_tweets,
 )
-from hmi.io import atomic_write_text
+from hmi.io import atomic_write_text, sha256_file
 
 FORMAT_VERSION = 1
 SPLIT_FRACTIONS = (0.8, 0.1, 0.1)  # train, dev, test

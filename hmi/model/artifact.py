@@ -10,7 +10,6 @@ exactly which root produced it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import BertModel
 
 from hmi.home import hmi_home
-from hmi.io import atomic_write_text, fsync_dir
+from hmi.io import atomic_write_text, fsync_dir, sha256_file
 from hmi.model.catalog import root_spec
 from hmi.model.hplm import HPLM, WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer, weights_fingerprint
@@ -78,7 +77,7 @@ def write_artifact(base: Path, name_of, weights: dict[str, torch.Tensor], weight
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / weights_file))
-        digest = file_sha256(tmp / weights_file)
+        digest = sha256_file(tmp / weights_file)
         name = name_of(digest)
         (tmp / config_file).write_text(json.dumps({**config_of(name), "weights_sha256": digest}, indent=1,
                                                   sort_keys=True))
@@ -102,14 +101,6 @@ def _place(tmp: Path, base: Path, name: str, pointer: str | None) -> None:
     fsync_dir(base)
     if pointer is not None:
         atomic_write_text(base / pointer, name)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save_artifact(windowed: WindowedEncoder, bert: BertModel, spec: RootSpec, meta: dict, home: Path | None = None,
@@ -201,7 +192,7 @@ def find_shipped(bert: BertModel, l_low: int, shipped: Path = SHIPPED_DIR) -> Pa
         config = json.loads((folder / "config.json").read_text())
         if config.get("l_low") != l_low or config.get("root_fingerprint") != fingerprint:
             continue
-        if file_sha256(folder / "windowed.safetensors") != config.get("weights_sha256"):
+        if sha256_file(folder / "windowed.safetensors") != config.get("weights_sha256"):
             raise ArtifactMismatchError(f"the shipped root artifact {folder.name} is damaged (its sha256 differs)")
         return folder
     return None

