@@ -6,7 +6,9 @@ loaded from disk), shared (frozen root, a head per tenant), compress (a 2-layer 
 tenant, swapped like dedicated), hBERT-adapter (full-context lower layers, batched per-tenant
 adapters in the upper layers) and hBERT (PLOT + adapters + the pipelined scheduler).
 
-Usage: python benchmarks/bench_tenants.py [--quick]
+Usage: python benchmarks/bench_tenants.py [--quick] [--model-files N] [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+
+On another root than the default the results page is docs/bench_tenants_<root>.md.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, start, table  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
 from hmi.model.kernels import use_onednn_linear  # noqa: E402
+from hmi.model.root import full_forward  # noqa: E402
 
 BUDGET = 2 * 2**30  # bytes of model weights every scheme may hold in memory
 COUNTS = (1, 10, 100, 1000, 10000)
@@ -114,8 +117,8 @@ class ModelSwapper:
     """One model per tenant: an LRU of the fp32 models that fit the budget; a miss reads the tenant's
     file from disk (page cache dropped first) into the evicted model object."""
 
-    def __init__(self, config, files: list[Path], budget: int):
-        self.config, self.files = config, files
+    def __init__(self, config, files: list[Path], budget: int, relative_bias=None):
+        self.config, self.files, self.relative_bias = config, files, relative_bias
         probe = self._new_model()
         self.model_bytes = sum(p.numel() * 4 for p in probe.parameters()) + LABELS * (config.hidden_size + 1) * 4
         self.capacity = max(1, budget // self.model_bytes)
@@ -125,9 +128,13 @@ class ModelSwapper:
         self.compute_s: list[tuple[int, float]] = []  # (requests in the group, seconds)
 
     def _new_model(self):
+        import copy
+
         from transformers import BertModel
 
-        return use_onednn_linear(BertModel(self.config, add_pooling_layer=False).eval())
+        model = BertModel(self.config, add_pooling_layer=False)
+        model.relative_bias = copy.deepcopy(self.relative_bias)  # an MPNet root's (in the files' weights too)
+        return use_onednn_linear(model.eval())
 
     def get(self, tenant: int):
         from safetensors.torch import load_file
@@ -160,7 +167,7 @@ class ModelSwapper:
             model, hw, hb = self.get(t)
             c = time.perf_counter()
             enc = tokenizer([texts[i] for i in rows], padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
-            cls = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[:, 0]
+            cls = full_forward(model, enc["input_ids"], enc["attention_mask"])[-1][:, 0]
             logits[rows] = cls @ hw.t() + hb
             self.compute_s.append((len(rows), time.perf_counter() - c))
         return logits
@@ -181,7 +188,7 @@ class SharedRoot:
     @torch.no_grad()
     def run(self, tokenizer, texts: list[str], tenants: list[int]) -> torch.Tensor:
         enc = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
-        cls = self.bert(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).last_hidden_state[:, :1]
+        cls = full_forward(self.bert, enc["input_ids"], enc["attention_mask"])[-1][:, :1]
         idx = torch.tensor(tenants)
         return torch.baddbmm(self.heads_b[idx], cls, self.heads_w[idx])[:, 0]
 
@@ -195,11 +202,11 @@ class FullContextLower:
 
     @torch.no_grad()
     def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        from hmi.model.root import extended_mask
+        from hmi.model.root import attention_mask
 
         m = torch.from_numpy(mask)
         h = self.bert.embeddings(input_ids=torch.from_numpy(ids))
-        ext = extended_mask(m, h.dtype)
+        ext = attention_mask(m, h.dtype, getattr(self.bert, "relative_bias", None))
         for layer in self.bert.encoder.layer[:self.l_low]:
             h = layer(h, ext)[0]
         return h
@@ -234,6 +241,25 @@ def direct_rps(scheme, tokenizer, texts, batches, warm: int) -> float:
     return n / t
 
 
+def headline(u: dict) -> dict:
+    """The headline figures of the uniform cells ``u`` (scheme -> tenants -> cell): those whose
+    tenant counts were run."""
+    def rps(scheme: str, n: int):
+        return u[scheme].get(str(n), {}).get("rps")
+
+    out = {key: rps(scheme, n) for key, scheme, n in (
+        ("rps_hbert_1", "hBERT", 1), ("rps_hbert_10k", "hBERT", 10000), ("rps_dedicated_1", "dedicated", 1),
+        ("rps_dedicated_100", "dedicated", 100), ("rps_dedicated_1k", "dedicated", 1000),
+        ("rps_hbert_adapter_1k", "hBERT-adapter", 1000))}
+    for key, (a, na), (b, nb), digits in (("hbert_10k_over_1", ("hBERT", 10000), ("hBERT", 1), 3),
+                                          ("hbert_over_dedicated_100", ("hBERT", 100), ("dedicated", 100), 2),
+                                          ("hbert_over_dedicated_1k", ("hBERT", 1000), ("dedicated", 1000), 2),
+                                          ("hbert_over_adapter_1k", ("hBERT", 1000), ("hBERT-adapter", 1000), 2)):
+        if rps(a, na) and rps(b, nb):
+            out[key] = round(rps(a, na) / rps(b, nb), digits)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 # -- plots ----------------------------------------------------------------------------------------------
 def plot_throughput(res: dict, png: Path) -> None:
     import matplotlib
@@ -264,8 +290,19 @@ def plot_throughput(res: dict, png: Path) -> None:
 
 # -- main -----------------------------------------------------------------------------------------------
 def main() -> None:
-    args = start(__doc__, lambda ap: ap.add_argument("--model-files", type=int, default=MODEL_FILES,
-                                                     help="real model files per swapping scheme (disk budget)"))
+    def options(ap):
+        ap.add_argument("--model-files", type=int, default=MODEL_FILES, help="real model files per swapping scheme (disk budget)")
+        ap.add_argument("--counts", default=",".join(map(str, COUNTS)),
+                        help="tenant counts, comma-separated (default %(default)s; 1 and 1000 carry the headline ratios)")
+        root_options(ap)
+
+    args = start(__doc__, options)
+    try:
+        counts = tuple(sorted({int(c) for c in args.counts.split(",") if c.strip()}))
+    except ValueError:
+        raise SystemExit(f"--counts: comma-separated tenant counts, got {args.counts!r}") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--counts: positive tenant counts, got {args.counts!r}")
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
     from hmi.data import load_task
@@ -274,7 +311,7 @@ def main() -> None:
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 
-    root, version = prepared_root()
+    root, version = prepared_root(root=args.root, l_low=args.l_low)
     lookup = PlotLookup([version], policy="backoff")
     tok, bert, l_low, H = root.tokenizer, root.bert, root.spec.l_low, root.hidden_size
     texts = [r["text"] for r in load_task("news-topic", "test")]
@@ -294,7 +331,7 @@ def main() -> None:
         upper_bytes = sum(p.numel() * 4 for p in bert.encoder.layer[l_low:].parameters())
         root_bytes = sum(p.numel() * 4 for p in bert.parameters())
         store = AdapterStore(tmp / "adapters", host_cache_mb=(BUDGET - root_bytes) / 2**20)
-        for i in range(max(COUNTS)):
+        for i in range(max(counts)):
             store.save(f"t{i:05d}", spec, variants[i % 32])
         dedicated_files = write_model_files(bert, bert.config.num_hidden_layers, args.model_files, tmp / "dedicated", 2)
         compress_files = write_model_files(bert, 2, args.model_files, tmp / "compress", 3)
@@ -305,9 +342,9 @@ def main() -> None:
         # The PLOT is read through the page cache (it is not model weights): read it once so that
         # the first tenant counts do not pay for a cold cache that the later ones do not.
         plot_bytes = warm_page_cache(root_plot_path(root))
-        entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(max(COUNTS))}
+        entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(max(counts))}
         full_lower = FullContextLower(bert, l_low)
-        shared = SharedRoot(bert, max(COUNTS))
+        shared = SharedRoot(bert, max(counts))
         swap_cfg = {"dedicated": bert.config, "compress": type(bert.config).from_dict({**bert.config.to_dict(), "num_hidden_layers": 2})}
         swap_files = {"dedicated": dedicated_files, "compress": compress_files}
         swap_stats: dict = {}
@@ -332,7 +369,7 @@ def main() -> None:
             scheduler_rps(s, texts, trace(32, "uniform", 4, seed=0), 1)
             s.shutdown()
         for dist in ("uniform", "zipf"):
-            for n in COUNTS:
+            for n in counts:
                 batches = trace(n, dist, warm + measured_batches, seed=n)
                 # The headline ratios read the uniform cells of hBERT and hBERT-adapter: there the two
                 # schemes alternate for several rounds, each on a fresh trace, and the cell is the median.
@@ -352,7 +389,7 @@ def main() -> None:
                 for scheme in ("dedicated", "compress"):
                     if n > args.model_files:
                         continue
-                    sw = ModelSwapper(swap_cfg[scheme], swap_files[scheme], BUDGET)
+                    sw = ModelSwapper(swap_cfg[scheme], swap_files[scheme], BUDGET, getattr(bert, "relative_bias", None))
                     rps = direct_rps(sw, tok, texts, batches, warm)
                     misses, reqs = lru_misses(batches, sw.capacity, warm)
                     res[dist][scheme][str(n)] = {"rps": round(rps, 2), "miss_rate": round(misses / reqs, 3)}
@@ -366,7 +403,7 @@ def main() -> None:
             for scheme, st in swap_stats.items():
                 t_load, t_req = float(np.median(st["load_s"])), float(np.median(st["single_s"]))
                 st["median_load_ms"], st["median_request_ms"] = round(t_load * 1e3, 1), round(t_req * 1e3, 1)
-                for n in COUNTS:
+                for n in counts:
                     batches = trace(n, dist, warm + measured_batches, seed=n)
                     misses, reqs = lru_misses(batches, st["capacity"], warm)
                     derived = reqs / (reqs * t_req + misses * t_load)
@@ -375,15 +412,7 @@ def main() -> None:
                     row["derived_rps"] = round(derived, 2)
 
         u = res["uniform"]
-        out = {
-            "rps_hbert_1": u["hBERT"]["1"]["rps"], "rps_hbert_10k": u["hBERT"]["10000"]["rps"],
-            "rps_dedicated_1": u["dedicated"]["1"]["rps"], "rps_dedicated_100": u["dedicated"]["100"]["rps"],
-            "rps_dedicated_1k": u["dedicated"]["1000"]["rps"], "rps_hbert_adapter_1k": u["hBERT-adapter"]["1000"]["rps"],
-        }
-        out["hbert_10k_over_1"] = round(out["rps_hbert_10k"] / out["rps_hbert_1"], 3)
-        out["hbert_over_dedicated_100"] = round(u["hBERT"]["100"]["rps"] / out["rps_dedicated_100"], 2)
-        out["hbert_over_dedicated_1k"] = round(u["hBERT"]["1000"]["rps"] / out["rps_dedicated_1k"], 2)
-        out["hbert_over_adapter_1k"] = round(u["hBERT"]["1000"]["rps"] / out["rps_hbert_adapter_1k"], 2)
+        out = headline(u)
         out["throughput"] = {d: dict(v) for d, v in res.items()}
         out["swapping"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("load_s", "single_s")} for k, v in swap_stats.items()}
         out["disk_bytes"] = disk
@@ -403,20 +432,23 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    plot_throughput(res, DOCS / "tenants_throughput.png")
+    name = result_name("bench_tenants", args)
+    png = "tenants_throughput" + name.removeprefix("bench_tenants") + ".png"
+    plot_throughput(res, DOCS / png)
     schemes = ("hBERT", "hBERT-adapter", "shared", "dedicated", "compress")
     text = "### Throughput (requests / s, batches of 32 x 128 tokens of real BBC text)\n\n"
     for dist in ("uniform", "zipf"):
         rows = []
         for s in schemes:
             cells = []
-            for n in COUNTS:
+            for n in counts:
                 c = res[dist][s][str(n)]
                 cells.append(f"{c['rps']:.2f}" + (" (derived)" if c.get("derived") else "")
                              + (f", miss {c['miss_rate']:.2f}" if "miss_rate" in c else ""))
             rows.append((s, *cells))
-        text += f"Tenants drawn {dist}:\n\n" + table(rows, ("scheme", *(f"{n:,} tenants" for n in COUNTS))) + "\n\n"
-    text += ("Plot: `docs/tenants_throughput.png`. Dedicated and compress models are real fp16 safetensors files "
+        text += f"Tenants drawn {dist}:\n\n" + table(rows, ("scheme", *(f"{n:,} tenants" for n in counts))) + "\n\n"
+    text = f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low}.\n\n" + text
+    text += (f"Plot: `docs/{png}`. Dedicated and compress models are real fp16 safetensors files "
              f"({args.model_files} per scheme; page cache dropped before every load, so a miss reads the disk); beyond "
              f"{args.model_files} tenants their figures are derived: requests / (requests x median single-request compute "
              "+ LRU misses on the same trace x median load time), labelled (derived). Swapping: "
@@ -427,7 +459,7 @@ def main() -> None:
     text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {ROUNDS} rounds in which the two "
              f"alternate, each round on a fresh trace of {measured_batches} measured batches (requests / s per round: "
              + "; ".join(f"{k:,} tenants: hBERT {res['uniform']['hBERT'][str(k)]['rounds']}, hBERT-adapter "
-                         f"{res['uniform']['hBERT-adapter'][str(k)]['rounds']}" for k in COUNTS)
+                         f"{res['uniform']['hBERT-adapter'][str(k)]['rounds']}" for k in counts)
              + f"). Every other cell is one run of {measured_batches} batches after one warm-up batch.\n\n")
     rows = [(k, f"{v['base_bytes'] / 2**20:.1f}", f"{v['per_tenant_bytes'] / 2**10:,.1f}", f"{v['tenants_in_2gib']:,}")
             for k, v in out["memory"].items()]
@@ -436,7 +468,10 @@ def main() -> None:
     text += ("Dedicated/compress/shared/hBERT-adapter hold fp32 weights for compute; adapters are kept in host memory "
              "in fp16 and widened in the device pool. hBERT's base is the upper layers only: the lower layers' work "
              "is the PLOT, an LMDB file read through the page cache, not weights in the budget.")
-    finish("bench_tenants", text, out, "python benchmarks/bench_tenants.py" + (" --quick" if args.quick else ""))
+    out["root"], out["l_low"] = root.spec.name, l_low
+    command = ("python benchmarks/bench_tenants.py" + (" --quick" if args.quick else "")
+               + (f" --model-files {args.model_files}" if args.model_files != MODEL_FILES else "") + root_flags(args))
+    finish(name, text, out, command)
 
 
 if __name__ == "__main__":

@@ -93,14 +93,37 @@ def finish(name: str, text: str, result: dict, command: str) -> None:
     sys.stdout.flush()
 
 
-def prepared_root(home: Path | None = None):
-    """The current calibrated root with its root PLOT built (``make bench`` prepares both first):
-    ``(root, root PLOT version)``."""
+def root_options(ap) -> None:
+    """``--root`` and ``--l-low``, as ``hmi serve`` takes them, for benchmarks that run on any root."""
+    ap.add_argument("--root", help="an alias (minilm-l6, the default; mpnet-base) or a BERT/RoBERTa/MPNet checkpoint folder")
+    ap.add_argument("--l-low", type=int, help="lower layers (default: half the root's)")
+
+
+def root_flags(args) -> str:
+    """The ``--root``/``--l-low`` part of a benchmark's command line ("" on the default root)."""
+    return (f" --root {args.root}" if args.root else "") + (f" --l-low {args.l_low}" if args.l_low else "")
+
+
+def result_name(name: str, args) -> str:
+    """The results page of a benchmark run on the root ``args`` name: ``name`` on the default root,
+    ``name_<alias>`` (e.g. ``eval_accuracy_mpnet-base``) on another."""
+    if not args.root or args.root == "minilm-l6":
+        return name
+    slug = args.root if "/" not in args.root else Path(args.root).name
+    return f"{name}_{slug}" + (f"-l{args.l_low}" if args.l_low else "")
+
+
+def prepared_root(home: Path | None = None, root: str | None = None, l_low: int | None = None):
+    """The current calibrated artifact of root ``root`` (an alias or a folder; the default root
+    when None) split at ``l_low``, with its root PLOT built (``make bench`` prepares both for the
+    default root): ``(root, root PLOT version)``."""
     from hmi.model.artifact import load_root
+    from hmi.model.catalog import root_spec
     from hmi.plot.paths import ensure_root_plot, open_root_version
 
-    root = load_root(home=home)
-    ensure_root_plot(root, home=home, progress=False)
+    spec = root_spec(root or "minilm-l6", l_low, home) if root or l_low else None
+    root = load_root(home=home, spec=spec)
+    ensure_root_plot(root, home=home)  # a progress bar when it has to be built
     return root, open_root_version(root, home)
 
 

@@ -20,6 +20,10 @@ docs/eval_accuracy_partial.md and leaves the full table alone.
 
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
+                                          [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+
+On another root than the default the results page is docs/eval_accuracy_<root>.md (and
+docs/eval_accuracy_partial_<root>.md); its JSON names the root.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
+from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
@@ -68,6 +72,7 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
     from hmi.adapters.batched import pooled
     from hmi.adapters.interop import attach, library_model
     from hmi.adapters.train import IGNORE, metrics_of, pad
+    from hmi.model.root import full_forward
 
     torch.manual_seed(seed)
     model = library_model(bert)
@@ -102,12 +107,12 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
     def hidden(exs, ids, mask, train):
         if mode != "head":
             model.train(train)
-            return model(input_ids=ids, attention_mask=mask).last_hidden_state
+            return full_forward(model, ids, mask)[-1]  # with an MPNet root's relative position bias
         todo = [i for i, e in enumerate(exs) if id(e) not in frozen]
         if todo:
             model.eval()
             with torch.no_grad():
-                h = model(input_ids=ids[todo], attention_mask=mask[todo]).last_hidden_state
+                h = full_forward(model, ids[todo], mask[todo])[-1]
             for j, i in enumerate(todo):
                 frozen[id(exs[i])] = h[j, :len(exs[i].ids)].clone()
         out = torch.zeros(ids.shape + (bert.config.hidden_size,))
@@ -165,6 +170,7 @@ def main() -> None:
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
                                           "hBERT-exact")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
+        root_options(ap)
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if s != HBERT_EXACT or args.exact or not args.quick]
@@ -193,11 +199,62 @@ def main() -> None:
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
     exact = HBERT_EXACT in schemes
-    root, version = prepared_root()
-    rows, res = [], {"tasks": {}}
+    root, version = prepared_root(root=args.root, l_low=args.l_low)
+    n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
+    rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     full_context = [s for s in SCHEMES if s[0] in schemes]
     columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
+    def report(done: list[str]) -> None:
+        """Writes the results page of the tasks ``done`` (a partial page until every task is done)."""
+        res = {**results, "tasks": {t: results["tasks"][t] for t in done}}
+        avg = {c: float(np.mean([res["tasks"][t][c] for t in done])) for c in columns}
+        table_rows = rows + [("average", "", *(f"{avg[c]:.1f}" for c in columns))]
+        # Keys of the tenant-adapter issue (full fine-tuning = dedicated), kept stable for comparisons.
+        for t in done:
+            r = res["tasks"][t]
+            r.update({key: r[c] for key, c in (("hbert", "hBERT"), ("full_ft", "dedicated"),
+                                                ("adapters_full_context", "hBERT-adapter")) if c in r})
+        res["average"] = {c: round(v, 2) for c, v in avg.items()}
+        if "dedicated" in avg and "hBERT" in avg:
+            res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
+        if "dedicated" in avg and HBERT_EXACT in avg:
+            res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
+        for other in ("shared", "compress"):
+            if other in avg and "hBERT" in avg:
+                res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
+        res["root"] = root.spec.name
+        res["l_low"] = l_low
+        res["root_artifact"] = root.artifact_id
+        res["pooling"] = args.pooling
+        text = table(table_rows, ("task", "train examples", *columns))
+        lrs = {label: lr for label, _, lr in SCHEMES}
+        gap = (f" Average gap of hBERT to dedicated (full fine-tuning): {res['avg_gap_vs_full_ft']} points"
+               if "avg_gap_vs_full_ft" in res else "")
+        if "avg_gap_exact_windows_vs_full_ft" in res:
+            gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
+        text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
+                 f"micro-F1 for single-label tagging).{gap + '.' if gap else ''} Every scheme: the same training examples (texts cut to "
+                 f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
+                 + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
+                           "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
+                    "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
+                 f"weight of the root (lr {lrs['dedicated']:g}); shared: the head alone on the frozen root (lr "
+                 f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
+                 f"{lrs['compress']:g}); hBERT-adapter: bottleneck adapters (reduction 16) in all {n_layers} layers of the "
+                 f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: bottleneck adapters in the upper {n_layers - l_low} layers on "
+                 f"the merged PLOT representations, reading the root PLOT with back-off as served (lr {HBERT_LR:g})"
+                 + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
+                    "(`--miss-policy compute`)." if exact else "."))
+        text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
+        finish(result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args), text, res,
+               "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
+               + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
+               + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
+               + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
+               + root_flags(args))
+
+
     for task in tasks:
         labels = tuple(task_labels(task))
         tagging = is_tagging(task)
@@ -221,55 +278,14 @@ def main() -> None:
             tried = {p: run(specs[p]) for p in poolings}  # the pooling with the best dev accuracy is kept
             best = max(poolings, key=lambda p: tried[p]["dev"]["accuracy"])
             vals[label], chosen[label], secs[label] = tried[best]["test"]["accuracy"], best, time.time() - t0
-        res["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
+        results["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
         if not tagging:
-            res["tasks"][task]["pooling"] = chosen
+            results["tasks"][task]["pooling"] = chosen
         rows.append((task + (" (token acc.)" if tagging else ""), len(train),
                      *(f"{100 * vals[c]:.1f}" for c in columns)))
         print(rows[-1], flush=True)
-    avg = {c: float(np.mean([res["tasks"][t][c] for t in tasks])) for c in columns}
-    rows.append(("average", "", *(f"{avg[c]:.1f}" for c in columns)))
-    # Keys of the tenant-adapter issue (full fine-tuning = dedicated), kept stable for comparisons.
-    for t in tasks:
-        r = res["tasks"][t]
-        r.update({key: r[c] for key, c in (("hbert", "hBERT"), ("full_ft", "dedicated"),
-                                            ("adapters_full_context", "hBERT-adapter")) if c in r})
-    res["average"] = {c: round(v, 2) for c, v in avg.items()}
-    if "dedicated" in avg and "hBERT" in avg:
-        res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
-    if "dedicated" in avg and HBERT_EXACT in avg:
-        res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
-    for other in ("shared", "compress"):
-        if other in avg and "hBERT" in avg:
-            res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
-    res["root_artifact"] = root.artifact_id
-    res["pooling"] = args.pooling
-    text = table(rows, ("task", "train examples", *columns))
-    lrs = {label: lr for label, _, lr in SCHEMES}
-    gap = (f" Average gap of hBERT to dedicated (full fine-tuning): {res['avg_gap_vs_full_ft']} points"
-           if "avg_gap_vs_full_ft" in res else "")
-    if "avg_gap_exact_windows_vs_full_ft" in res:
-        gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
-    text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
-             f"micro-F1 for single-label tagging).{gap + '.' if gap else ''} Every scheme: the same training examples (texts cut to "
-             f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
-             + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
-                       "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
-                "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
-             f"weight of the root (lr {lrs['dedicated']:g}); shared: the head alone on the frozen root (lr "
-             f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
-             f"{lrs['compress']:g}); hBERT-adapter: bottleneck adapters (reduction 16) in all 6 layers of the "
-             f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: bottleneck adapters in the upper 3 layers on "
-             f"the merged PLOT representations, reading the root PLOT with back-off as served (lr {HBERT_LR:g})"
-             + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
-                "(`--miss-policy compute`)." if exact else "."))
-    finish("eval_accuracy_partial" if partial else "eval_accuracy", text, res,
-           "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
-           + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
-           + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
-           + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else ""))
-
+        report(tasks[:len(rows)])  # every finished task is on the page at once
 
 if __name__ == "__main__":
     main()
