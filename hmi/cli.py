@@ -237,6 +237,17 @@ def cmd_serve(args) -> int:
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
                        miss_policy=args.miss_policy, device=args.device, max_len=args.max_len)
     try:
+        if args.ray:
+            if args.hgpt:
+                print("hmi serve: --hgpt is not served through --ray yet", file=sys.stderr)
+                return 2
+            if args.replicas < 1:
+                print(f"hmi serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+                return 2
+            from hmi.scaleout.ray_serve import serve as serve_ray
+
+            return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
+                             root=args.root, l_low=args.l_low)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
@@ -526,6 +537,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="where the upper layers, adapter pools and KV cache run (auto: cuda when torch sees a GPU)")
+    srv.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: replicas of this server sharing HMI_HOME, requests routed to the "
+                          "replica that holds their tenant (needs the ray extra: pip install -e '.[ray]'; RAY_ADDRESS "
+                          "names a running cluster, else a local one is started)")
+    srv.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas (default 2)")
+    srv.add_argument("--tenants-per-replica", type=int, default=1000,
+                     help="with --ray: tenants a replica holds before Ray Serve's LRU lets one go (default 1000)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

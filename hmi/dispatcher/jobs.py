@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.registry import Registry, process_owner
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 
 log = logging.getLogger("hmi.jobs")
@@ -68,7 +68,7 @@ class JobManager:
             raise JobQueueFullError(f"{self._queue.qsize()} jobs are waiting; the limit is {self.max_queued}")
         job_id = job_id or new_job_id()
         job = {"id": job_id, "kind": kind, "tenant": tenant, "spec": spec, "state": "queued", "progress": 0.0,
-               "info": {}, **extra}
+               "info": {}, "owner": process_owner(), **extra}
         self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
         self._cancel[job_id] = self.mp.Event()
         self._queue.put((job, data))

@@ -7,12 +7,40 @@ state or its new one.  Values are JSON.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 import lmdb
 
 TABLES = (b"tenants", b"domains", b"jobs")
+
+
+def process_owner() -> str:
+    """What a job record names as the process that runs it: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(job: dict) -> bool:
+    """Whether the process a job record names (``owner``, see :func:`process_owner`) still runs on
+    this host; records of other hosts count as alive (their own host recovers them), records
+    without an owner as gone."""
+    host, _, pid = (job.get("owner") or "").rpartition(":")
+    if not pid.isdigit():
+        return False
+    if host != socket.gethostname():
+        return True
+    if int(pid) == os.getpid():
+        return False  # this process is starting: the record is of an earlier process with its pid
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Registry:
@@ -67,12 +95,14 @@ class Registry:
         with self.env.begin(db=self._db[table]) as txn:
             return [(k.decode(), json.loads(v)) for k, v in txn.cursor()]
 
-    def recover(self) -> list[str]:
+    def recover(self, alive: Callable[[dict], bool] | None = None) -> list[str]:
         """After a restart: jobs that were queued or running are failed with the reason, and the
-        tenants they were creating are marked failed (never served half-built)."""
+        tenants they were creating are marked failed (never served half-built).  With ``alive``
+        (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
+        process runs."""
         failed = []
         for jid, job in self.items("jobs"):
-            if job["state"] in ("queued", "running"):
+            if job["state"] in ("queued", "running") and not (alive is not None and alive(job)):
                 self.update("jobs", jid, state="failed", error="the server stopped while this job ran")
                 failed.append(jid)
                 t = job.get("tenant")

@@ -18,7 +18,7 @@ from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.jobs import JobManager, new_job_id
 from hmi.dispatcher.metrics import Metrics
-from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.registry import Registry, owner_alive
 from hmi.dispatcher.schemas import build_models
 from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext
@@ -49,6 +49,10 @@ class ServerConfig:
     infer_timeout_s: float = 60.0
     max_labels: int = 32  # labels a tenant's head may have (the width of the device pools' heads)
     device: str = "auto"  # cpu, cuda or auto
+    # Other serving processes (hmi.scaleout's replicas) share this home's registry and adapter
+    # store: a tenant is brought up to its registry record whenever it is used, and start-up
+    # recovery fails only the jobs of processes that are gone.
+    shared_home: bool = False
 
 
 class ServerConfigError(ValueError):
@@ -71,7 +75,8 @@ class Server:
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
         self.registry = Registry(home / "registry")
-        self.recovered = self.registry.recover()
+        self.recovered = self.registry.recover(owner_alive if cfg.shared_home else None)
+        self._tokens_read = 0.0  # when the token map was last rebuilt from the registry (shared home)
         self.device = pick_device(cfg.device)
         self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb,
                                   pin_memory=self.device.type == "cuda")
@@ -98,7 +103,7 @@ class Server:
                     self._entries[name] = self._entry(name, rec)
         self.tree = VersionTree(root, home, root_version=lookup.chain[0])
         self._lookups: dict[str, object] = {"root": lookup}
-        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.resolve,
+        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.entry,
                                    self.lookup_for,
                                    SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
                                                    pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
@@ -123,12 +128,41 @@ class Server:
                            rec.get("truncate", False))
 
     def resolve(self, tenant: str) -> TenantEntry:
+        """The tenant's entry for a request (brought up to the registry first with a shared home)."""
+        if self.cfg.shared_home:
+            self.sync_tenant(tenant)
+        return self.entry(tenant)
+
+    def entry(self, tenant: str) -> TenantEntry:
+        """The tenant's entry as this process serves it; RequestError when it serves none."""
         e = self._entries.get(tenant)
         if e is None and tenant in self._foreign:
             raise RequestError("wrong_root", self.foreign_message(tenant), 409)
         if e is None:
             raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
         return e
+
+    def sync_tenant(self, name: str) -> None:
+        """Brings this process's view of a tenant up to its registry record, which another process
+        sharing the home may have changed: a tenant created, retrained or re-uploaded there is
+        served here in its published version (cached copies dropped); a deleted one is dropped."""
+        rec = self.registry.get("tenants", name)
+        if rec is None:
+            if self._entries.pop(name, None) is not None or name in self._gpt_ready:
+                self._gpt_ready.discard(name)
+                self.scheduler.forget(name)
+            return
+        if rec.get("model") != "decoder" and not self._own_root(rec):
+            self._foreign[name] = rec.get("root") or "the default root's"
+            return
+        published = rec["state"] in ("ready", "updating") or (rec["state"] == "importing" and rec.get("import_of") == "update")
+        if not published:
+            return
+        self._token_owner_by_hash[rec.get("token_hash", "")] = name
+        cur = self._entries.get(name)
+        if rec.get("model") == "decoder" or cur is None or cur.version != rec.get("version", 0):
+            if rec.get("model") != "decoder" or name not in self._gpt_ready:
+                self._serve_new_version(name, rec)
 
     def _own_root(self, rec: dict) -> bool:
         """Whether an encoder tenant was trained on this server's root; records from before roots
@@ -335,6 +369,11 @@ class Server:
         # Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful; the
         # final comparison is constant-time all the same.
         name = self._token_owner_by_hash.get(digest)
+        if name is None and self.cfg.shared_home and time.time() - self._tokens_read > 1.0:
+            # A tenant created by another process: its token is in the registry (read at most once a second).
+            self._tokens_read = time.time()
+            self._token_owner_by_hash.update({rec.get("token_hash", ""): n for n, rec in self.registry.items("tenants")})
+            name = self._token_owner_by_hash.get(digest)
         if name is None:
             return None
         rec = self.registry.get("tenants", name)

@@ -1,0 +1,1 @@
+"""Scale-out: HMI replicas on Ray Serve (hmi.scaleout.ray_serve)."""

@@ -1,0 +1,253 @@
+"""HMI on Ray Serve (``hmi serve --ray``): replicas that each run the whole single-process server
+behind an ingress that routes a tenant's requests to a replica that already holds it.
+
+- **One implementation.** A replica builds the same ``Server`` and aiohttp application as
+  ``hmi serve`` (routes, auth, errors, batcher, scheduler, jobs) and serves it on a loopback
+  port; it forwards each request it is handed there unchanged.  Ray Serve only routes.
+- **Affinity.** The ingress names the tenant of ``/v1/tenants/{tenant}/...`` as the request's
+  multiplexed model id: Ray Serve sends it to a replica whose multiplexed LRU holds the tenant
+  (``@serve.multiplexed``; loading one warms its adapter into the replica's host cache).
+  ``@serve.batch`` is not used: it splits batches by model id, and cross-tenant batching is what
+  each replica's own batcher does, so ``max_ongoing_requests`` is high enough for it to mix tenants.
+- **Shared state.** Replicas share one ``HMI_HOME``: the registry (one LMDB environment, whose
+  write lock makes every change one transaction from any process), the adapter store (immutable
+  published versions) and the PLOTs (read-only).  Each replica's server runs with
+  ``ServerConfig.shared_home``: a tenant is brought up to its registry record whenever it is used,
+  so one created, retrained or deleted through another replica is served, re-read or dropped.
+
+Every answer says which replica served it (``X-HMI-Replica``) and whether that replica already
+held the tenant (``X-HMI-Affinity: hit|miss``), which ``benchmarks/bench_scale.py`` counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+from urllib.parse import unquote
+
+from hmi.bootstrap import prepare_in_child
+from hmi.client import Client
+from hmi.data import task_labels
+from hmi.dispatcher.auth import admin_token
+from hmi.dispatcher.serve import DEMO_TENANTS, build_server, run_in_thread
+from hmi.dispatcher.server import Server, ServerConfig
+from hmi.home import hmi_home
+from hmi.io import atomic_write_text
+from hmi.model.aliases import DEFAULT_ROOT
+from hmi.model.artifact import load_root
+from hmi.model.catalog import root_spec
+
+TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)(?:/|$)")
+# Hop-by-hop and framing headers: the proxy on each side sets its own.
+DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
+                   "proxy-connection", "te", "trailer"}
+
+
+def tenant_of(path: str) -> str:
+    """The tenant a request path names (``/v1/tenants/{tenant}`` and below), or "" (no affinity)."""
+    m = TENANT_PATH.match(path)
+    return unquote(m.group(1)) if m else ""
+
+
+@dataclass
+class Forwarded:
+    """An HTTP request or response as it crosses between the ingress and a replica."""
+
+    status: int  # 0 for a request
+    method: str
+    target: str  # path and query string
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+def kept_headers(headers) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers if k.lower() not in DROPPED_HEADERS]
+
+
+@dataclass
+class ReplicaServer:
+    """Builds a replica's server: the root named by ``root``/``l_low`` (prepared beforehand by
+    the driver) and its root PLOT from the shared home, with ``shared_home`` on."""
+
+    cfg: ServerConfig
+    home: str
+    root: str | None = None
+    l_low: int | None = None
+
+    def __call__(self) -> Server:
+        home = Path(self.home)
+        spec = root_spec(self.root, self.l_low, home) if self.root else None
+        return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec))
+
+
+class ReplicaCore:
+    """What a replica does, apart from Ray: owns a ``Server`` built by ``factory``, serves its
+    application on a loopback port and forwards requests to it."""
+
+    def __init__(self, factory: Callable[[], Server]):
+        self.replica_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.server = factory()
+        self.url, self._stop = run_in_thread(self.server)
+        self._session = None
+        self.loads: dict[str, int] = {}  # tenant -> times the multiplexed LRU loaded it here
+
+    async def load_tenant(self, tenant: str) -> str:
+        """Brings a tenant into this replica (its registry record, its adapter into the host
+        cache); a tenant that cannot be loaded is left for the routes to answer (404, 409)."""
+        self.loads[tenant] = self.loads.get(tenant, 0) + 1
+
+        def warm() -> None:
+            try:
+                self.server.resolve(tenant)
+                self.server.store.load(tenant)
+            except Exception:  # noqa: BLE001 - the request itself gets the route's answer
+                pass
+
+        await asyncio.get_running_loop().run_in_executor(None, warm)
+        return tenant
+
+    async def forward(self, req: Forwarded, tenant: str, held: Callable) -> Forwarded:
+        """Answers ``req`` through this replica's application; ``held(tenant)`` is the multiplexed
+        loader (awaited first, so that a hit or a miss is known)."""
+        import aiohttp
+
+        affinity = ""
+        if tenant:
+            before = self.loads.get(tenant, 0)
+            await held(tenant)
+            affinity = "hit" if self.loads.get(tenant, 0) == before else "miss"
+        if self._session is None:
+            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+        async with self._session.request(req.method, self.url + req.target, headers=kept_headers(req.headers),
+                                         data=req.body, allow_redirects=False) as r:
+            body = await r.read()
+            headers = kept_headers(r.headers.items()) + [("X-HMI-Replica", self.replica_id)]
+            if affinity:
+                headers.append(("X-HMI-Affinity", affinity))
+            return Forwarded(r.status, "", "", headers, body)
+
+    def close(self) -> None:
+        self._stop()
+
+
+def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_replica: int = 1000,
+              max_ongoing_requests: int = 256):
+    """The Ray Serve application: an ingress and ``replicas`` HMI replicas (each holding up to
+    ``tenants_per_replica`` tenants in its multiplexed LRU)."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    @serve.deployment(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
+                      ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
+    class HmiReplica:
+        def __init__(self):
+            self.core = ReplicaCore(factory)
+
+        @serve.multiplexed(max_num_models_per_replica=tenants_per_replica)
+        async def hold(self, tenant: str) -> str:
+            return await self.core.load_tenant(tenant)
+
+        async def handle(self, req: Forwarded) -> Forwarded:
+            return await self.core.forward(req, serve.get_multiplexed_model_id(), self.hold)
+
+        def check_health(self) -> None:
+            if self.core.server.scheduler._closed:
+                raise RuntimeError("the scheduler has stopped")
+
+        def __del__(self):
+            core = getattr(self, "core", None)
+            if core is not None:
+                core.close()
+
+    @serve.deployment(max_ongoing_requests=max_ongoing_requests * max(1, replicas), ray_actor_options={"num_cpus": 0})
+    class HmiIngress:
+        def __init__(self, backend):
+            self.backend = backend
+
+        async def __call__(self, request: Request) -> Response:
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            req = Forwarded(0, request.method, target, kept_headers(request.headers.items()), await request.body())
+            tenant = tenant_of(request.url.path)
+            handle = self.backend.options(multiplexed_model_id=tenant) if tenant else self.backend
+            out: Forwarded = await handle.handle.remote(req)
+            return Response(out.body, status_code=out.status, headers=dict(out.headers))
+
+    return HmiIngress.bind(HmiReplica.bind())
+
+
+def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 8000, replicas: int = 2,
+          tenants_per_replica: int = 1000, env: dict[str, str] | None = None, address: str | None = None):
+    """Connects to a Ray cluster (``address``, ``RAY_ADDRESS``, or a local one started here),
+    starts Ray Serve's HTTP proxy on ``host:port`` and deploys the HMI application; returns the
+    base URL once every replica is up.  ``env``: environment variables of the replicas."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        # A local cluster's processes inherit this environment: on a small, busy machine Ray Serve's
+        # HTTP proxy takes longer than its default 5 s readiness check to start (it is then killed
+        # and restarted, over and over).
+        for key, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")):
+            os.environ.setdefault(key, value)
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address is None:  # a local cluster: its workers inherit this environment (a runtime_env makes Ray set up each worker's)
+            os.environ.update(env or {})
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env} if address is not None and env else None)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(factory, replicas, tenants_per_replica), name="hmi", route_prefix="/")
+    return f"http://{host}:{port}"
+
+
+def stop() -> None:
+    """Removes the application and stops Ray Serve (and the local Ray this process started)."""
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
+              root: str | None = None, l_low: int | None = None) -> int:
+    """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
+    this ``HMI_HOME``; blocks until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    home = hmi_home()
+    prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
+    token, new = admin_token(home)  # made once, before any replica reads it
+    env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
+    print(f"starting Ray Serve: {replicas} replica(s) sharing {home}", flush=True)
+    url = start(ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low), host, port, replicas,
+                tenants_per_replica, env=env)
+    if new:
+        print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
+    if demo:
+        client = Client(url, token)
+        tokens = {}
+        for d in DEMO_TENANTS:
+            if not any(t["name"] == d["name"] for t in client.tenants()):
+                tokens[d["name"]] = client.create_tenant(
+                    d["name"], list(task_labels(d["dataset"])), dataset=d["dataset"], max_train=d["max_train"],
+                    epochs=d["epochs"], pooling=d["pooling"], truncate=True)["token"]
+        if tokens:
+            demo_file = home / "demo_tokens.json"
+            existing = json.loads(demo_file.read_text()) if demo_file.exists() else {}
+            atomic_write_text(demo_file, json.dumps({**existing, **tokens}, indent=1), mode=0o600)
+            print(f"demo tenants training in the background: {', '.join(tokens)} (tokens in {demo_file})")
+    print(f"HMI serving on {url} through Ray Serve ({replicas} replicas); the same API as `hmi serve`", flush=True)
+    try:
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    finally:
+        stop()
+    return 0

@@ -1,0 +1,119 @@
+"""HMI on a real local Ray Serve cluster (two replicas, one shared home, the tiny root): the same
+HTTP API and answers as the single-process server, a tenant created through the cluster is served
+by every replica, and a tenant's requests stay on the replica that holds it."""
+
+import json
+import os
+import socket
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from hmi.client import Client
+from hmi.plot.store import PlotMeta, PlotStore
+from hmi.scaleout.ray_serve import Forwarded, start, stop
+from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+
+REPO = str(Path(__file__).resolve().parents[2])
+TEXTS = ["a wonderful film", "a dull and boring story"]
+
+
+@dataclass
+class TinyReplica:
+    """A replica's server: the tests' tiny root on the shared home."""
+
+    home: str
+
+    def __call__(self):
+        return tiny_server(Path(self.home), shared_home=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def call(url: str, method: str, path: str, body=None, token=ADMIN) -> tuple[int, object, dict]:
+    """(status, headers (case-insensitive), JSON body) of one request."""
+    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"}
+                                                                                 if token else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    home = tmp_path_factory.mktemp("home")
+    PlotStore(home / "plot", meta=PlotMeta("tiny", 2, 32), readonly=False).close()
+    env = {"HMI_ADMIN_TOKEN": ADMIN, "HMI_HOME": str(home), "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
+    url = start(TinyReplica(str(home)), port=free_port(), replicas=2, env=env)
+    admin = Client(url, ADMIN)
+    out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN * 2, "dev": TRAIN}, epochs=2)
+    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    yield {"url": url, "home": home, "admin": admin, "alpha_token": out["token"]}
+    stop()
+
+
+def test_answers_through_the_cluster_equal_the_single_process_servers(cluster):
+    got = Client(cluster["url"], cluster["alpha_token"]).infer("alpha", TEXTS)
+    single = tiny_server(cluster["home"], shared_home=True)  # the same home, served by one process
+    try:
+        ref = single.scheduler.infer([("alpha", t) for t in TEXTS])
+    finally:
+        single.shutdown()
+    for g, r in zip(got, ref):
+        assert g["label"] == r["label"]
+        torch.testing.assert_close(torch.tensor(list(g["scores"].values())), torch.tensor(list(r["scores"].values())),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_tenant_created_through_the_cluster_is_served_by_every_replica(cluster):
+    from ray import serve
+
+    handle = serve.get_deployment_handle("HmiReplica", app_name="hmi")  # no tenant named: any replica
+    body = json.dumps({"inputs": TEXTS}).encode()
+    headers = [("Authorization", f"Bearer {cluster['alpha_token']}"), ("Content-Type", "application/json")]
+    answers = [handle.handle.remote(Forwarded(0, "POST", "/v1/tenants/alpha/infer", headers, body)).result()
+               for _ in range(16)]
+    replicas = {dict(a.headers)["X-HMI-Replica"] for a in answers}  # as the replica sends them
+    assert len(replicas) == 2, replicas
+    assert all(a.status == 200 for a in answers)
+    assert len({json.dumps(json.loads(a.body)["outputs"]) for a in answers}) == 1
+
+
+def test_a_tenants_requests_stay_on_the_replica_that_holds_it(cluster):
+    seen = [call(cluster["url"], "POST", "/v1/tenants/alpha/infer", {"inputs": TEXTS[:1]})[1] for _ in range(12)]
+    assert len({h["X-HMI-Replica"] for h in seen}) == 1
+    assert [h["X-HMI-Affinity"] for h in seen[1:]] == ["hit"] * 11
+
+
+def test_errors_are_the_single_process_servers(cluster):
+    from hmi.dispatcher.serve import run_in_thread
+
+    bad = [("POST", "/v1/tenants/nobody/infer", {"inputs": ["x"]}, ADMIN),
+           ("POST", "/v1/tenants/alpha/infer", {"inputs": ["x"]}, "wrong"),
+           ("POST", "/v1/tenants/alpha/infer", {"inputs": "not a list"}, ADMIN),
+           ("POST", "/v1/tenants", {"name": "alpha", "task": {"labels": ["a", "b"]}, "training_data": {"train": TRAIN}}, ADMIN),
+           ("DELETE", "/v1/domains/root", None, ADMIN),
+           ("GET", "/v1/jobs/nope", None, ADMIN),
+           ("GET", "/nowhere", None, ADMIN)]
+    single = tiny_server(cluster["home"], shared_home=True)
+    url, stop_single = run_in_thread(single)
+    try:
+        expected = [call(url, *b[:3], token=b[3]) for b in bad]
+    finally:
+        stop_single()
+    got = [call(cluster["url"], *b[:3], token=b[3]) for b in bad]
+    assert [(s, body) for s, _, body in got] == [(s, body) for s, _, body in expected]
+    assert all(400 <= s < 500 for s, _, _ in got)
+    status, _, body = call(cluster["url"], "GET", "/healthz", token=None)
+    assert status == 200 and body["status"] == "ok"

@@ -1,0 +1,101 @@
+"""Several serving processes on one HMI_HOME (the replicas of ``hmi serve --ray``): what another
+process writes into the shared registry and adapter store (a new tenant, a new version, a
+deletion) is what this one serves at the next request; start-up recovery leaves the jobs of
+live processes alone.  "Another process" is played by a second AdapterStore on the same folder
+and writes to the registry (which keeps no copy in memory), as another process makes them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.store import AdapterStore
+from hmi.adapters.train import TenantTrainer
+from hmi.client import ApiError, Client
+from hmi.dispatcher.auth import hash_token, new_token
+from hmi.dispatcher.registry import Registry, owner_alive, process_owner
+from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_server import ADMIN, tiny_server
+
+SPEC = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
+TEXTS = ["a wonderful film", "a dull and boring story"]
+
+
+def weights(server, seed: int) -> dict:
+    w = TenantTrainer(server.root.bert, server.root.spec.l_low, SPEC, seed=seed).weights()
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
+
+
+def publish_elsewhere(server, name: str, w: dict, token: str | None = None) -> None:
+    """What another replica writes when it serves a new version of ``name`` (or creates it)."""
+    AdapterStore(server.home / "tenants").save(name, SPEC, w)
+    rec = server.registry.get("tenants", name)
+    if rec is None:
+        server.registry.create("tenants", name, {"state": "ready", "model": "encoder", "domain": "root",
+                                                 "spec": SPEC.to_dict(), "truncate": False, "job": None, "version": 1,
+                                                 "token_hash": hash_token(token), "root": server.root_fingerprint})
+    else:
+        server.registry.update("tenants", name, version=rec["version"] + 1)
+
+
+@pytest.fixture
+def live(tmp_path):
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    server = tiny_server(tmp_path / "home", shared_home=True)
+    url, stop = run_in_thread(server)
+    yield server, url
+    stop()
+
+
+def scores(client: Client, name: str) -> list[list[float]]:
+    return [[o["scores"][k] for k in ("neg", "pos")] for o in client.infer(name, TEXTS)]
+
+
+def test_a_tenant_created_retrained_and_deleted_elsewhere_is_served_as_the_registry_says(live):
+    server, url = live
+    token = new_token("hmi_t")
+    a, b = weights(server, 1), weights(server, 2)
+    publish_elsewhere(server, "twin", b, new_token("hmi_t"))  # serves b from the start: the reference
+    publish_elsewhere(server, "elsewhere", a, token)
+    tenant = Client(url, token)  # a token this process never issued
+    first = scores(tenant, "elsewhere")
+    assert first != scores(Client(url, ADMIN), "twin")
+    publish_elsewhere(server, "elsewhere", b)  # a new version, published by another process
+    assert scores(tenant, "elsewhere") == scores(Client(url, ADMIN), "twin")
+    server.registry.delete("tenants", "elsewhere")
+    with pytest.raises(ApiError) as e:
+        Client(url, ADMIN).infer("elsewhere", TEXTS)
+    assert e.value.status == 404
+
+
+def test_without_a_shared_home_a_server_keeps_its_own_view(tmp_path):
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    server = tiny_server(tmp_path / "home")
+    url, stop = run_in_thread(server)
+    try:
+        publish_elsewhere(server, "elsewhere", weights(server, 1), new_token("hmi_t"))
+        with pytest.raises(ApiError) as e:
+            Client(url, ADMIN).infer("elsewhere", TEXTS)
+        assert e.value.status == 409  # registered, but this process never loaded it
+    finally:
+        stop()
+
+
+def test_recovery_fails_only_the_jobs_of_processes_that_are_gone(tmp_path):
+    reg = Registry(tmp_path / "registry")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = process_owner().rpartition(":")[0]
+    jobs = {"live": f"{host}:{os.getppid()}", "dead": f"{host}:{dead.stdout.strip()}", "unowned": None,
+            "other-host": "another-host:1"}
+    for jid, owner in jobs.items():
+        reg.create("jobs", jid, {"id": jid, "state": "running", "owner": owner})
+    assert owner_alive({"owner": jobs["live"]}) and not owner_alive({"owner": jobs["dead"]})
+    failed = reg.recover(owner_alive)
+    assert sorted(failed) == ["dead", "unowned"]
+    assert reg.get("jobs", "live")["state"] == "running" and reg.get("jobs", "other-host")["state"] == "running"
+    assert sorted(reg.recover()) == ["live", "other-host"]  # a single process fails every unfinished job
+    reg.close()
