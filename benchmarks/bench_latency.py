@@ -30,25 +30,41 @@ TENANTS = 1000
 
 # -- the load generator (runs as its own process) -------------------------------------------------
 async def _client(url: str, token: str, tenants: list[str], texts: list[str], mode: str, rate: float,
-                  clients: int, seconds: float, max_requests: int, seed: int) -> dict:
+                  clients: int, seconds: float, max_requests: int, seed: int, zipf: bool = False,
+                  sequential: bool = False, inputs: int = 1) -> dict:
+    """Tenants are drawn uniformly, Zipf-skewed (``zipf``: p(rank k) ~ 1/k) or each once in order
+    (``sequential``).  Also counts the answers' ``X-HMI-Affinity`` and ``X-HMI-Replica`` headers
+    (hmi.scaleout).  A request carries ``inputs`` texts."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
-    lat, errors, codes = [], 0, {}
+    p = 1.0 / np.arange(1, len(tenants) + 1)
+    p = p / p.sum() if zipf else None
+    lat, errors, codes, affinity, replicas = [], 0, {}, {}, {}
+    drawn = 0
     headers = {"Authorization": f"Bearer {token}"}
     timeout = aiohttp.ClientTimeout(total=120)
 
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one() -> None:
-            nonlocal errors
-            tenant = tenants[int(rng.integers(len(tenants)))]
-            body = {"inputs": [texts[int(rng.integers(len(texts)))]]}
+            nonlocal errors, drawn
+            if sequential:
+                tenant = tenants[drawn % len(tenants)]
+            else:
+                tenant = tenants[int(rng.choice(len(tenants), p=p) if zipf else rng.integers(len(tenants)))]
+            drawn += 1
+            body = {"inputs": [texts[int(rng.integers(len(texts)))] for _ in range(inputs)]}
             t = time.perf_counter()
             try:
-                async with session.post(f"{url}/v1/tenants/{tenant}/infer", json=body) as r:
+                # The routing header, as hmi.client sends it: Ray Serve routes by it, a single server ignores it.
+                async with session.post(f"{url}/v1/tenants/{tenant}/infer", json=body,
+                                        headers={"serve_multiplexed_model_id": tenant}) as r:
                     await r.read()
                     codes[r.status] = codes.get(r.status, 0) + 1
+                    for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica")):
+                        if header in r.headers:
+                            counts[r.headers[header]] = counts.get(r.headers[header], 0) + 1
                     if r.status == 200:
                         lat.append(time.perf_counter() - t)
                     else:
@@ -75,7 +91,8 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
 
             await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
-    return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall}
+    return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall, "affinity": affinity,
+            "replicas": replicas}
 
 
 def client_main() -> None:

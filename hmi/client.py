@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
 from hmi.home import hmi_home
+
+TENANT_PATH = re.compile(r"^/v1/tenants/([^/?]+)(?:[/?]|$)")
+# Names a request's tenant to Ray Serve's proxy (``hmi serve --ray``), which then routes it to a
+# replica holding that tenant; servers without Ray Serve ignore it.
+ROUTING_HEADER = "serve_multiplexed_model_id"
+
+
+def tenant_of(path: str) -> str:
+    """The tenant a request path names (``/v1/tenants/{tenant}`` and below), or ""."""
+    m = TENANT_PATH.match(path)
+    return urllib.parse.unquote(m.group(1)) if m else ""
 
 
 class ApiError(RuntimeError):
@@ -50,6 +63,8 @@ class Client:
     def _send(self, method: str, path: str, data: bytes | None, ctype: str) -> tuple[bytes, str]:
         """(body, content type) of one request; HTTP errors become ApiError."""
         req = urllib.request.Request(self.url + path, data=data, method=method)
+        if tenant_of(path):
+            req.add_header(ROUTING_HEADER, tenant_of(path))
         if data is not None:
             req.add_header("Content-Type", ctype)
         if self.token:

@@ -4,9 +4,13 @@ behind an ingress that routes a tenant's requests to a replica that already hold
 - **One implementation.** A replica builds the same ``Server`` and aiohttp application as
   ``hmi serve`` (routes, auth, errors, batcher, scheduler, jobs) and serves it on a loopback
   port; it forwards each request it is handed there unchanged.  Ray Serve only routes.
-- **Affinity.** The ingress names the tenant of ``/v1/tenants/{tenant}/...`` as the request's
-  multiplexed model id: Ray Serve sends it to a replica whose multiplexed LRU holds the tenant
-  (``@serve.multiplexed``; loading one warms its adapter into the replica's host cache).
+- **Affinity.** A request names its tenant as its multiplexed model id in the
+  ``serve_multiplexed_model_id`` header (``hmi.client.Client`` sends it on every tenant route):
+  Ray Serve's proxy sends it to a replica whose multiplexed LRU holds the tenant
+  (``@serve.multiplexed``; loading one warms its adapter into the replica's host cache).  A request
+  without the header is answered by any replica, as correctly; a gateway in front can add the
+  header from the path (``/v1/tenants/{tenant}/...``).  The replicas are the ingress: no hop is
+  added between Ray Serve's proxy and the server.
   ``@serve.batch`` is not used: it splits batches by model id, and cross-tenant batching is what
   each replica's own batcher does, so ``max_ongoing_requests`` is high enough for it to mix tenants.
 - **Shared state.** Replicas share one ``HMI_HOME``: the registry (one LMDB environment, whose
@@ -25,17 +29,15 @@ import asyncio
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
-from urllib.parse import unquote
 
 from hmi.bootstrap import prepare_in_child
-from hmi.client import Client
+from hmi.client import Client, tenant_of
 from hmi.data import task_labels
 from hmi.dispatcher.auth import admin_token
 from hmi.dispatcher.serve import DEMO_TENANTS, build_server, run_in_thread
@@ -46,16 +48,9 @@ from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
 
-TENANT_PATH = re.compile(r"^/v1/tenants/([^/]+)(?:/|$)")
 # Hop-by-hop and framing headers: the proxy on each side sets its own.
 DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
                    "proxy-connection", "te", "trailer"}
-
-
-def tenant_of(path: str) -> str:
-    """The tenant a request path names (``/v1/tenants/{tenant}`` and below), or "" (no affinity)."""
-    m = TENANT_PATH.match(path)
-    return unquote(m.group(1)) if m else ""
 
 
 @dataclass
@@ -89,20 +84,38 @@ class ReplicaServer:
         return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec))
 
 
+class HeldTenant:
+    """A tenant in a replica's multiplexed LRU; Ray Serve drops it to evict the tenant."""
+
+    def __init__(self, core: "ReplicaCore", tenant: str):
+        self.core, self.tenant = core, tenant
+
+    def __del__(self):
+        self.core.held.discard(self.tenant)
+
+
 class ReplicaCore:
     """What a replica does, apart from Ray: owns a ``Server`` built by ``factory``, serves its
     application on a loopback port and forwards requests to it."""
 
-    def __init__(self, factory: Callable[[], Server]):
+    def __init__(self, factory: Callable[[], Server], threads: int | None = None):
+        import torch
+
+        # Ray gives a worker that reserves no CPUs one OpenMP thread; the replica's share of the
+        # node's cores is set here instead.
+        if threads:
+            torch.set_num_threads(threads)
         self.replica_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.server = factory()
         self.url, self._stop = run_in_thread(self.server)
         self._session = None
         self.loads: dict[str, int] = {}  # tenant -> times the multiplexed LRU loaded it here
+        self.held: set[str] = set()  # tenants in the multiplexed LRU now
 
-    async def load_tenant(self, tenant: str) -> str:
+    async def load_tenant(self, tenant: str) -> "HeldTenant":
         """Brings a tenant into this replica (its registry record, its adapter into the host
-        cache); a tenant that cannot be loaded is left for the routes to answer (404, 409)."""
+        cache) for the multiplexed LRU; a tenant that cannot be loaded is left for the routes to
+        answer (404, 409)."""
         self.loads[tenant] = self.loads.get(tenant, 0) + 1
 
         def warm() -> None:
@@ -113,7 +126,8 @@ class ReplicaCore:
                 pass
 
         await asyncio.get_running_loop().run_in_executor(None, warm)
-        return tenant
+        self.held.add(tenant)
+        return HeldTenant(self, tenant)
 
     async def forward(self, req: Forwarded, tenant: str, held: Callable) -> Forwarded:
         """Answers ``req`` through this replica's application; ``held(tenant)`` is the multiplexed
@@ -140,25 +154,39 @@ class ReplicaCore:
 
 
 def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_replica: int = 1000,
-              max_ongoing_requests: int = 256):
+              max_ongoing_requests: int = 256, threads: int | None = None):
     """The Ray Serve application: an ingress and ``replicas`` HMI replicas (each holding up to
-    ``tenants_per_replica`` tenants in its multiplexed LRU)."""
+    ``tenants_per_replica`` tenants in its multiplexed LRU, computing with ``threads`` threads;
+    default: this machine's cores shared among the replicas)."""
+    threads = threads or max(1, (os.cpu_count() or 1) // replicas)
     from ray import serve
     from starlette.requests import Request
     from starlette.responses import Response
 
     @serve.deployment(num_replicas=replicas, max_ongoing_requests=max_ongoing_requests,
-                      ray_actor_options={"num_cpus": 0}, health_check_period_s=5)
+                      ray_actor_options={"num_cpus": 0}, health_check_period_s=5,
+                      logging_config={"enable_access_log": False})  # the server logs every request itself
     class HmiReplica:
+        """A replica, the deployment's ingress: Ray Serve's proxy hands it a request, on the replica
+        holding its tenant when the request names the tenant in the ``serve_multiplexed_model_id``
+        header (``hmi.client`` always does), on any replica otherwise."""
+
         def __init__(self):
-            self.core = ReplicaCore(factory)
+            self.core = ReplicaCore(factory, threads)
 
         @serve.multiplexed(max_num_models_per_replica=tenants_per_replica)
-        async def hold(self, tenant: str) -> str:
+        async def hold(self, tenant: str) -> HeldTenant:
             return await self.core.load_tenant(tenant)
 
-        async def handle(self, req: Forwarded) -> Forwarded:
-            return await self.core.forward(req, serve.get_multiplexed_model_id(), self.hold)
+        async def __call__(self, request: Request) -> Response:
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            req = Forwarded(0, request.method, target, kept_headers(request.headers.items()), await request.body())
+            routed = serve.get_multiplexed_model_id()
+            tenant = tenant_of(request.url.path)
+            # A tenant is held (and its affinity counted) only when Ray Serve routed by it: the
+            # header names the tenant the path names.
+            out = await self.core.forward(req, tenant if routed and routed == tenant else "", self.hold)
+            return Response(out.body, status_code=out.status, headers=dict(out.headers))
 
         def check_health(self) -> None:
             if self.core.server.scheduler._closed:
@@ -169,20 +197,7 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
             if core is not None:
                 core.close()
 
-    @serve.deployment(max_ongoing_requests=max_ongoing_requests * max(1, replicas), ray_actor_options={"num_cpus": 0})
-    class HmiIngress:
-        def __init__(self, backend):
-            self.backend = backend
-
-        async def __call__(self, request: Request) -> Response:
-            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            req = Forwarded(0, request.method, target, kept_headers(request.headers.items()), await request.body())
-            tenant = tenant_of(request.url.path)
-            handle = self.backend.options(multiplexed_model_id=tenant) if tenant else self.backend
-            out: Forwarded = await handle.handle.remote(req)
-            return Response(out.body, status_code=out.status, headers=dict(out.headers))
-
-    return HmiIngress.bind(HmiReplica.bind())
+    return HmiReplica.bind()
 
 
 def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 8000, replicas: int = 2,
@@ -194,17 +209,19 @@ def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 80
     from ray import serve
 
     if not ray.is_initialized():
-        # A local cluster's processes inherit this environment: on a small, busy machine Ray Serve's
-        # HTTP proxy takes longer than its default 5 s readiness check to start (it is then killed
-        # and restarted, over and over).
-        for key, value in (("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"), ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")):
+        # A local cluster's processes inherit this environment.  Ray runs its workers at niceness 15:
+        # here they are the server, not background work.  On a small, busy machine Ray Serve's HTTP
+        # proxy takes longer than its default 5 s readiness check to start (it is then killed and
+        # restarted, over and over).
+        for key, value in (("RAY_worker_niceness", "0"), ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60"),
+                           ("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")):
             os.environ.setdefault(key, value)
         address = address or os.environ.get("RAY_ADDRESS")
         if address is None:  # a local cluster: its workers inherit this environment (a runtime_env makes Ray set up each worker's)
             os.environ.update(env or {})
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env} if address is not None and env else None)
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(build_app(factory, replicas, tenants_per_replica), name="hmi", route_prefix="/")
     return f"http://{host}:{port}"
 
