@@ -268,3 +268,13 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     finally:
         stop()
     return 0
+
+
+def app_builder(args: dict):
+    """The application for ``serve run`` / ``serve deploy`` with a config file (``deploy/ray-serve.yaml``):
+    ``args`` may name ``home`` (default ``HMI_HOME``), ``root``, ``l_low``, ``replicas`` (2) and
+    ``tenants_per_replica`` (1000).  The home must be prepared (``hmi prepare``) beforehand."""
+    home = str(args.get("home") or hmi_home())
+    l_low = args.get("l_low")
+    factory = ReplicaServer(ServerConfig(), home, args.get("root"), int(l_low) if l_low else None)
+    return build_app(factory, int(args.get("replicas", 2)), int(args.get("tenants_per_replica", 1000)))

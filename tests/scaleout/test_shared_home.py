@@ -99,3 +99,20 @@ def test_recovery_fails_only_the_jobs_of_processes_that_are_gone(tmp_path):
     assert reg.get("jobs", "live")["state"] == "running" and reg.get("jobs", "other-host")["state"] == "running"
     assert sorted(reg.recover()) == ["live", "other-host"]  # a single process fails every unfinished job
     reg.close()
+
+
+def test_the_ray_serve_config_file_is_valid_and_builds_the_application():
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    from hmi.scaleout.ray_serve import app_builder
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "ray-serve.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    (app,) = schema.applications
+    assert app.import_path == "hmi.scaleout.ray_serve:app_builder"
+    assert isinstance(app_builder(app.args), Application)
