@@ -42,3 +42,12 @@ def test_selection_parsing_and_errors():
 def test_client_commands_report_an_unreachable_server(capsys):
     assert main(["infer", "--url", "http://127.0.0.1:9", "t", "hello"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_serve_ray_refuses_settings_it_cannot_honour_before_any_work(capsys):
+    from hmi.cli import main
+
+    assert main(["serve", "--ray", "--replicas", "0"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--hgpt"]) == 2
+    assert "--hgpt is not served through --ray" in capsys.readouterr().err
