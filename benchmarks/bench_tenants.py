@@ -393,15 +393,19 @@ def main() -> None:
                     rps = direct_rps(sw, tok, texts, batches, warm)
                     misses, reqs = lru_misses(batches, sw.capacity, warm)
                     res[dist][scheme][str(n)] = {"rps": round(rps, 2), "miss_rate": round(misses / reqs, 3)}
-                    st = swap_stats.setdefault(scheme, {"load_s": [], "single_s": [], "capacity": sw.capacity,
+                    st = swap_stats.setdefault(scheme, {"load_s": [], "single_s": [], "per_request_s": [], "capacity": sw.capacity,
                                                         "model_bytes": sw.model_bytes})
                     st["load_s"] += sw.load_s
                     st["single_s"] += [s for k, s in sw.compute_s if k == 1]
+                    st["per_request_s"] += [s / k for k, s in sw.compute_s]
                 print(dist, n, {k: v[str(n)]["rps"] for k, v in res[dist].items() if str(n) in v}, flush=True)
             # Swapping schemes beyond the model files: derived from measured per-miss load time, per-request
             # compute time and the LRU's miss rate on the same trace.
             for scheme, st in swap_stats.items():
-                t_load, t_req = float(np.median(st["load_s"])), float(np.median(st["single_s"]))
+                # A request's compute alone; when no tenant group had a single request (only counts above
+                # the model files ran), a group's compute per request stands in.
+                t_load = float(np.median(st["load_s"])) if st["load_s"] else 0.0
+                t_req = float(np.median(st["single_s"] or st["per_request_s"]))
                 st["median_load_ms"], st["median_request_ms"] = round(t_load * 1e3, 1), round(t_req * 1e3, 1)
                 for n in counts:
                     batches = trace(n, dist, warm + measured_batches, seed=n)
@@ -414,7 +418,8 @@ def main() -> None:
         u = res["uniform"]
         out = headline(u)
         out["throughput"] = {d: dict(v) for d, v in res.items()}
-        out["swapping"] = {k: {kk: vv for kk, vv in v.items() if kk not in ("load_s", "single_s")} for k, v in swap_stats.items()}
+        samples = ("load_s", "single_s", "per_request_s")
+        out["swapping"] = {k: {kk: vv for kk, vv in v.items() if kk not in samples} for k, v in swap_stats.items()}
         out["disk_bytes"] = disk
         out["plot_bytes"] = plot_bytes
 
@@ -470,7 +475,8 @@ def main() -> None:
              "is the PLOT, an LMDB file read through the page cache, not weights in the budget.")
     out["root"], out["l_low"] = root.spec.name, l_low
     command = ("python benchmarks/bench_tenants.py" + (" --quick" if args.quick else "")
-               + (f" --model-files {args.model_files}" if args.model_files != MODEL_FILES else "") + root_flags(args))
+               + (f" --model-files {args.model_files}" if args.model_files != MODEL_FILES else "")
+               + (f" --counts {','.join(map(str, counts))}" if counts != COUNTS else "") + root_flags(args))
     finish(name, text, out, command)
 
 
