@@ -77,6 +77,7 @@ class Server:
         self.registry = Registry(home / "registry")
         self.recovered = self.registry.recover(owner_alive if cfg.shared_home else None)
         self._tokens_read = 0.0  # when the token map was last rebuilt from the registry (shared home)
+        self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
         self.device = pick_device(cfg.device)
         self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb,
                                   pin_memory=self.device.type == "cuda")
@@ -144,10 +145,12 @@ class Server:
 
     def sync_tenant(self, name: str) -> None:
         """Brings this process's view of a tenant up to its registry record, which another process
-        sharing the home may have changed: a tenant created, retrained or re-uploaded there is
-        served here in its published version (cached copies dropped); a deleted one is dropped."""
+        sharing the home may have changed: a tenant created, retrained, re-uploaded (or deleted and
+        created again under its name) there is served here in its published version, its cached
+        copies dropped; a deleted one is dropped.  A record is known by its creation time and version."""
         rec = self.registry.get("tenants", name)
         if rec is None:
+            self._synced.pop(name, None)
             if self._entries.pop(name, None) is not None or name in self._gpt_ready:
                 self._gpt_ready.discard(name)
                 self.scheduler.forget(name)
@@ -155,14 +158,15 @@ class Server:
         if rec.get("model") != "decoder" and not self._own_root(rec):
             self._foreign[name] = rec.get("root") or "the default root's"
             return
+        self._foreign.pop(name, None)
         published = rec["state"] in ("ready", "updating") or (rec["state"] == "importing" and rec.get("import_of") == "update")
         if not published:
             return
         self._token_owner_by_hash[rec.get("token_hash", "")] = name
-        cur = self._entries.get(name)
-        if rec.get("model") == "decoder" or cur is None or cur.version != rec.get("version", 0):
-            if rec.get("model") != "decoder" or name not in self._gpt_ready:
-                self._serve_new_version(name, rec)
+        seen = (rec.get("created"), rec.get("version", 0))
+        if self._synced.get(name) != seen:
+            self._synced[name] = seen
+            self._serve_new_version(name, rec)
 
     def _own_root(self, rec: dict) -> bool:
         """Whether an encoder tenant was trained on this server's root; records from before roots

@@ -72,6 +72,18 @@ def test_a_tenant_created_retrained_and_deleted_elsewhere_is_served_as_the_regis
     assert e.value.status == 404
 
 
+def test_a_tenant_deleted_and_created_again_elsewhere_under_its_name_serves_its_new_weights(live):
+    server, url = live
+    admin = Client(url, ADMIN)
+    a, b = weights(server, 1), weights(server, 2)
+    publish_elsewhere(server, "twin", b, new_token("hmi_t"))
+    publish_elsewhere(server, "reborn", a, new_token("hmi_t"))
+    first = scores(admin, "reborn")  # version 1, weights a: now cached here
+    server.registry.delete("tenants", "reborn")
+    publish_elsewhere(server, "reborn", b, new_token("hmi_t"))  # version 1 again, another tenant
+    assert scores(admin, "reborn") == scores(admin, "twin") != first
+
+
 def test_without_a_shared_home_a_server_keeps_its_own_view(tmp_path):
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
     server = tiny_server(tmp_path / "home")
