@@ -189,7 +189,7 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
             return Response(out.body, status_code=out.status, headers=dict(out.headers))
 
         def check_health(self) -> None:
-            if self.core.server.scheduler._closed:
+            if self.core.server.scheduler.closed:
                 raise RuntimeError("the scheduler has stopped")
 
         def __del__(self):

@@ -147,6 +147,11 @@ class Scheduler:
     def queue_depth(self) -> int:
         return self._in.qsize() + self._ready.qsize()
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``shutdown`` was called (no work is taken any more)."""
+        return self._closed
+
     def shutdown(self, cancel: bool = False, timeout: float = 60.0) -> None:
         """Stops taking work; finishes what is queued (or fails it with ``cancel``)."""
         if self._closed:
