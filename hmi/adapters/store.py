@@ -87,6 +87,9 @@ class AdapterStore:
             raise ValueError(f"invalid version name {version!r}")
         base = self.path(tenant)
         base.mkdir(parents=True, exist_ok=True)
+        cur = self.current(tenant)
+        if (base / version).exists() and (cur is None or cur.name != version):
+            shutil.rmtree(base / version)  # left by an earlier run of the same job, never served
         tmp = base / f".tmp-{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

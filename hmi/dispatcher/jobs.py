@@ -6,24 +6,34 @@ progress through a queue, can be cancelled, has a time limit, and writes its res
 unpublished adapter version named by its job id; the server publishes it only while the tenant
 still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): after a
 ``kill -9`` of the server no worker goes on writing.  The queue of waiting jobs is bounded.
+
+Nothing accepted is lost: a tenant job's inputs are written (atomically) to ``inputs/<job>.json``
+before the job is accepted, so a job whose server stopped (crash, kill, a replica replaced) is
+run again from its start by the next server on the home, up to ``max_attempts`` times in all.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Callable
 
 import torch.multiprocessing as mp
 
 from hmi.dispatcher.registry import Registry, process_owner
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
+from hmi.io import atomic_write_json
 
 log = logging.getLogger("hmi.jobs")
+
+RESUMABLE = ("create", "update")  # tenant jobs: rerun from their start after a stop; domain jobs fail
+FINAL = ("succeeded", "failed", "cancelled")
 
 
 class JobQueueFullError(RuntimeError):
@@ -40,11 +50,17 @@ class JobManager:
     Contract: ``submit`` raises JobQueueFullError past ``max_queued`` waiting jobs; every job ends
     in a final state (succeeded, failed, cancelled) reported once to ``on_finish``, whatever
     happens to its worker or to ``on_finish`` itself; a job running past ``time_limit_s`` is
-    stopped and failed."""
+    stopped and failed.  With ``inputs`` (a folder), tenant jobs are kept there until they end and
+    :meth:`recover` queues again those a stopped server left unfinished."""
 
     def __init__(self, registry: Registry, ctx: WorkerContext, on_finish: Callable[[dict, str, dict], None],
-                 concurrency: int = 1, max_queued: int = 64, time_limit_s: float = 6 * 3600):
+                 concurrency: int = 1, max_queued: int = 64, time_limit_s: float = 6 * 3600,
+                 inputs: Path | None = None, max_attempts: int = 3):
         self.registry = registry
+        self.inputs = inputs
+        self.max_attempts = max_attempts
+        if inputs is not None:
+            inputs.mkdir(parents=True, exist_ok=True)
         self.ctx = ctx
         self.on_finish = on_finish
         self.max_queued = max_queued
@@ -55,6 +71,7 @@ class JobManager:
         self._procs: dict[str, object] = {}
         self._cancelled_at: dict[str, float] = {}
         self._closed = False
+        self._stopped = threading.Event()
         self._threads = [threading.Thread(target=self._run, name=f"jobs-{i}", daemon=True) for i in range(concurrency)]
         for t in self._threads:
             t.start()
@@ -68,11 +85,52 @@ class JobManager:
             raise JobQueueFullError(f"{self._queue.qsize()} jobs are waiting; the limit is {self.max_queued}")
         job_id = job_id or new_job_id()
         job = {"id": job_id, "kind": kind, "tenant": tenant, "spec": spec, "state": "queued", "progress": 0.0,
-               "info": {}, "owner": process_owner(), **extra}
+               "info": {}, "owner": process_owner(), "attempt": 1, **extra}
+        if self.inputs is not None and kind in RESUMABLE:
+            atomic_write_json(self._input(job_id), data)  # before the job exists: accepted means kept
+            job["inputs_kept"] = True
         self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
-        self._cancel[job_id] = self.mp.Event()
-        self._queue.put((job, data))
+        self._enqueue(job, data)
         return job_id
+
+    def _input(self, job_id: str) -> Path:
+        return self.inputs / f"{job_id}.json"
+
+    def _enqueue(self, job: dict, data: dict) -> None:
+        self._cancel[job["id"]] = self.mp.Event()
+        self._queue.put((job, data))
+
+    def _resumable(self, job: dict) -> bool:
+        return (self.inputs is not None and job.get("inputs_kept", False) and job["kind"] in RESUMABLE
+                and job.get("attempt", 1) < self.max_attempts and self._input(job["id"]).is_file())
+
+    def recover(self, alive: Callable[[dict], bool] | None = None) -> tuple[list[str], list[str]]:
+        """Start-up recovery of the registry's unfinished jobs whose process is gone (all of them, or
+        those ``alive`` denies): a tenant job whose inputs were kept and that has tries left is
+        claimed and queued again (its tenant stays ``training`` / ``updating``); any other is failed
+        (Registry.recover).  Inputs of jobs that already ended are removed.  Returns (failed, resumed)."""
+        failed = self.registry.recover(alive, resume=self._resumable)
+        me, resumed = process_owner(), []
+        for jid, job in self.registry.items("jobs"):
+            if job["state"] != "queued" or job.get("owner") != me or jid in self._cancel or not job.get("resumed"):
+                continue
+            try:
+                data = json.loads(self._input(jid).read_text())
+            except (OSError, ValueError) as exc:
+                self._finish(job, "failed", {"error": f"the job's kept inputs could not be read: {exc}"})
+                failed.append(jid)
+                continue
+            log.warning("job %s (%s of tenant %s): run again from its start, attempt %d of %d",
+                        jid, job["kind"], job.get("tenant"), job["attempt"], self.max_attempts)
+            self._enqueue(job, data)
+            resumed.append(jid)
+        if failed or resumed:
+            log.warning("jobs of stopped servers: %d failed, %d run again", len(failed), len(resumed))
+        if self.inputs is not None:
+            for f in self.inputs.glob("*.json"):
+                if (self.registry.get("jobs", f.stem) or {"state": "failed"})["state"] in FINAL:
+                    f.unlink(missing_ok=True)
+        return failed, resumed
 
     def cancel(self, job_id: str) -> bool:
         ev = self._cancel.get(job_id)
@@ -93,13 +151,17 @@ class JobManager:
             if item is None:
                 return
             job, data = item
-            if self._closed:  # left queued: the next start's recovery marks it failed
+            if self._closed:  # left queued: the next start's recovery runs it again or marks it failed
                 continue
             try:
                 state, info = self._run_one(job, data)
             except Exception as exc:  # noqa: BLE001 - supervised: the job fails, the thread goes on
                 log.exception("job %s: the job thread failed", job["id"])
                 state, info = "failed", {"error": f"internal error running the job: {type(exc).__name__}: {exc}"}
+            if self._closed and state == "cancelled" and job["id"] not in self._cancelled_at and self._resumable(job):
+                # Stopped by the server's shutdown, not by its owner: left running, the next start runs it again.
+                self._cancel.pop(job["id"], None)
+                continue
             try:
                 self._finish(job, state, info)
             except Exception:  # noqa: BLE001
@@ -159,7 +221,24 @@ class JobManager:
         extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
         self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
                              finished=time.time(), **extra)
-        self.on_finish(job, state, info)
+        try:
+            self.on_finish(job, state, info)
+        finally:
+            if self.inputs is not None:
+                self._input(job["id"]).unlink(missing_ok=True)
+
+    def watch_orphans(self, alive: Callable[[dict], bool], every_s: float) -> None:
+        """On a home shared by several serving processes: every ``every_s`` seconds, takes over the
+        unfinished jobs of processes that are gone (:meth:`recover`), so a replica's jobs are not
+        left waiting for a restart that may never come."""
+        def loop() -> None:
+            while not self._stopped.wait(every_s):
+                try:
+                    self.recover(alive)
+                except Exception:  # noqa: BLE001 - the next round tries again
+                    log.exception("taking over the jobs of stopped servers failed")
+
+        threading.Thread(target=loop, name="jobs-orphans", daemon=True).start()
 
     def running(self) -> int:
         return len(self._procs)
@@ -168,6 +247,7 @@ class JobManager:
         """Cancels running jobs, starts no queued one, and returns once every job thread has
         recorded its job's end (so the registry may be closed after this)."""
         self._closed = True
+        self._stopped.set()
         for ev in list(self._cancel.values()):
             ev.set()
         for _ in self._threads:

@@ -95,23 +95,48 @@ class Registry:
         with self.env.begin(db=self._db[table]) as txn:
             return [(k.decode(), json.loads(v)) for k, v in txn.cursor()]
 
-    def recover(self, alive: Callable[[dict], bool] | None = None) -> list[str]:
+    def claim(self, table: str, key: str, expect: dict, **changes) -> dict | None:
+        """Compare-and-set on any fields: applies ``changes`` only while the record's fields equal
+        ``expect``, in one transaction; returns the new value, or None (absent, or changed)."""
+        with self.env.begin(write=True, db=self._db[table]) as txn:
+            raw = txn.get(key.encode())
+            if raw is None:
+                return None
+            value = json.loads(raw)
+            if any(value.get(k) != v for k, v in expect.items()):
+                return None
+            value = {**value, **changes, "updated": time.time()}
+            txn.put(key.encode(), json.dumps(value).encode())
+            return value
+
+    def recover(self, alive: Callable[[dict], bool] | None = None,
+                resume: Callable[[dict], bool] | None = None) -> list[str]:
         """After a restart: jobs that were queued or running are failed with the reason, and the
         tenants they were creating are marked failed (never served half-built).  With ``alive``
         (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
-        process runs."""
+        process runs.  With ``resume``, a job it accepts (its inputs were kept) is instead claimed
+        for this process: queued again, ``attempt`` counted up; the caller runs it.  Each job is
+        claimed or failed in one transaction that first checks its owner is unchanged, so of
+        several processes recovering one home only one takes a job.  Returns the failed jobs."""
         failed = []
         for jid, job in self.items("jobs"):
-            if job["state"] in ("queued", "running") and not (alive is not None and alive(job)):
-                self.update("jobs", jid, state="failed", error="the server stopped while this job ran")
-                failed.append(jid)
-                t = job.get("tenant")
-                if t:
-                    rec = self.get("tenants", t)
-                    if rec and rec["state"] == "training":
-                        self.update("tenants", t, state="failed", error="training was interrupted by a restart")
-                    elif rec and rec["state"] == "updating":
-                        self.update("tenants", t, state="ready")
+            if job["state"] not in ("queued", "running") or (alive is not None and alive(job)):
+                continue
+            seen = {"state": job["state"], "owner": job.get("owner")}
+            if resume is not None and resume(job):
+                self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
+                           attempt=job.get("attempt", 1) + 1, resumed=time.time())
+                continue
+            if self.claim("jobs", jid, seen, state="failed", error="the server stopped while this job ran") is None:
+                continue  # another process took it meanwhile
+            failed.append(jid)
+            t = job.get("tenant")
+            if t:
+                rec = self.get("tenants", t)
+                if rec and rec["state"] == "training":
+                    self.update("tenants", t, state="failed", error="training was interrupted by a restart")
+                elif rec and rec["state"] == "updating":
+                    self.update("tenants", t, state="ready")
         return failed
 
     def close(self) -> None:

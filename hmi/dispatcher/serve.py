@@ -88,6 +88,8 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     server = build_server(cfg, home, prepare_in_child(home, root, l_low))
     if server.recovered:
         print(f"marked {len(server.recovered)} interrupted job(s) as failed")
+    if server.resumed:
+        print(f"running {len(server.resumed)} interrupted job(s) again from their start: {', '.join(server.resumed)}")
     token_file = home / "admin_token"
     if server.admin_token_new:
         print(f"admin token (printed once, also in {token_file}, mode 0600): {server.admin_token}")

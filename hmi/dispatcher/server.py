@@ -53,6 +53,7 @@ class ServerConfig:
     # store: a tenant is brought up to its registry record whenever it is used, and start-up
     # recovery fails only the jobs of processes that are gone.
     shared_home: bool = False
+    orphan_check_s: float = 10.0  # shared home: how often the jobs of stopped processes are taken over
 
 
 class ServerConfigError(ValueError):
@@ -75,7 +76,6 @@ class Server:
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
         self.registry = Registry(home / "registry")
-        self.recovered = self.registry.recover(owner_alive if cfg.shared_home else None)
         self._tokens_read = 0.0  # when the token map was last rebuilt from the registry (shared home)
         self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
         self.device = pick_device(cfg.device)
@@ -119,7 +119,11 @@ class Server:
                             plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
                             source=root.spec.source)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
-                               cfg.job_time_limit_s)
+                               cfg.job_time_limit_s, inputs=home / "jobs")
+        # Jobs a stopped server left unfinished: run again from their kept inputs, or failed.
+        self.recovered, self.resumed = self.jobs.recover(owner_alive if cfg.shared_home else None)
+        if cfg.shared_home:
+            self.jobs.watch_orphans(owner_alive, cfg.orphan_check_s)
         self.started = time.time()
 
     # -- tenants ---------------------------------------------------------------------------------

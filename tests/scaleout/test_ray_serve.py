@@ -115,3 +115,37 @@ def test_errors_are_the_single_process_servers(cluster):
     assert all(400 <= s < 500 for s, _, _ in got)
     status, _, body = call(cluster["url"], "GET", "/healthz", token=None)
     assert status == 200 and body["status"] == "ok"
+
+
+def test_a_replica_killed_while_training_loses_no_job_and_no_answer(cluster):
+    """kill -9 of the replica running a tenant's job: the job runs again from its kept inputs (in
+    the replica Ray Serve starts in its place, or taken over by the other one) and succeeds;
+    requests meanwhile get the answers they got before, or a clear error, never other outputs."""
+    import signal
+    import time
+
+    from hmi.dispatcher.registry import Registry
+
+    admin, url = cluster["admin"], cluster["url"]
+    before = call(url, "POST", "/v1/tenants/alpha/infer", {"inputs": TEXTS}, token=cluster["alpha_token"])[2]["outputs"]
+    out = admin.create_tenant("phoenix", ["neg", "pos"], training_data={"train": TRAIN * 100, "dev": TRAIN}, epochs=8)
+    deadline = time.time() + 120
+    while (job := admin.job(out["job"]))["state"] != "running":
+        assert time.time() < deadline and job["state"] == "queued", {k: job.get(k) for k in ("state", "progress", "error")}
+        time.sleep(0.1)
+    reg = Registry(cluster["home"] / "registry")
+    owner = reg.get("jobs", out["job"])["owner"]
+    reg.close()
+    os.kill(int(owner.rpartition(":")[2]), signal.SIGKILL)
+    answers = []
+    deadline = time.time() + 300
+    while (job := admin.job(out["job"]))["state"] not in ("succeeded", "failed"):
+        assert time.time() < deadline, job
+        answers.append(call(url, "POST", "/v1/tenants/alpha/infer", {"inputs": TEXTS}, token=cluster["alpha_token"]))
+        time.sleep(0.5)
+    assert job["state"] == "succeeded" and job["attempt"] == 2 and job["owner"] != owner, job
+    ok = [a for a in answers if a[0] == 200]
+    assert ok and all(a[2]["outputs"] == before for a in ok)
+    assert all(a[0] == 200 or a[0] >= 500 and "error" in a[2] for a in answers)
+    status, _, body = call(url, "POST", "/v1/tenants/phoenix/infer", {"inputs": TEXTS}, token=out["token"])
+    assert status == 200 and len(body["outputs"]) == 2

@@ -1,0 +1,113 @@
+"""Nothing accepted is lost: a tenant job whose server stopped (killed, or shut down while it ran)
+is run again from its kept inputs by the next server on the home, and its tenant is served; a job
+out of attempts, or whose inputs were not kept, is failed with the reason."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hmi.client import Client
+from hmi.dispatcher.registry import Registry
+from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_server import tiny_server
+url, stop = run_in_thread(tiny_server(Path(sys.argv[1])))
+print(url, flush=True)
+time.sleep(3600)
+"""
+
+
+def wait_state(client, job, states, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = client.job(job)
+        if got["state"] in states and (got["state"] != "running" or got.get("progress", 0) > 0):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} never reached {states}: {got}")
+
+
+def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tenant_is_served(tmp_path, monkeypatch):
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        url = child.stdout.readline().strip()
+        admin = Client(url, ADMIN)
+        out = admin.create_tenant("survivor", ["neg", "pos"], training_data={"train": TRAIN * 40, "dev": TRAIN}, epochs=6)
+        assert (tmp_path / "jobs" / f"{out['job']}.json").is_file()  # kept before the job was accepted
+        wait_state(admin, out["job"], ("running",))
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    finally:
+        child.kill()
+    server = tiny_server(tmp_path)
+    assert server.resumed == [out["job"]] and server.recovered == []
+    url, stop = run_in_thread(server)
+    try:
+        admin = Client(url, ADMIN)
+        done = admin.wait_job(out["job"], 300)
+        assert done["state"] == "succeeded" and done["attempt"] == 2, done
+        assert Client(url, out["token"]).infer("survivor", ["a great film"])[0]["label"] in ("neg", "pos")
+        assert admin.tenant("survivor")["state"] == "ready"
+        assert not (tmp_path / "jobs" / f"{out['job']}.json").exists()
+    finally:
+        stop()
+
+
+def test_a_job_stopped_by_a_shutdown_is_left_to_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    url, stop = run_in_thread(tiny_server(tmp_path))
+    admin = Client(url, ADMIN)
+    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 40}, epochs=6)
+    wait_state(admin, out["job"], ("running",))
+    stop()
+    reg = Registry(tmp_path / "registry")
+    assert reg.get("jobs", out["job"])["state"] == "running"  # not cancelled: its owner did not ask
+    assert reg.get("tenants", "patient")["state"] == "training"
+    reg.close()
+    server = tiny_server(tmp_path)
+    assert server.resumed == [out["job"]]
+    url, stop = run_in_thread(server)
+    try:
+        assert Client(url, ADMIN).wait_job(out["job"], 300)["state"] == "succeeded"
+        assert Client(url, out["token"]).infer("patient", ["boring mess"])[0]["label"] in ("neg", "pos")
+    finally:
+        stop()
+
+
+def test_a_job_out_of_attempts_or_without_kept_inputs_fails_and_its_tenant_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    reg = Registry(tmp_path / "registry")
+    spec = {"kind": "bottleneck", "labels": ["neg", "pos"]}
+    for name, attempt, kept in (("tired", 3, True), ("lost", 1, False), ("fresh", 1, True)):
+        reg.create("tenants", name, {"state": "training", "spec": spec, "token_hash": name, "job": f"j-{name}"})
+        reg.create("jobs", f"j-{name}", {"id": f"j-{name}", "kind": "create", "tenant": name, "spec": spec,
+                                         "state": "running", "attempt": attempt, "inputs_kept": kept,
+                                         "owner": "gone-host:1", "epochs": 1})
+        if kept:
+            (tmp_path / "jobs").mkdir(exist_ok=True)
+            (tmp_path / "jobs" / f"j-{name}.json").write_text(json.dumps({"train": TRAIN}))
+    (tmp_path / "jobs" / "j-finished-long-ago.json").write_text("{}")  # a job that ended: its inputs go
+    reg.close()
+    server = tiny_server(tmp_path)
+    url, stop = run_in_thread(server)
+    try:
+        assert sorted(server.recovered) == ["j-lost", "j-tired"] and server.resumed == ["j-fresh"]
+        admin = Client(url, ADMIN)
+        for name in ("tired", "lost"):
+            assert admin.job(f"j-{name}")["state"] == "failed"
+            assert admin.tenant(name)["state"] == "failed"
+        assert admin.wait_job("j-fresh", 300)["state"] == "succeeded"
+        assert admin.tenant("fresh")["state"] == "ready"
+        assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == []
+    finally:
+        stop()
