@@ -31,46 +31,60 @@ TENANTS = 1000
 # -- the load generator (runs as its own process) -------------------------------------------------
 async def _client(url: str, token: str, tenants: list[str], texts: list[str], mode: str, rate: float,
                   clients: int, seconds: float, max_requests: int, seed: int, zipf: bool = False,
-                  sequential: bool = False, inputs: int = 1) -> dict:
+                  sequential: bool = False, inputs: int = 1, reference: dict | None = None) -> dict:
     """Tenants are drawn uniformly, Zipf-skewed (``zipf``: p(rank k) ~ 1/k) or each once in order
     (``sequential``).  Also counts the answers' ``X-HMI-Affinity`` and ``X-HMI-Replica`` headers
-    (hmi.scaleout).  A request carries ``inputs`` texts."""
+    (hmi.scaleout).  A request carries ``inputs`` texts.  With ``reference`` (``{"inputs": texts,
+    "outputs": {tenant: outputs}}``) every request sends those texts for one of those tenants, each
+    answer is checked against them (``wrong`` counts those that differ) and ``timeline`` lists
+    ``[wall-clock time, status (0: no answer), wrong, replica]`` per request."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, len(tenants) + 1)
     p = p / p.sum() if zipf else None
     lat, errors, codes, affinity, replicas = [], 0, {}, {}, {}
-    drawn = 0
+    drawn, wrong, timeline = 0, 0, []
+    if reference is not None:
+        tenants = sorted(reference["outputs"])
+        p = None
     headers = {"Authorization": f"Bearer {token}"}
     timeout = aiohttp.ClientTimeout(total=120)
 
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one() -> None:
-            nonlocal errors, drawn
+            nonlocal errors, drawn, wrong
             if sequential:
                 tenant = tenants[drawn % len(tenants)]
             else:
                 tenant = tenants[int(rng.choice(len(tenants), p=p) if zipf else rng.integers(len(tenants)))]
             drawn += 1
             body = {"inputs": [texts[int(rng.integers(len(texts)))] for _ in range(inputs)]}
-            t = time.perf_counter()
+            if reference is not None:
+                body = {"inputs": reference["inputs"]}
+            t, status, bad, replica = time.perf_counter(), 0, False, None
             try:
                 # The routing header, as hmi.client sends it: Ray Serve routes by it, a single server ignores it.
                 async with session.post(f"{url}/v1/tenants/{tenant}/infer", json=body,
                                         headers={"serve_multiplexed_model_id": tenant}) as r:
-                    await r.read()
+                    raw = await r.read()
+                    status, replica = r.status, r.headers.get("X-HMI-Replica")
                     codes[r.status] = codes.get(r.status, 0) + 1
                     for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica")):
                         if header in r.headers:
                             counts[r.headers[header]] = counts.get(r.headers[header], 0) + 1
                     if r.status == 200:
                         lat.append(time.perf_counter() - t)
+                        if reference is not None:
+                            bad = not same(json.loads(raw)["outputs"], reference["outputs"][tenant])
+                            wrong += bad
                     else:
                         errors += 1
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 errors += 1
+            if reference is not None:
+                timeline.append([time.time(), status, bad, replica])
 
         t0 = time.perf_counter()
         if mode == "rate":  # open loop: a request every 1/rate seconds, whatever the answers
@@ -92,7 +106,19 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
             await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall, "affinity": affinity,
-            "replicas": replicas}
+            "replicas": replicas, "wrong": wrong, "timeline": timeline}
+
+
+def same(got, want, tol: float = 1e-3) -> bool:
+    """Whether two answers agree: equal structure and strings, numbers within ``tol`` (batches of
+    other compositions may change the last digits)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same(got[k], want[k], tol) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(same(g, w, tol) for g, w in zip(got, want))
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        return isinstance(got, (int, float)) and abs(got - want) <= tol
+    return got == want
 
 
 def client_main() -> None:

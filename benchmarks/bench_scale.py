@@ -8,6 +8,12 @@ one run on the same home, tenants and load.
 3. 2 replicas: every tenant requested once (cold: no replica holds any), then the Zipf load:
    ``affinity_hit_rate_2replicas`` is the share of those requests answered by a replica that
    already held the tenant (``X-HMI-Affinity``), and the requests per replica.
+4. Still 2 replicas, under the same closed-loop load (each request: two fixed texts for one of 40
+   tenants, its answer checked against the single-process server's): three tenants are created
+   (fine-tune jobs on real BBC rows), and once one job runs, the replica running it is killed
+   (SIGKILL).  ``lost_jobs_on_replica_kill`` counts accepted jobs that did not succeed,
+   ``wrong_answers_on_replica_kill`` answers that differ from the single process's; also the
+   errors answered, and how long until the replacement replica answered.
 
 Both paths answer through HTTP on localhost; this machine's cores are shared by the client, Ray's
 proxy and the replicas.
@@ -51,6 +57,87 @@ def summary(r: dict) -> dict:
             "per_replica": sorted(r["replicas"].values(), reverse=True)}
 
 
+def replica_pids(url: str, probes: int = 40) -> set[int]:
+    """The pids of the replicas that answer ``/healthz`` (not routed: any replica answers) in
+    ``probes`` requests, read from ``X-HMI-Replica`` (host:pid:id)."""
+    import urllib.request
+
+    pids = set()
+    for _ in range(probes):
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=5) as r:
+                pids.add(int(r.headers.get("X-HMI-Replica", "::").split(":")[1] or 0))
+        except (OSError, ValueError):
+            pass
+    return pids - {0}
+
+
+def replica_kill(url: str, home: Path, token: str, load: dict, seconds: float) -> dict:
+    """Phase 4 (see the module's docstring): returns the jobs' ends and the answers' counts."""
+    import signal
+    import threading
+
+    from hmi.client import ApiError, Client
+    from hmi.data import load_task
+    from hmi.dispatcher.registry import Registry
+
+    admin = Client(url, token)
+
+    def job(j: str) -> dict:  # a request that reached the killed replica is asked again
+        for _ in range(50):
+            try:
+                return admin.job(j)
+            except (ApiError, OSError):
+                time.sleep(1)
+        return admin.job(j)
+
+    def wait(j: str) -> dict:
+        while (rec := job(j))["state"] not in ("succeeded", "failed", "cancelled"):
+            time.sleep(1)
+        return rec
+
+    rows = load_task("news-topic", "train")[:96]
+    labels = sorted({r["label"] for r in rows})
+    box: dict = {}
+    loader = threading.Thread(target=lambda: box.update(run_load({**load, "url": url, "seconds": seconds})))
+    loader.start()
+    time.sleep(3)
+    jobs = [admin.create_tenant(f"kill-{i}", labels, training_data={"train": rows}, epochs=2,
+                                truncate=True)["job"] for i in range(3)]
+    deadline = time.time() + 300
+    while not (running := [j for j in jobs if job(j)["state"] == "running"]):
+        if time.time() > deadline:
+            raise RuntimeError("no job started running within 300 s")
+        time.sleep(0.2)
+    reg = Registry(home / "registry")
+    owner = reg.get("jobs", running[0])["owner"]
+    reg.close()
+    pids = replica_pids(url)
+    t_kill = time.time()
+    os.kill(int(owner.rpartition(":")[2]), signal.SIGKILL)
+    print(f"killed the replica {owner} running job {running[0]}", flush=True)
+    replaced = None
+    while replaced is None and time.time() < t_kill + 600:  # the replica Ray Serve starts in its place
+        if replica_pids(url, probes=5) - pids:
+            replaced = time.time() - t_kill
+        time.sleep(0.5)
+    loader.join()
+    ends = [wait(j) for j in jobs]
+    for j in ends:
+        print(f"job {j['id']}: {j['state']}, attempt {j.get('attempt')}, {j.get('error') or ''}", flush=True)
+    tl = box["timeline"]
+    after = [(t, status) for t, status, _, _ in tl if t >= t_kill]
+    failed = [t for t, status in after if status != 200]
+    return {"jobs": len(jobs), "lost_jobs": sum(j["state"] != "succeeded" for j in ends),
+            "jobs_run_again": sum(j.get("attempt", 1) > 1 for j in ends),
+            "killed_job_attempt": next(j.get("attempt") for j in ends if j["id"] == running[0]),
+            "answered": len(tl), "wrong": box["wrong"], "errors_after_kill": len(failed),
+            "answers_after_kill": len(after), "error_codes": box["codes"],
+            "last_error_after_kill_s": round(failed[-1] - t_kill, 1) if failed else 0.0,
+            "replacement_replica_answered_s": None if replaced is None else round(replaced, 1),
+            "jobs_done_after_kill_s": round(max(j.get("finished", j["updated"]) for j in ends) - t_kill, 1)}
+
+
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)"))
     from hmi.data import load_task
@@ -79,6 +166,10 @@ def main() -> None:
         url, stop_single = run_in_thread(server)
         run_load({**base, "url": url, "seconds": 3})  # warm-up
         res["single process"] = summary(run_load({**base, "url": url}))
+        from hmi.client import Client
+
+        single = Client(url, token)
+        reference = {"inputs": texts[:2], "outputs": {t: single.infer(t, texts[:2]) for t in names[:40]}}
         stop_single()
         print("single process", res["single process"], flush=True)
 
@@ -100,14 +191,16 @@ def main() -> None:
         res["Ray Serve, 2 replicas, every tenant once (cold)"] = summary(cold)
         res["Ray Serve, 2 replicas"] = summary(run_load({**base, "url": ray_url}))
         print("ray 2", res["Ray Serve, 2 replicas"], flush=True)
+        kill = replica_kill(ray_url, tmp, token, {**base, "reference": reference}, 40 if args.quick else 90)
+        print("replica kill", kill, flush=True)
         stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     single, ray1, ray2 = res["single process"], res["Ray Serve, 1 replica"], res["Ray Serve, 2 replicas"]
     out = {"ray_over_single_1replica": round(ray1["rps"] / single["rps"], 3),
            "affinity_hit_rate_2replicas": ray2["affinity_hit_rate"],
-           "lost_jobs_on_replica_kill": None, "wrong_answers_on_replica_kill": None,
-           "runs": res, "tenants": TENANTS, "clients": CLIENTS, "seconds": seconds}
+           "lost_jobs_on_replica_kill": kill["lost_jobs"], "wrong_answers_on_replica_kill": kill["wrong"],
+           "replica_kill": kill, "runs": res, "tenants": TENANTS, "clients": CLIENTS, "seconds": seconds}
     rows = [(k, v["answered"], v["errors"], f"{v['rps']:.1f}", v["p50_ms"], v["p99_ms"],
              "" if v["affinity_hit_rate"] is None else f"{v['affinity_hit_rate']:.3f}", v["per_replica"] or "")
             for k, v in res.items() if isinstance(v, dict)]
@@ -118,7 +211,13 @@ def main() -> None:
              f"tokens each) per request, {seconds} s per measured run after a 3 s warm-up. ray_over_single_1replica = "
              f"{out['ray_over_single_1replica']}; affinity_hit_rate_2replicas = {out['affinity_hit_rate_2replicas']} "
              f"(after every tenant was requested once). Ray Serve took {res['ray start s']} s to start with one replica. "
-             "Replica kill under load: not measured yet (the keys are null).")
+             "\n\nReplica killed under load (2 replicas, the same clients, each request two fixed texts for one of "
+             f"40 tenants, checked against the single process's answers): {kill['answered']:,} requests, "
+             f"{kill['wrong']} wrong answers, {kill['errors_after_kill']} errors after the kill (the last "
+             f"{kill['last_error_after_kill_s']} s after it; codes {kill['error_codes']}); the replica Ray Serve started in its "
+             f"place answered {kill['replacement_replica_answered_s']} s after the kill. {kill['jobs']} fine-tune jobs accepted, "
+             f"{kill['lost_jobs']} lost; the killed replica's job ran again (attempt {kill['killed_job_attempt']}) and "
+             f"all ended {kill['jobs_done_after_kill_s']} s after the kill.")
     out["inputs_per_request"] = args.inputs
     finish("bench_scale", text, out, "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "")
            + (f" --inputs {args.inputs}" if args.inputs != 1 else ""))

@@ -227,6 +227,12 @@ class JobManager:
             if self.inputs is not None:
                 self._input(job["id"]).unlink(missing_ok=True)
 
+    def take_over_orphans(self, alive: Callable[[dict], bool]) -> tuple[list[str], list[str]]:
+        """:meth:`recover` while this process runs: its own jobs are alive, whatever ``alive`` says
+        of its pid (at start-up, a record naming this pid is of an earlier process)."""
+        me = process_owner()
+        return self.recover(lambda job: job.get("owner") == me or alive(job))
+
     def watch_orphans(self, alive: Callable[[dict], bool], every_s: float) -> None:
         """On a home shared by several serving processes: every ``every_s`` seconds, takes over the
         unfinished jobs of processes that are gone (:meth:`recover`), so a replica's jobs are not
@@ -234,7 +240,7 @@ class JobManager:
         def loop() -> None:
             while not self._stopped.wait(every_s):
                 try:
-                    self.recover(alive)
+                    self.take_over_orphans(alive)
                 except Exception:  # noqa: BLE001 - the next round tries again
                     log.exception("taking over the jobs of stopped servers failed")
 

@@ -111,3 +111,48 @@ def test_a_job_out_of_attempts_or_without_kept_inputs_fails_and_its_tenant_too(t
         assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == []
     finally:
         stop()
+
+
+def test_a_dead_servers_job_is_claimed_by_exactly_one_of_two_recovering_servers(tmp_path):
+    """Two processes see the same dead owner; the claim checks the owner is unchanged, so the second
+    one's claim (made on the same stale read) is refused and it neither runs nor fails the job."""
+    reg = Registry(tmp_path / "registry")
+    reg.create("jobs", "j", {"state": "running", "owner": "gone:1", "attempt": 1, "kind": "create"})
+    seen = {"state": "running", "owner": "gone:1"}
+    first = reg.claim("jobs", "j", seen, state="queued", owner="a:1", attempt=2)
+    second = reg.claim("jobs", "j", seen, state="queued", owner="b:2", attempt=2)
+    assert first is not None and first["owner"] == "a:1" and second is None
+    assert reg.recover(alive=lambda job: job["owner"] == "a:1", resume=lambda job: True) == []
+    assert reg.get("jobs", "j")["owner"] == "a:1" and reg.get("jobs", "j")["attempt"] == 2
+    assert reg.claim("jobs", "nope", {}, state="queued") is None
+    reg.close()
+
+
+def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_its_own(tmp_path, monkeypatch):
+    """The periodic take-over on a shared home: a job of a process that is gone (same host, dead
+    pid) is run again here; this server's own running job keeps its attempt and goes on."""
+    from hmi.dispatcher.registry import owner_alive, process_owner
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    server = tiny_server(tmp_path, shared_home=True, orphan_check_s=3600)
+    url, stop = run_in_thread(server)
+    try:
+        admin = Client(url, ADMIN)
+        mine = admin.create_tenant("mine", ["neg", "pos"], training_data={"train": TRAIN * 30, "dev": TRAIN}, epochs=6)
+        wait_state(admin, mine["job"], ("running",))
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        dead_owner = f"{process_owner().rpartition(':')[0]}:{gone.stdout.strip()}"
+        spec = {"kind": "bottleneck", "labels": ["neg", "pos"]}
+        server.registry.create("tenants", "orphan", {"state": "training", "spec": spec, "token_hash": "x", "job": "j-orphan"})
+        server.registry.create("jobs", "j-orphan", {"id": "j-orphan", "kind": "create", "tenant": "orphan", "spec": spec,
+                                                    "state": "running", "attempt": 1, "inputs_kept": True,
+                                                    "owner": dead_owner, "epochs": 1})
+        (tmp_path / "jobs" / "j-orphan.json").write_text(json.dumps({"train": TRAIN}))
+        assert server.jobs.take_over_orphans(owner_alive) == ([], ["j-orphan"])
+        assert server.jobs.take_over_orphans(owner_alive) == ([], [])
+        assert admin.job(mine["job"])["attempt"] == 1
+        assert admin.wait_job("j-orphan", 300)["state"] == "succeeded"
+        done = admin.wait_job(mine["job"], 300)
+        assert done["state"] == "succeeded" and done["attempt"] == 1
+    finally:
+        stop()
