@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -17,6 +18,11 @@ TENANT_PATH = re.compile(r"^/v1/tenants/([^/?]+)(?:[/?]|$)")
 # Names a request's tenant to Ray Serve's proxy (``hmi serve --ray``), which then routes it to a
 # replica holding that tenant; servers without Ray Serve ignore it.
 ROUTING_HEADER = "serve_multiplexed_model_id"
+# Requests without side effects, sent again when the answer was lost on the way (a proxy's 5xx
+# without HMI's JSON error, a gateway's 502-504, a dropped connection): a replica killed or
+# replaced under ``hmi serve --ray`` costs a retry, not an error.
+SAFE_TO_REPEAT = re.compile(r"^(GET|HEAD) |^POST /v1/tenants/[^/?]+/infer(?:\?|$)")
+RETRY_DELAYS_S = (0.5, 2.0)
 
 
 def tenant_of(path: str) -> str:
@@ -38,6 +44,12 @@ def default_token() -> str | None:
             return os.environ[var]
     p = hmi_home() / "admin_token"
     return p.read_text().strip() if p.exists() else None
+
+
+def lost_on_the_way(err: ApiError) -> bool:
+    """Whether an error answer came from between the client and HMI (a proxy or gateway: its
+    errors are not HMI's JSON with a code), or from a server shutting down: another may answer."""
+    return err.status in (502, 504) or err.code == "shutting_down" or (err.status >= 500 and err.code == "http_error")
 
 
 def _api_error(exc: urllib.error.HTTPError) -> ApiError:
@@ -69,13 +81,21 @@ class Client:
             req.add_header("Content-Type", ctype)
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.read(), resp.headers.get_content_type()
-        except urllib.error.HTTPError as exc:
-            raise _api_error(exc) from None
-        except urllib.error.URLError as exc:
-            raise ConnectionError(f"cannot reach the HMI server at {self.url}: {exc.reason}") from None
+        delays = RETRY_DELAYS_S if SAFE_TO_REPEAT.match(f"{method} {path}") else ()
+        for attempt in range(len(delays) + 1):
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                    return resp.read(), resp.headers.get_content_type()
+            except urllib.error.HTTPError as exc:
+                err = _api_error(exc)
+                if attempt == len(delays) or not lost_on_the_way(err):
+                    raise err from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+                reason = getattr(exc, "reason", exc)
+                if attempt == len(delays) or isinstance(reason, (ConnectionRefusedError, TimeoutError)):
+                    raise ConnectionError(f"cannot reach the HMI server at {self.url}: {reason}") from None
+            time.sleep(delays[attempt])
+        raise AssertionError("unreachable")
 
     def import_adapter(self, name: str, archive: bytes | str | Path, model: str = "encoder") -> dict:
         """Uploads an adapter (a zip of the adapters library's saved folder, or of PEFT's LoRA
