@@ -109,11 +109,10 @@ class JobManager:
         those ``alive`` denies): a tenant job whose inputs were kept and that has tries left is
         claimed and queued again (its tenant stays ``training`` / ``updating``); any other is failed
         (Registry.recover).  Inputs of jobs that already ended are removed.  Returns (failed, resumed)."""
-        failed = self.registry.recover(alive, resume=self._resumable)
-        me, resumed = process_owner(), []
-        for jid, job in self.registry.items("jobs"):
-            if job["state"] != "queued" or job.get("owner") != me or jid in self._cancel or not job.get("resumed"):
-                continue
+        failed, claimed = self.registry.recover(alive, resume=self._resumable)
+        resumed = []
+        for job in claimed:
+            jid = job["id"]
             try:
                 data = json.loads(self._input(jid).read_text())
             except (OSError, ValueError) as exc:

@@ -110,22 +110,25 @@ class Registry:
             return value
 
     def recover(self, alive: Callable[[dict], bool] | None = None,
-                resume: Callable[[dict], bool] | None = None) -> list[str]:
+                resume: Callable[[dict], bool] | None = None) -> tuple[list[str], list[dict]]:
         """After a restart: jobs that were queued or running are failed with the reason, and the
         tenants they were creating are marked failed (never served half-built).  With ``alive``
         (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
         process runs.  With ``resume``, a job it accepts (its inputs were kept) is instead claimed
         for this process: queued again, ``attempt`` counted up; the caller runs it.  Each job is
         claimed or failed in one transaction that first checks its owner is unchanged, so of
-        several processes recovering one home only one takes a job.  Returns the failed jobs."""
-        failed = []
+        several processes recovering one home only one takes a job.  Returns (the failed jobs' ids,
+        the records of the jobs claimed)."""
+        failed, claimed = [], []
         for jid, job in self.items("jobs"):
             if job["state"] not in ("queued", "running") or (alive is not None and alive(job)):
                 continue
             seen = {"state": job["state"], "owner": job.get("owner")}
             if resume is not None and resume(job):
-                self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
-                           attempt=job.get("attempt", 1) + 1, resumed=time.time())
+                mine = self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
+                                  attempt=job.get("attempt", 1) + 1, resumed=time.time())
+                if mine is not None:  # else another process took it meanwhile
+                    claimed.append(mine)
                 continue
             if self.claim("jobs", jid, seen, state="failed", error="the server stopped while this job ran") is None:
                 continue  # another process took it meanwhile
@@ -137,7 +140,7 @@ class Registry:
                     self.update("tenants", t, state="failed", error="training was interrupted by a restart")
                 elif rec and rec["state"] == "updating":
                     self.update("tenants", t, state="ready")
-        return failed
+        return failed, claimed
 
     def close(self) -> None:
         self.env.close()

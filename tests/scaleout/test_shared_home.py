@@ -106,10 +106,10 @@ def test_recovery_fails_only_the_jobs_of_processes_that_are_gone(tmp_path):
     for jid, owner in jobs.items():
         reg.create("jobs", jid, {"id": jid, "state": "running", "owner": owner})
     assert owner_alive({"owner": jobs["live"]}) and not owner_alive({"owner": jobs["dead"]})
-    failed = reg.recover(owner_alive)
-    assert sorted(failed) == ["dead", "unowned"]
+    failed, claimed = reg.recover(owner_alive)
+    assert sorted(failed) == ["dead", "unowned"] and claimed == []
     assert reg.get("jobs", "live")["state"] == "running" and reg.get("jobs", "other-host")["state"] == "running"
-    assert sorted(reg.recover()) == ["live", "other-host"]  # a single process fails every unfinished job
+    assert sorted(reg.recover()[0]) == ["live", "other-host"]  # a single process fails every unfinished job
     reg.close()
 
 
