@@ -218,11 +218,11 @@ class JobManager:
             log.error("job %s failed: %s\n%s", job["id"], info.get("error"), info["trace"])
             info = {k: v for k, v in info.items() if k != "trace"}
         extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
-        self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
-                             finished=time.time(), **extra)
-        try:
+        try:  # the tenant first: whoever sees the job succeeded finds its tenant served
             self.on_finish(job, state, info)
         finally:
+            self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
+                                 finished=time.time(), **extra)
             if self.inputs is not None:
                 self._input(job["id"]).unlink(missing_ok=True)
 

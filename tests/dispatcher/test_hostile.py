@@ -135,6 +135,23 @@ def test_the_job_thread_survives_an_error_and_jobs_have_a_time_limit(live, monke
         admin.delete_tenant(t)
 
 
+def test_a_job_is_recorded_succeeded_only_once_its_tenant_is_served(live, monkeypatch):
+    s, admin = live["server"], live["admin"]
+    real, seen = s.jobs.on_finish, []
+
+    def watching(job, state, info):
+        seen.append(s.registry.get("jobs", job["id"])["state"])
+        real(job, state, info)
+        seen.append(s.registry.get("jobs", job["id"])["state"])
+
+    monkeypatch.setattr(s.jobs, "on_finish", watching)
+    out = admin.create_tenant("in-order", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    assert seen == ["running", "running"]  # the tenant was published before the job said so
+    assert admin.tenant("in-order")["state"] == "ready"
+    admin.delete_tenant("in-order")
+
+
 def test_a_finished_job_whose_tenant_was_deleted_and_re_created_is_never_served(live):
     s = live["server"]
     from hmi.adapters.spec import AdapterSpec

@@ -42,7 +42,7 @@ def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tena
     try:
         url = child.stdout.readline().strip()
         admin = Client(url, ADMIN)
-        out = admin.create_tenant("survivor", ["neg", "pos"], training_data={"train": TRAIN * 40, "dev": TRAIN}, epochs=6)
+        out = admin.create_tenant("survivor", ["neg", "pos"], training_data={"train": TRAIN * 100, "dev": TRAIN}, epochs=12)
         assert (tmp_path / "jobs" / f"{out['job']}.json").is_file()  # kept before the job was accepted
         wait_state(admin, out["job"], ("running",))
         child.send_signal(signal.SIGKILL)
@@ -67,7 +67,7 @@ def test_a_job_stopped_by_a_shutdown_is_left_to_the_next_start(tmp_path, monkeyp
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path))
     admin = Client(url, ADMIN)
-    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 40}, epochs=6)
+    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 100}, epochs=12)
     wait_state(admin, out["job"], ("running",))
     stop()
     reg = Registry(tmp_path / "registry")
@@ -122,7 +122,7 @@ def test_a_dead_servers_job_is_claimed_by_exactly_one_of_two_recovering_servers(
     first = reg.claim("jobs", "j", seen, state="queued", owner="a:1", attempt=2)
     second = reg.claim("jobs", "j", seen, state="queued", owner="b:2", attempt=2)
     assert first is not None and first["owner"] == "a:1" and second is None
-    assert reg.recover(alive=lambda job: job["owner"] == "a:1", resume=lambda job: True) == []
+    assert reg.recover(alive=lambda job: job["owner"] == "a:1", resume=lambda job: True) == ([], [])
     assert reg.get("jobs", "j")["owner"] == "a:1" and reg.get("jobs", "j")["attempt"] == 2
     assert reg.claim("jobs", "nope", {}, state="queued") is None
     reg.close()
