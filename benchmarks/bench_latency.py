@@ -81,8 +81,9 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
                             wrong += bad
                     else:
                         errors += 1
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError):  # the connection closed, or no answer in time
                 errors += 1
+                codes["no answer"] = codes.get("no answer", 0) + 1
             if reference is not None:
                 timeline.append([time.time(), status, bad, replica])
 

@@ -3,9 +3,11 @@ one run on the same home, tenants and load.
 
 1. The single-process server (``hmi serve``) in this process; a closed-loop load of concurrent
    clients from a separate process, tenants drawn Zipf-skewed over 1,000 tenants.
-2. The Ray Serve path with 1 replica, the same load: ``ray_over_single_1replica`` is its
-   requests / s over the single process's.
-3. 2 replicas: every tenant requested once (cold: no replica holds any), then the Zipf load:
+2. The Ray Serve path with 1 replica, the same load, through each ingress (Ray Serve's Python
+   HTTP proxy, then its HAProxy ingress, the default of ``hmi serve --ray``):
+   ``ray_over_single_1replica`` is the default ingress's requests / s over the single process's
+   (``ray_over_single_1replica_proxy`` the Python proxy's).
+3. 2 replicas (default ingress): every tenant requested once (cold: no replica holds any), then the Zipf load:
    ``affinity_hit_rate_2replicas`` is the share of those requests answered by a replica that
    already held the tenant (``X-HMI-Affinity``), and the requests per replica.
 4. Still 2 replicas, under the same closed-loop load (each request: two fixed texts for one of 40
@@ -16,7 +18,7 @@ one run on the same home, tenants and load.
    errors answered, and how long until the replacement replica answered.
 
 Both paths answer through HTTP on localhost; this machine's cores are shared by the client, Ray's
-proxy and the replicas.
+ingress and the replicas.
 
 Usage: python benchmarks/bench_scale.py [--quick]
 """
@@ -39,6 +41,7 @@ from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
 
 TENANTS = 1000
 CLIENTS = 32
+INGRESS_NAMES = {"proxy": "Python proxy", "haproxy": "HAProxy ingress"}
 
 
 def free_port() -> int:
@@ -175,12 +178,15 @@ def main() -> None:
 
         env = {"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token}
         port = free_port()
-        t = time.perf_counter()
-        ray_url = start_ray(ReplicaServer(cfg, str(tmp)), port=port, replicas=1, env=env)
-        res["ray start s"] = round(time.perf_counter() - t, 1)
-        run_load({**base, "url": ray_url, "seconds": 3})
-        res["Ray Serve, 1 replica"] = summary(run_load({**base, "url": ray_url}))
-        print("ray 1", res["Ray Serve, 1 replica"], flush=True)
+        for ingress in ("proxy", "haproxy"):  # the ingress is chosen when the local cluster starts
+            t = time.perf_counter()
+            ray_url = start_ray(ReplicaServer(cfg, str(tmp)), port=port, replicas=1, env=env, ingress=ingress)
+            res[f"ray start s ({ingress})"] = round(time.perf_counter() - t, 1)
+            run_load({**base, "url": ray_url, "seconds": 3})
+            res[f"Ray Serve, 1 replica, {INGRESS_NAMES[ingress]}"] = summary(run_load({**base, "url": ray_url}))
+            print("ray 1", ingress, res[f"Ray Serve, 1 replica, {INGRESS_NAMES[ingress]}"], flush=True)
+            if ingress == "proxy":
+                stop()
 
         from ray import serve
 
@@ -196,8 +202,10 @@ def main() -> None:
         stop()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    single, ray1, ray2 = res["single process"], res["Ray Serve, 1 replica"], res["Ray Serve, 2 replicas"]
+    single, ray2 = res["single process"], res["Ray Serve, 2 replicas"]
+    ray1, ray1_proxy = res["Ray Serve, 1 replica, HAProxy ingress"], res["Ray Serve, 1 replica, Python proxy"]
     out = {"ray_over_single_1replica": round(ray1["rps"] / single["rps"], 3),
+           "ray_over_single_1replica_proxy": round(ray1_proxy["rps"] / single["rps"], 3),
            "affinity_hit_rate_2replicas": ray2["affinity_hit_rate"],
            "lost_jobs_on_replica_kill": kill["lost_jobs"], "wrong_answers_on_replica_kill": kill["wrong"],
            "replica_kill": kill, "runs": res, "tenants": TENANTS, "clients": CLIENTS, "seconds": seconds}
@@ -210,7 +218,7 @@ def main() -> None:
              f"(p(rank k) ~ 1/k) by {CLIENTS} closed-loop clients in a separate process, {args.inputs} real BBC text(s) (up to 64 "
              f"tokens each) per request, {seconds} s per measured run after a 3 s warm-up. ray_over_single_1replica = "
              f"{out['ray_over_single_1replica']}; affinity_hit_rate_2replicas = {out['affinity_hit_rate_2replicas']} "
-             f"(after every tenant was requested once). Ray Serve took {res['ray start s']} s to start with one replica. "
+             f"(after every tenant was requested once). Ray Serve took {res['ray start s (haproxy)']} s to start with one replica. "
              "\n\nReplica killed under load (2 replicas, the same clients, each request two fixed texts for one of "
              f"40 tenants, checked against the single process's answers): {kill['answered']:,} requests, "
              f"{kill['wrong']} wrong answers, {kill['errors_after_kill']} errors after the kill (the last "

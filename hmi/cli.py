@@ -247,7 +247,7 @@ def cmd_serve(args) -> int:
             from hmi.scaleout.ray_serve import serve as serve_ray
 
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
-                             root=args.root, l_low=args.l_low)
+                             root=args.root, l_low=args.l_low, ingress=args.ingress)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
@@ -544,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas (default 2)")
     srv.add_argument("--tenants-per-replica", type=int, default=1000,
                      help="with --ray: tenants a replica holds before Ray Serve's LRU lets one go (default 1000)")
+    srv.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                     help="with --ray, for the local cluster it starts: Ray Serve's HAProxy ingress, straight to the "
+                          "replicas with a tenant kept on one replica by a hash of its routing header (default), or "
+                          "its Python HTTP proxy, routing by the replicas' multiplexed LRUs")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

@@ -5,12 +5,15 @@ behind an ingress that routes a tenant's requests to a replica that already hold
   ``hmi serve`` (routes, auth, errors, batcher, scheduler, jobs) and serves it on a loopback
   port; it forwards each request it is handed there unchanged.  Ray Serve only routes.
 - **Affinity.** A request names its tenant as its multiplexed model id in the
-  ``serve_multiplexed_model_id`` header (``hmi.client.Client`` sends it on every tenant route):
-  Ray Serve's proxy sends it to a replica whose multiplexed LRU holds the tenant
-  (``@serve.multiplexed``; loading one warms its adapter into the replica's host cache).  A request
-  without the header is answered by any replica, as correctly; a gateway in front can add the
-  header from the path (``/v1/tenants/{tenant}/...``).  The replicas are the ingress: no hop is
-  added between Ray Serve's proxy and the server.
+  ``serve_multiplexed_model_id`` header (``hmi.client.Client`` sends it on every tenant route).
+  Two ingresses (``INGRESSES``): ``haproxy`` (the default), Ray Serve's HAProxy ingress, which
+  sends a request straight to a replica's own HTTP port and picks the replica by a hash of that
+  header (``balance hdr(...)``), so a tenant stays on one replica while the replicas stay the same;
+  ``proxy``, Ray Serve's Python HTTP proxy, which routes by the replicas' multiplexed LRUs
+  (``@serve.multiplexed``).  Either way loading a tenant warms its adapter into the replica's host
+  cache.  A request without the header is answered by any replica, as correctly; a gateway in front
+  can add the header from the path (``/v1/tenants/{tenant}/...``).  The replicas are the ingress:
+  no hop is added between Ray Serve's ingress and the server.
   ``@serve.batch`` is not used: it splits batches by model id, and cross-tenant batching is what
   each replica's own batcher does, so ``max_ongoing_requests`` is high enough for it to mix tenants.
 - **Shared state.** Replicas share one ``HMI_HOME``: the registry (one LMDB environment, whose
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from hmi.bootstrap import prepare_in_child
-from hmi.client import Client, tenant_of
+from hmi.client import ROUTING_HEADER, Client, tenant_of
 from hmi.data import task_labels
 from hmi.dispatcher.auth import admin_token
 from hmi.dispatcher.serve import DEMO_TENANTS, build_server, run_in_thread
@@ -47,6 +50,19 @@ from hmi.io import atomic_write_text
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
+
+INGRESSES = ("haproxy", "proxy")
+
+
+def ingress_env(ingress: str) -> dict[str, str]:
+    """The environment a Ray cluster's Serve controller needs for ``ingress`` (read when the
+    cluster starts: ``ray start`` for a cluster of its own, ``start`` for a local one)."""
+    if ingress not in INGRESSES:
+        raise ValueError(f"unknown ingress {ingress!r}; use one of {', '.join(INGRESSES)}")
+    if ingress == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})"}
+
 
 # Hop-by-hop and framing headers: the proxy on each side sets its own.
 DROPPED_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
@@ -167,9 +183,9 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
                       ray_actor_options={"num_cpus": 0}, health_check_period_s=5,
                       logging_config={"enable_access_log": False})  # the server logs every request itself
     class HmiReplica:
-        """A replica, the deployment's ingress: Ray Serve's proxy hands it a request, on the replica
-        holding its tenant when the request names the tenant in the ``serve_multiplexed_model_id``
-        header (``hmi.client`` always does), on any replica otherwise."""
+        """A replica, the deployment's ingress: Ray Serve's ingress hands it a request, on the
+        replica holding its tenant when the request names the tenant in the
+        ``serve_multiplexed_model_id`` header (``hmi.client`` always does), on any replica otherwise."""
 
         def __init__(self):
             self.core = ReplicaCore(factory, threads)
@@ -183,7 +199,7 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
             req = Forwarded(0, request.method, target, kept_headers(request.headers.items()), await request.body())
             routed = serve.get_multiplexed_model_id()
             tenant = tenant_of(request.url.path)
-            # A tenant is held (and its affinity counted) only when Ray Serve routed by it: the
+            # A tenant is held (and its affinity counted) only when the ingress routed by it: the
             # header names the tenant the path names.
             out = await self.core.forward(req, tenant if routed and routed == tenant else "", self.hold)
             return Response(out.body, status_code=out.status, headers=dict(out.headers))
@@ -201,10 +217,13 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
 
 
 def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 8000, replicas: int = 2,
-          tenants_per_replica: int = 1000, env: dict[str, str] | None = None, address: str | None = None):
-    """Connects to a Ray cluster (``address``, ``RAY_ADDRESS``, or a local one started here),
-    starts Ray Serve's HTTP proxy on ``host:port`` and deploys the HMI application; returns the
-    base URL once every replica is up.  ``env``: environment variables of the replicas."""
+          tenants_per_replica: int = 1000, env: dict[str, str] | None = None, address: str | None = None,
+          ingress: str = "haproxy"):
+    """Connects to a Ray cluster (``address``, ``RAY_ADDRESS``, or a local one started here with
+    ``ingress``; a cluster of its own runs the ingress its ``ray start`` environment chose, see
+    ``ingress_env``), starts Ray Serve's HTTP ingress on ``host:port`` and deploys the HMI
+    application; returns the base URL once every replica is up.  ``env``: environment variables of
+    the replicas."""
     import ray
     from ray import serve
 
@@ -218,7 +237,7 @@ def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 80
             os.environ.setdefault(key, value)
         address = address or os.environ.get("RAY_ADDRESS")
         if address is None:  # a local cluster: its workers inherit this environment (a runtime_env makes Ray set up each worker's)
-            os.environ.update(env or {})
+            os.environ.update({**(env or {}), **ingress_env(ingress)})
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env} if address is not None and env else None)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
@@ -236,7 +255,7 @@ def stop() -> None:
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
-              root: str | None = None, l_low: int | None = None) -> int:
+              root: str | None = None, l_low: int | None = None, ingress: str = "haproxy") -> int:
     """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
     this ``HMI_HOME``; blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -244,9 +263,9 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
     token, new = admin_token(home)  # made once, before any replica reads it
     env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
-    print(f"starting Ray Serve: {replicas} replica(s) sharing {home}", flush=True)
+    print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress", flush=True)
     url = start(ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low), host, port, replicas,
-                tenants_per_replica, env=env)
+                tenants_per_replica, env=env, ingress=ingress)
     if new:
         print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
     if demo:
