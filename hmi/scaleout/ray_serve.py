@@ -42,8 +42,9 @@ from typing import Callable
 from hmi.bootstrap import prepare_in_child
 from hmi.client import ROUTING_HEADER, Client, tenant_of
 from hmi.data import task_labels
+from hmi.dispatcher.app import make_app
 from hmi.dispatcher.auth import admin_token
-from hmi.dispatcher.serve import DEMO_TENANTS, build_server, run_in_thread
+from hmi.dispatcher.serve import DEMO_TENANTS, build_server
 from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
@@ -123,7 +124,12 @@ class ReplicaCore:
             torch.set_num_threads(threads)
         self.replica_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.server = factory()
-        self.url, self._stop = run_in_thread(self.server)
+        # The application is served on the event loop that runs the replica's requests (started by
+        # the first one): the hop into it stays on one loop, one thread.
+        self.url: str | None = None
+        self._runner = None
+        self._loop = None
+        self._starting = asyncio.Lock()
         self._session = None
         self.loads: dict[str, int] = {}  # tenant -> times the multiplexed LRU loaded it here
         self.held: set[str] = set()  # tenants in the multiplexed LRU now
@@ -155,6 +161,8 @@ class ReplicaCore:
             before = self.loads.get(tenant, 0)
             await held(tenant)
             affinity = "hit" if self.loads.get(tenant, 0) == before else "miss"
+        if self.url is None:
+            await self._serve_here()
         if self._session is None:
             self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
         async with self._session.request(req.method, self.url + req.target, headers=kept_headers(req.headers),
@@ -165,8 +173,32 @@ class ReplicaCore:
                 headers.append(("X-HMI-Affinity", affinity))
             return Forwarded(r.status, "", "", headers, body)
 
+    async def _serve_here(self) -> None:
+        """Starts this replica's application on a loopback port of the running event loop."""
+        from aiohttp import web
+
+        async with self._starting:
+            if self.url is not None:
+                return
+            runner = web.AppRunner(make_app(self.server), access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self._runner, self._loop = runner, asyncio.get_running_loop()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
     def close(self) -> None:
-        self._stop()
+        """Stops the application (and with it the server's scheduler and jobs)."""
+        if self._runner is None or not self._loop.is_running():
+            self.server.shutdown()
+            return
+        done = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        if here is not self._loop:  # waiting on the loop's own thread would block the cleanup
+            done.result(120)
 
 
 def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_replica: int = 1000,
