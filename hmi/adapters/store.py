@@ -17,6 +17,7 @@ import shutil
 import threading
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -142,9 +143,14 @@ class AdapterStore:
         self.invalidate(tenant)
         shutil.rmtree(trash, ignore_errors=True)
 
-    def recover(self) -> None:
-        """After a restart (no writer running): removes deletions and writes that a crash cut short,
-        and versions that were never published."""
+    def recover(self, keep: Callable[[str], bool] | None = None) -> None:
+        """After a restart: removes deletions and writes that a crash cut short, and versions that
+        were never published.  ``keep(version)`` (a home shared with running processes) spares the
+        versions, finished or still being written, of jobs that are still running elsewhere."""
+        def kept(v: Path) -> bool:
+            version = v.name[len(".tmp-"):].rpartition("-")[0] if v.name.startswith(".tmp-") else v.name
+            return keep is not None and keep(version)
+
         for p in self.root.iterdir():
             if p.name.startswith(".deleted-") or (p.name.startswith(".") and p.is_dir()):
                 shutil.rmtree(p, ignore_errors=True)
@@ -152,13 +158,13 @@ class AdapterStore:
             if not p.is_dir():
                 continue
             cur = self.current(p.name) if is_valid_name(p.name) else None
-            if cur is None:
-                if not (p / POINTER).exists():
-                    shutil.rmtree(p, ignore_errors=True)  # nothing published: a job cut short
+            if cur is None and (p / POINTER).exists():
                 continue
             for v in p.iterdir():
-                if v.is_dir() and v != cur:
+                if v.is_dir() and v != cur and not kept(v):
                     shutil.rmtree(v, ignore_errors=True)
+            if cur is None and not any(v.is_dir() for v in p.iterdir()):
+                shutil.rmtree(p, ignore_errors=True)  # nothing published, nothing being written: a job cut short
 
     def exists(self, tenant: str) -> bool:
         return self.current(tenant) is not None

@@ -217,10 +217,14 @@ class JobManager:
         if info.get("trace"):
             log.error("job %s failed: %s\n%s", job["id"], info.get("error"), info["trace"])
             info = {k: v for k, v in info.items() if k != "trace"}
-        extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
         try:  # the tenant first: whoever sees the job succeeded finds its tenant served
             self.on_finish(job, state, info)
+        except Exception as exc:  # noqa: BLE001 - a result that cannot be published fails its job
+            log.exception("job %s: publishing its result failed", job["id"])
+            state, info = "failed", {"error": f"publishing its result failed: {type(exc).__name__}: {exc}"}
+            self.on_finish(job, state, info)
         finally:
+            extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
             self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
                                  finished=time.time(), **extra)
             if self.inputs is not None:

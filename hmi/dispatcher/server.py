@@ -81,7 +81,8 @@ class Server:
         self.device = pick_device(cfg.device)
         self.store = AdapterStore(home / "tenants", host_cache_mb=cfg.host_cache_mb,
                                   pin_memory=self.device.type == "cuda")
-        self.store.recover()
+        # On a shared home other processes may be writing their jobs' versions right now.
+        self.store.recover(keep=self._job_unfinished if cfg.shared_home else None)
         self._entries: dict[str, TenantEntry] = {}
         # Encoder tenants record the root they were trained on (its fingerprint); those of
         # another root stay in the registry but are not served by this one.
@@ -210,6 +211,10 @@ class Server:
             if d != "root":
                 del self._lookups[d]
         self.tree.forget(name)
+
+    def _job_unfinished(self, job_id: str) -> bool:
+        job = self.registry.get("jobs", job_id)
+        return job is not None and job["state"] in ("queued", "running")
 
     def _job_finished(self, job: dict, state: str, info: dict) -> None:
         if job["kind"].startswith("domain"):

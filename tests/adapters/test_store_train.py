@@ -43,6 +43,30 @@ def test_store_round_trip_is_fp16_exact_and_atomic_replace(tmp_path):
         store.load("acme")
 
 
+def test_recovery_on_a_shared_home_spares_the_versions_of_jobs_still_running_elsewhere(tmp_path):
+    """A replica starting beside others must not remove what their running jobs wrote but have not
+    published yet (a new tenant's first version, a further version, one still being written)."""
+    spec = AdapterSpec("bottleneck", labels=("a", "b"))
+    _, w = random_weights(spec)
+    store = AdapterStore(tmp_path / "tenants")
+    store.save("new", spec, w, version="job-new", publish=False)  # first version, not published yet
+    store.save("old", spec, w, version="v1")
+    store.save("old", spec, w, version="job-upd", publish=False)
+    (store.path("old") / ".tmp-job-late-0a1b2c3d").mkdir()  # a save in progress
+    store.save("cut", spec, w, version="job-dead", publish=False)  # a job nobody runs any more
+    store.save("old2", spec, w, version="v1")
+    store.save("old2", spec, w, version="job-gone", publish=False)
+    running = {"job-new", "job-upd", "job-late"}
+    AdapterStore(tmp_path / "tenants").recover(keep=running.__contains__)
+    assert (store.path("new") / "job-new").is_dir() and (store.path("old") / "job-upd").is_dir()
+    assert (store.path("old") / ".tmp-job-late-0a1b2c3d").is_dir() and store.current("old").name == "v1"
+    assert not store.path("cut").exists() and not (store.path("old2") / "job-gone").exists()
+    store.publish("new", "job-new")
+    assert store.spec("new") == spec
+    AdapterStore(tmp_path / "tenants").recover()  # alone on its home: every unpublished version goes
+    assert not (store.path("old") / "job-upd").exists() and not (store.path("old") / ".tmp-job-late-0a1b2c3d").exists()
+
+
 def test_host_cache_is_bounded_in_bytes(tmp_path):
     spec = AdapterSpec("ia3", labels=("a", "b"))
     _, w = random_weights(spec)

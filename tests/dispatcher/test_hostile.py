@@ -152,6 +152,21 @@ def test_a_job_is_recorded_succeeded_only_once_its_tenant_is_served(live, monkey
     admin.delete_tenant("in-order")
 
 
+def test_a_job_whose_result_cannot_be_published_fails_with_its_tenant(live, monkeypatch):
+    s, admin = live["server"], live["admin"]
+
+    def gone(tenant, version):  # what a version removed under the job looks like when published
+        from hmi.adapters.store import TenantMissingError
+        raise TenantMissingError(tenant)
+
+    monkeypatch.setattr(s.store, "publish", gone)
+    out = admin.create_tenant("unpublished", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    job = admin.wait_job(out["job"], 300)
+    assert job["state"] == "failed" and "publishing its result failed" in job["error"], job
+    assert admin.tenant("unpublished")["state"] == "failed"
+    admin.delete_tenant("unpublished")
+
+
 def test_a_finished_job_whose_tenant_was_deleted_and_re_created_is_never_served(live):
     s = live["server"]
     from hmi.adapters.spec import AdapterSpec

@@ -155,7 +155,7 @@ def test_a_replica_killed_while_training_loses_no_job_and_no_answer(cluster):
     # request again).
     assert all(a[0] in (0, 200) or a[0] >= 500 and "error" in a[2] for a in answers)
     status, _, body = call(url, "POST", "/v1/tenants/phoenix/infer", {"inputs": TEXTS}, token=out["token"])
-    assert status == 200 and len(body["outputs"]) == 2
+    assert status == 200 and len(body["outputs"]) == 2, body
 
 
 def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header():
