@@ -28,6 +28,7 @@ from hmi.io import atomic_write_text, fsync_dir, write_durable
 from hmi.names import is_valid_name
 
 POINTER = "CURRENT"
+TMP = ".tmp-"  # a version being written: ``.tmp-<version>-<8 hex>``
 WEIGHTS = "adapter.safetensors"
 INFO = "tenant.json"
 
@@ -91,7 +92,7 @@ class AdapterStore:
         cur = self.current(tenant)
         if (base / version).exists() and (cur is None or cur.name != version):
             shutil.rmtree(base / version)  # left by an earlier run of the same job, never served
-        tmp = base / f".tmp-{version}-{uuid.uuid4().hex[:8]}"
+        tmp = base / f"{TMP}{version}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             write_durable(tmp / WEIGHTS, save({k: v.detach().to(self.dtype).contiguous().cpu() for k, v in weights.items()}))
@@ -127,7 +128,7 @@ class AdapterStore:
     @staticmethod
     def _prune(base: Path, keep: str) -> None:
         for p in base.iterdir():
-            if p.is_dir() and p.name != keep and not p.name.startswith(".tmp-"):
+            if p.is_dir() and p.name != keep and not p.name.startswith(TMP):
                 shutil.rmtree(p, ignore_errors=True)
         for name in (WEIGHTS, INFO):  # the files of a tenant stored before versions existed
             (base / name).unlink(missing_ok=True)
@@ -148,7 +149,7 @@ class AdapterStore:
         were never published.  ``keep(version)`` (a home shared with running processes) spares the
         versions, finished or still being written, of jobs that are still running elsewhere."""
         def kept(v: Path) -> bool:
-            version = v.name[len(".tmp-"):].rpartition("-")[0] if v.name.startswith(".tmp-") else v.name
+            version = v.name[len(TMP):].rpartition("-")[0] if v.name.startswith(TMP) else v.name  # save()'s names
             return keep is not None and keep(version)
 
         for p in self.root.iterdir():

@@ -121,19 +121,24 @@ HMI serving on {base}
     return 0
 
 
+async def start_app(server: Server, host: str = "127.0.0.1", port: int = 0, **runner_options) -> tuple[web.AppRunner, str]:
+    """Serves the app on the running event loop (``port`` 0: a free one); returns (runner, base_url)."""
+    runner = web.AppRunner(make_app(server), **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, f"http://{host}:{site._server.sockets[0].getsockname()[1]}"
+
+
 def run_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0):
     """Starts the app on a background event loop (tests, benchmarks); returns (base_url, stop)."""
     loop = asyncio.new_event_loop()
-    runner = web.AppRunner(make_app(server))
     ready = threading.Event()
     box = {}
 
     def run():
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, host, port)
-        loop.run_until_complete(site.start())
-        box["port"] = site._server.sockets[0].getsockname()[1]
+        box["runner"], box["url"] = loop.run_until_complete(start_app(server, host, port))
         ready.set()
         loop.run_forever()
 
@@ -142,8 +147,8 @@ def run_in_thread(server: Server, host: str = "127.0.0.1", port: int = 0):
     ready.wait(30)
 
     def stop():
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(120)
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(120)
         loop.call_soon_threadsafe(loop.stop)
         t.join(30)
 
-    return f"http://{host}:{box['port']}", stop
+    return box["url"], stop

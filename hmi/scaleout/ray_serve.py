@@ -42,9 +42,8 @@ from typing import Callable
 from hmi.bootstrap import prepare_in_child
 from hmi.client import ROUTING_HEADER, Client, tenant_of
 from hmi.data import task_labels
-from hmi.dispatcher.app import make_app
 from hmi.dispatcher.auth import admin_token
-from hmi.dispatcher.serve import DEMO_TENANTS, build_server
+from hmi.dispatcher.serve import DEMO_TENANTS, build_server, start_app
 from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
@@ -175,17 +174,10 @@ class ReplicaCore:
 
     async def _serve_here(self) -> None:
         """Starts this replica's application on a loopback port of the running event loop."""
-        from aiohttp import web
-
         async with self._starting:
-            if self.url is not None:
-                return
-            runner = web.AppRunner(make_app(self.server), access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self._runner, self._loop = runner, asyncio.get_running_loop()
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            if self.url is None:
+                self._runner, url = await start_app(self.server, access_log=None)
+                self._loop, self.url = asyncio.get_running_loop(), url
 
     def close(self) -> None:
         """Stops the application (and with it the server's scheduler and jobs)."""
