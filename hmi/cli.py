@@ -244,10 +244,13 @@ def cmd_serve(args) -> int:
             if args.replicas < 1:
                 print(f"hmi serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
                 return 2
+            if not args.job_cpus > 0:
+                print(f"hmi serve: --job-cpus must be above 0, got {args.job_cpus}", file=sys.stderr)
+                return 2
             from hmi.scaleout.ray_serve import serve as serve_ray
 
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
-                             root=args.root, l_low=args.l_low, ingress=args.ingress)
+                             root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
@@ -548,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --ray, for the local cluster it starts: Ray Serve's HAProxy ingress, straight to the "
                           "replicas with a tenant kept on one replica by a hash of its routing header (default), or "
                           "its Python HTTP proxy, routing by the replicas' multiplexed LRUs")
+    srv.add_argument("--job-cpus", type=float, default=1.0,
+                     help="with --ray: CPUs a fine-tune or domain job's Ray task reserves; jobs run on whichever node "
+                          "has them free (default 1)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

@@ -1,7 +1,9 @@
-"""Background jobs (tenant fine-tuning, domains) in worker processes (hmi.dispatcher.workers).
+"""Background jobs (tenant fine-tuning, domains) in workers (hmi.dispatcher.workers).
 
-Workers are spawned with ``torch.multiprocessing``; the root's weights are moved to shared
-memory once, so a worker maps the server's copy instead of loading its own.  A job reports
+Where a worker runs is its launcher's business: by default (``ProcessLauncher``) a process
+spawned with ``torch.multiprocessing``, which maps the server's root weights from shared memory
+instead of loading its own; under Ray Serve, a Ray task with its own resources
+(``hmi.scaleout.ray_jobs``).  A job reports
 progress through a queue, can be cancelled, has a time limit, and writes its result as an
 unpublished adapter version named by its job id; the server publishes it only while the tenant
 still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): after a
@@ -34,6 +36,37 @@ log = logging.getLogger("hmi.jobs")
 
 RESUMABLE = ("create", "update")  # tenant jobs: rerun from their start after a stop; domain jobs fail
 FINAL = ("succeeded", "failed", "cancelled")
+CANCEL_CHECK_S = 0.5  # how often a running job's owner looks for a cancel request recorded by another process
+
+
+class ProcessLauncher:
+    """Runs a job's worker as a spawned process of this server.  A launcher makes the cancel flag
+    (``event()``: ``set``/``is_set``), the progress queue (``queue()``: ``put``/``get(timeout=)``,
+    raising ``queue.Empty``) and starts ``target(ctx, job, progress, cancel)``, returning a handle
+    with ``pid``, ``is_alive()``, ``exitcode``, ``join(timeout)``, ``terminate()`` and ``kill()``."""
+
+    where = "process"
+
+    def __init__(self):
+        self.mp = mp.get_context("spawn")
+
+    def event(self):
+        return self.mp.Event()
+
+    def queue(self):
+        return self.mp.Queue()
+
+    def start(self, target: Callable, ctx: WorkerContext, job: dict, progress, cancel):
+        proc = self.mp.Process(target=target, args=(ctx, {**job, "server_pid": os.getpid()}, progress, cancel),
+                               daemon=True)
+        proc.start()
+        return proc
+
+
+def death(proc) -> str:
+    """Why a worker ended without a result."""
+    why = getattr(proc, "death", None)
+    return why() if why is not None else f"the worker process died (exit code {proc.exitcode})"
 
 
 class JobQueueFullError(RuntimeError):
@@ -45,7 +78,8 @@ def new_job_id() -> str:
 
 
 class JobManager:
-    """Runs jobs one (or ``concurrency``) at a time in spawned worker processes.
+    """Runs jobs one (or ``concurrency``) at a time in workers started by ``launcher`` (default:
+    spawned processes, ``ProcessLauncher``).
 
     Contract: ``submit`` raises JobQueueFullError past ``max_queued`` waiting jobs; every job ends
     in a final state (succeeded, failed, cancelled) reported once to ``on_finish``, whatever
@@ -55,7 +89,7 @@ class JobManager:
 
     def __init__(self, registry: Registry, ctx: WorkerContext, on_finish: Callable[[dict, str, dict], None],
                  concurrency: int = 1, max_queued: int = 64, time_limit_s: float = 6 * 3600,
-                 inputs: Path | None = None, max_attempts: int = 3):
+                 inputs: Path | None = None, max_attempts: int = 3, launcher=None):
         self.registry = registry
         self.inputs = inputs
         self.max_attempts = max_attempts
@@ -65,7 +99,7 @@ class JobManager:
         self.on_finish = on_finish
         self.max_queued = max_queued
         self.time_limit_s = time_limit_s
-        self.mp = mp.get_context("spawn")
+        self.launcher = launcher or ProcessLauncher()
         self._queue: queue.Queue = queue.Queue()
         self._cancel: dict[str, object] = {}
         self._procs: dict[str, object] = {}
@@ -97,11 +131,12 @@ class JobManager:
         return self.inputs / f"{job_id}.json"
 
     def _enqueue(self, job: dict, data: dict) -> None:
-        self._cancel[job["id"]] = self.mp.Event()
+        self._cancel[job["id"]] = self.launcher.event()
         self._queue.put((job, data))
 
     def _resumable(self, job: dict) -> bool:
         return (self.inputs is not None and job.get("inputs_kept", False) and job["kind"] in RESUMABLE
+                and not job.get("cancel_requested")
                 and job.get("attempt", 1) < self.max_attempts and self._input(job["id"]).is_file())
 
     def recover(self, alive: Callable[[dict], bool] | None = None) -> tuple[list[str], list[str]]:
@@ -132,15 +167,19 @@ class JobManager:
         return failed, resumed
 
     def cancel(self, job_id: str) -> bool:
+        """Stops a queued or running job, whichever process on the home runs it: the request is
+        recorded with the job (its owner's watch sees it within ``CANCEL_CHECK_S``) and, when this
+        process runs it, its worker is told at once."""
         ev = self._cancel.get(job_id)
         job = self.registry.get("jobs", job_id)
         if job is None or job["state"] not in ("queued", "running"):
             return False
+        self.registry.update("jobs", job_id, cancel_requested=True)
         if ev is not None:
             ev.set()
             self._cancelled_at[job_id] = time.time()
         if job["state"] == "queued":
-            self.registry.update("jobs", job_id, state="cancelled")
+            self.registry.update_if("jobs", job_id, ("queued",), state="cancelled")
         return True
 
     def _run(self) -> None:
@@ -175,14 +214,13 @@ class JobManager:
         if cancel.is_set() or (self.registry.get("jobs", jid) or {}).get("state") == "cancelled":
             return "cancelled", {}
         started = time.time()
-        progress = self.mp.Queue()
+        progress = self.launcher.queue()
         target = (domain_worker if job["kind"].startswith("domain") else
                   decoder_worker if job.get("model") == "decoder" else finetune_worker)
-        proc = self.mp.Process(target=target, args=(self.ctx, {**job, "data": data, "server_pid": os.getpid()},
-                                                    progress, cancel), daemon=True)
-        proc.start()
+        proc = self.launcher.start(target, self.ctx, {**job, "data": data}, progress, cancel)
         self._procs[jid] = proc
-        self.registry.update("jobs", jid, state="running", started=started, worker_pid=proc.pid)
+        self.registry.update("jobs", jid, state="running", started=started, worker_pid=proc.pid,
+                             worker=self.launcher.where)
         try:
             return self._watch(jid, proc, progress, cancel, started)
         finally:
@@ -193,15 +231,22 @@ class JobManager:
             self._procs.pop(jid, None)
 
     def _watch(self, jid: str, proc, progress, cancel, started: float) -> tuple[str, dict]:
-        """Relays a worker's progress until its result, its death, or its time limit."""
+        """Relays a worker's progress until its result, its death, or its time limit; tells the
+        worker to stop when another process recorded a cancel request with the job."""
+        checked = time.time()
         while True:
+            if not cancel.is_set() and time.time() - checked >= CANCEL_CHECK_S:
+                checked = time.time()
+                if (self.registry.get("jobs", jid) or {}).get("cancel_requested"):
+                    self._cancelled_at.setdefault(jid, checked)
+                    cancel.set()
             try:
                 kind, frac, payload = progress.get(timeout=0.5)
             except queue.Empty:
                 if not proc.is_alive():
                     if cancel.is_set():
                         return "cancelled", {}
-                    return "failed", {"error": f"the worker process died (exit code {proc.exitcode})"}
+                    return "failed", {"error": death(proc)}
                 if time.time() - started > self.time_limit_s:
                     proc.kill()
                     return "failed", {"error": f"the job exceeded its time limit of {self.time_limit_s:g} s"}

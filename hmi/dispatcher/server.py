@@ -71,7 +71,7 @@ def check_config(cfg: ServerConfig, root) -> None:
 class Server:
     """Everything one serving process holds; built by ``build_server``."""
 
-    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta):
+    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta, job_launcher=None):
         check_config(cfg, root)
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
@@ -120,7 +120,7 @@ class Server:
                             plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
                             source=root.spec.source)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
-                               cfg.job_time_limit_s, inputs=home / "jobs")
+                               cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher)
         # Jobs a stopped server left unfinished: run again from their kept inputs, or failed.
         self.recovered, self.resumed = self.jobs.recover(owner_alive if cfg.shared_home else None)
         if cfg.shared_home:

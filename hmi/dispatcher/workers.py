@@ -93,10 +93,11 @@ def die_with_parent(parent_pid: int) -> None:
 def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], None]], dict]) -> None:
     """The frame of every worker: set-up, then ``work(report)`` -> the job's result, reported as
     ``done`` (with the worker's memory), ``cancelled`` or ``failed`` (with the error)."""
-    die_with_parent(job["server_pid"])
+    if job.get("server_pid") is not None:  # a process of the server's (a Ray task dies with its owner instead)
+        die_with_parent(job["server_pid"])
     logging.getLogger("adapters").setLevel(logging.ERROR)
     tune_allocator()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(job.get("threads") or max(1, (os.cpu_count() or 2) // 2))
     try:
         result = work(lambda fraction, info: progress.put(("progress", fraction, info)))
         progress.put(("done", 1.0, {**result, "worker_memory_kib": rss_kib()}))

@@ -21,6 +21,8 @@ behind an ingress that routes a tenant's requests to a replica that already hold
   published versions) and the PLOTs (read-only).  Each replica's server runs with
   ``ServerConfig.shared_home``: a tenant is brought up to its registry record whenever it is used,
   so one created, retrained or deleted through another replica is served, re-read or dropped.
+- **Jobs.** A replica's fine-tune and domain jobs run as Ray tasks reserving their own CPUs
+  (``hmi.scaleout.ray_jobs``), placed by Ray where the cluster has them free.
 
 Every answer says which replica served it (``X-HMI-Replica``) and whether that replica already
 held the tenant (``X-HMI-Affinity: hit|miss``), which ``benchmarks/bench_scale.py`` counts.
@@ -50,6 +52,7 @@ from hmi.io import atomic_write_text
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
+from hmi.scaleout.ray_jobs import RayLauncher
 
 INGRESSES = ("haproxy", "proxy")
 
@@ -87,17 +90,20 @@ def kept_headers(headers) -> list[tuple[str, str]]:
 @dataclass
 class ReplicaServer:
     """Builds a replica's server: the root named by ``root``/``l_low`` (prepared beforehand by
-    the driver) and its root PLOT from the shared home, with ``shared_home`` on."""
+    the driver) and its root PLOT from the shared home, with ``shared_home`` on; its jobs run as
+    Ray tasks reserving ``job_cpus`` CPUs each (``hmi.scaleout.ray_jobs``)."""
 
     cfg: ServerConfig
     home: str
     root: str | None = None
     l_low: int | None = None
+    job_cpus: float = 1.0
 
     def __call__(self) -> Server:
         home = Path(self.home)
         spec = root_spec(self.root, self.l_low, home) if self.root else None
-        return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec))
+        return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec),
+                            job_launcher=RayLauncher(self.job_cpus))
 
 
 class HeldTenant:
@@ -279,7 +285,7 @@ def stop() -> None:
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
-              root: str | None = None, l_low: int | None = None, ingress: str = "haproxy") -> int:
+              root: str | None = None, l_low: int | None = None, ingress: str = "haproxy", job_cpus: float = 1.0) -> int:
     """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
     this ``HMI_HOME``; blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -288,8 +294,8 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     token, new = admin_token(home)  # made once, before any replica reads it
     env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
     print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress", flush=True)
-    url = start(ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low), host, port, replicas,
-                tenants_per_replica, env=env, ingress=ingress)
+    factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus)
+    url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
     if new:
         print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
     if demo:
@@ -315,9 +321,11 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
 
 def app_builder(args: dict):
     """The application for ``serve run`` / ``serve deploy`` with a config file (``deploy/ray-serve.yaml``):
-    ``args`` may name ``home`` (default ``HMI_HOME``), ``root``, ``l_low``, ``replicas`` (2) and
-    ``tenants_per_replica`` (1000).  The home must be prepared (``hmi prepare``) beforehand."""
+    ``args`` may name ``home`` (default ``HMI_HOME``), ``root``, ``l_low``, ``replicas`` (2),
+    ``tenants_per_replica`` (1000) and ``job_cpus`` (1).  The home must be prepared (``hmi prepare``)
+    beforehand."""
     home = str(args.get("home") or hmi_home())
     l_low = args.get("l_low")
-    factory = ReplicaServer(ServerConfig(), home, args.get("root"), int(l_low) if l_low else None)
+    factory = ReplicaServer(ServerConfig(), home, args.get("root"), int(l_low) if l_low else None,
+                            float(args.get("job_cpus", 1.0)))
     return build_app(factory, int(args.get("replicas", 2)), int(args.get("tenants_per_replica", 1000)))

@@ -25,12 +25,15 @@ TEXTS = ["a wonderful film", "a dull and boring story"]
 
 @dataclass
 class TinyReplica:
-    """A replica's server: the tests' tiny root on the shared home."""
+    """A replica's server: the tests' tiny root on the shared home, its jobs as Ray tasks (as
+    ``ReplicaServer`` builds it)."""
 
     home: str
 
     def __call__(self):
-        return tiny_server(Path(self.home), shared_home=True)
+        from hmi.scaleout.ray_jobs import RayLauncher
+
+        return tiny_server(Path(self.home), shared_home=True, job_launcher=RayLauncher())
 
 
 def free_port() -> int:
@@ -64,7 +67,8 @@ def cluster(request, tmp_path_factory):
     url = start(TinyReplica(str(home)), port=free_port(), replicas=2, env=env, ingress=request.param)
     admin = Client(url, ADMIN)
     out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN * 2, "dev": TRAIN}, epochs=2)
-    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    job = admin.wait_job(out["job"], 300)
+    assert job["state"] == "succeeded" and job["worker"] == "ray task", job
     yield {"url": url, "home": home, "admin": admin, "alpha_token": out["token"]}
     stop()
 
@@ -166,3 +170,22 @@ def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header
     assert ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     with pytest.raises(ValueError, match="unknown ingress 'nginx'; use one of haproxy, proxy"):
         ingress_env("nginx")
+
+
+def test_a_job_is_cancelled_through_any_replica(cluster):
+    import time
+
+    admin, url = cluster["admin"], cluster["url"]
+    out = admin.create_tenant("quitter", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    deadline = time.time() + 120
+    while (job := admin.job(out["job"]))["state"] != "running" or not job.get("progress"):
+        assert time.time() < deadline and job["state"] in ("queued", "running"), job
+        time.sleep(0.2)
+    # Without the routing header either replica takes the request: both must stop the job.
+    status, _, body = call(url, "DELETE", f"/v1/jobs/{out['job']}")
+    assert status == 202, body
+    deadline = time.time() + 60
+    while (job := admin.job(out["job"]))["state"] == "running":
+        assert time.time() < deadline, job
+        time.sleep(0.2)
+    assert job["state"] == "cancelled", job

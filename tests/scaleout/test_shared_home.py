@@ -7,6 +7,7 @@ and writes to the registry (which keeps no copy in memory), as another process m
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -111,6 +112,32 @@ def test_recovery_fails_only_the_jobs_of_processes_that_are_gone(tmp_path):
     assert reg.get("jobs", "live")["state"] == "running" and reg.get("jobs", "other-host")["state"] == "running"
     assert sorted(reg.recover()[0]) == ["live", "other-host"]  # a single process fails every unfinished job
     reg.close()
+
+
+def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
+    """A cancel request reaches whichever replica runs the job: it is recorded with the job, and the
+    job's owner stops its worker.  The other replica is played by a second job manager on the
+    registry, which does not run the job."""
+    from hmi.dispatcher.jobs import JobManager
+    from tests.dispatcher.test_server import TRAIN
+
+    server, url = live
+    admin = Client(url, ADMIN)
+    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    deadline = time.time() + 120
+    while (job := admin.job(out["job"]))["state"] != "running" or not job.get("progress"):
+        assert time.time() < deadline and job["state"] in ("queued", "running"), job
+        time.sleep(0.1)
+    elsewhere = JobManager(server.registry, server.jobs.ctx, lambda *a: None)
+    try:
+        assert elsewhere.cancel(out["job"])
+    finally:
+        elsewhere.shutdown()
+    deadline = time.time() + 60
+    while (job := admin.job(out["job"]))["state"] == "running":
+        assert time.time() < deadline, job
+        time.sleep(0.2)
+    assert job["state"] == "cancelled" and job["cancel_requested"], job
 
 
 def test_the_ray_serve_config_file_is_valid_and_builds_the_application():
