@@ -360,6 +360,19 @@ def main() -> None:
             finally:
                 s.shutdown()
 
+        def swapped(scheme: str, batches) -> dict:
+            """The cell of a swapping scheme serving the trace from its real model files; adds the
+            measured load and compute times to ``swap_stats`` (from which larger counts are derived)."""
+            sw = ModelSwapper(swap_cfg[scheme], swap_files[scheme], BUDGET, getattr(bert, "relative_bias", None))
+            rps = direct_rps(sw, tok, texts, batches, warm)
+            misses, reqs = lru_misses(batches, sw.capacity, warm)
+            st = swap_stats.setdefault(scheme, {"load_s": [], "single_s": [], "per_request_s": [], "capacity": sw.capacity,
+                                                "model_bytes": sw.model_bytes})
+            st["load_s"] += sw.load_s
+            st["single_s"] += [s for k, s in sw.compute_s if k == 1]
+            st["per_request_s"] += [s / k for k, s in sw.compute_s]
+            return {"rps": round(rps, 2), "miss_rate": round(misses / reqs, 3)}
+
         # The process's first batches pay one-off costs (kernel selection, allocator growth, first
         # PLOT pages): run a few through each scheduler kind before any point is measured.
         for fast in (True, False):
@@ -387,18 +400,12 @@ def main() -> None:
                         res[dist][scheme][str(n)]["rounds"] = v
                 res[dist]["shared"][str(n)] = {"rps": round(direct_rps(shared, tok, texts, batches, warm), 2)}
                 for scheme in ("dedicated", "compress"):
-                    if n > args.model_files:
-                        continue
-                    sw = ModelSwapper(swap_cfg[scheme], swap_files[scheme], BUDGET, getattr(bert, "relative_bias", None))
-                    rps = direct_rps(sw, tok, texts, batches, warm)
-                    misses, reqs = lru_misses(batches, sw.capacity, warm)
-                    res[dist][scheme][str(n)] = {"rps": round(rps, 2), "miss_rate": round(misses / reqs, 3)}
-                    st = swap_stats.setdefault(scheme, {"load_s": [], "single_s": [], "per_request_s": [], "capacity": sw.capacity,
-                                                        "model_bytes": sw.model_bytes})
-                    st["load_s"] += sw.load_s
-                    st["single_s"] += [s for k, s in sw.compute_s if k == 1]
-                    st["per_request_s"] += [s / k for k, s in sw.compute_s]
+                    if n <= args.model_files:
+                        res[dist][scheme][str(n)] = swapped(scheme, batches)
                 print(dist, n, {k: v[str(n)]["rps"] for k, v in res[dist].items() if str(n) in v}, flush=True)
+            for scheme in ("dedicated", "compress"):
+                if scheme not in swap_stats:  # no count ran within the model files: measure them on a trace of their own
+                    swapped(scheme, trace(args.model_files, dist, warm + measured_batches, seed=args.model_files))
             # Swapping schemes beyond the model files: derived from measured per-miss load time, per-request
             # compute time and the LRU's miss rate on the same trace.
             for scheme, st in swap_stats.items():
