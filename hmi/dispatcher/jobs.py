@@ -43,7 +43,8 @@ class ProcessLauncher:
     """Runs a job's worker as a spawned process of this server.  A launcher makes the cancel flag
     (``event()``: ``set``/``is_set``), the progress queue (``queue()``: ``put``/``get(timeout=)``,
     raising ``queue.Empty``) and starts ``target(ctx, job, progress, cancel)``, returning a handle
-    with ``pid``, ``is_alive()``, ``exitcode``, ``join(timeout)``, ``terminate()`` and ``kill()``."""
+    with ``pid``, ``is_alive()``, ``join(timeout)``, ``terminate()``, ``kill()`` and, to say why it
+    ended without a result, ``exitcode`` (a process) or ``death()``."""
 
     where = "process"
 

@@ -127,10 +127,6 @@ class RayTask:
 
         return not ray.wait([self.ref], timeout=0)[0]
 
-    @property
-    def exitcode(self) -> int | None:
-        return None if self.is_alive() else (1 if self.death() else 0)
-
     def death(self) -> str:
         """Why the task ended without a result ('' if it returned)."""
         import ray
@@ -169,6 +165,7 @@ class RayLauncher:
 
     def __init__(self, cpus: float = 1.0):
         self.cpus = cpus
+        self._task = None  # run_worker as a Ray remote function, made once
         self._channel = None
         self._ctx_ref = None
         self._ctx_of: tuple[int, int] | None = None
@@ -199,7 +196,9 @@ class RayLauncher:
     def start(self, target: Callable, ctx, job: dict, progress: RayQueue, cancel: RayEvent) -> RayTask:
         import ray
 
+        if self._task is None:
+            self._task = ray.remote(run_worker)
         threads = max(1, int(self.cpus))
-        task = ray.remote(run_worker).options(num_cpus=self.cpus, max_retries=0, name=f"hmi-job-{job['id']}")
+        task = self._task.options(num_cpus=self.cpus, max_retries=0, name=f"hmi-job-{job['id']}")
         ref = task.remote(target, self._ctx(ctx), {**job, "server_pid": None, "threads": threads}, progress, cancel)
         return RayTask(ref, self.channel, [progress.key, cancel.key])

@@ -4,13 +4,13 @@ adapter as a worker process of the server, can be cancelled, and a task that end
 result fails its job with the reason."""
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_job_resume import wait_state
 from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
@@ -31,14 +31,6 @@ def on_ray(tmp_path_factory):
     yield server, Client(url, ADMIN)
     stop()
     ray.shutdown()
-
-
-def wait_running(admin: Client, job: str, timeout: float = 120) -> dict:
-    deadline = time.time() + timeout
-    while (got := admin.job(job))["state"] != "running" or got.get("progress", 0) <= 0:
-        assert time.time() < deadline and got["state"] in ("queued", "running"), got
-        time.sleep(0.1)
-    return got
 
 
 def test_a_tenant_job_runs_as_a_ray_task_and_trains_what_a_worker_process_trains(on_ray, tmp_path):
@@ -66,19 +58,16 @@ def test_a_tenant_job_runs_as_a_ray_task_and_trains_what_a_worker_process_trains
 def test_a_ray_job_reports_progress_and_is_cancelled(on_ray):
     _, admin = on_ray
     out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
-    assert wait_running(admin, out["job"])["progress"] > 0
+    assert wait_state(admin, out["job"], ("running",))["progress"] > 0
     admin.cancel_job(out["job"])
-    deadline = time.time() + 60
-    while (job := admin.job(out["job"]))["state"] == "running":
-        assert time.time() < deadline, job
-        time.sleep(0.2)
+    job = admin.wait_job(out["job"], 60, poll=0.2)
     assert job["state"] == "cancelled", job
 
 
 def test_a_ray_task_that_ends_without_a_result_fails_its_job_with_the_reason(on_ray):
     server, admin = on_ray
     out = admin.create_tenant("doomed", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
-    wait_running(admin, out["job"])
+    wait_state(admin, out["job"], ("running",))
     server.jobs._procs[out["job"]].kill()  # what the death of the task's node or worker looks like
     job = admin.wait_job(out["job"], 120)
     assert job["state"] == "failed" and "Ray task" in job["error"], job

@@ -173,19 +173,13 @@ def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header
 
 
 def test_a_job_is_cancelled_through_any_replica(cluster):
-    import time
+    from tests.dispatcher.test_job_resume import wait_state
 
     admin, url = cluster["admin"], cluster["url"]
     out = admin.create_tenant("quitter", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
-    deadline = time.time() + 120
-    while (job := admin.job(out["job"]))["state"] != "running" or not job.get("progress"):
-        assert time.time() < deadline and job["state"] in ("queued", "running"), job
-        time.sleep(0.2)
+    wait_state(admin, out["job"], ("running",))
     # Without the routing header either replica takes the request: both must stop the job.
     status, _, body = call(url, "DELETE", f"/v1/jobs/{out['job']}")
     assert status == 202, body
-    deadline = time.time() + 60
-    while (job := admin.job(out["job"]))["state"] == "running":
-        assert time.time() < deadline, job
-        time.sleep(0.2)
+    job = admin.wait_job(out["job"], 60, poll=0.2)
     assert job["state"] == "cancelled", job

@@ -7,7 +7,6 @@ and writes to the registry (which keeps no copy in memory), as another process m
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -119,24 +118,19 @@ def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
     job's owner stops its worker.  The other replica is played by a second job manager on the
     registry, which does not run the job."""
     from hmi.dispatcher.jobs import JobManager
+    from tests.dispatcher.test_job_resume import wait_state
     from tests.dispatcher.test_server import TRAIN
 
     server, url = live
     admin = Client(url, ADMIN)
     out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
-    deadline = time.time() + 120
-    while (job := admin.job(out["job"]))["state"] != "running" or not job.get("progress"):
-        assert time.time() < deadline and job["state"] in ("queued", "running"), job
-        time.sleep(0.1)
+    wait_state(admin, out["job"], ("running",))
     elsewhere = JobManager(server.registry, server.jobs.ctx, lambda *a: None)
     try:
         assert elsewhere.cancel(out["job"])
     finally:
         elsewhere.shutdown()
-    deadline = time.time() + 60
-    while (job := admin.job(out["job"]))["state"] == "running":
-        assert time.time() < deadline, job
-        time.sleep(0.2)
+    job = admin.wait_job(out["job"], 60, poll=0.2)
     assert job["state"] == "cancelled" and job["cancel_requested"], job
 
 
