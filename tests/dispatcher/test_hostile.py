@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dispatcher.test_server import ADMIN, TRAIN, live, raw  # noqa: F401 - fixture
+from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, live, raw  # noqa: F401 - fixture
 
 LABELS = {"type": "classification", "labels": ["neg", "pos"]}
 
@@ -127,7 +127,7 @@ def test_the_job_thread_survives_an_error_and_jobs_have_a_time_limit(live, monke
     assert admin.wait_job(second["job"], 300)["state"] == "succeeded"  # the thread went on
     assert admin.infer("jt2", ["great"])[0]["label"] in ("neg", "pos")
     monkeypatch.setattr(s.jobs, "time_limit_s", 0.5)
-    slow = admin.create_tenant("jt3", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=50)
+    slow = admin.create_tenant("jt3", ["neg", "pos"], **LONG_JOB)
     job = admin.wait_job(slow["job"], 120)
     assert job["state"] == "failed" and "time limit" in job["error"]
     assert admin.tenant("jt3")["state"] == "failed"
@@ -268,8 +268,7 @@ def test_workers_die_with_a_killed_server_and_write_nothing(tmp_path):
     try:
         assert "READY" in proc.stdout.readline()
         url = f"http://127.0.0.1:{port}"
-        status, out = raw(url, "POST", "/v1/tenants", {"name": "orphan", "task": LABELS,
-                                                       "training_data": {"train": TRAIN * 200}, "epochs": 50})
+        status, out = raw(url, "POST", "/v1/tenants", {"name": "orphan", "task": LABELS, **LONG_JOB})
         assert status == 202
         deadline, pid = time.time() + 120, None
         while time.time() < deadline and pid is None:

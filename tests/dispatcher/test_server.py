@@ -21,6 +21,9 @@ from tests.conftest import tiny_bert
 ADMIN = "admin-secret-for-tests"
 TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting", "great fun", "superb story")] + \
         [{"text": t, "label": "neg"} for t in ("a dull film", "awful acting", "boring mess", "terrible story")]
+# A fine-tune that trains for about a minute on the tiny config: long enough for a test to act on it while
+# it runs (cancel it, kill its worker), however fast the machine.
+LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
@@ -266,7 +269,7 @@ def test_metrics_and_health(live):
 
 def test_cancel_a_running_job(live):
     admin = live["admin"]
-    out = admin.create_tenant("slow", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=50)
+    out = admin.create_tenant("slow", ["neg", "pos"], **LONG_JOB)
     deadline = time.time() + 120
     while admin.job(out["job"])["state"] == "queued" and time.time() < deadline:
         time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
 from tests.dispatcher.test_job_resume import wait_state
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
 REPO = str(Path(__file__).resolve().parents[2])
@@ -57,7 +57,7 @@ def test_a_tenant_job_runs_as_a_ray_task_and_trains_what_a_worker_process_trains
 
 def test_a_ray_job_reports_progress_and_is_cancelled(on_ray):
     _, admin = on_ray
-    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    out = admin.create_tenant("patient", ["neg", "pos"], **LONG_JOB)
     assert wait_state(admin, out["job"], ("running",))["progress"] > 0
     admin.cancel_job(out["job"])
     job = admin.wait_job(out["job"], 60, poll=0.2)
@@ -66,7 +66,7 @@ def test_a_ray_job_reports_progress_and_is_cancelled(on_ray):
 
 def test_a_ray_task_that_ends_without_a_result_fails_its_job_with_the_reason(on_ray):
     server, admin = on_ray
-    out = admin.create_tenant("doomed", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    out = admin.create_tenant("doomed", ["neg", "pos"], **LONG_JOB)
     wait_state(admin, out["job"], ("running",))
     server.jobs._procs[out["job"]].kill()  # what the death of the task's node or worker looks like
     job = admin.wait_job(out["job"], 120)

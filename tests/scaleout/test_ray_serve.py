@@ -17,7 +17,7 @@ import torch
 from hmi.client import ROUTING_HEADER, Client
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 REPO = str(Path(__file__).resolve().parents[2])
 TEXTS = ["a wonderful film", "a dull and boring story"]
@@ -176,7 +176,7 @@ def test_a_job_is_cancelled_through_any_replica(cluster):
     from tests.dispatcher.test_job_resume import wait_state
 
     admin, url = cluster["admin"], cluster["url"]
-    out = admin.create_tenant("quitter", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    out = admin.create_tenant("quitter", ["neg", "pos"], **LONG_JOB)
     wait_state(admin, out["job"], ("running",))
     # Without the routing header either replica takes the request: both must stop the job.
     status, _, body = call(url, "DELETE", f"/v1/jobs/{out['job']}")

@@ -119,11 +119,11 @@ def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
     registry, which does not run the job."""
     from hmi.dispatcher.jobs import JobManager
     from tests.dispatcher.test_job_resume import wait_state
-    from tests.dispatcher.test_server import TRAIN
+    from tests.dispatcher.test_server import LONG_JOB
 
     server, url = live
     admin = Client(url, ADMIN)
-    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 200}, epochs=20)
+    out = admin.create_tenant("patient", ["neg", "pos"], **LONG_JOB)
     wait_state(admin, out["job"], ("running",))
     elsewhere = JobManager(server.registry, server.jobs.ctx, lambda *a: None)
     try:
