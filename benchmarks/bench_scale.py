@@ -6,7 +6,9 @@ one run on the same home, tenants and load.
 2. The Ray Serve path with 1 replica, the same load, through each ingress (Ray Serve's Python
    HTTP proxy, then its HAProxy ingress, the default of ``hmi serve --ray``):
    ``ray_over_single_1replica`` is the default ingress's requests / s over the single process's
-   (``ray_over_single_1replica_proxy`` the Python proxy's).
+   (``ray_over_single_1replica_proxy`` the Python proxy's).  Then the HAProxy ingress again with the
+   registry actor (``--registry actor``, what replicas on several machines share) instead of the
+   home's LMDB: ``ray_over_single_1replica_registry_actor``.
 3. 2 replicas (default ingress): every tenant requested once (cold: no replica holds any), then the Zipf load:
    ``affinity_hit_rate_2replicas`` is the share of those requests answered by a replica that
    already held the tenant (``X-HMI-Affinity``), and the requests per replica.
@@ -147,6 +149,7 @@ def main() -> None:
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
+    from hmi.scaleout.ray_registry import RemoteRegistry, stop_registry_actor
     from hmi.scaleout.ray_serve import ReplicaServer, stop
     from hmi.scaleout.ray_serve import start as start_ray
 
@@ -191,6 +194,17 @@ def main() -> None:
         from ray import serve
 
         serve.delete("hmi")
+        start_ray(ReplicaServer(cfg, str(tmp), registry="actor"), port=port, replicas=1, env=env)
+        run_load({**base, "url": ray_url, "seconds": 3})
+        res["Ray Serve, 1 replica, HAProxy ingress, registry actor"] = summary(run_load({**base, "url": ray_url}))
+        print("ray 1 registry actor", res["Ray Serve, 1 replica, HAProxy ingress, registry actor"], flush=True)
+        serve.delete("hmi")
+        reg, name = RemoteRegistry(), names[0]
+        t = time.perf_counter()
+        for _ in range(2000):
+            reg.get("tenants", name)
+        actor_get_us = round((time.perf_counter() - t) / 2000 * 1e6, 1)
+        stop_registry_actor()
         start_ray(ReplicaServer(cfg, str(tmp)), port=port, replicas=2, env=env)  # two fresh replicas
         cold = run_load({**base, "url": ray_url, "sequential": True, "zipf": False, "max_requests": TENANTS,
                          "seconds": 600})
@@ -206,6 +220,9 @@ def main() -> None:
     ray1, ray1_proxy = res["Ray Serve, 1 replica, HAProxy ingress"], res["Ray Serve, 1 replica, Python proxy"]
     out = {"ray_over_single_1replica": round(ray1["rps"] / single["rps"], 3),
            "ray_over_single_1replica_proxy": round(ray1_proxy["rps"] / single["rps"], 3),
+           "ray_over_single_1replica_registry_actor": round(
+               res["Ray Serve, 1 replica, HAProxy ingress, registry actor"]["rps"] / single["rps"], 3),
+           "registry_actor_get_us": actor_get_us,
            "affinity_hit_rate_2replicas": ray2["affinity_hit_rate"],
            "lost_jobs_on_replica_kill": kill["lost_jobs"], "wrong_answers_on_replica_kill": kill["wrong"],
            "replica_kill": kill, "runs": res, "tenants": TENANTS, "clients": CLIENTS, "seconds": seconds}
@@ -218,7 +235,10 @@ def main() -> None:
              f"(p(rank k) ~ 1/k) by {CLIENTS} closed-loop clients in a separate process, {args.inputs} real BBC text(s) (up to 64 "
              f"tokens each) per request, {seconds} s per measured run after a 3 s warm-up. ray_over_single_1replica = "
              f"{out['ray_over_single_1replica']} through the HAProxy ingress (the default), "
-             f"{out['ray_over_single_1replica_proxy']} through Ray Serve's Python proxy; 2 replicas: the HAProxy ingress; "
+             f"{out['ray_over_single_1replica_proxy']} through Ray Serve's Python proxy, "
+             f"{out['ray_over_single_1replica_registry_actor']} through the HAProxy ingress with the registry actor (every "
+             f"request reads its tenant's record from the actor, one Ray call; {actor_get_us} us per read, one after another, "
+             "from this process); 2 replicas: the HAProxy ingress, the home's registry; "
              f"affinity_hit_rate_2replicas = {out['affinity_hit_rate_2replicas']} "
              f"(after every tenant was requested once). Ray Serve took {res['ray start s (haproxy)']} s to start with one replica. "
              "\n\nReplica killed under load (2 replicas, the same clients, each request two fixed texts for one of "

@@ -250,7 +250,8 @@ def cmd_serve(args) -> int:
             from hmi.scaleout.ray_serve import serve as serve_ray
 
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
-                             root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus)
+                             root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus,
+                             registry=args.registry)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
@@ -554,6 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--job-cpus", type=float, default=1.0,
                      help="with --ray: CPUs a fine-tune or domain job's Ray task reserves; jobs run on whichever node "
                           "has them free (default 1)")
+    srv.add_argument("--registry", choices=["home", "actor"], default="home",
+                     help="with --ray: the registry the replicas share: HMI_HOME's own LMDB (replicas on one machine; "
+                          "default) or a Ray actor owning it on this node (replicas on several machines, HMI_HOME on a "
+                          "shared file system)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

@@ -12,6 +12,7 @@ import uuid
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
+from hmi.dispatcher.registry import RegistryUnavailable
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
 from hmi.dispatcher.routes_generate import completions, generate
 from hmi.dispatcher.routes_ops import (
@@ -60,6 +61,9 @@ async def errors_and_logs(request: web.Request, handler):
                               {"Allow": allowed})
     except web.HTTPException as exc:
         resp = error_response(exc.status, "http_error", exc.reason)
+    except RegistryUnavailable as exc:
+        log.warning("registry unavailable", extra={"request_id": rid}, exc_info=True)
+        resp = error_response(503, "registry_unavailable", f"{exc}; try again", {"Retry-After": "1"})
     except Exception:  # noqa: BLE001 - logged; the client sees a 500 without internals
         log.exception("unhandled error", extra={"request_id": rid})
         resp = error_response(500, "internal", f"internal error; request id {rid}")

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from hmi.dispatcher.registry import Registry, process_owner
+from hmi.dispatcher.registry import UNFINISHED, Registry, process_owner
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 from hmi.io import atomic_write_json
 
@@ -173,7 +173,7 @@ class JobManager:
         process runs it, its worker is told at once."""
         ev = self._cancel.get(job_id)
         job = self.registry.get("jobs", job_id)
-        if job is None or job["state"] not in ("queued", "running"):
+        if job is None or job["state"] not in UNFINISHED:
             return False
         self.registry.update("jobs", job_id, cancel_requested=True)
         if ev is not None:
@@ -282,14 +282,24 @@ class JobManager:
         me = process_owner()
         return self.recover(lambda job: job.get("owner") == me or alive(job))
 
-    def watch_orphans(self, alive: Callable[[dict], bool], every_s: float) -> None:
+    def watch_orphans(self, alive: Callable[[dict], bool], every_s: float,
+                      renew: Callable[[], None] | None = None, renew_every_s: float | None = None) -> None:
         """On a home shared by several serving processes: every ``every_s`` seconds, takes over the
         unfinished jobs of processes that are gone (:meth:`recover`), so a replica's jobs are not
-        left waiting for a restart that may never come."""
+        left waiting for a restart that may never come; every ``renew_every_s`` seconds (default
+        ``every_s``) renews this process's lease (``renew``)."""
+        tick = min(every_s, renew_every_s or every_s)
+
         def loop() -> None:
-            while not self._stopped.wait(every_s):
+            checked = renewed = time.monotonic()
+            while not self._stopped.wait(tick):
                 try:
-                    self.take_over_orphans(alive)
+                    if renew is not None and time.monotonic() - renewed >= tick * 0.99:
+                        renewed = time.monotonic()
+                        renew()
+                    if time.monotonic() - checked >= every_s * 0.99:
+                        checked = time.monotonic()
+                        self.take_over_orphans(alive)
                 except Exception:  # noqa: BLE001 - the next round tries again
                     log.exception("taking over the jobs of stopped servers failed")
 

@@ -1,7 +1,10 @@
-"""The registry: domains, tenants, token hashes and jobs in one LMDB environment.
+"""The registry: domains, tenants, token hashes, jobs and the leases of the processes that run
+them, in one LMDB environment.
 
 Every state change is one LMDB write transaction, so after a crash a record is in its old
-state or its new one.  Values are JSON.
+state or its new one.  Values are JSON.  ``RegistryOps`` holds what is built from the
+single-record operations (recovery), so a registry served by another process
+(``hmi.scaleout.ray_registry``) shares it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,13 @@ from typing import Callable
 
 import lmdb
 
-TABLES = (b"tenants", b"domains", b"jobs")
+TABLES = (b"tenants", b"domains", b"jobs", b"owners")
+UNFINISHED = ("queued", "running")  # the states of a job that some process still has to end
+
+
+class RegistryUnavailable(RuntimeError):
+    """A registry kept by another process could not be reached (it is restarting, or its host is
+    gone); the operation may or may not have been applied."""
 
 
 def process_owner() -> str:
@@ -25,7 +34,7 @@ def process_owner() -> str:
 
 def owner_alive(job: dict) -> bool:
     """Whether the process a job record names (``owner``, see :func:`process_owner`) still runs on
-    this host; records of other hosts count as alive (their own host recovers them), records
+    this host; records of other hosts count as alive (see :class:`Leases` for those), records
     without an owner as gone."""
     host, _, pid = (job.get("owner") or "").rpartition(":")
     if not pid.isdigit():
@@ -43,7 +52,76 @@ def owner_alive(job: dict) -> bool:
     return True
 
 
-class Registry:
+class Leases:
+    """Liveness of the processes that run jobs, on a registry that processes on several hosts
+    share.  Each serving process renews its lease (the ``owners`` table: ``host:pid`` -> a record
+    the registry stamps) more often than every ``ttl_s`` seconds.  A job's owner on this host is
+    alive while its pid runs (exact and immediate); one on another host while its lease is younger
+    than ``ttl_s``, measured by the registry's clock (so the hosts' clocks may differ)."""
+
+    def __init__(self, registry: "RegistryOps", ttl_s: float = 60.0, owner: str | None = None):
+        self.registry, self.ttl_s = registry, ttl_s
+        self.owner = owner or process_owner()
+
+    def renew(self) -> None:
+        self.registry.put("owners", self.owner, {"ttl_s": self.ttl_s})
+
+    def release(self) -> None:
+        """Ends this process's lease (a clean stop): its unfinished jobs are taken over at once."""
+        self.registry.delete("owners", self.owner)
+
+    def alive(self, job: dict) -> bool:
+        owner = job.get("owner") or ""
+        host, _, pid = owner.rpartition(":")
+        if not pid.isdigit():
+            return False
+        if host == socket.gethostname():
+            return owner_alive(job)
+        age = self.registry.age("owners", owner)
+        return age is not None and age < self.ttl_s
+
+
+class RegistryOps:
+    """What is built on a registry's single-record operations (``get``, ``update``, ``claim``,
+    ``items``), each of which is one transaction wherever the registry runs."""
+
+    where = "lmdb"  # what keeps the records (reported by /healthz)
+
+    def recover(self, alive: Callable[[dict], bool] | None = None,
+                resume: Callable[[dict], bool] | None = None) -> tuple[list[str], list[dict]]:
+        """After a restart: jobs that were queued or running are failed with the reason, and the
+        tenants they were creating are marked failed (never served half-built).  With ``alive``
+        (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
+        process runs.  With ``resume``, a job it accepts (its inputs were kept) is instead claimed
+        for this process: queued again, ``attempt`` counted up; the caller runs it.  Each job is
+        claimed or failed in one transaction that first checks its owner is unchanged, so of
+        several processes recovering one home only one takes a job.  Returns (the failed jobs' ids,
+        the records of the jobs claimed)."""
+        failed, claimed = [], []
+        for jid, job in self.items("jobs"):
+            if job["state"] not in UNFINISHED or (alive is not None and alive(job)):
+                continue
+            seen = {"state": job["state"], "owner": job.get("owner")}
+            if resume is not None and resume(job):
+                mine = self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
+                                  attempt=job.get("attempt", 1) + 1, resumed=time.time())
+                if mine is not None:  # else another process took it meanwhile
+                    claimed.append(mine)
+                continue
+            if self.claim("jobs", jid, seen, state="failed", error="the server stopped while this job ran") is None:
+                continue  # another process took it meanwhile
+            failed.append(jid)
+            t = job.get("tenant")
+            if t:
+                rec = self.get("tenants", t)
+                if rec and rec["state"] == "training":
+                    self.update("tenants", t, state="failed", error="training was interrupted by a restart")
+                elif rec and rec["state"] == "updating":
+                    self.update("tenants", t, state="ready")
+        return failed, claimed
+
+
+class Registry(RegistryOps):
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -109,38 +187,10 @@ class Registry:
             txn.put(key.encode(), json.dumps(value).encode())
             return value
 
-    def recover(self, alive: Callable[[dict], bool] | None = None,
-                resume: Callable[[dict], bool] | None = None) -> tuple[list[str], list[dict]]:
-        """After a restart: jobs that were queued or running are failed with the reason, and the
-        tenants they were creating are marked failed (never served half-built).  With ``alive``
-        (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
-        process runs.  With ``resume``, a job it accepts (its inputs were kept) is instead claimed
-        for this process: queued again, ``attempt`` counted up; the caller runs it.  Each job is
-        claimed or failed in one transaction that first checks its owner is unchanged, so of
-        several processes recovering one home only one takes a job.  Returns (the failed jobs' ids,
-        the records of the jobs claimed)."""
-        failed, claimed = [], []
-        for jid, job in self.items("jobs"):
-            if job["state"] not in ("queued", "running") or (alive is not None and alive(job)):
-                continue
-            seen = {"state": job["state"], "owner": job.get("owner")}
-            if resume is not None and resume(job):
-                mine = self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
-                                  attempt=job.get("attempt", 1) + 1, resumed=time.time())
-                if mine is not None:  # else another process took it meanwhile
-                    claimed.append(mine)
-                continue
-            if self.claim("jobs", jid, seen, state="failed", error="the server stopped while this job ran") is None:
-                continue  # another process took it meanwhile
-            failed.append(jid)
-            t = job.get("tenant")
-            if t:
-                rec = self.get("tenants", t)
-                if rec and rec["state"] == "training":
-                    self.update("tenants", t, state="failed", error="training was interrupted by a restart")
-                elif rec and rec["state"] == "updating":
-                    self.update("tenants", t, state="ready")
-        return failed, claimed
+    def age(self, table: str, key: str) -> float | None:
+        """Seconds since the record was last written, by this registry's clock (None if absent)."""
+        value = self.get(table, key)
+        return None if value is None else max(0.0, time.time() - value["updated"])
 
     def close(self) -> None:
         self.env.close()

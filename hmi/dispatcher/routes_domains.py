@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
+from hmi.dispatcher.registry import UNFINISHED
 from hmi.dispatcher.schemas import parse
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError, json_body
@@ -82,7 +83,7 @@ def _corpus_data(body) -> dict:
 
 
 def _pending_domain(s: Server, name: str) -> bool:
-    return any(j.get("domain") == name and j["kind"].startswith("domain") and j["state"] in ("queued", "running")
+    return any(j.get("domain") == name and j["kind"].startswith("domain") and j["state"] in UNFINISHED
                for _, j in s.registry.items("jobs"))
 
 

@@ -47,7 +47,8 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
-                              "tenants_servable": s.servable_count(), "root_artifact": s.root.artifact_id})
+                              "tenants_servable": s.servable_count(), "root_artifact": s.root.artifact_id,
+                              "registry": s.registry.where})
 
 
 async def metrics(request: web.Request) -> web.Response:

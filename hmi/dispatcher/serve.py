@@ -36,14 +36,15 @@ DEMO_TENANTS = [
 ]
 
 
-def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_launcher=None) -> Server:
+def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_launcher=None, registry=None) -> Server:
     """Loads the current root and its root PLOT (which must exist) into a Server (whose jobs run
-    where ``job_launcher`` starts them; default: processes of the server's)."""
+    where ``job_launcher`` starts them; default: processes of the server's), keeping its state in
+    ``registry`` (default: the home's own)."""
     home = home or hmi_home()
     root = root or load_root(home=home)
     version = open_root_version(root, home)
     lookup = PlotLookup([version], policy=cfg.miss_policy)
-    return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher)
+    return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher, registry)
 
 
 def start_demo_tenants(server: Server) -> dict[str, str]:

@@ -18,7 +18,7 @@ from hmi.dispatcher.auth import admin_token, hash_token, new_token, same
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.jobs import JobManager, new_job_id
 from hmi.dispatcher.metrics import Metrics
-from hmi.dispatcher.registry import Registry, owner_alive
+from hmi.dispatcher.registry import UNFINISHED, Leases, Registry, RegistryOps
 from hmi.dispatcher.schemas import build_models
 from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext
@@ -54,6 +54,9 @@ class ServerConfig:
     # recovery fails only the jobs of processes that are gone.
     shared_home: bool = False
     orphan_check_s: float = 10.0  # shared home: how often the jobs of stopped processes are taken over
+    # Shared home: a process on another host that has not renewed its lease for this long is gone
+    # (and its jobs are taken over); each process renews its own four times as often.
+    lease_s: float = 60.0
 
 
 class ServerConfigError(ValueError):
@@ -66,16 +69,20 @@ def check_config(cfg: ServerConfig, root) -> None:
     limit = root.bert.config.max_position_embeddings
     if not 8 <= cfg.max_len <= limit:
         raise ServerConfigError(f"max_len {cfg.max_len} is outside [8, {limit}] (the root's position limit)")
+    if not cfg.lease_s > 0:
+        raise ServerConfigError(f"lease_s must be above 0, got {cfg.lease_s:g}")
 
 
 class Server:
     """Everything one serving process holds; built by ``build_server``."""
 
-    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta, job_launcher=None):
+    def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta, job_launcher=None,
+                 registry: RegistryOps | None = None):
         check_config(cfg, root)
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
-        self.registry = Registry(home / "registry")
+        # The home's own LMDB registry, or one that serving processes on several hosts share.
+        self.registry = registry if registry is not None else Registry(home / "registry")
         self._tokens_read = 0.0  # when the token map was last rebuilt from the registry (shared home)
         self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
         self.device = pick_device(cfg.device)
@@ -122,9 +129,13 @@ class Server:
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher)
         # Jobs a stopped server left unfinished: run again from their kept inputs, or failed.
-        self.recovered, self.resumed = self.jobs.recover(owner_alive if cfg.shared_home else None)
-        if cfg.shared_home:
-            self.jobs.watch_orphans(owner_alive, cfg.orphan_check_s)
+        self.leases = Leases(self.registry, cfg.lease_s) if cfg.shared_home else None
+        if self.leases is not None:
+            self.leases.renew()
+        self.recovered, self.resumed = self.jobs.recover(self.leases.alive if self.leases else None)
+        if self.leases is not None:
+            self.jobs.watch_orphans(self.leases.alive, cfg.orphan_check_s, renew=self.leases.renew,
+                                    renew_every_s=cfg.lease_s / 4)
         self.started = time.time()
 
     # -- tenants ---------------------------------------------------------------------------------
@@ -214,7 +225,7 @@ class Server:
 
     def _job_unfinished(self, job_id: str) -> bool:
         job = self.registry.get("jobs", job_id)
-        return job is not None and job["state"] in ("queued", "running")
+        return job is not None and job["state"] in UNFINISHED
 
     def _job_finished(self, job: dict, state: str, info: dict) -> None:
         if job["kind"].startswith("domain"):
@@ -452,6 +463,11 @@ class Server:
         if self.gpt is not None:
             self.gpt.shutdown()
         self.jobs.shutdown()
+        if self.leases is not None:
+            try:  # its jobs left unfinished are taken over by the other processes at once
+                self.leases.release()
+            except Exception:  # noqa: BLE001 - the lease then expires instead
+                log.warning("releasing this process's lease failed", exc_info=True)
         self.scheduler.shutdown(cancel=True)
         self.tree.close()
         self.registry.close()

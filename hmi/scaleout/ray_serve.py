@@ -17,8 +17,9 @@ behind an ingress that routes a tenant's requests to a replica that already hold
   ``@serve.batch`` is not used: it splits batches by model id, and cross-tenant batching is what
   each replica's own batcher does, so ``max_ongoing_requests`` is high enough for it to mix tenants.
 - **Shared state.** Replicas share one ``HMI_HOME``: the registry (one LMDB environment, whose
-  write lock makes every change one transaction from any process), the adapter store (immutable
-  published versions) and the PLOTs (read-only).  Each replica's server runs with
+  write lock makes every change one transaction from any process on its host; with
+  ``registry="actor"`` a Ray actor owning it, ``hmi.scaleout.ray_registry``, which replicas on any
+  node reach), the adapter store (immutable published versions) and the PLOTs (read-only).  Each replica's server runs with
   ``ServerConfig.shared_home``: a tenant is brought up to its registry record whenever it is used,
   so one created, retrained or deleted through another replica is served, re-read or dropped.
 - **Jobs.** A replica's fine-tune and domain jobs run as Ray tasks reserving their own CPUs
@@ -53,8 +54,12 @@ from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
 from hmi.scaleout.ray_jobs import RayLauncher
+from hmi.scaleout.ray_registry import RemoteRegistry, start_registry_actor, stop_registry_actor
 
 INGRESSES = ("haproxy", "proxy")
+# Where the replicas keep the registry: the home's LMDB (replicas on one host) or a Ray actor
+# owning it (replicas on any node of the cluster, the home on a shared file system).
+REGISTRIES = ("home", "actor")
 
 
 def ingress_env(ingress: str) -> dict[str, str]:
@@ -91,19 +96,26 @@ def kept_headers(headers) -> list[tuple[str, str]]:
 class ReplicaServer:
     """Builds a replica's server: the root named by ``root``/``l_low`` (prepared beforehand by
     the driver) and its root PLOT from the shared home, with ``shared_home`` on; its jobs run as
-    Ray tasks reserving ``job_cpus`` CPUs each (``hmi.scaleout.ray_jobs``)."""
+    Ray tasks reserving ``job_cpus`` CPUs each (``hmi.scaleout.ray_jobs``); its registry is the
+    home's or the registry actor (``registry``, one of ``REGISTRIES``)."""
 
     cfg: ServerConfig
     home: str
     root: str | None = None
     l_low: int | None = None
     job_cpus: float = 1.0
+    registry: str = "home"
+
+    def __post_init__(self):
+        if self.registry not in REGISTRIES:
+            raise ValueError(f"unknown registry {self.registry!r}; use one of {', '.join(REGISTRIES)}")
 
     def __call__(self) -> Server:
         home = Path(self.home)
         spec = root_spec(self.root, self.l_low, home) if self.root else None
         return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec),
-                            job_launcher=RayLauncher(self.job_cpus))
+                            job_launcher=RayLauncher(self.job_cpus),
+                            registry=RemoteRegistry() if self.registry == "actor" else None)
 
 
 class HeldTenant:
@@ -253,7 +265,8 @@ def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 80
     ``ingress``; a cluster of its own runs the ingress its ``ray start`` environment chose, see
     ``ingress_env``), starts Ray Serve's HTTP ingress on ``host:port`` and deploys the HMI
     application; returns the base URL once every replica is up.  ``env``: environment variables of
-    the replicas."""
+    the replicas.  A ``factory`` whose registry is ``actor`` gets the registry actor started on this
+    node first."""
     import ray
     from ray import serve
 
@@ -270,22 +283,27 @@ def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 80
             os.environ.update({**(env or {}), **ingress_env(ingress)})
         ray.init(address=address, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env} if address is not None and env else None)
+    if getattr(factory, "registry", "home") == "actor":
+        start_registry_actor(factory.home)
     serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
     serve.run(build_app(factory, replicas, tenants_per_replica), name="hmi", route_prefix="/")
     return f"http://{host}:{port}"
 
 
 def stop() -> None:
-    """Removes the application and stops Ray Serve (and the local Ray this process started)."""
+    """Removes the application and stops Ray Serve, the registry actor if one runs (after the
+    replicas, which use it to the end), and the local Ray this process started."""
     import ray
     from ray import serve
 
     serve.shutdown()
+    stop_registry_actor()
     ray.shutdown()
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
-              root: str | None = None, l_low: int | None = None, ingress: str = "haproxy", job_cpus: float = 1.0) -> int:
+              root: str | None = None, l_low: int | None = None, ingress: str = "haproxy", job_cpus: float = 1.0,
+              registry: str = "home") -> int:
     """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
     this ``HMI_HOME``; blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -293,8 +311,8 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
     token, new = admin_token(home)  # made once, before any replica reads it
     env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
-    print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress", flush=True)
-    factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus)
+    print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress, registry: {registry}", flush=True)
+    factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus, registry)
     url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
     if new:
         print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
@@ -322,10 +340,13 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
 def app_builder(args: dict):
     """The application for ``serve run`` / ``serve deploy`` with a config file (``deploy/ray-serve.yaml``):
     ``args`` may name ``home`` (default ``HMI_HOME``), ``root``, ``l_low``, ``replicas`` (2),
-    ``tenants_per_replica`` (1000) and ``job_cpus`` (1).  The home must be prepared (``hmi prepare``)
-    beforehand."""
+    ``tenants_per_replica`` (1000), ``job_cpus`` (1) and ``registry`` (``home``; ``actor`` starts
+    the registry actor on the node that builds the application, which must hold the home).  The
+    home must be prepared (``hmi prepare``) beforehand."""
     home = str(args.get("home") or hmi_home())
     l_low = args.get("l_low")
     factory = ReplicaServer(ServerConfig(), home, args.get("root"), int(l_low) if l_low else None,
-                            float(args.get("job_cpus", 1.0)))
+                            float(args.get("job_cpus", 1.0)), str(args.get("registry", "home")))
+    if factory.registry == "actor":
+        start_registry_actor(home)
     return build_app(factory, int(args.get("replicas", 2)), int(args.get("tenants_per_replica", 1000)))

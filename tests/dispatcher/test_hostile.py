@@ -301,3 +301,22 @@ def test_the_document_and_the_validator_agree_on_blank_texts(live):
         status, payload = raw(live["url"], "POST", "/v1/tenants/alpha/infer", {"inputs": [text]})
         assert (status == 200) == ok, payload
     assert model.model_json_schema()["properties"]["inputs"]["items"]["pattern"] == NON_BLANK
+
+
+def test_a_registry_that_cannot_be_reached_answers_503_with_retry_after(live, monkeypatch):
+    """A registry kept by another process (the registry actor of ``hmi serve --ray``) that is
+    restarting: the request gets a 503 that says so and when to try again, not a 500."""
+    import urllib.request
+
+    from hmi.dispatcher.registry import RegistryUnavailable
+
+    def down(*args, **kwargs):
+        raise RegistryUnavailable("the registry actor is unavailable (get): restarting")
+
+    monkeypatch.setattr(live["server"].registry, "get", down)
+    req = urllib.request.Request(live["url"] + "/v1/tenants/anyone", headers={"Authorization": f"Bearer {ADMIN}"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=60)
+    body = json.loads(e.value.read())
+    assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+    assert body["error"]["code"] == "registry_unavailable" and "try again" in body["error"]["message"], body

@@ -27,7 +27,7 @@ LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
-def tiny_server(home, seed=0, job_launcher=None, **cfg):
+def tiny_server(home, seed=0, job_launcher=None, registry=None, **cfg):
     spec = RootSpec(default_spec().model_dir, 2)
     bert = tiny_bert(layers=4, hidden=32, vocab=30522, seed=seed)
     root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
@@ -37,7 +37,7 @@ def tiny_server(home, seed=0, job_launcher=None, **cfg):
         PlotStore(path, meta=meta, readonly=False).close()
     lookup = PlotLookup([PlotVersion("root", PlotStore(path, readonly=True, expect=meta), root.windowed)], "compute")
     cfg = {"max_inputs": 8, "max_input_chars": 2000, "max_body_mb": 1, **cfg}
-    return Server(home, root, lookup, ServerConfig(**cfg), path, meta, job_launcher)
+    return Server(home, root, lookup, ServerConfig(**cfg), path, meta, job_launcher, registry)
 
 
 @pytest.fixture(scope="module")

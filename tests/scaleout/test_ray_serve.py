@@ -1,7 +1,8 @@
 """HMI on a real local Ray Serve cluster (two replicas, one shared home, the tiny root): the same
 HTTP API and answers as the single-process server, a tenant created through the cluster is served
 by every replica, and a tenant's requests (naming it in the routing header, as hmi.client does)
-stay on the replica that holds it."""
+stay on the replica that holds it.  Each test runs on two clusters: HAProxy's ingress with the
+registry actor (replicas on any node), Ray Serve's proxy with the home's own registry."""
 
 import http.client
 import json
@@ -29,11 +30,14 @@ class TinyReplica:
     ``ReplicaServer`` builds it)."""
 
     home: str
+    registry: str = "home"
 
     def __call__(self):
         from hmi.scaleout.ray_jobs import RayLauncher
+        from hmi.scaleout.ray_registry import RemoteRegistry
 
-        return tiny_server(Path(self.home), shared_home=True, job_launcher=RayLauncher())
+        return tiny_server(Path(self.home), shared_home=True, job_launcher=RayLauncher(),
+                           registry=RemoteRegistry() if self.registry == "actor" else None)
 
 
 def free_port() -> int:
@@ -57,14 +61,17 @@ def call(url: str, method: str, path: str, body=None, token=ADMIN, headers=None)
         return 0, {}, {"error": type(e).__name__}
 
 
-@pytest.fixture(scope="module", params=["haproxy", "proxy"])
+@pytest.fixture(scope="module", params=[("haproxy", "actor"), ("proxy", "home")], ids=["haproxy-actor", "proxy-home"])
 def cluster(request, tmp_path_factory):
-    """A two-replica cluster behind each of Ray Serve's ingresses (HAProxy, the default; the Python proxy)."""
+    """A two-replica cluster behind each of Ray Serve's ingresses (HAProxy, the default; the Python
+    proxy), with each of the registries (the registry actor; the home's LMDB)."""
+    ingress, registry = request.param
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
     home = tmp_path_factory.mktemp("home")
     PlotStore(home / "plot", meta=PlotMeta("tiny", 2, 32), readonly=False).close()
     env = {"HMI_ADMIN_TOKEN": ADMIN, "HMI_HOME": str(home), "PYTHONPATH": REPO, "HF_HUB_OFFLINE": "1"}
-    url = start(TinyReplica(str(home)), port=free_port(), replicas=2, env=env, ingress=request.param)
+    url = start(TinyReplica(str(home), registry), port=free_port(), replicas=2, env=env, ingress=ingress)
+    assert {call(url, "GET", "/healthz")[2]["registry"] for _ in range(8)} == {"ray actor" if registry == "actor" else "lmdb"}
     admin = Client(url, ADMIN)
     out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN * 2, "dev": TRAIN}, epochs=2)
     job = admin.wait_job(out["job"], 300)

@@ -16,7 +16,7 @@ from hmi.adapters.store import AdapterStore
 from hmi.adapters.train import TenantTrainer
 from hmi.client import ApiError, Client
 from hmi.dispatcher.auth import hash_token, new_token
-from hmi.dispatcher.registry import Registry, owner_alive, process_owner
+from hmi.dispatcher.registry import Leases, Registry, owner_alive, process_owner
 from hmi.dispatcher.serve import run_in_thread
 from tests.dispatcher.test_server import ADMIN, tiny_server
 
@@ -110,6 +110,25 @@ def test_recovery_fails_only_the_jobs_of_processes_that_are_gone(tmp_path):
     assert sorted(failed) == ["dead", "unowned"] and claimed == []
     assert reg.get("jobs", "live")["state"] == "running" and reg.get("jobs", "other-host")["state"] == "running"
     assert sorted(reg.recover()[0]) == ["live", "other-host"]  # a single process fails every unfinished job
+    reg.close()
+
+
+def test_a_job_of_another_host_is_taken_over_only_once_its_owners_lease_has_expired(tmp_path):
+    import time
+
+    reg = Registry(tmp_path / "registry")
+    other = "another-host:7"
+    reg.create("jobs", "far", {"id": "far", "state": "running", "owner": other})
+    here, there = Leases(reg, ttl_s=0.5), Leases(reg, ttl_s=0.5, owner=other)
+    assert not here.alive({"owner": other})  # no lease: the host never said it runs
+    there.renew()
+    assert here.alive({"owner": other}) and reg.recover(here.alive) == ([], [])
+    time.sleep(0.6)  # not renewed for longer than its time to live
+    assert not here.alive({"owner": other})
+    assert reg.recover(here.alive)[0] == ["far"]
+    there.renew()
+    there.release()  # a clean stop ends the lease at once
+    assert not here.alive({"owner": other})
     reg.close()
 
 
