@@ -8,7 +8,8 @@ one run on the same home, tenants and load.
    ``ray_over_single_1replica`` is the default ingress's requests / s over the single process's
    (``ray_over_single_1replica_proxy`` the Python proxy's).  Then the HAProxy ingress again with the
    registry actor (``--registry actor``, what replicas on several machines share) instead of the
-   home's LMDB: ``ray_over_single_1replica_registry_actor``.
+   home's LMDB: ``ray_over_single_1replica_registry_actor``, and with each replica keeping a tenant's
+   record 0.5 s (``--registry-cache-s 0.5``): ``ray_over_single_1replica_registry_actor_cached``.
 3. 2 replicas (default ingress): every tenant requested once (cold: no replica holds any), then the Zipf load:
    ``affinity_hit_rate_2replicas`` is the share of those requests answered by a replica that
    already held the tenant (``X-HMI-Affinity``), and the requests per replica.
@@ -44,6 +45,9 @@ from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
 TENANTS = 1000
 CLIENTS = 32
 INGRESS_NAMES = {"proxy": "Python proxy", "haproxy": "HAProxy ingress"}
+CACHE_S = 0.5  # --registry-cache-s of the cached registry actor's run
+ACTOR = "Ray Serve, 1 replica, HAProxy ingress, registry actor"
+ACTOR_CACHED = f"Ray Serve, 1 replica, HAProxy ingress, registry actor, records cached {CACHE_S} s"
 
 
 def free_port() -> int:
@@ -145,11 +149,13 @@ def replica_kill(url: str, home: Path, token: str, load: dict, seconds: float) -
 
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)"))
+    import ray
+
     from hmi.data import load_task
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
-    from hmi.scaleout.ray_registry import RemoteRegistry, stop_registry_actor
+    from hmi.scaleout.ray_registry import RemoteRegistry, start_registry_actor, stop_registry_actor
     from hmi.scaleout.ray_serve import ReplicaServer, stop
     from hmi.scaleout.ray_serve import start as start_ray
 
@@ -194,11 +200,17 @@ def main() -> None:
         from ray import serve
 
         serve.delete("hmi")
-        start_ray(ReplicaServer(cfg, str(tmp), registry="actor"), port=port, replicas=1, env=env)
-        run_load({**base, "url": ray_url, "seconds": 3})
-        res["Ray Serve, 1 replica, HAProxy ingress, registry actor"] = summary(run_load({**base, "url": ray_url}))
-        print("ray 1 registry actor", res["Ray Serve, 1 replica, HAProxy ingress, registry actor"], flush=True)
-        serve.delete("hmi")
+        for cache_s, name in ((0.0, ACTOR), (CACHE_S, ACTOR_CACHED)):
+            start_ray(ReplicaServer(cfg, str(tmp), registry="actor", registry_cache_s=cache_s), port=port, replicas=1,
+                      env=env)
+            actor = start_registry_actor(tmp)  # the one start_ray started: its call counts
+            run_load({**base, "url": ray_url, "seconds": 3})
+            before = ray.get(actor.stats.remote()).get("get", 0)
+            res[name] = summary(run_load({**base, "url": ray_url}))
+            res[name]["registry_reads_per_request"] = round(
+                (ray.get(actor.stats.remote()).get("get", 0) - before) / max(1, res[name]["answered"]), 3)
+            print(name, res[name], flush=True)
+            serve.delete("hmi")
         reg, name = RemoteRegistry(), names[0]
         t = time.perf_counter()
         for _ in range(2000):
@@ -220,8 +232,8 @@ def main() -> None:
     ray1, ray1_proxy = res["Ray Serve, 1 replica, HAProxy ingress"], res["Ray Serve, 1 replica, Python proxy"]
     out = {"ray_over_single_1replica": round(ray1["rps"] / single["rps"], 3),
            "ray_over_single_1replica_proxy": round(ray1_proxy["rps"] / single["rps"], 3),
-           "ray_over_single_1replica_registry_actor": round(
-               res["Ray Serve, 1 replica, HAProxy ingress, registry actor"]["rps"] / single["rps"], 3),
+           "ray_over_single_1replica_registry_actor": round(res[ACTOR]["rps"] / single["rps"], 3),
+           "ray_over_single_1replica_registry_actor_cached": round(res[ACTOR_CACHED]["rps"] / single["rps"], 3),
            "registry_actor_get_us": actor_get_us,
            "affinity_hit_rate_2replicas": ray2["affinity_hit_rate"],
            "lost_jobs_on_replica_kill": kill["lost_jobs"], "wrong_answers_on_replica_kill": kill["wrong"],
@@ -238,7 +250,10 @@ def main() -> None:
              f"{out['ray_over_single_1replica_proxy']} through Ray Serve's Python proxy, "
              f"{out['ray_over_single_1replica_registry_actor']} through the HAProxy ingress with the registry actor (every "
              f"request reads its tenant's record from the actor, one Ray call; {actor_get_us} us per read, one after another, "
-             "from this process); 2 replicas: the HAProxy ingress, the home's registry; "
+             f"from this process; {res[ACTOR]['registry_reads_per_request']} registry reads per request), "
+             f"{out['ray_over_single_1replica_registry_actor_cached']} with the records cached {CACHE_S} s "
+             f"(--registry-cache-s; {res[ACTOR_CACHED]['registry_reads_per_request']} reads per request); "
+             "2 replicas: the HAProxy ingress, the home's registry; "
              f"affinity_hit_rate_2replicas = {out['affinity_hit_rate_2replicas']} "
              f"(after every tenant was requested once). Ray Serve took {res['ray start s (haproxy)']} s to start with one replica. "
              "\n\nReplica killed under load (2 replicas, the same clients, each request two fixed texts for one of "

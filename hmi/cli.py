@@ -244,6 +244,9 @@ def cmd_serve(args) -> int:
             if args.replicas < 1:
                 print(f"hmi serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
                 return 2
+            if not args.registry_cache_s >= 0:
+                print(f"hmi serve: --registry-cache-s must be 0 or more, got {args.registry_cache_s}", file=sys.stderr)
+                return 2
             if not args.job_cpus > 0:
                 print(f"hmi serve: --job-cpus must be above 0, got {args.job_cpus}", file=sys.stderr)
                 return 2
@@ -251,7 +254,7 @@ def cmd_serve(args) -> int:
 
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
                              root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus,
-                             registry=args.registry)
+                             registry=args.registry, registry_cache_s=args.registry_cache_s)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
     except ServerConfigError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
@@ -559,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --ray: the registry the replicas share: HMI_HOME's own LMDB (replicas on one machine; "
                           "default) or a Ray actor owning it on this node (replicas on several machines, HMI_HOME on a "
                           "shared file system)")
+    srv.add_argument("--registry-cache-s", type=float, default=0.0,
+                     help="with --registry actor: seconds a replica keeps a tenant's record (a change made through "
+                          "another replica is then seen within this; 0, the default: at once, one actor call per request)")
     srv.set_defaults(func=cmd_serve)
 
     def client_args(p):

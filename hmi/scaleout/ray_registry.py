@@ -17,6 +17,10 @@ hosts is by leases (``hmi.dispatcher.registry.Leases``), stamped by the actor's 
 
 from __future__ import annotations
 
+import copy
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 from hmi.dispatcher.registry import Registry, RegistryOps, RegistryUnavailable
@@ -32,25 +36,59 @@ class RegistryService:
 
     def __init__(self, path: str):
         self.registry = Registry(path)
+        self.calls: Counter = Counter()  # operation -> calls since the actor (re)started
 
     def call(self, op: str, *args, **kwargs):
         if op not in OPS:
             raise ValueError(f"unknown registry operation {op!r}")
+        self.calls[op] += 1
         return getattr(self.registry, op)(*args, **kwargs)
+
+    def stats(self) -> dict[str, int]:
+        """Calls per operation since the actor (re)started: the registry's load."""
+        return dict(self.calls)
 
     def path(self) -> str:
         return str(self.registry.path)
 
 
 class RemoteRegistry(RegistryOps):
-    """The registry interface, each operation run by the registry actor (one round trip)."""
+    """The registry interface, each operation run by the registry actor (one round trip).
+
+    ``cache_s`` > 0 keeps each tenant record read (``get("tenants", ...)``, what every request
+    reads) for that long: a change made through another process is then seen within ``cache_s``
+    instead of at once, and a request costs no round trip while its tenant's record is cached.
+    This process's own writes to a tenant drop its cached record.  Jobs, domains and leases are
+    always read from the actor."""
 
     where = "ray actor"
+    CACHED = "tenants"
 
-    def __init__(self, actor=None):
+    def __init__(self, actor=None, cache_s: float = 0.0):
         import ray
 
+        if not cache_s >= 0:
+            raise ValueError(f"cache_s must be 0 or more, got {cache_s}")
         self.actor = actor if actor is not None else ray.get_actor(ACTOR_NAME, namespace=NAMESPACE)
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[float, dict | None]] = {}  # tenant -> (read at, record)
+        self._writes: Counter = Counter()  # tenant -> this process's writes to it (started or ended)
+        self._lock = threading.Lock()
+
+    def _forget(self, table: str, key: str) -> None:
+        if table == self.CACHED:
+            with self._lock:
+                self._cache.pop(key, None)
+                self._writes[key] += 1
+
+    def _write(self, op: str, table: str, key: str, *args, **kwargs):
+        """A write, with the record's cached copy dropped before and after it; a read that overlaps a
+        write of this process is not cached (see ``get``)."""
+        self._forget(table, key)
+        try:
+            return self._call(op, table, key, *args, **kwargs)
+        finally:
+            self._forget(table, key)
 
     def _call(self, op: str, *args, **kwargs):
         import ray
@@ -65,28 +103,39 @@ class RemoteRegistry(RegistryOps):
                 raise RegistryUnavailable(f"the registry actor is unavailable ({op}): {exc}") from exc
 
     def get(self, table: str, key: str) -> dict | None:
+        if self.cache_s > 0 and table == self.CACHED:
+            with self._lock:
+                hit, writes = self._cache.get(key), self._writes[key]
+            if hit is not None and time.monotonic() - hit[0] < self.cache_s:
+                return copy.deepcopy(hit[1])
+            read_at = time.monotonic()
+            value = self._call("get", table, key)
+            with self._lock:
+                if self._writes[key] == writes:  # no write of this process began or ended meanwhile
+                    self._cache[key] = (read_at, value)
+            return copy.deepcopy(value)
         return self._call("get", table, key)
 
     def put(self, table: str, key: str, value: dict) -> None:
-        self._call("put", table, key, value)
+        self._write("put", table, key, value)
 
     def update(self, table: str, key: str, **changes) -> dict | None:
-        return self._call("update", table, key, **changes)
+        return self._write("update", table, key, **changes)
 
     def update_if(self, table: str, key: str, states: tuple[str, ...], **changes) -> dict | None:
-        return self._call("update_if", table, key, states, **changes)
+        return self._write("update_if", table, key, states, **changes)
 
     def create(self, table: str, key: str, value: dict) -> bool:
-        return self._call("create", table, key, value)
+        return self._write("create", table, key, value)
 
     def delete(self, table: str, key: str) -> bool:
-        return self._call("delete", table, key)
+        return self._write("delete", table, key)
 
     def items(self, table: str) -> list[tuple[str, dict]]:
         return self._call("items", table)
 
     def claim(self, table: str, key: str, expect: dict, **changes) -> dict | None:
-        return self._call("claim", table, key, expect, **changes)
+        return self._write("claim", table, key, expect, **changes)
 
     def age(self, table: str, key: str) -> float | None:
         return self._call("age", table, key)

@@ -97,7 +97,8 @@ class ReplicaServer:
     """Builds a replica's server: the root named by ``root``/``l_low`` (prepared beforehand by
     the driver) and its root PLOT from the shared home, with ``shared_home`` on; its jobs run as
     Ray tasks reserving ``job_cpus`` CPUs each (``hmi.scaleout.ray_jobs``); its registry is the
-    home's or the registry actor (``registry``, one of ``REGISTRIES``)."""
+    home's or the registry actor (``registry``, one of ``REGISTRIES``; a tenant's record read from
+    the actor is kept ``registry_cache_s`` seconds, see ``RemoteRegistry``)."""
 
     cfg: ServerConfig
     home: str
@@ -105,17 +106,20 @@ class ReplicaServer:
     l_low: int | None = None
     job_cpus: float = 1.0
     registry: str = "home"
+    registry_cache_s: float = 0.0
 
     def __post_init__(self):
         if self.registry not in REGISTRIES:
             raise ValueError(f"unknown registry {self.registry!r}; use one of {', '.join(REGISTRIES)}")
+        if not self.registry_cache_s >= 0:
+            raise ValueError(f"registry_cache_s must be 0 or more, got {self.registry_cache_s}")
 
     def __call__(self) -> Server:
         home = Path(self.home)
         spec = root_spec(self.root, self.l_low, home) if self.root else None
         return build_server(replace(self.cfg, shared_home=True), home, load_root(home=home, spec=spec),
                             job_launcher=RayLauncher(self.job_cpus),
-                            registry=RemoteRegistry() if self.registry == "actor" else None)
+                            registry=RemoteRegistry(cache_s=self.registry_cache_s) if self.registry == "actor" else None)
 
 
 class HeldTenant:
@@ -303,7 +307,7 @@ def stop() -> None:
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
               root: str | None = None, l_low: int | None = None, ingress: str = "haproxy", job_cpus: float = 1.0,
-              registry: str = "home") -> int:
+              registry: str = "home", registry_cache_s: float = 0.0) -> int:
     """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
     this ``HMI_HOME``; blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -312,7 +316,8 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     token, new = admin_token(home)  # made once, before any replica reads it
     env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
     print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress, registry: {registry}", flush=True)
-    factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus, registry)
+    factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus, registry,
+                            registry_cache_s)
     url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
     if new:
         print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
@@ -340,13 +345,14 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
 def app_builder(args: dict):
     """The application for ``serve run`` / ``serve deploy`` with a config file (``deploy/ray-serve.yaml``):
     ``args`` may name ``home`` (default ``HMI_HOME``), ``root``, ``l_low``, ``replicas`` (2),
-    ``tenants_per_replica`` (1000), ``job_cpus`` (1) and ``registry`` (``home``; ``actor`` starts
-    the registry actor on the node that builds the application, which must hold the home).  The
-    home must be prepared (``hmi prepare``) beforehand."""
+    ``tenants_per_replica`` (1000), ``job_cpus`` (1), ``registry`` (``home``; ``actor`` starts
+    the registry actor on the node that builds the application, which must hold the home) and
+    ``registry_cache_s`` (0).  The home must be prepared (``hmi prepare``) beforehand."""
     home = str(args.get("home") or hmi_home())
     l_low = args.get("l_low")
     factory = ReplicaServer(ServerConfig(), home, args.get("root"), int(l_low) if l_low else None,
-                            float(args.get("job_cpus", 1.0)), str(args.get("registry", "home")))
+                            float(args.get("job_cpus", 1.0)), str(args.get("registry", "home")),
+                            float(args.get("registry_cache_s", 0.0)))
     if factory.registry == "actor":
         start_registry_actor(home)
     return build_app(factory, int(args.get("replicas", 2)), int(args.get("tenants_per_replica", 1000)))

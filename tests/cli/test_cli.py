@@ -51,3 +51,7 @@ def test_serve_ray_refuses_settings_it_cannot_honour_before_any_work(capsys):
     assert "--replicas must be at least 1" in capsys.readouterr().err
     assert main(["serve", "--ray", "--hgpt"]) == 2
     assert "--hgpt is not served through --ray" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--job-cpus", "0"]) == 2
+    assert "--job-cpus must be above 0" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--registry", "actor", "--registry-cache-s", "-1"]) == 2
+    assert "--registry-cache-s must be 0 or more" in capsys.readouterr().err

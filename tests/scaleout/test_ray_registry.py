@@ -149,3 +149,31 @@ def test_a_server_on_the_registry_actor_trains_and_serves_a_tenant(actor, tmp_pa
         stop()
     assert RemoteRegistry().get("owners", server.leases.owner) is None  # released at a clean stop
     assert RemoteRegistry().get("tenants", "remote")["state"] == "ready"
+
+
+def test_a_cached_tenant_record_is_seen_changed_within_its_cache_time_and_own_writes_at_once(actor):
+    from hmi.scaleout.ray_registry import RemoteRegistry
+
+    here, elsewhere = RemoteRegistry(cache_s=0.5), RemoteRegistry()
+    elsewhere.create("tenants", "cached", {"state": "ready", "version": 1})
+    elsewhere.create("jobs", "fresh", {"state": "running"})
+    assert here.get("tenants", "cached")["version"] == 1 and here.get("jobs", "fresh")["state"] == "running"
+    here.get("tenants", "cached")["version"] = 99  # a caller's changes to its copy stay its own
+    elsewhere.update("tenants", "cached", version=2)
+    elsewhere.update("jobs", "fresh", state="cancelled")
+    assert here.get("tenants", "cached")["version"] == 1  # within the cache time: the record read
+    assert here.get("jobs", "fresh")["state"] == "cancelled"  # jobs are never cached
+    time.sleep(0.6)
+    assert here.get("tenants", "cached")["version"] == 2
+    here.update("tenants", "cached", version=3)  # this process's own write: seen at once
+    assert here.get("tenants", "cached")["version"] == 3
+    here.delete("tenants", "cached")
+    assert here.get("tenants", "cached") is None
+    elsewhere.create("tenants", "cached", {"state": "ready", "version": 1})
+    assert here.get("tenants", "cached") is None  # its absence is cached too, as long
+    time.sleep(0.6)
+    assert here.get("tenants", "cached")["version"] == 1
+    for table, key in (("tenants", "cached"), ("jobs", "fresh")):
+        elsewhere.delete(table, key)
+    with pytest.raises(ValueError, match="cache_s must be 0 or more"):
+        RemoteRegistry(cache_s=-1)
