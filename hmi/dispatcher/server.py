@@ -128,15 +128,21 @@ class Server:
                             source=root.spec.source)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher)
-        # Jobs a stopped server left unfinished: run again from their kept inputs, or failed.
         self.leases = Leases(self.registry, cfg.lease_s) if cfg.shared_home else None
-        if self.leases is not None:
-            self.leases.renew()
-        self.recovered, self.resumed = self.jobs.recover(self.leases.alive if self.leases else None)
-        if self.leases is not None:
-            self.jobs.watch_orphans(self.leases.alive, cfg.orphan_check_s, renew=self.leases.renew,
-                                    renew_every_s=cfg.lease_s / 4)
+        self.recovered, self.resumed = self._recover_jobs()
         self.started = time.time()
+
+    def _recover_jobs(self) -> tuple[list[str], list[str]]:
+        """Jobs a stopped server left unfinished: run again from their kept inputs, or failed.  On a
+        shared home, only those of processes that are gone (this one's lease is taken first), and
+        from then on those of processes that go while this one runs."""
+        if self.leases is None:
+            return self.jobs.recover()
+        self.leases.renew()
+        done = self.jobs.recover(self.leases.alive)
+        self.jobs.watch_orphans(self.leases.alive, self.cfg.orphan_check_s, renew=self.leases.renew,
+                                renew_every_s=self.cfg.lease_s / 4)
+        return done
 
     # -- tenants ---------------------------------------------------------------------------------
     @staticmethod
