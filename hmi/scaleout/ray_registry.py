@@ -151,11 +151,11 @@ def start_registry_actor(home: Path | str):
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = ray.get_runtime_context().get_node_id()
+    expected = str(Path(home) / "registry")
     actor = ray.remote(RegistryService).options(
         name=ACTOR_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, max_restarts=-1,
         max_concurrency=8, num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-    ).remote(str(Path(home) / "registry"))
-    expected = str(Path(home) / "registry")
+    ).remote(expected)
     serving = ray.get(actor.path.remote())
     if serving != expected:
         raise RuntimeError(f"a registry actor for another home is running ({serving}); stop it first")
