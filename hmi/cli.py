@@ -393,14 +393,15 @@ def _domain_via_server(args) -> bool:
 @_domain_error
 def cmd_domain_create(args):
     from hmi.version_tree.fpt import FPTConfig
+    from hmi.version_tree.fpt import summary as fpt_summary
 
     if _domain_via_server(args):
         return _domain_client(args, "create")
 
-    node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha, FPTConfig(steps=args.steps))
-    print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries covering "
-          f"{node.corpus['covered_occurrences']:.1%} of tri-gram occurrences; held-out MLM loss "
-          f"{node.fpt['mlm_loss_before']} -> {node.fpt['mlm_loss_after']}")
+    node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha,
+                          FPTConfig(steps=args.steps, objective=args.objective or "distill"))
+    print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries, its tri-grams covering "
+          f"{node.corpus['covered_occurrences']:.1%} of tri-gram occurrences; {fpt_summary(node.fpt)}")
 
 
 @_run_client
@@ -411,7 +412,8 @@ def _domain_client(args, verb):
         return
     named = args.corpus in CORPORA and not Path(args.corpus).exists()
     corpus = None if named else [x.strip() for x in Path(args.corpus).read_text().splitlines() if x.strip()]
-    kw = {"corpus": corpus, "corpus_name": args.corpus if named else None, "steps": args.steps}
+    kw = {"corpus": corpus, "corpus_name": args.corpus if named else None, "steps": args.steps,
+          "objective": args.objective}
     out = c.create_domain(args.name, args.parent, alpha=args.alpha, **kw) if verb == "create" else \
         c.update_domain(args.name, **kw)
     _print(out)
@@ -422,13 +424,14 @@ def _domain_client(args, verb):
 @_domain_error
 def cmd_domain_update(args):
     from hmi.version_tree.fpt import FPTConfig
+    from hmi.version_tree.fpt import summary as fpt_summary
 
     if _domain_via_server(args):
         return _domain_client(args, "update")
 
-    node = _tree().update(args.name, read_corpus_arg(args.corpus), FPTConfig(steps=args.steps))
+    node = _tree().update(args.name, read_corpus_arg(args.corpus), FPTConfig(steps=args.steps, objective=args.objective or "distill"))
     print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
-          f"MLM loss {node.fpt['mlm_loss_before']} -> {node.fpt['mlm_loss_after']}")
+          f"{fpt_summary(node.fpt)}")
 
 
 @_domain_error
@@ -457,13 +460,15 @@ def _domain_list_client(args):
 def cmd_domain_list(args):
     if _domain_via_server(args):
         return _domain_list_client(args)
+    from hmi.version_tree.fpt import summary as fpt_summary
+
     for d in _tree().listing():
         if d["name"] == "root":
             print("root")
             continue
         print(f"{'  ' * d['depth']}{d['name']}  alpha={d['alpha']} entries={d['plot'].get('entries')} "
               f"bytes={d['bytes']} corpus_lines={d['corpus'].get('lines')} "
-              f"mlm_loss={d['fpt'].get('mlm_loss_before')}->{d['fpt'].get('mlm_loss_after')}")
+              f"{fpt_summary(d['fpt'])}")
     return 0
 
 
@@ -650,13 +655,16 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--parent", default="root")
     dc.add_argument("--corpus", required=True, help="a prepared corpus name (e.g. legal) or a text file")
     dc.add_argument("--alpha", type=float, default=0.5, help="share of tri-gram occurrences the PLOT covers")
-    dc.add_argument("--steps", type=int, default=150, help="further-pretraining steps")
+    dc.add_argument("--steps", type=int, default=None, help="further-pretraining steps (default: 600 distill, 150 mlm)")
+    dc.add_argument("--objective", choices=("distill", "mlm"), default=None,
+                    help="further pretraining: distill the full root on the domain's text (default), or the paper's MLM")
     dc.set_defaults(func=cmd_domain_create)
     du = server_args(dom.add_parser("update", help="continue further pretraining on more corpus and refresh the PLOT"))
     du.add_argument("--wait", action="store_true", help="with --url: wait for the job")
     du.add_argument("name")
     du.add_argument("--corpus", required=True)
-    du.add_argument("--steps", type=int, default=100)
+    du.add_argument("--steps", type=int, default=None, help="further-pretraining steps (default: 600 distill, 150 mlm)")
+    du.add_argument("--objective", choices=("distill", "mlm"), default=None)
     du.set_defaults(func=cmd_domain_update)
     dd = server_args(dom.add_parser("delete", help="delete a domain (refused while tenants use it)"))
     dd.add_argument("name")

@@ -184,16 +184,18 @@ class Client:
         return self.request("GET", "/v1/domains")["domains"]
 
     def create_domain(self, name: str, parent: str = "root", corpus: list[str] | None = None,
-                      corpus_name: str | None = None, alpha: float = 0.5, steps: int | None = None) -> dict:
+                      corpus_name: str | None = None, alpha: float = 0.5, steps: int | None = None,
+                      objective: str | None = None) -> dict:
         body = {"name": name, "parent": parent, "alpha": alpha}
-        for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps)):
+        for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps), ("objective", objective)):
             if v is not None:
                 body[k] = v
         return self.request("POST", "/v1/domains", body)
 
     def update_domain(self, name: str, corpus: list[str] | None = None, corpus_name: str | None = None,
-                      steps: int | None = None) -> dict:
-        body = {k: v for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps)) if v is not None}
+                      steps: int | None = None, objective: str | None = None) -> dict:
+        body = {k: v for k, v in (("corpus", corpus), ("corpus_name", corpus_name), ("steps", steps),
+                                  ("objective", objective)) if v is not None}
         return self.request("POST", f"/v1/domains/{name}/update", body)
 
     def delete_domain(self, name: str) -> dict:

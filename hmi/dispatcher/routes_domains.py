@@ -102,7 +102,7 @@ async def create_domain(request: web.Request) -> web.Response:
     data = _corpus_data(body)
     s.require_job_room()
     job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(body.alpha),
-                        steps=body.steps)
+                        steps=body.steps, objective=body.objective)
     return web.json_response({"domain": name, "job": job}, status=202)
 
 
@@ -118,7 +118,7 @@ async def update_domain(request: web.Request) -> web.Response:
     body = parse(s.models["DomainUpdate"], await _corpus_body(request))
     data = _corpus_data(body)
     s.require_job_room()
-    job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=body.steps)
+    job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=body.steps, objective=body.objective)
     return web.json_response({"domain": name, "job": job}, status=202)
 
 

@@ -114,7 +114,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     def work(report) -> dict:
         lines = job_lines(job["data"])
         tree = ctx.tree()
-        fpt = FPTConfig(steps=job.get("steps", 150))
+        fpt = FPTConfig(steps=job.get("steps"), objective=job.get("objective", "distill"))
         report(0.0, {"stage": "further pretraining"})
 
         def on_progress(fraction: float, info: dict) -> None:

@@ -135,6 +135,12 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
 
 
+def schedule(cfg: CalibrationConfig):
+    """The learning-rate factor of step ``s``: linear warm-up over ``cfg.warmup`` steps, then a
+    linear decay to 5% at ``cfg.steps``."""
+    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.05, 1 - s / max(1, cfg.steps))
+
+
 def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.random.Generator,
                    group: int = 50) -> np.ndarray:
     """``order`` rearranged so that each run of ``batch`` consecutive texts has similar lengths:
@@ -150,8 +156,8 @@ def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.ra
     return np.array(out, dtype=np.int64)
 
 
-def _train(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
-           lengths: list[int], checkpoint, log) -> None:
+def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
+                  lengths: list[int], checkpoint, log) -> None:
     """The calibration steps from ``fit.step_count`` to the end (or the time budget), calling
     ``checkpoint()`` every ``cfg.checkpoint_every`` steps and at the end.  With back-off, a step's
     texts come from one half (alternating), read as the other half's PLOT serves them."""
@@ -168,6 +174,7 @@ def _train(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit,
             if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
                 log(f"time budget of {cfg.max_minutes} min reached at step {fit.step_count}")
                 break
+            fit.check()
             fold = fit.step_count % len(orders)
             order, turn = orders[fold], fit.step_count // len(orders)
             idx = [order[(turn * cfg.batch_size + k) % len(order)] for k in range(cfg.batch_size)]
@@ -199,8 +206,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         p.requires_grad_(True)
     windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
     params = [p for p in windowed.parameters() if p.requires_grad]
-    fit = Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="calibrate",
-              schedule=lambda s: min(1.0, (s + 1) / cfg.warmup) * max(0.05, 1 - s / max(1, cfg.steps)))
+    fit = Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="calibrate", schedule=schedule(cfg))
 
     # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
     lists = token_lists(root.tokenizer, train_texts, cfg.max_len)
@@ -228,7 +234,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
 
     start = time.time()
     with deterministic():
-        _train(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
+        distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
     step = fit.step_count
     seconds = time.time() - start
     windowed.eval().requires_grad_(False)

@@ -1,11 +1,20 @@
-"""Further pretraining of a branch's windowed lower layers with masked language modelling.
+"""Further pretraining of a branch's windowed lower layers on its domain's corpus.
 
-Only the windowed lower layers, the gate and the merge (and the MLM head's transform) learn; the
-shared upper layers stay frozen, so every tenant's adapters keep working on top of a branch.
+Only the windowed lower layers, the gate and the merge learn; the shared upper layers stay frozen,
+so every tenant's adapters keep working on top of a branch.  Two objectives:
+
+- ``distill`` (the default): the root's full-context model is the teacher on the domain's text,
+  with calibration's losses (its layer-``L_low`` states, every upper layer's output, the pooled
+  output), each text read as the branch's PLOT will serve it (its held-out half's back-off).  The
+  windows learn what the full root makes of this domain's text, which is what a tenant's adapters
+  were meant to read (``docs/bench_domains.md``: it is the objective that makes a branch help).
+- ``mlm`` (the paper's): masked language modelling through the frozen upper layers and a fresh
+  MLM head (the packaged roots ship none), trained alone for the first ``head_warmup`` of the steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass
 
@@ -14,22 +23,38 @@ import torch
 import torch.nn.functional as F
 from transformers.models.bert.modeling_bert import BertOnlyMLMHead
 
+from hmi.model.artifact import Root
 from hmi.model.hplm import UpperLayers, WindowedEncoder
-from hmi.training.fit import Fit
+from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_steps, quality, schedule, token_lists
+from hmi.training.fit import Fit, deterministic
 
 IGNORE = -100
 
 
+OBJECTIVES = ("distill", "mlm")
+DEFAULT_STEPS = {"distill": 600, "mlm": 150}
+DEFAULT_LR = {"distill": 3e-4, "mlm": 1e-4}
+DEFAULT_BATCH = {"distill": 32, "mlm": 16}
+
+
 @dataclass
 class FPTConfig:
-    steps: int = 150
-    batch_size: int = 16
+    steps: int | None = None  # None: the objective's (DEFAULT_STEPS), and so for the batch and the rate
+    batch_size: int | None = None
     max_len: int = 128
-    lr: float = 1e-4
+    lr: float | None = None
     mlm_probability: float = 0.15
     seed: int = 0
     eval_lines: int = 64
     head_warmup: float = 0.3  # share of steps that train the fresh MLM head alone, lower side frozen
+    objective: str = "distill"
+
+    def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown further-pretraining objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+        for name, default in (("steps", DEFAULT_STEPS), ("lr", DEFAULT_LR), ("batch_size", DEFAULT_BATCH)):
+            if getattr(self, name) is None:
+                setattr(self, name, default[self.objective])
 
 
 def mask_tokens(ids: torch.Tensor, mask: torch.Tensor, tokenizer, gen: torch.Generator,
@@ -84,12 +109,64 @@ def mlm_loss(encoder, upper, head, tokenizer, lines, cfg, seed: int = 1) -> floa
     return total / max(1, n)
 
 
-def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
+def further_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
                      progress: bool = True, should_stop=None, keep_head: list | None = None,
                      on_progress=None) -> dict:
-    """Trains ``encoder`` in place; returns held-out MLM loss before and after and timings.
-    ``keep_head``, when a list, receives the trained MLM head (for evaluations through a PLOT);
-    ``on_progress(fraction, info)`` hears every fifth step; ``should_stop()`` cancels."""
+    """Trains ``encoder`` (a copy of the parent's lower side) in place with ``cfg.objective`` on
+    ``lines`` but their last ``cfg.eval_lines``, which measure it; returns the measures before and
+    after (``summary`` words them) and timings.  ``keep_head``, when a list, receives the trained
+    MLM head (``mlm``, for evaluations through a PLOT); ``on_progress(fraction, info)`` hears every
+    fifth step; ``should_stop()`` cancels."""
+    if cfg.objective == "distill":
+        return distill_pretrain(root, encoder, lines, cfg, progress, should_stop, on_progress)
+    return mlm_pretrain(root.bert, root.tokenizer, encoder, lines, cfg, progress, should_stop, keep_head, on_progress)
+
+
+def summary(metrics: dict) -> str:
+    """What a branch's further pretraining achieved, in words (CLI and listings)."""
+    if metrics.get("objective", "mlm") == "mlm":
+        return f"MLM loss {metrics.get('mlm_loss_before')} -> {metrics.get('mlm_loss_after')}"
+    return (f"pooled cosine to the full root on held-out domain text as served "
+            f"{metrics.get('pooled_cosine_before')} -> {metrics.get('pooled_cosine_after')}")
+
+
+def distill_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig, progress: bool = True,
+                     should_stop=None, on_progress=None) -> dict:
+    """Distillation from the full-context root on the domain's text (calibration's losses and
+    back-off, ``hmi.training.calibrate``), starting from ``encoder``'s weights.  Measured: the
+    cosine of the merged lower output and of the pooled final output to the full root's, on the
+    held-out lines read as a PLOT of the training lines serves them."""
+    held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
+    branch = dataclasses.replace(root, windowed=encoder)
+    ccfg = CalibrationConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_len=cfg.max_len, lr=cfg.lr, seed=cfg.seed,
+                             warmup=max(1, min(20, cfg.steps // 10)), max_minutes=None)
+    lists = token_lists(root.tokenizer, train, cfg.max_len)
+    backoff = HeldOutBackoff(lists)
+    encoder.eval()
+    before = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
+    for p in encoder.parameters():
+        p.requires_grad_(True)
+    encoder.lower.embeddings.word_embeddings.weight.requires_grad_(False)  # shared with the root, as calibrated
+    torch.manual_seed(cfg.seed)
+    t0 = time.time()
+    fit = Fit([p for p in encoder.parameters() if p.requires_grad], cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0,
+              desc="further pretraining (distillation)", schedule=schedule(ccfg), progress=progress,
+              should_stop=should_stop, on_progress=on_progress, report_every=5)
+    with deterministic():  # distill_steps enters ``fit``
+        distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], lambda: None, lambda _msg: None)
+    step = fit.step_count
+    encoder.eval().requires_grad_(False)
+    after = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
+    out = {"objective": "distill", "steps": step, "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}
+    for k in ("pooled_cosine", "lower_cosine"):
+        out[f"{k}_before"], out[f"{k}_after"] = before[f"{k}_served"], after[f"{k}_served"]
+    return out
+
+
+def mlm_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig, progress: bool = True,
+                 should_stop=None, keep_head: list | None = None, on_progress=None) -> dict:
+    """Masked language modelling through the frozen upper layers and a fresh MLM head; returns the
+    held-out MLM loss before and after."""
     torch.manual_seed(cfg.seed)
     held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     upper = UpperLayers(bert, encoder.l_low)
@@ -130,7 +207,7 @@ def further_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str]
     after = mlm_loss(encoder, upper, head, tokenizer, held, cfg)
     if keep_head is not None:
         keep_head.append(head)
-    return {"mlm_loss_before": round(before, 4), "mlm_loss_after": round(after, 4), "steps": step,
+    return {"objective": "mlm", "mlm_loss_before": round(before, 4), "mlm_loss_after": round(after, 4), "steps": step,
             "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}
 
 

@@ -52,7 +52,7 @@ class DomainNode:
     alpha: float
     corpus: dict = field(default_factory=dict)  # lines, tokens, trigram occurrences, distinct trigrams
     plot: dict = field(default_factory=dict)  # PLOT statistics
-    fpt: dict = field(default_factory=dict)  # MLM losses before/after, steps, seconds
+    fpt: dict = field(default_factory=dict)  # objective, its measures before/after (fpt.summary), steps, seconds
     created: float = 0.0
     updated: float = 0.0
     version: str = ""  # the folder under <name>/ served now ("" : the files lie in <name>/ itself)
@@ -299,15 +299,17 @@ class VersionTree:
         n_tokens = sum(len(t) - 2 for t in token_lists)
         if n_tokens < MIN_CORPUS_TOKENS:
             raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
-        fpt_metrics = further_pretrain(self.root.bert, tok, encoder, fpt_lines or lines, fpt,
+        fpt_metrics = further_pretrain(self.root, encoder, fpt_lines or lines, fpt,
                                        progress=progress, should_stop=should_stop,
                                        on_progress=None if on_progress is None else
                                        lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}))
         write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
         write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
         keys, counts = count_ngrams(token_lists)
-        # A branch stores its own top tri-grams only; bi-grams and uni-grams come from the root.
-        plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), 0, with_backoff=False)
+        # A branch stores its top tri-grams and its own back-off entries (the bi-grams of its corpus,
+        # every uni-gram): a text of the domain is read by the branch's lower side alone wherever
+        # the branch's corpus and back-off reach, as its further pretraining read it.
+        plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), len(tok), with_backoff=True)
         store = PlotStore(work / "plot", meta=plot_meta(self.root), readonly=False)
         try:
             summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}",

@@ -65,8 +65,10 @@ def test_names_with_a_trailing_newline_are_refused(live, path, body):
 @pytest.mark.parametrize("body, code", [
     ({"name": "d1", "corpus_name": "legal", "max_lines": "many"}, "invalid_type"),
     ({"name": "d1", "corpus_name": "legal", "max_lines": 0}, "invalid_value"),
+    ({"name": "d1", "corpus_name": "legal", "objective": "magic"}, "invalid_value"),
+    ({"name": "d1", "corpus_name": "legal", "steps": 0}, "invalid_value"),
 ])
-def test_max_lines_is_validated(live, body, code):
+def test_domain_fields_are_validated(live, body, code):
     status, payload = raw(live["url"], "POST", "/v1/domains", body)
     assert status == 400 and payload["error"]["code"] == code, payload
 

@@ -73,12 +73,14 @@ def test_domain_lifecycle_create_tenant_on_branch_update_delete(live):
     job = admin.create_domain("legal", corpus=domain_corpus(), alpha=0.5, steps=3)["job"]
     done = admin.wait_job(job, 300)
     assert done["state"] == "succeeded", done
+    assert done["metrics"]["fpt"]["objective"] == "distill" and done["metrics"]["plot"]["unigrams"] > 0
     names = [d["name"] for d in admin.domains()]
     assert names[:2] == ["root", "legal"]
     out = admin.create_tenant("lawyer", ["neg", "pos"], domain="legal", training_data={"train": TRAIN}, epochs=1)
     assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
     assert admin.infer("lawyer", ["the license grants permission"])[0]["label"] in ("neg", "pos")
-    assert admin.wait_job(admin.update_domain("legal", corpus=domain_corpus(seed=3), steps=2)["job"], 300)["state"] == "succeeded"
+    updated = admin.wait_job(admin.update_domain("legal", corpus=domain_corpus(seed=3), steps=2, objective="mlm")["job"], 300)
+    assert updated["state"] == "succeeded" and updated["metrics"]["fpt"]["objective"] == "mlm", updated
     assert admin.infer("lawyer", ["the license grants permission"])[0]["label"] in ("neg", "pos")
     with pytest.raises(ApiError) as e:
         admin.delete_domain("legal")

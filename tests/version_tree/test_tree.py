@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +8,7 @@ from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer
 from hmi.plot.paths import ensure_root_plot
-from hmi.version_tree.fpt import FPTConfig, further_pretrain, mask_tokens
+from hmi.version_tree.fpt import OBJECTIVES, FPTConfig, further_pretrain, mask_tokens, summary
 from hmi.version_tree.tree import DomainError, VersionTree
 from tests.conftest import tiny_bert
 
@@ -37,7 +39,7 @@ def root(shared_root, tmp_path):
     return r
 
 
-FAST = FPTConfig(steps=6, batch_size=8, max_len=64, lr=1e-3, eval_lines=16)
+FAST = FPTConfig(steps=6, batch_size=8, max_len=64, lr=1e-3, eval_lines=16)  # distill, the default objective
 
 
 def test_masking_follows_80_10_10_on_real_tokens_only(root):
@@ -55,24 +57,40 @@ def test_masking_follows_80_10_10_on_real_tokens_only(root):
     assert abs(kept.sum().item() / chosen.sum().item() - 0.1) < 0.05
 
 
-def test_fpt_changes_only_lower_side_parameters(root):
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_fpt_changes_only_lower_side_parameters_and_improves_its_measure_on_held_out_lines(root, objective):
+    """distill: the served representation of held-out domain lines moves towards the full root's
+    (pooled cosine); mlm: the held-out MLM loss falls."""
     upper_before = {k: v.clone() for k, v in root.bert.encoder.layer[2:].state_dict().items()}
     enc = WindowedEncoder(root.bert, 2)
     lower_before = {k: v.clone() for k, v in enc.state_dict().items()}
-    m = further_pretrain(root.bert, root.tokenizer, enc, corpus(), FAST, progress=False)
+    m = further_pretrain(root, enc, corpus(), dataclasses.replace(FAST, objective=objective), progress=False)
     for k, v in root.bert.encoder.layer[2:].state_dict().items():
         assert torch.equal(v, upper_before[k]), k
     changed = [k for k, v in enc.state_dict().items() if not torch.equal(v, lower_before[k])]
     assert any("lower.layers" in k for k in changed) and any("merge" in k for k in changed)
-    assert m["steps"] == 6 and m["mlm_loss_after"] < m["mlm_loss_before"]
+    assert not enc.lower.embeddings.word_embeddings.weight.requires_grad
+    assert m["steps"] == 6 and m["objective"] == objective
+    if objective == "mlm":
+        assert m["mlm_loss_after"] < m["mlm_loss_before"]
+    else:
+        assert m["pooled_cosine_after"] > m["pooled_cosine_before"] and m["lower_cosine_after"] > m["lower_cosine_before"]
+    assert ("->" in summary(m)) and (("MLM" in summary(m)) == (objective == "mlm"))
+
+
+def test_fpt_defaults_follow_the_objective_and_an_unknown_one_is_refused():
+    assert (FPTConfig().objective, FPTConfig().steps, FPTConfig().lr) == ("distill", 600, 3e-4)
+    assert (FPTConfig(objective="mlm").steps, FPTConfig(objective="mlm").batch_size) == (150, 16)
+    assert FPTConfig(steps=7, objective="mlm").steps == 7
+    with pytest.raises(ValueError, match="unknown further-pretraining objective"):
+        FPTConfig(objective="magic")
 
 
 def test_create_branch_prunes_by_alpha_and_chains_to_root(root, tmp_path):
     tree = VersionTree(root, tmp_path)
     node = tree.create("legal", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)
-    # only corpus windows: no vocabulary uni-grams (back-off comes from the root); the few (0, c, r)
-    # keys are the real windows at sequence starts
-    assert node.plot["trigrams"] > 0 and node.plot["unigrams"] == 0 and node.plot["bigrams"] < 30
+    # its pruned tri-grams and its own back-off entries: the bi-grams of its corpus, every uni-gram
+    assert node.plot["trigrams"] > 0 and node.plot["unigrams"] == len(root.tokenizer) - 1 and node.plot["bigrams"] > 30
     assert 0.5 <= node.corpus["covered_occurrences"] < 0.6
     assert node.plot["trigrams"] < node.corpus["distinct_trigrams"]
     sub = tree.create("legal-eu", "legal", corpus(seed=1), alpha=0.3, fpt=FAST, progress=False)
@@ -82,6 +100,10 @@ def test_create_branch_prunes_by_alpha_and_chains_to_root(root, tmp_path):
     ids = root.tokenizer(corpus(4, seed=1), truncation=True, max_length=64, padding=True, return_tensors="np")
     lk.merged(ids["input_ids"], ids["attention_mask"])
     assert lk.hits["trigram:legal-eu"] > 0
+    # its corpus's windows it did not keep are served by its own bi-grams, never by an ancestor's
+    assert lk.hits["bigram:legal-eu"] > 0 and not any(n for level, n in lk.hits.items()
+                                                      if level.startswith(("bigram:legal", "bigram:root", "unigram:"))
+                                                      and not level.endswith("legal-eu"))
     assert sub.parent == "legal" and [d["name"] for d in tree.listing()] == ["root", "legal", "legal-eu"]
 
 
@@ -178,3 +200,28 @@ def test_a_delete_during_an_update_is_not_undone(root, tmp_path):
         tree.update("legal", corpus(200, seed=4), FAST, progress=False)
     assert "legal" not in tree.nodes()
     assert not (tmp_path / "domains" / root.artifact_id / "legal").exists()
+
+
+def test_a_branch_serves_held_out_text_as_its_further_pretraining_read_it(root, tmp_path):
+    """Serving a branch's tenant (lookup along branch -> root) equals the branch's own windowed lower
+    layers reading the text with the back-off of a PLOT of the branch's corpus, which is what
+    distillation trained on: windows of the corpus are the branch's tri-grams, the others its bi-grams
+    or uni-grams, never a root entry computed by another lower side."""
+    from hmi.training.calibrate import HeldOutBackoff, token_lists
+
+    lines = corpus()
+    tree = VersionTree(root, tmp_path)
+    tree.create("legal", "root", lines, alpha=1.0, fpt=FAST, progress=False)
+    enc = tree.encoder("legal")
+    text = [lines[3] + " zebra quantum " + lines[7], "quantum " + lines[11][:80]]
+    batch = root.tokenizer(text, truncation=True, max_length=64, padding=True, return_tensors="np")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    lk = tree.lookup("legal")
+    got = lk.merged(ids, mask)
+    with torch.no_grad():
+        want = enc(torch.from_numpy(ids), torch.from_numpy(mask),
+                   HeldOutBackoff(token_lists(root.tokenizer, lines, 64)).serve(None))
+    m = mask.astype(bool)
+    torch.testing.assert_close(got[m], want[m], atol=2e-2, rtol=0)
+    assert lk.hits["trigram:legal"] > 0 and lk.hits["unigram:legal"] > 0
+    assert not any(level.endswith(":root") for level, n in lk.hits.items() if n)
