@@ -21,6 +21,7 @@ from hmi.data import CORPORA, data_dir, held_out_texts, load_corpus, task_labels
 from hmi.data.prepare import prepare
 from hmi.home import hmi_home
 from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, RootError, default_l_low, pointer_name, source_of
+from hmi.version_tree.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
 
 
 def cmd_data_prepare(args) -> int:
@@ -390,16 +391,21 @@ def _domain_via_server(args) -> bool:
     return bool(getattr(args, "url", None))
 
 
+def _fpt_config(args):
+    from hmi.version_tree.fpt import FPTConfig
+
+    return FPTConfig(steps=args.steps, objective=args.objective or DEFAULT_OBJECTIVE)
+
+
 @_domain_error
 def cmd_domain_create(args):
-    from hmi.version_tree.fpt import FPTConfig
     from hmi.version_tree.fpt import summary as fpt_summary
 
     if _domain_via_server(args):
         return _domain_client(args, "create")
 
     node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha,
-                          FPTConfig(steps=args.steps, objective=args.objective or "distill"))
+                          _fpt_config(args))
     print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries, its tri-grams covering "
           f"{node.corpus['covered_occurrences']:.1%} of tri-gram occurrences; {fpt_summary(node.fpt)}")
 
@@ -423,13 +429,12 @@ def _domain_client(args, verb):
 
 @_domain_error
 def cmd_domain_update(args):
-    from hmi.version_tree.fpt import FPTConfig
     from hmi.version_tree.fpt import summary as fpt_summary
 
     if _domain_via_server(args):
         return _domain_client(args, "update")
 
-    node = _tree().update(args.name, read_corpus_arg(args.corpus), FPTConfig(steps=args.steps, objective=args.objective or "distill"))
+    node = _tree().update(args.name, read_corpus_arg(args.corpus), _fpt_config(args))
     print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
           f"{fpt_summary(node.fpt)}")
 
@@ -655,16 +660,16 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--parent", default="root")
     dc.add_argument("--corpus", required=True, help="a prepared corpus name (e.g. legal) or a text file")
     dc.add_argument("--alpha", type=float, default=0.5, help="share of tri-gram occurrences the PLOT covers")
-    dc.add_argument("--steps", type=int, default=None, help="further-pretraining steps (default: 600 distill, 150 mlm)")
-    dc.add_argument("--objective", choices=("distill", "mlm"), default=None,
+    dc.add_argument("--steps", type=int, default=None, help=f"further-pretraining steps (default: {steps_help()})")
+    dc.add_argument("--objective", choices=OBJECTIVES, default=None,
                     help="further pretraining: distill the full root on the domain's text (default), or the paper's MLM")
     dc.set_defaults(func=cmd_domain_create)
     du = server_args(dom.add_parser("update", help="continue further pretraining on more corpus and refresh the PLOT"))
     du.add_argument("--wait", action="store_true", help="with --url: wait for the job")
     du.add_argument("name")
     du.add_argument("--corpus", required=True)
-    du.add_argument("--steps", type=int, default=None, help="further-pretraining steps (default: 600 distill, 150 mlm)")
-    du.add_argument("--objective", choices=("distill", "mlm"), default=None)
+    du.add_argument("--steps", type=int, default=None, help=f"further-pretraining steps (default: {steps_help()})")
+    du.add_argument("--objective", choices=OBJECTIVES, default=None)
     du.set_defaults(func=cmd_domain_update)
     dd = server_args(dom.add_parser("delete", help="delete a domain (refused while tenants use it)"))
     dd.add_argument("name")

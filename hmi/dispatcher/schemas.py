@@ -20,7 +20,7 @@ from hmi.adapters.spec import HEADS, KINDS, POOLINGS
 from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
-from hmi.version_tree.fpt import OBJECTIVES
+from hmi.version_tree.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
 
 SEED_LIMIT = 2**63
 MAX_NEW_TOKENS = 1024
@@ -96,9 +96,9 @@ class DomainUpdate(Body):
     corpus: Annotated[list[str], Field(min_length=1, max_length=MAX_CORPUS_LINES, description="one document per line")] = Absent()
     corpus_name: Literal[tuple(CORPORA)] = Absent()  # type: ignore[valid-type]
     max_lines: Int = Absent(ge=1, le=MAX_CORPUS_LINES)
-    steps: Int = Absent(ge=1, le=5000, description="further-pretraining steps (default: 600 distill, 150 mlm)")
+    steps: Int = Absent(ge=1, le=5000, description=f"further-pretraining steps (default: {steps_help()})")
     objective: Literal[OBJECTIVES] = Field(  # type: ignore[valid-type]
-        "distill", description="further pretraining: distill the full root on the domain's text, or the paper's MLM")
+        DEFAULT_OBJECTIVE, description="further pretraining: distill the full root on the domain's text, or the paper's MLM")
 
     @model_validator(mode="after")
     def _one_source(self):

@@ -31,6 +31,7 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotStore
 from hmi.training.fit import Cancelled
 from hmi.version_tree.fpt import FPTConfig
+from hmi.version_tree.objectives import DEFAULT_OBJECTIVE
 from hmi.version_tree.tree import VersionTree
 
 PR_SET_PDEATHSIG = 1
@@ -114,7 +115,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     def work(report) -> dict:
         lines = job_lines(job["data"])
         tree = ctx.tree()
-        fpt = FPTConfig(steps=job.get("steps"), objective=job.get("objective", "distill"))
+        fpt = FPTConfig(steps=job.get("steps"), objective=job.get("objective", DEFAULT_OBJECTIVE))
         report(0.0, {"stage": "further pretraining"})
 
         def on_progress(fraction: float, info: dict) -> None:

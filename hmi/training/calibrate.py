@@ -156,6 +156,17 @@ def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.ra
     return np.array(out, dtype=np.int64)
 
 
+def distill_fit(windowed, cfg: CalibrationConfig, desc: str, **fit_options) -> Fit:
+    """Makes every parameter of the windowed lower side trainable but the word embeddings (unless
+    ``cfg.train_word_embeddings``: they stay the root's, shared with it) and returns the ``Fit``
+    that trains them with calibration's optimizer settings and ``schedule(cfg)``."""
+    for p in windowed.parameters():
+        p.requires_grad_(True)
+    windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
+    return Fit([p for p in windowed.parameters() if p.requires_grad], cfg.steps, lr=cfg.lr, weight_decay=0.01,
+               clip=1.0, desc=desc, schedule=schedule(cfg), **fit_options)
+
+
 def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
                   lengths: list[int], checkpoint, log) -> None:
     """The calibration steps from ``fit.step_count`` to the end (or the time budget), calling
@@ -202,11 +213,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     seed_everything(cfg.seed)
 
     windowed = root.windowed
-    for p in windowed.parameters():
-        p.requires_grad_(True)
-    windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
-    params = [p for p in windowed.parameters() if p.requires_grad]
-    fit = Fit(params, cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0, desc="calibrate", schedule=schedule(cfg))
+    fit = distill_fit(windowed, cfg, "calibrate")
 
     # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
     lists = token_lists(root.tokenizer, train_texts, cfg.max_len)

@@ -25,16 +25,13 @@ from transformers.models.bert.modeling_bert import BertOnlyMLMHead
 
 from hmi.model.artifact import Root
 from hmi.model.hplm import UpperLayers, WindowedEncoder
-from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_steps, quality, schedule, token_lists
+from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_fit, distill_steps, quality, token_lists
 from hmi.training.fit import Fit, deterministic
+from hmi.version_tree.objectives import DEFAULT_BATCH, DEFAULT_LR, DEFAULT_OBJECTIVE, DEFAULT_STEPS, OBJECTIVES
 
 IGNORE = -100
 
 
-OBJECTIVES = ("distill", "mlm")
-DEFAULT_STEPS = {"distill": 600, "mlm": 150}
-DEFAULT_LR = {"distill": 3e-4, "mlm": 1e-4}
-DEFAULT_BATCH = {"distill": 32, "mlm": 16}
 
 
 @dataclass
@@ -47,7 +44,7 @@ class FPTConfig:
     seed: int = 0
     eval_lines: int = 64
     head_warmup: float = 0.3  # share of steps that train the fresh MLM head alone, lower side frozen
-    objective: str = "distill"
+    objective: str = DEFAULT_OBJECTIVE
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -117,9 +114,11 @@ def further_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg
     after (``summary`` words them) and timings.  ``keep_head``, when a list, receives the trained
     MLM head (``mlm``, for evaluations through a PLOT); ``on_progress(fraction, info)`` hears every
     fifth step; ``should_stop()`` cancels."""
+    held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     if cfg.objective == "distill":
-        return distill_pretrain(root, encoder, lines, cfg, progress, should_stop, on_progress)
-    return mlm_pretrain(root.bert, root.tokenizer, encoder, lines, cfg, progress, should_stop, keep_head, on_progress)
+        return distill_pretrain(root, encoder, held, train, cfg, progress, should_stop, on_progress)
+    return mlm_pretrain(root.bert, root.tokenizer, encoder, held, train, cfg, progress, should_stop, keep_head,
+                        on_progress)
 
 
 def summary(metrics: dict) -> str:
@@ -130,13 +129,12 @@ def summary(metrics: dict) -> str:
             f"{metrics.get('pooled_cosine_before')} -> {metrics.get('pooled_cosine_after')}")
 
 
-def distill_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig, progress: bool = True,
-                     should_stop=None, on_progress=None) -> dict:
-    """Distillation from the full-context root on the domain's text (calibration's losses and
-    back-off, ``hmi.training.calibrate``), starting from ``encoder``'s weights.  Measured: the
-    cosine of the merged lower output and of the pooled final output to the full root's, on the
-    held-out lines read as a PLOT of the training lines serves them."""
-    held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
+def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], train: list[str], cfg: FPTConfig,
+                     progress: bool = True, should_stop=None, on_progress=None) -> dict:
+    """Distillation from the full-context root on the domain's ``train`` lines (calibration's
+    losses and back-off, ``hmi.training.calibrate``), starting from ``encoder``'s weights.
+    Measured: the cosine of the merged lower output and of the pooled final output to the full
+    root's, on the ``held`` lines read as a PLOT of the training lines serves them."""
     branch = dataclasses.replace(root, windowed=encoder)
     ccfg = CalibrationConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_len=cfg.max_len, lr=cfg.lr, seed=cfg.seed,
                              warmup=max(1, min(20, cfg.steps // 10)), max_minutes=None)
@@ -144,14 +142,10 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg
     backoff = HeldOutBackoff(lists)
     encoder.eval()
     before = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
-    for p in encoder.parameters():
-        p.requires_grad_(True)
-    encoder.lower.embeddings.word_embeddings.weight.requires_grad_(False)  # shared with the root, as calibrated
     torch.manual_seed(cfg.seed)
     t0 = time.time()
-    fit = Fit([p for p in encoder.parameters() if p.requires_grad], cfg.steps, lr=cfg.lr, weight_decay=0.01, clip=1.0,
-              desc="further pretraining (distillation)", schedule=schedule(ccfg), progress=progress,
-              should_stop=should_stop, on_progress=on_progress, report_every=5)
+    fit = distill_fit(encoder, ccfg, "further pretraining (distillation)", progress=progress, should_stop=should_stop,
+                      on_progress=on_progress, report_every=5)
     with deterministic():  # distill_steps enters ``fit``
         distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], lambda: None, lambda _msg: None)
     step = fit.step_count
@@ -163,12 +157,11 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg
     return out
 
 
-def mlm_pretrain(bert, tokenizer, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig, progress: bool = True,
-                 should_stop=None, keep_head: list | None = None, on_progress=None) -> dict:
-    """Masked language modelling through the frozen upper layers and a fresh MLM head; returns the
-    held-out MLM loss before and after."""
+def mlm_pretrain(bert, tokenizer, encoder: WindowedEncoder, held: list[str], train: list[str], cfg: FPTConfig,
+                 progress: bool = True, should_stop=None, keep_head: list | None = None, on_progress=None) -> dict:
+    """Masked language modelling on the ``train`` lines through the frozen upper layers and a fresh
+    MLM head; returns the MLM loss on the ``held`` lines before and after."""
     torch.manual_seed(cfg.seed)
-    held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     upper = UpperLayers(bert, encoder.l_low)
     for p in upper.parameters():
         p.requires_grad_(False)
