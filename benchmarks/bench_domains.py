@@ -10,6 +10,7 @@ with their standard deviation, beside the test set's own noise (the binomial sta
 accuracy on that many test texts).
 
 Usage: python benchmarks/bench_domains.py [--quick] [--domains reviews,legal] [--seeds N]
+                                          [--variants mlm,distill,distill-1.0] [--steps N]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
 
+VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
 TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "news-topic", "social": "tweet-sentiment"}
 
 
@@ -35,6 +37,9 @@ def main() -> None:
         ap.add_argument("--domains", help="comma-separated domains among " + ", ".join(TASK_OF)
                                           + " (default: reviews; without --quick reviews,legal)")
         ap.add_argument("--seeds", type=int, help="fine-tune seeds per tenant (default 3 with --quick, else 5)")
+        ap.add_argument("--variants", default=",".join(VARIANTS),
+                        help="branches beside the root PLOT, among " + ", ".join(VARIANTS) + " (default: all)")
+        ap.add_argument("--steps", type=int, help="further-pretraining steps of every branch (default: the product's)")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -53,6 +58,9 @@ def main() -> None:
     unknown = [d for d in domains if d not in TASK_OF]
     if unknown:
         raise SystemExit(f"unknown domain(s) {', '.join(unknown)}; use some of {', '.join(TASK_OF)}")
+    chosen = args.variants.split(",")
+    if not set(chosen) <= set(VARIANTS) or ("distill-1.0" in chosen and "distill" not in chosen):
+        raise SystemExit(f"--variants: some of {', '.join(VARIANTS)} (distill-1.0 needs distill)")
     seeds = list(range(args.seeds or (3 if args.quick else 5)))
     max_lines, n_train, n_test = 12000, 640, 1000
     root, root_version = prepared_root(root=args.root, l_low=args.l_low)
@@ -73,18 +81,21 @@ def main() -> None:
                                              progress=False)[1]["test"]["accuracy"], 2) for s in seeds]
 
             variants = {"root PLOT": ([root_version], None, None)}
-            for objective in ("mlm", "distill"):
+            stores = []
+            for objective in (o for o in ("mlm", "distill") if o in chosen):
                 t0 = time.time()
-                node = tree.create(f"{domain}-{objective}", "root", lines, 0.5, FPTConfig(objective=objective), progress=True)
+                node = tree.create(f"{domain}-{objective}", "root", lines, 0.5,
+                                   FPTConfig(objective=objective, steps=args.steps), progress=True)
                 version = tree.version(node.name)
                 variants[f"branch, {objective}, alpha 0.5"] = ([version, root_version], node, round(time.time() - t0))
-            # the distilled branch at alpha 1.0: the same lower side, every tri-gram of its corpus
-            node = tree.nodes()[f"{domain}-distill"]
-            enc = tree.encoder(node.name)
-            keys, counts = count_ngrams(tokenize_corpus(tok, lines, 128, progress=False))
-            store = PlotStore(tmp / f"{domain}-distill-1.0", meta=plot_meta(root), readonly=False)
-            build(store, enc, plan_keys(keys, counts, Selection("alpha", alpha=1.0), len(tok)), progress=True)
-            variants["branch, distill, alpha 1.0"] = ([PlotVersion("distill@1.0", store, enc), root_version], node, None)
+            if "distill-1.0" in chosen:  # the distilled branch's lower side, every tri-gram of its corpus
+                node = tree.nodes()[f"{domain}-distill"]
+                enc = tree.encoder(node.name)
+                keys, counts = count_ngrams(tokenize_corpus(tok, lines, 128, progress=False))
+                stores.append(PlotStore(tmp / f"{domain}-distill-1.0", meta=plot_meta(root), readonly=False))
+                build(stores[-1], enc, plan_keys(keys, counts, Selection("alpha", alpha=1.0), len(tok)), progress=True)
+                variants["branch, distill, alpha 1.0"] = ([PlotVersion("distill@1.0", stores[-1], enc), root_version],
+                                                          node, None)
 
             base = None
             out = res["domains"].setdefault(domain, {"task": task, "test": len(test), "variants": {}})
@@ -107,25 +118,30 @@ def main() -> None:
                              f"{mean:.2f}", "" if node is None else f"{gains.mean():+.2f} (sd {gains.std(ddof=1):.2f})",
                              f"{noise:.2f}"))
                 print(rows[-1], flush=True)
-            store.close()
+            for store in stores:
+                store.close()
     finally:
         tree.close()
         shutil.rmtree(tmp, ignore_errors=True)
     for d, r in res["domains"].items():
-        res[f"distill_gain_{d}"] = r["variants"]["branch, distill, alpha 0.5"]["gain"]
-        res[f"mlm_gain_{d}"] = r["variants"]["branch, mlm, alpha 0.5"]["gain"]
+        for objective in ("distill", "mlm"):
+            if f"branch, {objective}, alpha 0.5" in r["variants"]:
+                res[f"{objective}_gain_{d}"] = r["variants"][f"branch, {objective}, alpha 0.5"]["gain"]
     text = table(rows, ("domain", "task", "served on", "branch entries", "MiB", "tri-gram occurrences covered",
                         "further pretraining (held-out domain lines)", f"test accuracy %, mean of {len(seeds)} seeds",
                         "gain over root PLOT (per-seed sd)", "test-set SE"))
     text += (f"\n\nRoot {root.spec.name}, split {root.spec.l_low}+{root.bert.config.num_hidden_layers - root.spec.l_low}. "
              f"Up to {max_lines} corpus lines per domain; branches with the product's defaults (`hmi domain create`: "
-             f"mlm {FPTConfig(objective='mlm').steps} steps, distill {FPTConfig().steps} steps). Each tenant: {n_train} "
+             f"mlm {FPTConfig(objective='mlm', steps=args.steps).steps} steps, distill {FPTConfig(steps=args.steps).steps} "
+             f"steps). Each tenant: {n_train} "
              f"training examples, a bottleneck adapter and a head on the token mean, 4 epochs, best dev epoch, trained "
              f"and tested on the chain it is served with (branch -> root -> back-off); one run per seed, the same seeds "
              f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer.")
     finish(result_name("bench_domains", args), text, res,
            "python benchmarks/bench_domains.py" + (" --quick" if args.quick else "")
            + (f" --domains {args.domains}" if args.domains else "") + (f" --seeds {args.seeds}" if args.seeds else "")
+           + (f" --variants {args.variants}" if args.variants != ",".join(VARIANTS) else "")
+           + (f" --steps {args.steps}" if args.steps else "")
            + root_flags(args))
 
 
