@@ -3,10 +3,12 @@ one run on the same home, tenants and load.
 
 1. The single-process server (``hmi serve``) in this process; a closed-loop load of concurrent
    clients from a separate process, tenants drawn Zipf-skewed over 1,000 tenants.
-2. The Ray Serve path with 1 replica, the same load, through each ingress (Ray Serve's Python
-   HTTP proxy, then its HAProxy ingress, the default of ``hmi serve --ray``):
-   ``ray_over_single_1replica`` is the default ingress's requests / s over the single process's
-   (``ray_over_single_1replica_proxy`` the Python proxy's).  Then the HAProxy ingress again with the
+2. The Ray Serve path with 1 replica, the same load, through the HAProxy ingress (the default of
+   ``hmi serve --ray``), in rounds alternating with the single process (``--rounds``, default 3;
+   Ray is started for each Ray run and stopped after it, so that no Ray process runs beside the
+   single process): ``ray_over_single_1replica`` is the median of the rounds' ratios of requests / s.
+   Then Ray Serve's Python HTTP proxy (``ray_over_single_1replica_proxy``, against the median
+   single-process figure).  Then the HAProxy ingress again with the
    registry actor (``--registry actor``, what replicas on several machines share) instead of the
    home's LMDB: ``ray_over_single_1replica_registry_actor``, and with each replica keeping a tenant's
    record 0.5 s (``--registry-cache-s 0.5``): ``ray_over_single_1replica_registry_actor_cached``.
@@ -23,7 +25,7 @@ one run on the same home, tenants and load.
 Both paths answer through HTTP on localhost; this machine's cores are shared by the client, Ray's
 ingress and the replicas.
 
-Usage: python benchmarks/bench_scale.py [--quick]
+Usage: python benchmarks/bench_scale.py [--quick] [--rounds N]
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def summary(r: dict) -> dict:
             "p99_ms": round(float(np.percentile(lat, 99) * 1e3), 1) if len(lat) else None,
             "affinity_hit_rate": round(hits / (hits + misses), 3) if hits + misses else None,
             "per_replica": sorted(r["replicas"].values(), reverse=True)}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median requests / s of ``runs`` (their number odd), with every run's figure."""
+    ranked = sorted(runs, key=lambda r: r["rps"])
+    return {**ranked[len(ranked) // 2], "rps_rounds": [r["rps"] for r in runs]}
 
 
 def replica_pids(url: str, probes: int = 40) -> set[int]:
@@ -148,7 +156,12 @@ def replica_kill(url: str, home: Path, token: str, load: dict, seconds: float) -
 
 
 def main() -> None:
-    args = start(__doc__, lambda ap: ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)"))
+    def options(ap):
+        ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)")
+        ap.add_argument("--rounds", type=int, help="alternating single-process / Ray rounds (default 3; 1 with --quick)")
+
+    args = start(__doc__, options)
+    rounds = args.rounds or (1 if args.quick else 3)
     import ray
 
     from hmi.data import load_task
@@ -177,32 +190,40 @@ def main() -> None:
         server = build_server(cfg, home=tmp, root=root)
         url, stop_single = run_in_thread(server)
         run_load({**base, "url": url, "seconds": 3})  # warm-up
-        res["single process"] = summary(run_load({**base, "url": url}))
         from hmi.client import Client
 
         single = Client(url, token)
         reference = {"inputs": texts[:2], "outputs": {t: single.infer(t, texts[:2]) for t in names[:40]}}
-        stop_single()
-        print("single process", res["single process"], flush=True)
-
         env = {"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token}
         port = free_port()
-        for ingress in ("proxy", "haproxy"):  # the ingress is chosen when the local cluster starts
+
+        def ray_run(ingress: str, name: str) -> None:
+            """One run through a fresh local cluster with ``ingress`` (chosen when the cluster starts)."""
             t = time.perf_counter()
             ray_url = start_ray(ReplicaServer(cfg, str(tmp)), port=port, replicas=1, env=env, ingress=ingress)
             res[f"ray start s ({ingress})"] = round(time.perf_counter() - t, 1)
             run_load({**base, "url": ray_url, "seconds": 3})
-            res[f"Ray Serve, 1 replica, {INGRESS_NAMES[ingress]}"] = summary(run_load({**base, "url": ray_url}))
-            print("ray 1", ingress, res[f"Ray Serve, 1 replica, {INGRESS_NAMES[ingress]}"], flush=True)
-            if ingress == "proxy":
-                stop()
+            res[name] = summary(run_load({**base, "url": ray_url}))
+            print(name, res[name], flush=True)
+            stop()
+
+        pairs = []
+        for r in range(rounds):  # the single process and the Ray path alternate, each on a quiet machine
+            one = summary(run_load({**base, "url": url}))
+            print("single process", one, flush=True)
+            ray_run("haproxy", f"round {r + 1}")
+            pairs.append((one, res.pop(f"round {r + 1}")))
+        stop_single()
+        res["single process"] = median_run([p[0] for p in pairs])
+        res["Ray Serve, 1 replica, HAProxy ingress"] = median_run([p[1] for p in pairs])
+        ratios = [round(b["rps"] / a["rps"], 3) for a, b in pairs]
+        ray_run("proxy", "Ray Serve, 1 replica, Python proxy")
 
         from ray import serve
 
-        serve.delete("hmi")
-        for cache_s, name in ((0.0, ACTOR), (CACHE_S, ACTOR_CACHED)):
-            start_ray(ReplicaServer(cfg, str(tmp), registry="actor", registry_cache_s=cache_s), port=port, replicas=1,
-                      env=env)
+        for cache_s, name in ((0.0, ACTOR), (CACHE_S, ACTOR_CACHED)):  # a local cluster, the HAProxy ingress
+            ray_url = start_ray(ReplicaServer(cfg, str(tmp), registry="actor", registry_cache_s=cache_s), port=port,
+                                replicas=1, env=env)
             actor = start_registry_actor(tmp)  # the one start_ray started: its call counts
             run_load({**base, "url": ray_url, "seconds": 3})
             before = ray.get(actor.stats.remote()).get("get", 0)
@@ -229,8 +250,8 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     single, ray2 = res["single process"], res["Ray Serve, 2 replicas"]
-    ray1, ray1_proxy = res["Ray Serve, 1 replica, HAProxy ingress"], res["Ray Serve, 1 replica, Python proxy"]
-    out = {"ray_over_single_1replica": round(ray1["rps"] / single["rps"], 3),
+    ray1_proxy = res["Ray Serve, 1 replica, Python proxy"]
+    out = {"ray_over_single_1replica": float(np.median(ratios)), "ray_over_single_1replica_rounds": ratios,
            "ray_over_single_1replica_proxy": round(ray1_proxy["rps"] / single["rps"], 3),
            "ray_over_single_1replica_registry_actor": round(res[ACTOR]["rps"] / single["rps"], 3),
            "ray_over_single_1replica_registry_actor_cached": round(res[ACTOR_CACHED]["rps"] / single["rps"], 3),
@@ -246,7 +267,10 @@ def main() -> None:
     text += (f"\n\n{TENANTS:,} registered tenants (bottleneck adapters on the current root), tenants drawn Zipf-skewed "
              f"(p(rank k) ~ 1/k) by {CLIENTS} closed-loop clients in a separate process, {args.inputs} real BBC text(s) (up to 64 "
              f"tokens each) per request, {seconds} s per measured run after a 3 s warm-up. ray_over_single_1replica = "
-             f"{out['ray_over_single_1replica']} through the HAProxy ingress (the default), "
+             f"{out['ray_over_single_1replica']} through the HAProxy ingress (the default; the median of {rounds} "
+             f"rounds' ratios {ratios}, each round the single process then Ray, Ray stopped between rounds; "
+             f"single process {res['single process']['rps_rounds']} requests/s, Ray "
+             f"{res['Ray Serve, 1 replica, HAProxy ingress']['rps_rounds']}; the rows above show the median runs), "
              f"{out['ray_over_single_1replica_proxy']} through Ray Serve's Python proxy, "
              f"{out['ray_over_single_1replica_registry_actor']} through the HAProxy ingress with the registry actor (every "
              f"request reads its tenant's record from the actor, one Ray call; {actor_get_us} us per read, one after another, "
@@ -265,7 +289,7 @@ def main() -> None:
              f"all ended {kill['jobs_done_after_kill_s']} s after the kill.")
     out["inputs_per_request"] = args.inputs
     finish("bench_scale", text, out, "python benchmarks/bench_scale.py" + (" --quick" if args.quick else "")
-           + (f" --inputs {args.inputs}" if args.inputs != 1 else ""))
+           + (f" --inputs {args.inputs}" if args.inputs != 1 else "") + (f" --rounds {args.rounds}" if args.rounds else ""))
 
 
 if __name__ == "__main__":

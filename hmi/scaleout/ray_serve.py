@@ -63,13 +63,19 @@ REGISTRIES = ("home", "actor")
 
 
 def ingress_env(ingress: str) -> dict[str, str]:
-    """The environment a Ray cluster's Serve controller needs for ``ingress`` (read when the
-    cluster starts: ``ray start`` for a cluster of its own, ``start`` for a local one)."""
+    """The environment a Ray cluster's Serve controller and replicas need for ``ingress`` (read
+    when the cluster starts: ``ray start`` for a cluster of its own, ``start`` for a local one).
+    The HAProxy ingress comes with Ray Serve's high-throughput mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``,
+    Ray's documented pairing): among others a replica then runs its requests on the event loop
+    that receives them instead of handing each to a second thread's loop, which is what HMI's
+    replica wants (its own application runs on that loop; the computing is in the scheduler's
+    threads).  ``benchmarks/bench_scale.py`` measured it at +7% requests/s for one replica."""
     if ingress not in INGRESSES:
         raise ValueError(f"unknown ingress {ingress!r}; use one of {', '.join(INGRESSES)}")
     if ingress == "proxy":
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
 # Hop-by-hop and framing headers: the proxy on each side sets its own.

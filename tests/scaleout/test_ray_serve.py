@@ -173,7 +173,8 @@ def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header
     from hmi.scaleout.ray_serve import ingress_env
 
     assert ingress_env("haproxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
-                                      "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})"}
+                                      "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
+                                      "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
     assert ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
     with pytest.raises(ValueError, match="unknown ingress 'nginx'; use one of haproxy, proxy"):
         ingress_env("nginx")
