@@ -4,9 +4,9 @@ one run on the same home, tenants and load.
 1. The single-process server (``hmi serve``) in this process; a closed-loop load of concurrent
    clients from a separate process, tenants drawn Zipf-skewed over 1,000 tenants.
 2. The Ray Serve path with 1 replica, the same load, through the HAProxy ingress (the default of
-   ``hmi serve --ray``), in rounds alternating with the single process (``--rounds``, default 3;
-   Ray is started for each Ray run and stopped after it, so that no Ray process runs beside the
-   single process): ``ray_over_single_1replica`` is the median of the rounds' ratios of requests / s.
+   ``hmi serve --ray``), in rounds alternating with the single process (``--rounds``, default 3; a
+   fresh single-process server and a fresh local Ray cluster for each run, each stopped after it:
+   neither runs beside the other): ``ray_over_single_1replica`` is the median of the rounds' ratios.
    Then Ray Serve's Python HTTP proxy (``ray_over_single_1replica_proxy``, against the median
    single-process figure).  Then the HAProxy ingress again with the
    registry actor (``--registry actor``, what replicas on several machines share) instead of the
@@ -187,13 +187,25 @@ def main() -> None:
         base = {"token": token, "tenants": names, "texts": texts, "rate": 1.0, "clients": CLIENTS, "mode": "closed",
                 "seconds": seconds, "max_requests": 50_000, "seed": 0, "zipf": True, "inputs": args.inputs}
 
-        server = build_server(cfg, home=tmp, root=root)
-        url, stop_single = run_in_thread(server)
-        run_load({**base, "url": url, "seconds": 3})  # warm-up
         from hmi.client import Client
 
-        single = Client(url, token)
-        reference = {"inputs": texts[:2], "outputs": {t: single.infer(t, texts[:2]) for t in names[:40]}}
+        def single_run(first: bool) -> dict:
+            """One run of a fresh single-process server in this process, stopped after it (nothing
+            of it runs beside the Ray path); the first also answers the replica-kill reference."""
+            url, stop_single = run_in_thread(build_server(cfg, home=tmp, root=root))
+            try:
+                run_load({**base, "url": url, "seconds": 3})  # warm-up
+                if first:
+                    single = Client(url, token)
+                    reference.update({"inputs": texts[:2],
+                                      "outputs": {t: single.infer(t, texts[:2]) for t in names[:40]}})
+                out = summary(run_load({**base, "url": url}))
+            finally:
+                stop_single()
+            print("single process", out, flush=True)
+            return out
+
+        reference: dict = {}
         env = {"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token}
         port = free_port()
 
@@ -208,12 +220,10 @@ def main() -> None:
             stop()
 
         pairs = []
-        for r in range(rounds):  # the single process and the Ray path alternate, each on a quiet machine
-            one = summary(run_load({**base, "url": url}))
-            print("single process", one, flush=True)
+        for r in range(rounds):  # the single process and the Ray path alternate, each alone on the machine
+            one = single_run(first=r == 0)
             ray_run("haproxy", f"round {r + 1}")
             pairs.append((one, res.pop(f"round {r + 1}")))
-        stop_single()
         res["single process"] = median_run([p[0] for p in pairs])
         res["Ray Serve, 1 replica, HAProxy ingress"] = median_run([p[1] for p in pairs])
         ratios = [round(b["rps"] / a["rps"], 3) for a, b in pairs]

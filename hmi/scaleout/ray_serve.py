@@ -72,8 +72,8 @@ def ingress_env(ingress: str) -> dict[str, str]:
     threads).  ``benchmarks/bench_scale.py`` measured it at +7% requests/s for one replica."""
     if ingress not in INGRESSES:
         raise ValueError(f"unknown ingress {ingress!r}; use one of {', '.join(INGRESSES)}")
-    if ingress == "proxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    if ingress == "proxy":  # every variable named, so that a later local cluster does not inherit an earlier one's
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 

@@ -175,7 +175,8 @@ def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header
     assert ingress_env("haproxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
                                       "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
                                       "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-    assert ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
+    assert ingress_env("proxy").keys() == ingress_env("haproxy").keys() - {"RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"}
     with pytest.raises(ValueError, match="unknown ingress 'nginx'; use one of haproxy, proxy"):
         ingress_env("nginx")
 
