@@ -87,6 +87,12 @@ class RegistryOps:
 
     where = "lmdb"  # what keeps the records (reported by /healthz)
 
+    async def aget(self, table: str, key: str) -> dict | None:
+        """``get`` for a caller on an event loop.  Here the record is read at once (an LMDB read
+        takes microseconds); a registry kept by another process awaits its answer instead of
+        holding up the loop (``hmi.scaleout.ray_registry.RemoteRegistry``)."""
+        return self.get(table, key)
+
     def recover(self, alive: Callable[[dict], bool] | None = None,
                 resume: Callable[[dict], bool] | None = None) -> tuple[list[str], list[dict]]:
         """After a restart: jobs that were queued or running are failed with the reason, and the

@@ -38,9 +38,9 @@ async def infer(request: web.Request) -> web.Response:
     s.require_owner(request, tenant)
     body = parse(s.models["InferBody"], await json_body(request))
     try:
-        entry = s.resolve(tenant)
+        entry = await s.aresolve(tenant)
     except RequestError:
-        rec = s.registry.get("tenants", tenant)
+        rec = await s.registry.aget("tenants", tenant)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}") from None
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds") \

@@ -156,6 +156,13 @@ class Server:
             self.sync_tenant(tenant)
         return self.entry(tenant)
 
+    async def aresolve(self, tenant: str) -> TenantEntry:
+        """``resolve`` for a route on the event loop: the registry read is awaited, so a registry
+        kept by another process (a Ray actor's round trip) does not hold up the other requests."""
+        if self.cfg.shared_home:
+            self.apply_record(tenant, await self.registry.aget("tenants", tenant))
+        return self.entry(tenant)
+
     def entry(self, tenant: str) -> TenantEntry:
         """The tenant's entry as this process serves it; RequestError when it serves none."""
         e = self._entries.get(tenant)
@@ -170,7 +177,10 @@ class Server:
         sharing the home may have changed: a tenant created, retrained, re-uploaded (or deleted and
         created again under its name) there is served here in its published version, its cached
         copies dropped; a deleted one is dropped.  A record is known by its creation time and version."""
-        rec = self.registry.get("tenants", name)
+        self.apply_record(name, self.registry.get("tenants", name))
+
+    def apply_record(self, name: str, rec: dict | None) -> None:
+        """``sync_tenant`` with the tenant's registry record ``rec`` (None: there is none) read."""
         if rec is None:
             self._synced.pop(name, None)
             if self._entries.pop(name, None) is not None or name in self._gpt_ready:

@@ -90,6 +90,14 @@ class RemoteRegistry(RegistryOps):
         finally:
             self._forget(table, key)
 
+    @staticmethod
+    def _unavailable(op: str, attempt: int, exc: Exception) -> None:
+        """After a call failed with the actor unavailable: returns when it is to be tried again (a
+        read, once: the actor is restarting), raises ``RegistryUnavailable`` otherwise."""
+        if op in READS and attempt == 1:
+            return
+        raise RegistryUnavailable(f"the registry actor is unavailable ({op}): {exc}") from exc
+
     def _call(self, op: str, *args, **kwargs):
         import ray
         from ray.exceptions import RayActorError
@@ -98,23 +106,54 @@ class RemoteRegistry(RegistryOps):
             try:
                 return ray.get(self.actor.call.remote(op, *args, **kwargs))
             except RayActorError as exc:
-                if op in READS and attempt == 1:
-                    continue  # the actor is restarting: a read is safe to repeat
-                raise RegistryUnavailable(f"the registry actor is unavailable ({op}): {exc}") from exc
+                self._unavailable(op, attempt, exc)
+
+    async def _acall(self, op: str, *args, **kwargs):
+        """``_call`` awaited on an event loop (a Ray object reference is awaitable)."""
+        from ray.exceptions import RayActorError
+
+        for attempt in (1, 2):
+            try:
+                return await self.actor.call.remote(op, *args, **kwargs)
+            except RayActorError as exc:
+                self._unavailable(op, attempt, exc)
+
+    def _cached(self, table: str, key: str) -> tuple[tuple | None, int]:
+        """For a read of ``table``/``key``: ``((record,), writes)`` when a fresh copy is cached,
+        else ``(None, writes)``; ``writes``: this process's writes to the record so far (or -1
+        when ``table`` is not cached)."""
+        if not (self.cache_s > 0 and table == self.CACHED):
+            return None, -1
+        with self._lock:
+            hit, writes = self._cache.get(key), self._writes[key]
+        if hit is not None and time.monotonic() - hit[0] < self.cache_s:
+            return (copy.deepcopy(hit[1]),), writes
+        return None, writes
+
+    def _keep(self, key: str, read_at: float, writes: int, value: dict | None) -> dict | None:
+        """Caches a record read at ``read_at`` unless a write of this process began or ended since
+        ``writes`` was counted (or the table is not cached: ``writes`` -1); returns a copy."""
+        if writes < 0:
+            return value
+        with self._lock:
+            if self._writes[key] == writes:
+                self._cache[key] = (read_at, value)
+        return copy.deepcopy(value)
 
     def get(self, table: str, key: str) -> dict | None:
-        if self.cache_s > 0 and table == self.CACHED:
-            with self._lock:
-                hit, writes = self._cache.get(key), self._writes[key]
-            if hit is not None and time.monotonic() - hit[0] < self.cache_s:
-                return copy.deepcopy(hit[1])
-            read_at = time.monotonic()
-            value = self._call("get", table, key)
-            with self._lock:
-                if self._writes[key] == writes:  # no write of this process began or ended meanwhile
-                    self._cache[key] = (read_at, value)
-            return copy.deepcopy(value)
-        return self._call("get", table, key)
+        hit, writes = self._cached(table, key)
+        if hit is not None:
+            return hit[0]
+        read_at = time.monotonic()
+        return self._keep(key, read_at, writes, self._call("get", table, key))
+
+    async def aget(self, table: str, key: str) -> dict | None:
+        """``get`` awaited: the event loop serves other requests during the actor's round trip."""
+        hit, writes = self._cached(table, key)
+        if hit is not None:
+            return hit[0]
+        read_at = time.monotonic()
+        return self._keep(key, read_at, writes, await self._acall("get", table, key))
 
     def put(self, table: str, key: str, value: dict) -> None:
         self._write("put", table, key, value)

@@ -10,8 +10,10 @@ behind an ingress that routes a tenant's requests to a replica that already hold
   sends a request straight to a replica's own HTTP port and picks the replica by a hash of that
   header (``balance hdr(...)``), so a tenant stays on one replica while the replicas stay the same;
   ``proxy``, Ray Serve's Python HTTP proxy, which routes by the replicas' multiplexed LRUs
-  (``@serve.multiplexed``).  Either way loading a tenant warms its adapter into the replica's host
-  cache.  A request without the header is answered by any replica, as correctly; a gateway in front
+  (``@serve.multiplexed``); behind HAProxy a replica keeps its own LRU of the tenants it holds
+  (``ReplicaCore.hold``: HAProxy does not route by what replicas hold, and Ray Serve's multiplexed
+  LRU costs a replica upkeep per tenant held).  Either way loading a tenant warms its adapter into
+  the replica's host cache.  A request without the header is answered by any replica, as correctly; a gateway in front
   can add the header from the path (``/v1/tenants/{tenant}/...``).  The replicas are the ingress:
   no hop is added between Ray Serve's ingress and the server.
   ``@serve.batch`` is not used: it splits batches by model id, and cross-tenant batching is what
@@ -38,6 +40,7 @@ import os
 import signal
 import sys
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -138,11 +141,17 @@ class HeldTenant:
         self.core.held.discard(self.tenant)
 
 
+def routes_by_header() -> bool:
+    """Whether this process's Ray Serve ingress is HAProxy (``RAY_SERVE_ENABLE_HA_PROXY``), which
+    picks a replica by a hash of the routing header, not by the tenants the replicas hold."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0").strip().lower() in ("1", "true")
+
+
 class ReplicaCore:
     """What a replica does, apart from Ray: owns a ``Server`` built by ``factory``, serves its
-    application on a loopback port and forwards requests to it."""
+    application on a loopback port and forwards requests to it; holds up to ``tenants`` tenants."""
 
-    def __init__(self, factory: Callable[[], Server], threads: int | None = None):
+    def __init__(self, factory: Callable[[], Server], threads: int | None = None, tenants: int = 1000):
         import torch
 
         # Ray gives a worker that reserves no CPUs one OpenMP thread; the replica's share of the
@@ -158,8 +167,11 @@ class ReplicaCore:
         self._loop = None
         self._starting = asyncio.Lock()
         self._session = None
-        self.loads: dict[str, int] = {}  # tenant -> times the multiplexed LRU loaded it here
-        self.held: set[str] = set()  # tenants in the multiplexed LRU now
+        self.tenants = tenants
+        self.loads: dict[str, int] = {}  # tenant -> times it was loaded here
+        self.held: set[str] = set()  # tenants in the multiplexed LRU now (Python proxy ingress)
+        self._lru: OrderedDict[str, None] = OrderedDict()  # tenants held, least recently used first (HAProxy)
+        self._loading: dict[str, asyncio.Future] = {}  # tenant -> its load in progress (HAProxy)
 
     async def load_tenant(self, tenant: str) -> "HeldTenant":
         """Brings a tenant into this replica (its registry record, its adapter into the host
@@ -177,6 +189,28 @@ class ReplicaCore:
         await asyncio.get_running_loop().run_in_executor(None, warm)
         self.held.add(tenant)
         return HeldTenant(self, tenant)
+
+    async def hold(self, tenant: str) -> None:
+        """Holds ``tenant`` in this replica's own LRU of ``tenants``, for the HAProxy ingress: a
+        tenant not held is loaded (once, however many of its requests wait for it), the least
+        recently used beyond ``tenants`` is let go.  Ray Serve's multiplexed LRU is what the Python
+        proxy routes by; HAProxy routes by the header's hash, and the multiplexed LRU would cost a
+        replica its upkeep (every 0.1 s a gauge set per tenant held) for nothing."""
+        if tenant in self._lru:
+            self._lru.move_to_end(tenant)
+            return
+        loading = self._loading.get(tenant)
+        if loading is None:
+            loading = self._loading[tenant] = asyncio.ensure_future(self.load_tenant(tenant))
+            try:
+                await loading
+            finally:
+                del self._loading[tenant]
+            self._lru[tenant] = None
+            while len(self._lru) > self.tenants:
+                self._lru.popitem(last=False)
+        else:
+            await asyncio.shield(loading)
 
     async def forward(self, req: Forwarded, tenant: str, held: Callable) -> Forwarded:
         """Answers ``req`` through this replica's application; ``held(tenant)`` is the multiplexed
@@ -240,16 +274,17 @@ def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_repl
         ``serve_multiplexed_model_id`` header (``hmi.client`` always does), on any replica otherwise."""
 
         def __init__(self):
-            self.core = ReplicaCore(factory, threads)
+            self.core = ReplicaCore(factory, threads, tenants_per_replica)
+            self.hold = self.core.hold if routes_by_header() else self.multiplexed
 
         @serve.multiplexed(max_num_models_per_replica=tenants_per_replica)
-        async def hold(self, tenant: str) -> HeldTenant:
+        async def multiplexed(self, tenant: str) -> HeldTenant:
             return await self.core.load_tenant(tenant)
 
         async def __call__(self, request: Request) -> Response:
             target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             req = Forwarded(0, request.method, target, kept_headers(request.headers.items()), await request.body())
-            routed = serve.get_multiplexed_model_id()
+            routed = serve.get_multiplexed_model_id() or request.headers.get(ROUTING_HEADER, "")
             tenant = tenant_of(request.url.path)
             # A tenant is held (and its affinity counted) only when the ingress routed by it: the
             # header names the tenant the path names.

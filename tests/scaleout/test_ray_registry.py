@@ -177,3 +177,44 @@ def test_a_cached_tenant_record_is_seen_changed_within_its_cache_time_and_own_wr
         elsewhere.delete(table, key)
     with pytest.raises(ValueError, match="cache_s must be 0 or more"):
         RemoteRegistry(cache_s=-1)
+
+
+def test_an_awaited_read_answers_as_get_and_lets_the_event_loop_run_meanwhile(actor):
+    import asyncio
+
+    from hmi.scaleout.ray_registry import RemoteRegistry
+
+    elsewhere = RemoteRegistry()
+    elsewhere.create("tenants", "awaited", {"state": "ready", "version": 1})
+    for here in (RemoteRegistry(), RemoteRegistry(cache_s=0.5)):
+        ticks = 0
+
+        async def ticker(done: asyncio.Event) -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        async def reads() -> list:
+            done = asyncio.Event()
+            tick = asyncio.ensure_future(ticker(done))
+            out = [await here.aget("tenants", "awaited"), await here.aget("tenants", "nobody"),
+                   await here.aget("jobs", "nothing")]
+            for _ in range(20):
+                await here.aget("tenants", "awaited")
+            done.set()
+            await tick
+            return out
+
+        ticks_before = ticks
+        assert asyncio.run(reads()) == [here.get("tenants", "awaited"), None, None]
+        assert here.get("tenants", "awaited")["version"] == 1
+        if here.cache_s == 0:  # every read a round trip to the actor, during which the loop ran the ticker
+            assert ticks - ticks_before >= 23
+    cached = RemoteRegistry(cache_s=0.5)
+    asyncio.run(cached.aget("tenants", "awaited"))
+    elsewhere.update("tenants", "awaited", version=2)
+    assert asyncio.run(cached.aget("tenants", "awaited"))["version"] == 1  # the awaited read fills the cache
+    cached.update("tenants", "awaited", version=3)
+    assert asyncio.run(cached.aget("tenants", "awaited"))["version"] == 3  # own writes seen at once
+    elsewhere.delete("tenants", "awaited")

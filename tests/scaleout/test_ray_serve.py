@@ -181,6 +181,30 @@ def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header
         ingress_env("nginx")
 
 
+def test_behind_haproxy_a_replica_holds_its_most_recently_used_tenants_loading_each_once(tmp_path, monkeypatch):
+    import asyncio
+
+    from hmi.scaleout.ray_serve import ReplicaCore, routes_by_header
+
+    for value, expected in (("1", True), ("true", True), ("0", False), ("", False)):
+        monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", value)
+        assert routes_by_header() is expected
+    core = ReplicaCore(lambda: tiny_server(tmp_path, shared_home=True), tenants=2)
+    try:
+        async def run() -> None:
+            await asyncio.gather(*(core.hold("a") for _ in range(5)))  # five requests waiting on one load
+            assert core.loads == {"a": 1}
+            for t in ("b", "a", "c"):  # b is now the least recently used of three: let go
+                await core.hold(t)
+            assert list(core._lru) == ["a", "c"] and core.loads == {"a": 1, "b": 1, "c": 1}
+            await core.hold("b")  # loaded again; a goes
+            assert list(core._lru) == ["c", "b"] and core.loads["b"] == 2 and not core._loading
+
+        asyncio.run(run())
+    finally:
+        core.close()
+
+
 def test_a_job_is_cancelled_through_any_replica(cluster):
     from tests.dispatcher.test_job_resume import wait_state
 
