@@ -143,7 +143,7 @@ async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encod
 async def generate(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
+    await s.arequire_owner(request, tenant)
     body = parse(s.models["GenerateBody"], await json_body(request))
     req, sink = _start(s, tenant, body, body.max_new_tokens)
     if sink is None:
@@ -153,10 +153,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
-    s.caller(request)  # authenticate before the body is read or parsed
+    who = await s.acaller(request)  # authenticate before the body is read or parsed
     body = parse(s.models["CompletionBody"], await json_body(request))
     tenant = body.model
-    s.require_owner(request, tenant)
+    s.may_act(who, tenant)
     req, sink = _start(s, tenant, body, body.max_tokens)
     cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 

@@ -35,7 +35,7 @@ def public_tenant(s: Server, name: str, rec: dict) -> dict:
 async def infer(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
+    await s.arequire_owner(request, tenant)
     body = parse(s.models["InferBody"], await json_body(request))
     try:
         entry = await s.aresolve(tenant)

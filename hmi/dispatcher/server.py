@@ -387,8 +387,8 @@ class Server:
         return jid
 
     # -- auth ------------------------------------------------------------------------------------
-    def caller(self, request: web.Request) -> str:
-        """'admin', a tenant name, or raises 401."""
+    def _digest(self, request: web.Request) -> str | None:
+        """The digest of the request's bearer token, None for the admin token; 401 without a token."""
         header = request.headers.get("Authorization", "")
         if not header.startswith("Bearer ") or not header[7:].strip():
             raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
@@ -398,36 +398,63 @@ class Server:
         except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
             raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
         if same(token, self.admin_token):
-            return "admin"
-        digest = hash_token(token)
-        tenant = self._token_owner(digest)
-        if tenant is None:
-            raise ApiError(401, "unauthorized", "the token is not valid")
-        return tenant
+            return None
+        return hash_token(token)
 
-    def _token_owner(self, digest: str) -> str | None:
-        # Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful; the
-        # final comparison is constant-time all the same.
+    def _token_name(self, digest: str) -> str | None:
+        """The tenant a token digest was issued to, as this process knows it (a tenant created by
+        another process sharing the home: the registry's tokens are read, at most once a second);
+        its registry record still has to confirm it (``_owns``).  Tokens are random 192-bit
+        secrets: looking up their SHA-256 leaks nothing useful."""
         name = self._token_owner_by_hash.get(digest)
         if name is None and self.cfg.shared_home and time.time() - self._tokens_read > 1.0:
-            # A tenant created by another process: its token is in the registry (read at most once a second).
             self._tokens_read = time.time()
             self._token_owner_by_hash.update({rec.get("token_hash", ""): n for n, rec in self.registry.items("tenants")})
             name = self._token_owner_by_hash.get(digest)
-        if name is None:
-            return None
-        rec = self.registry.get("tenants", name)
-        return name if rec is not None and same(rec.get("token_hash", ""), digest) else None
+        return name
+
+    @staticmethod
+    def _owns(rec: dict | None, digest: str) -> bool:
+        return rec is not None and same(rec.get("token_hash", ""), digest)  # constant-time
+
+    def caller(self, request: web.Request) -> str:
+        """'admin', a tenant name, or raises 401."""
+        digest = self._digest(request)
+        if digest is None:
+            return "admin"
+        name = self._token_name(digest)
+        if name is None or not self._owns(self.registry.get("tenants", name), digest):
+            raise ApiError(401, "unauthorized", "the token is not valid")
+        return name
+
+    async def acaller(self, request: web.Request) -> str:
+        """``caller`` for a route on the event loop: the tenant record that confirms a token is
+        read awaited (a registry actor's round trip does not hold up the loop)."""
+        digest = self._digest(request)
+        if digest is None:
+            return "admin"
+        name = self._token_name(digest)
+        if name is None or not self._owns(await self.registry.aget("tenants", name), digest):
+            raise ApiError(401, "unauthorized", "the token is not valid")
+        return name
 
     def require_admin(self, request) -> None:
         if self.caller(request) != "admin":
             raise ApiError(403, "forbidden", "this operation needs the admin token")
 
-    def require_owner(self, request, tenant: str) -> str:
-        who = self.caller(request)
+    @staticmethod
+    def may_act(who: str, tenant: str) -> str:
+        """``who`` (a ``caller``) if it may act on ``tenant``: the admin or the tenant; 403 otherwise."""
         if who != "admin" and who != tenant:
             raise ApiError(403, "forbidden", f"this token may not act on tenant {tenant!r}")
         return who
+
+    def require_owner(self, request, tenant: str) -> str:
+        return self.may_act(self.caller(request), tenant)
+
+    async def arequire_owner(self, request, tenant: str) -> str:
+        """``require_owner`` for a route on the event loop (see ``acaller``)."""
+        return self.may_act(await self.acaller(request), tenant)
 
     def tenant_record(self, tenant: str) -> dict:
         rec = self.registry.get("tenants", tenant)
