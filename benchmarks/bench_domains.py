@@ -131,9 +131,10 @@ def main() -> None:
                         "further pretraining (held-out domain lines)", f"test accuracy %, mean of {len(seeds)} seeds",
                         "gain over root PLOT (per-seed sd)", "test-set SE"))
     text += (f"\n\nRoot {root.spec.name}, split {root.spec.l_low}+{root.bert.config.num_hidden_layers - root.spec.l_low}. "
-             f"Up to {max_lines} corpus lines per domain; branches with the product's defaults (`hmi domain create`: "
-             f"mlm {FPTConfig(objective='mlm', steps=args.steps).steps} steps, distill {FPTConfig(steps=args.steps).steps} "
-             f"steps). Each tenant: {n_train} "
+             f"Up to {max_lines} corpus lines per domain; "
+             + (f"branches further pretrained {args.steps} steps (--steps; the product's defaults: " if args.steps else
+                "branches with the product's defaults (`hmi domain create`: ")
+             + f"mlm {FPTConfig(objective='mlm').steps} steps, distill {FPTConfig().steps} steps). Each tenant: {n_train} "
              f"training examples, a bottleneck adapter and a head on the token mean, 4 epochs, best dev epoch, trained "
              f"and tested on the chain it is served with (branch -> root -> back-off); one run per seed, the same seeds "
              f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer.")
