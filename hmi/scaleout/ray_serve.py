@@ -201,16 +201,17 @@ class ReplicaCore:
             return
         loading = self._loading.get(tenant)
         if loading is None:
-            loading = self._loading[tenant] = asyncio.ensure_future(self.load_tenant(tenant))
-            try:
-                await loading
-            finally:
-                del self._loading[tenant]
+            loading = self._loading[tenant] = asyncio.ensure_future(self._load(tenant))
+        await asyncio.shield(loading)  # a request that goes away does not stop the load the others wait for
+
+    async def _load(self, tenant: str) -> None:
+        try:
+            await self.load_tenant(tenant)
             self._lru[tenant] = None
             while len(self._lru) > self.tenants:
                 self._lru.popitem(last=False)
-        else:
-            await asyncio.shield(loading)
+        finally:
+            del self._loading[tenant]
 
     async def forward(self, req: Forwarded, tenant: str, held: Callable) -> Forwarded:
         """Answers ``req`` through this replica's application; ``held(tenant)`` is the multiplexed

@@ -199,6 +199,12 @@ def test_behind_haproxy_a_replica_holds_its_most_recently_used_tenants_loading_e
             assert list(core._lru) == ["a", "c"] and core.loads == {"a": 1, "b": 1, "c": 1}
             await core.hold("b")  # loaded again; a goes
             assert list(core._lru) == ["c", "b"] and core.loads["b"] == 2 and not core._loading
+            first = asyncio.ensure_future(core.hold("d"))
+            while "d" not in core.loads:  # until its load has begun
+                await asyncio.sleep(0)
+            first.cancel()  # the request that began it goes away: the load goes on for the next one
+            await core.hold("d")
+            assert core.loads["d"] == 1 and list(core._lru) == ["b", "d"]
 
         asyncio.run(run())
     finally:
