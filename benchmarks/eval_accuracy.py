@@ -64,6 +64,30 @@ def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
     return [k for k in known if k in names]
 
 
+def adapter_options(arg: str | None) -> dict:
+    """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
+    ``lora[:RANK]`` (default 8, alpha = rank) or ``ia3``; None is the protocol's bottleneck 16."""
+    from hmi.adapters.spec import KINDS
+
+    kind, _, size = (arg or "bottleneck").partition(":")
+    if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)):
+        raise SystemExit(f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK] or ia3, got {arg!r}")
+    if kind == "bottleneck":
+        return {"kind": kind, "reduction_factor": int(size or 16)}
+    if kind == "lora":
+        return {"kind": kind, "rank": int(size or 8), "alpha": float(size or 8)}
+    return {"kind": kind}
+
+
+def describe_adapter(opts: dict) -> str:
+    """How a results page names the adapters ``adapter_options`` gave."""
+    if opts["kind"] == "bottleneck":
+        return f"bottleneck adapters (reduction {opts['reduction_factor']})"
+    if opts["kind"] == "lora":
+        return f"LoRA adapters (rank {opts['rank']}, query and value)"
+    return "IA3 adapters"
+
+
 def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0):
     """Reference schemes on the full-context root: all weights trained ("full"), a library adapter in
     every layer ("adapter"), the head alone ("head"), or all weights of a student made of the root's
@@ -170,13 +194,17 @@ def main() -> None:
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
                                           "hBERT-exact")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
+        ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
+                                          "bottleneck:16), lora[:RANK] or ia3; another than the default writes its "
+                                          "own page (eval_accuracy_partial_..._adapter-KIND-SIZE)")
         root_options(ap)
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if s != HBERT_EXACT or args.exact or not args.quick]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
-    partial = len(schemes) < len(default_schemes) or len(tasks) < len(TASKS)
+    adapter = adapter_options(args.adapter)
+    partial = len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
@@ -241,25 +269,29 @@ def main() -> None:
                     "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
                  f"weight of the root (lr {lrs['dedicated']:g}); shared: the head alone on the frozen root (lr "
                  f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
-                 f"{lrs['compress']:g}); hBERT-adapter: bottleneck adapters (reduction 16) in all {n_layers} layers of the "
-                 f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: bottleneck adapters in the upper {n_layers - l_low} layers on "
+                 f"{lrs['compress']:g}); hBERT-adapter: {describe_adapter(adapter)} in all {n_layers} layers of the "
+                 f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: the same adapters in the upper {n_layers - l_low} layers on "
                  f"the merged PLOT representations, reading the root PLOT with back-off as served (lr {HBERT_LR:g})"
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                     "(`--miss-policy compute`)." if exact else "."))
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
-        finish(result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args), text, res,
+        res["adapter"] = adapter
+        page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
+        if args.adapter is not None:
+            page += "_adapter-" + args.adapter.replace(":", "-")
+        finish(page, text, res,
                "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
                + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
                + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
-               + root_flags(args))
+               + (f" --adapter {args.adapter}" if args.adapter else "") + root_flags(args))
 
 
     for task in tasks:
         labels = tuple(task_labels(task))
         tagging = is_tagging(task)
         poolings = ["cls"] if tagging else (["cls", "mean"] if args.pooling == "dev" else [args.pooling])
-        specs = {p: AdapterSpec("bottleneck", head="tagging" if tagging else "classification", labels=labels, pooling=p)
+        specs = {p: AdapterSpec(head="tagging" if tagging else "classification", labels=labels, pooling=p, **adapter)
                  for p in poolings}
         train = load_task(task, "train", caps[task])
         dev = load_task(task, "dev", n_eval // 2)
