@@ -5,12 +5,10 @@ full-context root) and hBERT (PLOT + adapters, as served; also with exact window
 PLOT miss computed, which separates the cost of windowing from the cost of PLOT back-off).
 
 Protocol: every scheme sees the same training examples for the same number of epochs (the best
-epoch on dev is kept), with the learning rate that suits what it trains: all weights 1e-4 on a
-small root and 2e-5 on a base-size one (hidden size 768 or more: at 1e-4 full fine-tuning of
-mpnet-base fell below its frozen root with a head), a 2-layer student 5e-4, adapters and heads
-3e-3.  ``--quick`` trains on 224 examples per task (``--train N`` sets another count) for 4 epochs
-with texts cut to 64 tokens; the full run on up to 4,000 for 5 epochs at 128 tokens and adds hBERT
-with exact windows.
+epoch on dev is kept), with the learning rate that suits what it trains: all weights 1e-4, a
+2-layer student 5e-4, adapters and heads 3e-3.  ``--quick`` trains on 224 examples per task
+(``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
+4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
 A classification head reads the [CLS] vector or the mean of the text's tokens (the pooling the root
 was trained with); by default every scheme trains both on every classification task and keeps the
@@ -47,7 +45,6 @@ COMPRESS_LAYERS = 2
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
            ("hBERT-adapter", "adapter", 3e-3)]
 HBERT_LR = 3e-3
-BASE_SIZE_HIDDEN, BASE_SIZE_FULL_FT_LR = 768, 2e-5  # full fine-tuning of a base-size root
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT]
@@ -201,8 +198,8 @@ def main() -> None:
                                           "bottleneck:16), lora[:RANK] or ia3; another than the default writes its "
                                           "own page (eval_accuracy_partial_..._adapter-KIND-SIZE)")
         ap.add_argument("--dedicated-lr", type=float,
-                        help="the learning rate of full fine-tuning (default 1e-4 on a small root, 2e-5 on a base-size "
-                             "one); another than the default writes its own page")
+                        help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "
+                             "is the usual one for a base-size root); another than the default writes its own page")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -210,8 +207,8 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
-    if args.dedicated_lr is not None and not 0 < args.dedicated_lr < 1:
-        raise SystemExit(f"--dedicated-lr must be in (0, 1), got {args.dedicated_lr}")
+    partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
+               or args.dedicated_lr is not None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.train import FinetuneConfig, encode, finetune
@@ -239,11 +236,10 @@ def main() -> None:
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     lrs = {label: lr for label, _, lr in SCHEMES}
-    if root.bert.config.hidden_size >= BASE_SIZE_HIDDEN:
-        lrs["dedicated"] = BASE_SIZE_FULL_FT_LR
-    other_lr = args.dedicated_lr is not None and args.dedicated_lr != lrs["dedicated"]
-    lrs["dedicated"] = args.dedicated_lr or lrs["dedicated"]
-    partial = len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None or other_lr
+    if args.dedicated_lr is not None:
+        if not 0 < args.dedicated_lr < 1:
+            raise SystemExit(f"--dedicated-lr must be in (0, 1), got {args.dedicated_lr}")
+        lrs["dedicated"] = args.dedicated_lr
     full_context = [(label, mode, lrs[label]) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     def report(done: list[str]) -> None:
@@ -292,7 +288,7 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
-        if other_lr:
+        if args.dedicated_lr is not None:
             page += f"_dedicated-lr-{args.dedicated_lr:g}"
         finish(page, text, res,
                "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
@@ -300,7 +296,7 @@ def main() -> None:
                + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
-               + (f" --dedicated-lr {args.dedicated_lr:g}" if other_lr else "") + root_flags(args))
+               + (f" --dedicated-lr {args.dedicated_lr:g}" if args.dedicated_lr is not None else "") + root_flags(args))
 
 
     for task in tasks:
