@@ -28,6 +28,7 @@ docs/eval_accuracy_partial_<root>.md); its JSON names the root.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -67,15 +68,17 @@ def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
 def adapter_options(arg: str | None) -> dict:
     """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
     ``lora[:RANK]`` (default 8, alpha = rank) or ``ia3``; None is the protocol's bottleneck 16."""
-    from hmi.adapters.spec import KINDS
+    from hmi.adapters.spec import KINDS, AdapterSpec
 
-    kind, _, size = (arg or "bottleneck").partition(":")
+    defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
+    kind, _, size = (arg or defaults["kind"]).partition(":")
     if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)):
         raise SystemExit(f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK] or ia3, got {arg!r}")
     if kind == "bottleneck":
-        return {"kind": kind, "reduction_factor": int(size or 16)}
+        return {"kind": kind, "reduction_factor": int(size or defaults["reduction_factor"])}
     if kind == "lora":
-        return {"kind": kind, "rank": int(size or 8), "alpha": float(size or 8)}
+        rank = int(size or defaults["rank"])
+        return {"kind": kind, "rank": rank, "alpha": float(rank)}
     return {"kind": kind}
 
 
@@ -207,6 +210,8 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
+    if args.dedicated_lr is not None and not 0 < args.dedicated_lr < 1:  # checked before the root is loaded
+        raise SystemExit(f"--dedicated-lr must be in (0, 1), got {args.dedicated_lr}")
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
                or args.dedicated_lr is not None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -237,8 +242,6 @@ def main() -> None:
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     lrs = {label: lr for label, _, lr in SCHEMES}
     if args.dedicated_lr is not None:
-        if not 0 < args.dedicated_lr < 1:
-            raise SystemExit(f"--dedicated-lr must be in (0, 1), got {args.dedicated_lr}")
         lrs["dedicated"] = args.dedicated_lr
     full_context = [(label, mode, lrs[label]) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
