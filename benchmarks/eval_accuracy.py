@@ -6,7 +6,8 @@ PLOT miss computed, which separates the cost of windowing from the cost of PLOT 
 
 Protocol: every scheme sees the same training examples for the same number of epochs (the best
 epoch on dev is kept), with the learning rate that suits what it trains: all weights 1e-4, a
-2-layer student 5e-4, adapters and heads 3e-3.  ``--quick`` trains on 224 examples per task
+2-layer student 5e-4, adapters and heads 3e-3 (``--dedicated-lr 1e-4,2e-5`` lets dev choose full
+fine-tuning's rate per task: a base-size root needs a lower one on some tasks).  ``--quick`` trains on 224 examples per task
 (``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
 4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
@@ -63,6 +64,31 @@ def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
         raise SystemExit(f"{flag}: unknown {unknown or 'empty list'}; use names from: "
                          + ", ".join(flags.get(k, k) for k in known))
     return [k for k in known if k in names]
+
+
+def learning_rates(arg: str) -> tuple[float, ...]:
+    """``--dedicated-lr``: one learning rate or several, comma-separated, each in (0, 1); checked
+    while the arguments are parsed, before the root is loaded."""
+    import argparse
+
+    try:
+        out = tuple(float(x) for x in arg.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected learning rates like 1e-4 or 1e-4,2e-5, got {arg!r}") from None
+    bad = [x for x in out if not 0 < x < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"a learning rate must be in (0, 1), got {bad[0]:g}")
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"learning rates must be distinct, got {arg!r}")
+    return out
+
+
+def lr_text(lrs) -> str:
+    """A scheme's learning rate for the page: one value, or several that dev chooses between."""
+    if isinstance(lrs, tuple):
+        return (" or ".join(f"{x:g}" for x in lrs) + ", whichever gives the better dev accuracy on the task "
+                "as res.tasks.*.lr says") if len(lrs) > 1 else f"{lrs[0]:g}"
+    return f"{lrs:g}"
 
 
 def adapter_options(arg: str | None) -> dict:
@@ -200,9 +226,10 @@ def main() -> None:
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
                                           "bottleneck:16), lora[:RANK] or ia3; another than the default writes its "
                                           "own page (eval_accuracy_partial_..._adapter-KIND-SIZE)")
-        ap.add_argument("--dedicated-lr", type=float,
+        ap.add_argument("--dedicated-lr", type=learning_rates, metavar="LR[,LR...]",
                         help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "
-                             "is the usual one for a base-size root); another than the default writes its own page")
+                             "is the usual one for a base-size root), or several: per task the one with the better "
+                             "dev accuracy (e.g. 1e-4,2e-5); another than the default writes its own page")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -210,8 +237,6 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
-    if args.dedicated_lr is not None and not 0 < args.dedicated_lr < 1:  # checked before the root is loaded
-        raise SystemExit(f"--dedicated-lr must be in (0, 1), got {args.dedicated_lr}")
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
                or args.dedicated_lr is not None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -242,7 +267,7 @@ def main() -> None:
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
     lrs = {label: lr for label, _, lr in SCHEMES}
     if args.dedicated_lr is not None:
-        lrs["dedicated"] = args.dedicated_lr
+        lrs["dedicated"] = args.dedicated_lr if len(args.dedicated_lr) > 1 else args.dedicated_lr[0]
     full_context = [(label, mode, lrs[label]) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     def report(done: list[str]) -> None:
@@ -278,7 +303,7 @@ def main() -> None:
                  + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
                            "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
                     "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
-                 f"weight of the root (lr {lrs['dedicated']:g}); shared: the head alone on the frozen root (lr "
+                 f"weight of the root (lr {lr_text(lrs['dedicated'])}); shared: the head alone on the frozen root (lr "
                  f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
                  f"{lrs['compress']:g}); hBERT-adapter: {describe_adapter(adapter)} in all {n_layers} layers of the "
                  f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: the same adapters in the upper {n_layers - l_low} layers on "
@@ -287,19 +312,20 @@ def main() -> None:
                     "(`--miss-policy compute`)." if exact else "."))
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
-        res["lr"] = {label: lrs.get(label, HBERT_LR) for label in columns}
+        res["lr"] = {label: list(v) if isinstance(v := lrs.get(label, HBERT_LR), tuple) else v for label in columns}
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if args.dedicated_lr is not None:
-            page += f"_dedicated-lr-{args.dedicated_lr:g}"
+            page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
         finish(page, text, res,
                "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
                + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
                + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
-               + (f" --dedicated-lr {args.dedicated_lr:g}" if args.dedicated_lr is not None else "") + root_flags(args))
+               + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
+                  else "") + root_flags(args))
 
 
     for task in tasks:
@@ -313,22 +339,28 @@ def main() -> None:
         test = load_task(task, "test", n_eval)
         ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
-        vals, secs, chosen = {}, {}, {}
-        runs = [(label, lambda spec, policy=policy: finetune(
+        vals, secs, chosen, chosen_lr = {}, {}, {}, {}
+        runs = [(label, (HBERT_LR,), lambda spec, _lr, policy=policy: finetune(
                     root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec, train, dev,
                     test, FinetuneConfig(epochs=epochs, lr=HBERT_LR, max_len=max_len, patience=epochs),
                     progress=False)[1]) for label, policy in hbert_runs]
-        runs += [(label, lambda spec, mode=mode, lr=lr: train_full_context(
+        runs += [(label, lr if isinstance(lr, tuple) else (lr,), lambda spec, lr, mode=mode: train_full_context(
                      root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode, lr in full_context]
-        for label, run in runs:
+        for label, options, run in runs:
             t0 = time.time()
-            tried = {p: run(specs[p]) for p in poolings}  # the pooling with the best dev accuracy is kept
-            best = max(poolings, key=lambda p: tried[p]["dev"]["accuracy"])
-            vals[label], chosen[label], secs[label] = tried[best]["test"]["accuracy"], best, time.time() - t0
+            # every pooling and learning rate is trained; the one with the best dev accuracy is kept
+            tried = {(p, lr): run(specs[p], lr) for p in poolings for lr in options}
+            best = max(tried, key=lambda k: tried[k]["dev"]["accuracy"])
+            vals[label], secs[label] = tried[best]["test"]["accuracy"], time.time() - t0
+            chosen[label] = best[0]
+            if len(options) > 1:
+                chosen_lr[label] = best[1]
         results["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
         if not tagging:
             results["tasks"][task]["pooling"] = chosen
+        if chosen_lr:
+            results["tasks"][task]["lr"] = chosen_lr
         rows.append((task + (" (token acc.)" if tagging else ""), len(train),
                      *(f"{100 * vals[c]:.1f}" for c in columns)))
         print(rows[-1], flush=True)
