@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from hmi.adapters.spec import KINDS, AdapterSpec
 from hmi.allocator import tune_allocator
 from hmi.archive import zip_folder
 from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default
@@ -301,18 +302,37 @@ def cmd_generate(args):
     print(f"\n[{final.get('tokens')} tokens, {final.get('finish_reason')}]", file=sys.stderr)
 
 
+# Which --kind each adapter size option belongs to.
+ADAPTER_OPTIONS = {"reduction_factor": "bottleneck", "rank": "lora", "alpha": "lora"}
+
+
+def adapter_body(args) -> dict:
+    """The ``adapter`` object of a tenant create request: the kind and the size options given;
+    an option of another kind (``--rank`` with a bottleneck) is refused before anything is sent."""
+    body = {"kind": args.kind}
+    for key, kind in ADAPTER_OPTIONS.items():
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if kind != args.kind:
+            raise SystemExit(f"hmi: --{key.replace('_', '-')} applies to --kind {kind}, not {args.kind}")
+        body[key] = value
+    return body
+
+
 @_run_client
 def cmd_tenant_create(args):
     data = None
     if args.train:
         data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []}
+    adapter = adapter_body(args)
     labels = args.labels.split(",") if args.labels else None
     if labels is None and args.dataset:
         labels = task_labels(args.dataset)
     if not labels:
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
     c = _client(args)
-    out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, {"kind": args.kind},
+    out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, adapter,
                           args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate)
     _print(out)
     if args.wait:
@@ -607,7 +627,15 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--dev", help="JSON Lines for early stopping")
     tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
     tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
-    tc.add_argument("--kind", default="bottleneck", choices=["bottleneck", "lora", "ia3"])
+    tc.add_argument("--kind", default="bottleneck", choices=KINDS,
+                    help="the adapter (default bottleneck; on mpnet-base `--kind lora --rank 16 --alpha 16` scores "
+                         "higher: docs/roots.md)")
+    spec = AdapterSpec.__dataclass_fields__
+    tc.add_argument("--reduction-factor", type=int,
+                    help=f"bottleneck: hidden size / bottleneck width (default {spec['reduction_factor'].default})")
+    tc.add_argument("--rank", type=int, help=f"lora: the rank (default {spec['rank'].default})")
+    tc.add_argument("--alpha", type=float,
+                    help=f"lora: the scale's numerator, scale = alpha / rank (default {spec['alpha'].default:g})")
     tc.add_argument("--pooling", choices=["cls", "mean"],
                     help="what a classification head reads: the [CLS] vector (default) or the mean of the tokens")
     tc.add_argument("--domain", default="root")

@@ -1,0 +1,48 @@
+"""`hmi tenant create` against a live server: the adapter's kind and size options reach the
+tenant's spec, and an option of another kind is refused before anything is sent."""
+
+import json
+
+import pytest
+
+from hmi.cli import main
+from hmi.client import Client
+from hmi.dispatcher.serve import run_in_thread
+from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HMI_ADMIN_TOKEN", ADMIN)
+        server = tiny_server(tmp_path_factory.mktemp("home"))
+    url, stop = run_in_thread(server)
+    train = tmp_path_factory.mktemp("data") / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
+    yield {"url": url, "train": str(train)}
+    stop()
+
+
+def create(live, name, *options):
+    return main(["tenant", "create", name, "--url", live["url"], "--token", ADMIN, "--train", live["train"],
+                 "--labels", "neg,pos", "--epochs", "1", "--wait", *options])
+
+
+def test_lora_rank_and_alpha_reach_the_tenants_spec(live):
+    assert create(live, "lora16", "--kind", "lora", "--rank", "16", "--alpha", "16") == 0
+    spec = Client(live["url"], ADMIN).tenant("lora16")["spec"]
+    assert (spec["kind"], spec["rank"], spec["alpha"]) == ("lora", 16, 16.0)
+
+
+def test_bottleneck_reduction_factor_reaches_the_tenants_spec(live):
+    assert create(live, "wide", "--reduction-factor", "4") == 0
+    spec = Client(live["url"], ADMIN).tenant("wide")["spec"]
+    assert (spec["kind"], spec["reduction_factor"]) == ("bottleneck", 4)
+
+
+def test_a_size_option_of_another_kind_is_refused_before_anything_is_sent(live):
+    with pytest.raises(SystemExit, match="--rank applies to --kind lora, not bottleneck"):
+        create(live, "mistaken", "--rank", "16")
+    with pytest.raises(SystemExit, match="--reduction-factor applies to --kind bottleneck, not ia3"):
+        create(live, "mistaken", "--kind", "ia3", "--reduction-factor", "4")
+    assert "mistaken" not in {t["name"] for t in Client(live["url"], ADMIN).tenants()}
