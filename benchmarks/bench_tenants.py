@@ -7,6 +7,7 @@ tenant, swapped like dedicated), hBERT-adapter (full-context lower layers, batch
 adapters in the upper layers) and hBERT (PLOT + adapters + the pipelined scheduler).
 
 Usage: python benchmarks/bench_tenants.py [--quick] [--model-files N] [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+                                         [--adapter bottleneck[:R]|lora[:RANK]|ia3]
 
 On another root than the default the results page is docs/bench_tenants_<root>.md.
 """
@@ -25,7 +26,19 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DOCS,
+    adapter_options,
+    adapter_variants,
+    describe_adapter,
+    finish,
+    prepared_root,
+    result_name,
+    root_flags,
+    root_options,
+    start,
+    table,
+)
 from hmi.model.kernels import use_onednn_linear  # noqa: E402
 from hmi.model.root import full_forward  # noqa: E402
 
@@ -294,6 +307,9 @@ def main() -> None:
         ap.add_argument("--model-files", type=int, default=MODEL_FILES, help="real model files per swapping scheme (disk budget)")
         ap.add_argument("--counts", default=",".join(map(str, COUNTS)),
                         help="tenant counts, comma-separated (default %(default)s; 1 and 1000 carry the headline ratios)")
+        ap.add_argument("--adapter", help="the tenants' adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] "
+                                          "(default bottleneck:16), lora[:RANK] or ia3; another than the default "
+                                          "writes its own page (bench_tenants_..._adapter-KIND-SIZE)")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -303,6 +319,7 @@ def main() -> None:
         raise SystemExit(f"--counts: comma-separated tenant counts, got {args.counts!r}") from None
     if not counts or min(counts) < 1:
         raise SystemExit(f"--counts: positive tenant counts, got {args.counts!r}")
+    adapter = adapter_options(args.adapter)  # checked before the root is loaded
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
     from hmi.data import load_task
@@ -319,7 +336,7 @@ def main() -> None:
     texts = [t for t in texts if len(tok(t)["input_ids"]) <= MAX_LEN]
     measured_batches = 3 if args.quick else 10
     warm = 1
-    spec = AdapterSpec("bottleneck", labels=tuple("abcde"))
+    spec = AdapterSpec(**adapter, labels=tuple("abcde"))
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-tenants-"))
     res: dict = {"uniform": defaultdict(dict), "zipf": defaultdict(dict)}
     out: dict = {}
@@ -379,7 +396,7 @@ def main() -> None:
             s = Scheduler(bert, l_low, tok, store, entries.__getitem__,
                           (lambda d: lookup) if fast else (lambda d: full_lower),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=fast))
-            scheduler_rps(s, texts, trace(32, "uniform", 4, seed=0), 1)
+            scheduler_rps(s, texts, trace(min(32, max(counts)), "uniform", 4, seed=0), 1)
             s.shutdown()
         for dist in ("uniform", "zipf"):
             for n in counts:
@@ -444,7 +461,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    name = result_name("bench_tenants", args)
+    name = result_name("bench_tenants", args) + ("_adapter-" + args.adapter.replace(":", "-") if args.adapter else "")
     png = "tenants_throughput" + name.removeprefix("bench_tenants") + ".png"
     plot_throughput(res, DOCS / png)
     schemes = ("hBERT", "hBERT-adapter", "shared", "dedicated", "compress")
@@ -459,7 +476,8 @@ def main() -> None:
                              + (f", miss {c['miss_rate']:.2f}" if "miss_rate" in c else ""))
             rows.append((s, *cells))
         text += f"Tenants drawn {dist}:\n\n" + table(rows, ("scheme", *(f"{n:,} tenants" for n in counts))) + "\n\n"
-    text = f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low}.\n\n" + text
+    text = (f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low}; tenants of hBERT and "
+            f"hBERT-adapter: {describe_adapter(adapter)} in the upper layers.\n\n" + text)
     text += (f"Plot: `docs/{png}`. Dedicated and compress models are real fp16 safetensors files "
              f"({args.model_files} per scheme; page cache dropped before every load, so a miss reads the disk); beyond "
              f"{args.model_files} tenants their figures are derived: requests / (requests x median single-request compute "
@@ -480,10 +498,11 @@ def main() -> None:
     text += ("Dedicated/compress/shared/hBERT-adapter hold fp32 weights for compute; adapters are kept in host memory "
              "in fp16 and widened in the device pool. hBERT's base is the upper layers only: the lower layers' work "
              "is the PLOT, an LMDB file read through the page cache, not weights in the budget.")
-    out["root"], out["l_low"] = root.spec.name, l_low
+    out["root"], out["l_low"], out["adapter"] = root.spec.name, l_low, adapter
     command = ("python benchmarks/bench_tenants.py" + (" --quick" if args.quick else "")
                + (f" --model-files {args.model_files}" if args.model_files != MODEL_FILES else "")
-               + (f" --counts {','.join(map(str, counts))}" if counts != COUNTS else "") + root_flags(args))
+               + (f" --counts {','.join(map(str, counts))}" if counts != COUNTS else "")
+               + (f" --adapter {args.adapter}" if args.adapter else "") + root_flags(args))
     finish(name, text, out, command)
 
 

@@ -137,3 +137,31 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
     base = TenantTrainer(bert, l_low, spec, seed=trainer_seed).weights()
     g = torch.Generator().manual_seed(seed)
     return [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(n)]
+
+
+def adapter_options(arg: str | None) -> dict:
+    """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
+    ``lora[:RANK]`` (default 8, alpha = rank) or ``ia3``; None is the protocol's bottleneck 16."""
+    import dataclasses
+
+    from hmi.adapters.spec import KINDS, AdapterSpec
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
+    kind, _, size = (arg or defaults["kind"]).partition(":")
+    if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)):
+        raise SystemExit(f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK] or ia3, got {arg!r}")
+    if kind == "bottleneck":
+        return {"kind": kind, "reduction_factor": int(size or defaults["reduction_factor"])}
+    if kind == "lora":
+        rank = int(size or defaults["rank"])
+        return {"kind": kind, "rank": rank, "alpha": float(rank)}
+    return {"kind": kind}
+
+
+def describe_adapter(opts: dict) -> str:
+    """How a results page names the adapters ``adapter_options`` gave."""
+    if opts["kind"] == "bottleneck":
+        return f"bottleneck adapters (reduction {opts['reduction_factor']})"
+    if opts["kind"] == "lora":
+        return f"LoRA adapters (rank {opts['rank']}, query and value)"
+    return "IA3 adapters"

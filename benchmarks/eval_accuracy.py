@@ -29,7 +29,6 @@ docs/eval_accuracy_partial_<root>.md); its JSON names the root.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,17 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    adapter_options,
+    describe_adapter,
+    finish,
+    prepared_root,
+    result_name,
+    root_flags,
+    root_options,
+    start,
+    table,
+)
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
@@ -89,32 +98,6 @@ def lr_text(lrs) -> str:
         return (" or ".join(f"{x:g}" for x in lrs) + ", whichever gives the better dev accuracy on the task "
                 "as res.tasks.*.lr says") if len(lrs) > 1 else f"{lrs[0]:g}"
     return f"{lrs:g}"
-
-
-def adapter_options(arg: str | None) -> dict:
-    """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
-    ``lora[:RANK]`` (default 8, alpha = rank) or ``ia3``; None is the protocol's bottleneck 16."""
-    from hmi.adapters.spec import KINDS, AdapterSpec
-
-    defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
-    kind, _, size = (arg or defaults["kind"]).partition(":")
-    if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)):
-        raise SystemExit(f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK] or ia3, got {arg!r}")
-    if kind == "bottleneck":
-        return {"kind": kind, "reduction_factor": int(size or defaults["reduction_factor"])}
-    if kind == "lora":
-        rank = int(size or defaults["rank"])
-        return {"kind": kind, "rank": rank, "alpha": float(rank)}
-    return {"kind": kind}
-
-
-def describe_adapter(opts: dict) -> str:
-    """How a results page names the adapters ``adapter_options`` gave."""
-    if opts["kind"] == "bottleneck":
-        return f"bottleneck adapters (reduction {opts['reduction_factor']})"
-    if opts["kind"] == "lora":
-        return f"LoRA adapters (rank {opts['rank']}, query and value)"
-    return "IA3 adapters"
 
 
 def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0):
