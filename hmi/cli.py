@@ -628,8 +628,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
     tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
     tc.add_argument("--kind", default="bottleneck", choices=KINDS,
-                    help="the adapter (default bottleneck; on mpnet-base `--kind lora --rank 16 --alpha 16` scores "
-                         "higher: docs/roots.md)")
+                    help="the adapter (default bottleneck; on mpnet-base split 4+8 `--kind lora --rank 16 --alpha 16` "
+                         "scores higher: docs/roots.md)")
     spec = AdapterSpec.__dataclass_fields__
     tc.add_argument("--reduction-factor", type=int,
                     help=f"bottleneck: hidden size / bottleneck width (default {spec['reduction_factor'].default})")
