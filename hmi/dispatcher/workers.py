@@ -9,7 +9,6 @@ server publishes it.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import traceback
@@ -24,6 +23,7 @@ from hmi.adapters.store import AdapterStore
 from hmi.adapters.train import FinetuneConfig, finetune
 from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
 from hmi.allocator import tune_allocator
+from hmi.bootstrap import quiet_transformers
 from hmi.data import job_lines, job_rows, job_texts
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
@@ -96,7 +96,7 @@ def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], No
     ``done`` (with the worker's memory), ``cancelled`` or ``failed`` (with the error)."""
     if job.get("server_pid") is not None:  # a process of the server's (a Ray task dies with its owner instead)
         die_with_parent(job["server_pid"])
-    logging.getLogger("adapters").setLevel(logging.ERROR)
+    quiet_transformers()  # a job's long texts are cut to the model's limit on purpose: no tokenizer warning
     tune_allocator()
     torch.set_num_threads(job.get("threads") or max(1, (os.cpu_count() or 2) // 2))
     try:

@@ -102,3 +102,31 @@ def test_inference_follows_the_tenant_and_a_request_may_override_it(live):
 def test_a_cut_tagging_text_is_tagged_up_to_the_limit(live):
     out = live["admin"].infer("tagger", [" ".join(["the", "dog", "runs"] * 10)])[0]
     assert out["truncated"] is True and len(out["tokens"]) == LIMIT - 2
+
+
+def test_a_job_worker_reads_texts_over_the_model_limit_without_the_tokenizer_warning():
+    """A fine-tune job tokenizes whole texts and then cuts or refuses them itself; the tokenizer's
+    'longer than the specified maximum sequence length' warning would only mislead an operator."""
+    import logging
+    import queue
+    import threading
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from hmi.dispatcher.workers import _run
+
+    fresh = load_tokenizer(default_spec().model_dir)  # the warning is given once per tokenizer object
+    records: list[logging.LogRecord] = []
+    catch = logging.Handler()
+    catch.emit = records.append
+    hf_logging.get_logger("transformers").addHandler(catch)
+    hf_logging.set_verbosity_warning()  # as a newly spawned process starts
+    progress = queue.Queue()
+    try:
+        _run({"threads": torch.get_num_threads()}, progress, threading.Event(),
+             lambda report: {"n_tokens": len(fresh("word " * 900, truncation=False)["input_ids"])})
+    finally:
+        hf_logging.get_logger("transformers").removeHandler(catch)
+    assert progress.get_nowait()[2]["n_tokens"] == 902
+    assert not [r for r in records if "sequence length is longer" in r.getMessage()]
