@@ -16,7 +16,7 @@ from pathlib import Path
 from hmi.allocator import tune_allocator
 from hmi.data import data_dir, held_out_texts, load_corpus
 from hmi.data.prepare import prepare
-from hmi.model.aliases import DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
+from hmi.model.aliases import DEFAULT_L_LOW, DEFAULT_ROOT, calibration_recipe, default_l_low, pointer_name, source_of
 
 
 def quiet_transformers() -> None:
@@ -39,14 +39,14 @@ def ensure_data() -> None:
 def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = True, eval_texts: int = 256,
                       home: Path | None = None, root: str = DEFAULT_ROOT, **config) -> tuple[str, dict]:
     """Calibrates a root's windowed lower layers (by default the packaged MiniLM-L6's, split 3+3)
-    on the general corpus (resumable); ``config`` overrides CalibrationConfig's defaults.
-    Returns (artifact id, its metadata)."""
+    on the general corpus (resumable) with the root's recipe (``calibration_recipe``); ``config``
+    overrides it. Returns (artifact id, its metadata)."""
     from hmi.model.artifact import uncalibrated_root
     from hmi.model.catalog import root_spec
     from hmi.training.calibrate import CalibrationConfig, calibrate
 
     ensure_data()
-    cfg = CalibrationConfig(seed=seed, backoff=backoff, **config)
+    cfg = CalibrationConfig(seed=seed, backoff=backoff, **{**calibration_recipe(root), **config})
     spec = root_spec(root, l_low, home)
     return calibrate(uncalibrated_root(spec), load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
 
@@ -70,6 +70,7 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
     from hmi.model.catalog import root_spec
     from hmi.model.root import load_bert
     from hmi.plot.paths import ensure_root_plot
+    from hmi.training.calibrate import CalibrationConfig
 
     ensure_data()
     spec = root_spec(root, l_low, home)
@@ -78,8 +79,9 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
         if shipped is not None:
             print(f"root artifact {shipped}: the calibrated lower layers shipped with hmi, checked against the root")
         else:
-            print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only; about 10 minutes "
-                  "on 2 cores for MiniLM-L6, 90 for a 12-layer root; resumable)")
+            budget = CalibrationConfig(**calibration_recipe(root)).max_minutes
+            print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only; at most {budget:g} "
+                  "minutes, about 10 on 2 cores for MiniLM-L6; resumable)")
             calibrate_default(spec.l_low, home=home, root=root)
     root = load_root(home=home, spec=spec)
     summary = ensure_root_plot(root, home=home)

@@ -517,16 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="distill the windowed lower layers from the full root")
     cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
-    cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder), 150 (decoder)")
+    cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder; 800 for mpnet-base), 150 (decoder)")
     cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
-    cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder)")
+    cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder; 3e-4 for mpnet-base)")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--root", default=DEFAULT_ROOT,
                      help=f"an alias ({', '.join(ALIASES)}; default {DEFAULT_ROOT}) or a BERT/RoBERTa/MPNet checkpoint folder")
     cal.add_argument("--l-low", type=int, default=None,
                      help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
     cal.add_argument("--max-minutes", type=float, default=None,
-                     help="encoder training time budget (default 30; about 20 are needed on 2 cores)")
+                     help="the encoder calibration's time budget, resumed runs included (default 30; 90 for "
+                          "mpnet-base); the learning rate decays over the budget when the steps would not fit")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

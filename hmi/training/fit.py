@@ -53,6 +53,12 @@ class Fit:
     def done(self) -> bool:
         return self.step_count >= self.total
 
+    def set_total(self, total: int) -> None:
+        """A new planned number of steps (a time budget that will not hold the first plan)."""
+        self.total = total
+        self.bar.total = total
+        self.bar.refresh()
+
     def check(self) -> None:
         """Raises :class:`Cancelled` when the run was asked to stop."""
         if self.should_stop is not None and self.should_stop():

@@ -205,3 +205,48 @@ def test_calibration_reports_and_improves_quality_as_the_plot_serves_held_out_te
     # Held-out text misses windows: what the PLOT serves differs from computing every window.
     assert q[False]["after"]["lower_cosine_served"] < q[False]["after"]["lower_cosine"]
     assert q[True]["after"]["lower_cosine_served"] > q[True]["before"]["lower_cosine_served"] + 0.05
+
+
+def test_step_plan_keeps_the_steps_that_fit_the_budget_and_never_grows():
+    from hmi.training.calibrate import StepPlan
+
+    plan = StepPlan(800, budget_s=100.0)
+    assert plan.replan(25, spent_s=2.0) == 800  # 0.08 s a step: 64 s for all of them
+    assert plan.replan(25, spent_s=10.0) == 250  # 0.4 s a step: 25 done + 225 in the 90 s left
+    assert plan.replan(50, spent_s=12.0) == 250  # faster now, but a plan once shortened stays
+    assert plan.replan(200, spent_s=101.0) == 200  # the budget is spent: stop here
+    assert StepPlan(800).replan(25, spent_s=1e9) == 800  # no budget
+
+
+def test_schedule_decays_to_its_end_at_the_planned_total_not_the_configured_steps():
+    from hmi.training.calibrate import StepPlan, schedule
+
+    cfg = CalibrationConfig(steps=800, warmup=20)
+    plan = StepPlan(800, budget_s=100.0)
+    factor = schedule(cfg, plan)
+    assert factor(199) == schedule(cfg)(199)  # identical while the plan holds
+    plan.replan(25, spent_s=10.0)  # 250 steps planned
+    assert factor(249) == 0.05
+    assert schedule(cfg)(249) > 0.6  # a run cut there without a plan stops at a high learning rate
+
+
+def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_path, monkeypatch):
+    import time
+
+    import hmi.training.calibrate as cal
+
+    orig = cal.calibration_loss
+
+    def slow_step(*args, **kw):  # a slow machine: 40 steps take over 4 s, the budget is 3 s
+        time.sleep(0.1)
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(cal, "calibration_loss", slow_step)
+    cfg = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
+                            max_minutes=0.05)
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "cal", home=tmp_path,
+                        log=lambda *_: None)
+    c = meta["calibration"]
+    assert 2 <= c["steps_done"] <= c["steps_planned"] < 40
+    lr_end = torch.load(tmp_path / "cal" / "checkpoint.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+    assert lr_end <= 0.3 * cfg.lr  # decayed toward its 5% floor, not cut at three quarters of the peak
