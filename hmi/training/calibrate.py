@@ -153,6 +153,9 @@ class StepPlan:
     spent_before_s: float = 0.0
     started: float = field(default_factory=time.time)
 
+    def __post_init__(self):
+        self.cap = self.steps  # a plan never asks for more than the configured steps
+
     def start(self) -> None:
         self.started = time.time()
 
@@ -161,14 +164,13 @@ class StepPlan:
 
     def replan(self, done: int, spent_s: float | None = None) -> int:
         """The planned total after ``done`` steps took ``spent_s`` seconds in all (default: so
-        far): unchanged while the rest fits the budget at that pace, else ``done`` plus the steps
-        that fit (``done`` once the budget is spent). It never grows."""
+        far): the configured steps while they fit the budget at that pace, else ``done`` plus the
+        steps that fit (``done`` once the budget is spent)."""
         spent_s = self.spent() if spent_s is None else spent_s
         if self.budget_s is None or done <= 0:
             return self.steps
-        pace = spent_s / done
-        if spent_s + pace * (self.steps - done) > self.budget_s:
-            self.steps = max(done, min(self.steps, done + int((self.budget_s - spent_s) / pace)))
+        fit = done + int(max(0.0, self.budget_s - spent_s) / (spent_s / done))
+        self.steps = max(done, min(self.cap, fit))
         return self.steps
 
     def over_budget(self) -> bool:
@@ -236,9 +238,10 @@ def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fi
             fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
             if fit.step_count % cfg.checkpoint_every == 0 and plan is not None:
                 total = plan.replan(fit.step_count)
-                if total < fit.total:
-                    log(f"the time budget holds {total} of {cfg.steps} steps at this pace: the learning rate "
-                        f"now decays to its end at step {total}")
+                if total < cfg.steps and fit.total == cfg.steps:
+                    log(f"the time budget holds about {total} of {cfg.steps} steps at this pace: the learning rate "
+                        "decays to its end over the steps that fit")
+                if total != fit.total:
                     fit.set_total(total)
             if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
                 checkpoint()

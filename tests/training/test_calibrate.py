@@ -207,13 +207,14 @@ def test_calibration_reports_and_improves_quality_as_the_plot_serves_held_out_te
     assert q[True]["after"]["lower_cosine_served"] > q[True]["before"]["lower_cosine_served"] + 0.05
 
 
-def test_step_plan_keeps_the_steps_that_fit_the_budget_and_never_grows():
+def test_step_plan_keeps_the_steps_that_fit_the_budget_at_the_pace_so_far():
     from hmi.training.calibrate import StepPlan
 
     plan = StepPlan(800, budget_s=100.0)
     assert plan.replan(25, spent_s=2.0) == 800  # 0.08 s a step: 64 s for all of them
     assert plan.replan(25, spent_s=10.0) == 250  # 0.4 s a step: 25 done + 225 in the 90 s left
-    assert plan.replan(50, spent_s=12.0) == 250  # faster now, but a plan once shortened stays
+    assert plan.replan(50, spent_s=12.0) == 416  # faster since: 50 + 88 s at 0.24 s a step
+    assert plan.replan(100, spent_s=10.0) == 800  # all of them fit again, and never more
     assert plan.replan(200, spent_s=101.0) == 200  # the budget is spent: stop here
     assert StepPlan(800).replan(25, spent_s=1e9) == 800  # no budget
 
