@@ -103,7 +103,12 @@ def cmd_info(args) -> int:
     print(f"root artifact: {aid}  root={meta['root']}  L_low={meta['l_low']}  hidden={meta['hidden_size']}")
     cal = meta.get("calibration", {})
     print(f"calibration: steps={cal.get('steps_done')} batch={cal.get('batch_size')} lr={cal.get('lr')} "
-          f"seconds(last run)={cal.get('train_seconds_this_run')}")
+          f"seconds={cal.get('train_seconds', cal.get('train_seconds_this_run'))}")
+    if cal.get("steps_done") is not None and cal.get("steps") and cal["steps_done"] < cal["steps"]:
+        how = ("the learning rate decayed over those" if "steps_planned" in cal else
+               "the run stopped there; the same command resumes it")
+        print(f"  the time budget ({cal.get('max_minutes')} min) held {cal['steps_done']} of the {cal['steps']} steps "
+              f"on this machine: {how}")
     print_quality(meta)
     if args.json:
         print(json.dumps(meta, indent=1))

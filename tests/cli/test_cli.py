@@ -55,3 +55,24 @@ def test_serve_ray_refuses_settings_it_cannot_honour_before_any_work(capsys):
     assert "--job-cpus must be above 0" in capsys.readouterr().err
     assert main(["serve", "--ray", "--registry", "actor", "--registry-cache-s", "-1"]) == 2
     assert "--registry-cache-s must be 0 or more" in capsys.readouterr().err
+
+
+def test_info_says_when_the_time_budget_held_fewer_steps_than_configured(capsys):
+    import json
+
+    from hmi.home import hmi_home
+    from hmi.io import atomic_write_text
+
+    roots = hmi_home() / "roots"
+    for aid, extra in (("minilm-l3-cut", {}), ("minilm-l3-planned", {"steps_planned": 412})):
+        (roots / aid).mkdir(parents=True)
+        cal = {"steps": 600, "steps_done": 412, "max_minutes": 30.0, "lr": 5e-4, "batch_size": 32,
+               "train_seconds": 1800.0, **extra}
+        (roots / aid / "config.json").write_text(json.dumps({"root": "minilm-l6", "l_low": 3, "hidden_size": 384,
+                                                              "calibration": cal}))
+        atomic_write_text(roots / "current", aid)
+        assert main(["info"]) == 0
+        out = capsys.readouterr().out
+        assert "held 412 of the 600 steps" in out
+        assert ("decayed over those" in out) == bool(extra)
+        assert ("the same command resumes it" in out) != bool(extra)
