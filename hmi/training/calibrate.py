@@ -142,6 +142,11 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
 
 
+def _now() -> float:
+    """The clock a time budget reads (monotonic seconds)."""
+    return time.monotonic()
+
+
 @dataclass
 class StepPlan:
     """How many steps a calibration runs: ``steps`` (``cfg.steps`` to begin with), fewer when
@@ -151,16 +156,16 @@ class StepPlan:
     steps: int
     budget_s: float | None = None
     spent_before_s: float = 0.0
-    started: float = field(default_factory=time.time)
+    started: float = field(default_factory=_now)
 
     def __post_init__(self):
         self.cap = self.steps  # a plan never asks for more than the configured steps
 
     def start(self) -> None:
-        self.started = time.time()
+        self.started = _now()
 
     def spent(self) -> float:
-        return self.spent_before_s + time.time() - self.started
+        return self.spent_before_s + _now() - self.started
 
     def replan(self, done: int, spent_s: float | None = None) -> int:
         """The planned total after ``done`` steps took ``spent_s`` seconds in all (default: so
