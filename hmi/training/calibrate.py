@@ -9,8 +9,8 @@ Time budget (``CalibrationConfig.max_minutes``): the whole calibration's, resume
 At each checkpoint the steps are planned again from the pace so far (``StepPlan``): when
 ``cfg.steps`` would not fit, the run is shortened to the steps that do and the learning rate
 decays to its end over them, so a slow machine ends with a finished schedule rather than a run
-cut at a high learning rate.  Where the steps fit, nothing depends on the clock (bit-for-bit
-repeatable runs).
+cut at a high learning rate.  Where the steps fit, the plan stays at ``cfg.steps`` and runs
+repeat bit for bit.
 
 Back-off (``CalibrationConfig.backoff``, the default): serving reads a window from the PLOT only
 when the corpus held it, and most windows of new text are not there (they back off to a bi-gram
@@ -299,12 +299,11 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
                     "spent_seconds": plan.spent()}, tmp)
         tmp.replace(ckpt_path)
 
-    start = time.time()
     plan.start()
     with deterministic():
         distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, plan)
     step, spent = fit.step_count, plan.spent()
-    seconds = time.time() - start
+    seconds = spent - plan.spent_before_s
     windowed.eval().requires_grad_(False)
     after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
