@@ -7,7 +7,7 @@ tenant, swapped like dedicated), hBERT-adapter (full-context lower layers, batch
 adapters in the upper layers) and hBERT (PLOT + adapters + the pipelined scheduler).
 
 Usage: python benchmarks/bench_tenants.py [--quick] [--model-files N] [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                         [--adapter bottleneck[:R]|lora[:RANK]|ia3]
+                                         [--adapter bottleneck[:R]|lora[:RANK[:TARGETS]]|ia3]
 
 On another root than the default the results page is docs/bench_tenants_<root>.md.
 """
@@ -308,7 +308,9 @@ def main() -> None:
         ap.add_argument("--counts", default=",".join(map(str, COUNTS)),
                         help="tenant counts, comma-separated (default %(default)s; 1 and 1000 carry the headline ratios)")
         ap.add_argument("--adapter", help="the tenants' adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] "
-                                          "(default bottleneck:16), lora[:RANK] or ia3; another than the default "
+                                          "(default bottleneck:16), "
+                                          "lora[:RANK[:all|SITE+SITE]] (LoRA on q+v by default; all: every linear layer) or "
+                                          "ia3; another than the default "
                                           "writes its own page (bench_tenants_..._adapter-KIND-SIZE)")
         root_options(ap)
 

@@ -141,20 +141,28 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
 
 def adapter_options(arg: str | None) -> dict:
     """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
-    ``lora[:RANK]`` (default 8, alpha = rank) or ``ia3``; None is the protocol's bottleneck 16."""
+    ``lora[:RANK[:TARGETS]]`` (default 8, alpha = rank; TARGETS ``all`` or sites joined by ``+``,
+    default q+v) or ``ia3``; None is the protocol's bottleneck 16."""
     import dataclasses
 
-    from hmi.adapters.spec import KINDS, AdapterSpec
+    from hmi.adapters.spec import KINDS, AdapterSpec, SpecError, lora_sites
 
+    usage = f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK[:all|SITE+SITE...]] or ia3, got {arg!r}"
     defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
-    kind, _, size = (arg or defaults["kind"]).partition(":")
-    if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)):
-        raise SystemExit(f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK] or ia3, got {arg!r}")
+    kind, _, rest = (arg or defaults["kind"]).partition(":")
+    size, _, targets = rest.partition(":")
+    if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)) \
+            or (targets and kind != "lora"):
+        raise SystemExit(usage)
     if kind == "bottleneck":
         return {"kind": kind, "reduction_factor": int(size or defaults["reduction_factor"])}
     if kind == "lora":
         rank = int(size or defaults["rank"])
-        return {"kind": kind, "rank": rank, "alpha": float(rank)}
+        try:
+            sites = lora_sites(targets.replace("+", ",")) if targets else defaults["targets"]
+        except SpecError as exc:
+            raise SystemExit(f"{usage} ({exc})") from None
+        return {"kind": kind, "rank": rank, "alpha": float(rank), "targets": sites}
     return {"kind": kind}
 
 
@@ -163,5 +171,6 @@ def describe_adapter(opts: dict) -> str:
     if opts["kind"] == "bottleneck":
         return f"bottleneck adapters (reduction {opts['reduction_factor']})"
     if opts["kind"] == "lora":
-        return f"LoRA adapters (rank {opts['rank']}, query and value)"
+        sites = {"q": "query", "k": "key", "v": "value", "ffn_in": "FFN in", "ffn_out": "FFN out"}
+        return f"LoRA adapters (rank {opts['rank']}, {', '.join(sites[t] for t in opts['targets'])})"
     return "IA3 adapters"

@@ -207,7 +207,9 @@ def main() -> None:
                                           "hBERT-exact")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
-                                          "bottleneck:16), lora[:RANK] or ia3; another than the default writes its "
+                                          "bottleneck:16), "
+                                          "lora[:RANK[:all|SITE+SITE]] (LoRA on q+v by default; all: every linear layer) or "
+                                          "ia3; another than the default writes its "
                                           "own page (eval_accuracy_partial_..._adapter-KIND-SIZE)")
         ap.add_argument("--dedicated-lr", type=learning_rates, metavar="LR[,LR...]",
                         help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "

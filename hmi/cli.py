@@ -308,7 +308,7 @@ def cmd_generate(args):
 
 
 # Which --kind each adapter size option belongs to.
-ADAPTER_OPTIONS = {"reduction_factor": "bottleneck", "rank": "lora", "alpha": "lora"}
+ADAPTER_OPTIONS = {"reduction_factor": "bottleneck", "rank": "lora", "alpha": "lora", "targets": "lora"}
 
 
 def adapter_body(args) -> dict:
@@ -321,7 +321,7 @@ def adapter_body(args) -> dict:
             continue
         if kind != args.kind:
             raise SystemExit(f"hmi: --{key.replace('_', '-')} applies to --kind {kind}, not {args.kind}")
-        body[key] = value
+        body[key] = value.split(",") if key == "targets" else value
     return body
 
 
@@ -642,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--rank", type=int, help=f"lora: the rank (default {spec['rank'].default})")
     tc.add_argument("--alpha", type=float,
                     help=f"lora: the scale's numerator, scale = alpha / rank (default {spec['alpha'].default:g})")
+    tc.add_argument("--targets", help="lora: the projections it adapts, comma-separated of q, k, v, ffn_in, ffn_out, or "
+                                      "'all' (default q,v)")
     tc.add_argument("--pooling", choices=["cls", "mean"],
                     help="what a classification head reads: the [CLS] vector (default) or the mean of the tokens")
     tc.add_argument("--domain", default="root")

@@ -98,7 +98,7 @@ def batched_lora(x: torch.Tensor, slots: torch.Tensor, a_t: torch.Tensor, b_t: t
     """LoRA update of a projection for each request.
 
     Semantics: delta[n] = scaling * x[n] @ A[slots[n]]^T @ B[slots[n]]^T
-    Shapes: x (N, T, H); a_t (S, H, r) (= A^T); b_t (S, r, H) (= B^T) -> (N, T, H).
+    Shapes: x (N, T, D_in); a_t (S, D_in, r) (= A^T); b_t (S, r, D_out) (= B^T) -> (N, T, D_out).
     """
     return segment_bmm(segment_bmm(x, slots, a_t, plan=plan), slots, b_t, plan=plan) * scaling
 
@@ -119,7 +119,8 @@ def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tenso
     """The shared BERT upper layers with each request's adapter applied.
 
     Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual + LayerNorm)
-    with the adapter sites of the ``adapters`` library: LoRA on the query/value projections, IA3
+    with the adapter sites of the ``adapters`` library: LoRA on the projections its pool targets
+    (query, key, value, the FFN's first and second layer; by default query and value), IA3
     scaling of keys, values and the FFN's intermediate projection (before its activation), and
     the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
     attention output projection and x the layer input (the library's default BnConfig).
@@ -151,30 +152,32 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
     scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
     ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
     y = _attention_output(li, layer.attention.output, ctx, x, groups)
-    inter = _ia3_scaled(li, "ffn", layer.intermediate.dense(y), groups)
-    inter = layer.intermediate.intermediate_act_fn(inter)
-    return layer.output.LayerNorm(layer.output.dense(inter) + y)
+    inter = _lora_added(li, "ffn_in", y, layer.intermediate.dense(y), groups)
+    inter = layer.intermediate.intermediate_act_fn(_ia3_scaled(li, "ffn", inter, groups))
+    return layer.output.LayerNorm(_lora_added(li, "ffn_out", inter, layer.output.dense(inter), groups) + y)
 
 
 def _adapted_qkv(li: int, att: nn.Module, x: torch.Tensor, groups: list[Group]):
-    """Query, key and value projections with each group's LoRA (query, value) or IA3 (key, value).
-    Shapes: x (B, T, H) -> three (B, T, H)."""
-    q, k, v = att.query(x), att.key(x), att.value(x)
+    """Query, key and value projections with each group's LoRA (on the sites it targets) or IA3
+    (key, value).  Shapes: x (B, T, H) -> three (B, T, H)."""
+    q = _lora_added(li, "q", x, att.query(x), groups)
+    k = _ia3_scaled(li, "k", _lora_added(li, "k", x, att.key(x), groups), groups)
+    v = _ia3_scaled(li, "v", _lora_added(li, "v", x, att.value(x), groups), groups)
+    return q, k, v
+
+
+def _lora_added(li: int, site: str, x: torch.Tensor, y: torch.Tensor, groups: list[Group]) -> torch.Tensor:
+    """``y`` (a projection of ``x``) plus, on the rows of each LoRA group that targets ``site``,
+    their tenant's update ``scaling * x @ A^T @ B^T``.  Shapes: x (B, T, D_in); y (B, T, D_out) -> y's."""
     for g in groups:
         p = g.pool
-        if p.kind == "lora":
-            xs = x if g.all_rows else x.index_select(0, g.rows)
-            lw = p.layer(li)
-            dq = batched_lora(xs, g.slots, lw["q_A"], lw["q_B"], p.scaling, g.plan)
-            dv = batched_lora(xs, g.slots, lw["v_A"], lw["v_B"], p.scaling, g.plan)
-            if g.all_rows:
-                q, v = q + dq, v + dv
-            else:
-                q = q.index_add(0, g.rows, dq)
-                v = v.index_add(0, g.rows, dv)
-    k = _ia3_scaled(li, "k", k, groups)
-    v = _ia3_scaled(li, "v", v, groups)
-    return q, k, v
+        if p.kind != "lora" or site not in p.targets:
+            continue
+        lw = p.layer(li)
+        delta = batched_lora(x if g.all_rows else x.index_select(0, g.rows), g.slots, lw[f"{site}_A"],
+                             lw[f"{site}_B"], p.scaling, g.plan)
+        y = y + delta if g.all_rows else y.index_add(0, g.rows, delta)
+    return y
 
 
 def _ia3_scaled(li: int, site: str, t: torch.Tensor, groups: list[Group]) -> torch.Tensor:

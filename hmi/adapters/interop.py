@@ -17,6 +17,10 @@ from transformers import BertModel
 
 from hmi.adapters.spec import AdapterSpec, SpecError
 
+# Where each LoRA site (hmi.adapters.spec.LORA_SITES) sits in a BERT-layout layer.
+LORA_MODULES = {"q": "attention.self.query", "k": "attention.self.key", "v": "attention.self.value",
+                "ffn_in": "intermediate.dense", "ffn_out": "output.dense"}
+
 
 def library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[str, bool]]:
     """Canonical key suffix -> (library state-dict key, transpose?) for one absolute layer."""
@@ -29,9 +33,8 @@ def library_keys(spec: AdapterSpec, name: str, layer: int) -> dict[str, tuple[st
         return {"bn.down_w": (f"{a}.adapter_down.0.weight", True), "bn.down_b": (f"{a}.adapter_down.0.bias", False),
                 "bn.up_w": (f"{a}.adapter_up.weight", True), "bn.up_b": (f"{a}.adapter_up.bias", False)}
     if spec.kind == "lora":
-        s = f"{base}.attention.self"
-        return {"lora.q_A": (f"{s}.query.loras.{name}.lora_A", False), "lora.q_B": (f"{s}.query.loras.{name}.lora_B", False),
-                "lora.v_A": (f"{s}.value.loras.{name}.lora_A", False), "lora.v_B": (f"{s}.value.loras.{name}.lora_B", False)}
+        return {f"lora.{site}_{part}": (f"{base}.{LORA_MODULES[site]}.loras.{name}.lora_{part}", False)
+                for site in spec.targets for part in "AB"}
     s = f"{base}.attention.self"
     return {"ia3.k": (f"{s}.key.loras.{name}.lora_B", None), "ia3.v": (f"{s}.value.loras.{name}.lora_B", None),
             "ia3.ffn": (f"{base}.intermediate.dense.loras.{name}.lora_B", None)}

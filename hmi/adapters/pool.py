@@ -13,6 +13,8 @@ from collections import Counter, OrderedDict
 
 import torch
 
+from hmi.adapters.spec import DEFAULT_LORA_SITES
+
 
 class PoolExhaustedError(RuntimeError):
     """More distinct tenants in one batch than the pool has unpinned slots."""
@@ -27,8 +29,20 @@ def layer_shapes(signature: tuple, hidden: int, intermediate: int, value_width: 
         return {"down_w": (hidden, r), "down_b": (r,), "up_w": (r, hidden), "up_b": (hidden,)}
     if kind == "lora":
         r = signature[1]
-        return {"q_A": (hidden, r), "q_B": (r, hidden), "v_A": (hidden, r), "v_B": (r, value_width or hidden)}
+        dims = {"q": (hidden, hidden), "k": (hidden, hidden), "v": (hidden, value_width or hidden),
+                "ffn_in": (hidden, intermediate), "ffn_out": (intermediate, hidden)}
+        shapes = {}
+        for site in lora_targets(signature):
+            d_in, d_out = dims[site]
+            shapes[f"{site}_A"], shapes[f"{site}_B"] = (d_in, r), (r, d_out)
+        return shapes
     return {"k": (hidden,), "v": (hidden,), "ffn": (intermediate,)}
+
+
+def lora_targets(signature: tuple) -> tuple[str, ...]:
+    """The sites a LoRA pool adapts: the encoder signature's ``("lora", r, alpha, targets)``, or
+    query and value for a decoder pool's ``("lora", r)``."""
+    return signature[3] if len(signature) > 3 else DEFAULT_LORA_SITES
 
 
 def to_pool_layout(kind: str, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +70,7 @@ class SlotPool:
         self.max_labels = max_labels
         self.device = torch.device(device)
         self.scaling = scaling
+        self.targets = lora_targets(signature) if self.kind == "lora" else ()
         shapes = layer_shapes(signature, hidden, intermediate, value_width)
         self.layers = [{k: torch.zeros((n_slots, *s), device=self.device, dtype=dtype) for k, s in shapes.items()}
                        for _ in range(n_layers)]

@@ -26,7 +26,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from hmi.adapters.interop import convert, library_keys, to_library_layout
-from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.adapters.spec import AdapterSpec, SpecError, lora_sites
 from hmi.archive import ArchiveError
 
 # The adapter variants the batched kernels compute (hmi.adapters.batched), as library config values.
@@ -35,8 +35,7 @@ REQUIRED = {
                    "original_ln_after": True, "residual_before_ln": True, "adapter_residual_before_ln": False,
                    "ln_before": False, "ln_after": False, "is_parallel": False, "scaling": 1.0, "use_gating": False,
                    "phm_layer": False, "cross_adapter": False, "inv_adapter": None},
-    "lora": {"selfattn_lora": True, "intermediate_lora": False, "output_lora": False, "attn_matrices": ["q", "v"],
-             "composition_mode": "add", "use_gating": False, "use_dora": False, "vera_d": None, "vera_b": None},
+    "lora": {"composition_mode": "add", "use_gating": False, "use_dora": False, "vera_d": None, "vera_b": None},
     "ia3": {"selfattn_lora": True, "intermediate_lora": True, "output_lora": False, "attn_matrices": ["k", "v"],
             "composition_mode": "scale", "use_gating": False, "use_dora": False, "vera_d": None, "vera_b": None},
 }
@@ -108,6 +107,21 @@ def _check_config(kind: str, cfg: dict) -> None:
                             + ", ".join(diff))
 
 
+def _lora_targets(cfg: dict) -> tuple[str, ...]:
+    """The LoRA sites a library config adapts: its attention matrices (when ``selfattn_lora``), the
+    FFN's first layer (``intermediate_lora``) and second (``output_lora``)."""
+    attn = list(cfg.get("attn_matrices") or []) if cfg.get("selfattn_lora") else []
+    odd = [m for m in attn if m not in ("q", "k", "v")]
+    if odd:
+        raise PortableError("unsupported_adapter", f"LoRA on attention matrices {odd} is not served; the server batches "
+                            "LoRA on q, k, v and the FFN's two layers")
+    sites = attn + ["ffn_in"] * bool(cfg.get("intermediate_lora")) + ["ffn_out"] * bool(cfg.get("output_lora"))
+    if not sites:
+        raise PortableError("unsupported_adapter", "this LoRA adapter adapts no layer (selfattn_lora, intermediate_lora "
+                            "and output_lora are all off)")
+    return lora_sites(sites)
+
+
 def _canonical_key(key: str) -> tuple[int, str] | None:
     """(absolute layer, library key with the adapter's name as ``{name}``, without the model's
     prefix), or None for a key that is no adapter weight."""
@@ -134,7 +148,7 @@ def read_encoder(files: dict[str, bytes], root: RootShape) -> tuple[AdapterSpec,
     params = {"kind": kind, "head": head_spec["head"], "labels": head_spec["labels"],
               "pooling": head_spec.get("pooling", "cls")}
     if kind == "lora":
-        params.update(rank=cfg["r"], alpha=cfg["alpha"])
+        params.update(rank=cfg["r"], alpha=cfg["alpha"], targets=_lora_targets(cfg))
     if kind == "bottleneck":
         down = next((v for k, v in raw.items() if k.endswith("adapter_down.0.weight")), None)
         if down is None:

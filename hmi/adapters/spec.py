@@ -5,8 +5,11 @@ A tenant's weights use one canonical naming, independent of the library and of t
 layer index i counts from 0 at the first upper layer):
 
 * bottleneck: ``layers.i.bn.down_w`` (H, r), ``down_b`` (r,), ``up_w`` (r, H), ``up_b`` (H,)
-* lora: ``layers.i.lora.q_A`` (r, H), ``q_B`` (H, r), ``v_A`` (r, H), ``v_B`` (V, r) with V the
-  value projection's width (H on encoders; key/value heads x head size on decoders); scaling alpha / r
+* lora: ``layers.i.lora.{site}_A`` (r, D_in), ``{site}_B`` (D_out, r) for each of the spec's target
+  sites (``q``, ``k``, ``v``, ``ffn_in``, ``ffn_out``; default ``q`` and ``v``), with D_in x D_out
+  H x H for q and k, H x V for v (V the value projection's width: H on encoders, key/value heads x
+  head size on decoders), H x I for ffn_in (the FFN's first projection) and I x H for ffn_out (its
+  second); scaling alpha / r
 * ia3: ``layers.i.ia3.k`` (H,), ``layers.i.ia3.v`` (H,), ``layers.i.ia3.ffn`` (I,)
 * head: ``head.w`` (H, C), ``head.b`` (C,) for classification and tagging; none for ``lm`` (the
   decoder's own language-model head)
@@ -21,6 +24,29 @@ KINDS = ("bottleneck", "lora", "ia3")
 HEADS = ("classification", "tagging")  # encoder heads; decoder tenants use "lm"
 DECODER_HEAD = "lm"
 POOLINGS = ("cls", "mean")
+# The projections LoRA can adapt, in canonical order, and the library's name for each: the
+# attention's query, key and value, and the FFN's first (intermediate) and second (output) layer.
+LORA_SITES = ("q", "k", "v", "ffn_in", "ffn_out")
+DEFAULT_LORA_SITES = ("q", "v")
+ALL_LORA_SITES = "all"  # shorthand for every site, in the API and on the command line
+
+
+def lora_sites(names) -> tuple[str, ...]:
+    """LoRA target sites in canonical order; ``"all"`` (or ``["all"]``) is every site.  Raises
+    SpecError for an unknown, repeated or empty list."""
+    if isinstance(names, str):
+        names = LORA_SITES if names == ALL_LORA_SITES else tuple(n.strip() for n in names.split(","))
+    names = tuple(names)
+    if names == (ALL_LORA_SITES,):
+        names = LORA_SITES
+    unknown = [n for n in names if n not in LORA_SITES]
+    if unknown:
+        raise SpecError(f"unknown LoRA target {unknown[0]!r}; use some of {', '.join(LORA_SITES)} or {ALL_LORA_SITES!r}")
+    if not names:
+        raise SpecError("LoRA needs at least one target")
+    if len(set(names)) != len(names):
+        raise SpecError("LoRA targets must be distinct")
+    return tuple(n for n in LORA_SITES if n in names)
 
 
 class SpecError(ValueError):
@@ -39,9 +65,11 @@ class AdapterSpec:
     rank: int = 8  # lora
     alpha: float = 8.0  # lora
     pooling: str = "cls"  # classification: the [CLS] vector, or the mean of the text's tokens
+    targets: tuple[str, ...] = DEFAULT_LORA_SITES  # lora: the projections it adapts (LORA_SITES)
 
     def __post_init__(self):
         object.__setattr__(self, "labels", tuple(self.labels))
+        object.__setattr__(self, "targets", lora_sites(self.targets))
         self.validate()
 
     @classmethod
@@ -55,6 +83,8 @@ class AdapterSpec:
             self._validate_lora()
             if self.kind != "lora" or self.labels:
                 raise SpecError("decoder tenants use LoRA with the language-model head, without labels")
+            if self.targets != DEFAULT_LORA_SITES:
+                raise SpecError("decoder tenants' LoRA adapts the query and value projections only")
             return
         if self.kind not in KINDS:
             raise SpecError(f"unknown adapter kind {self.kind!r}; use one of {', '.join(KINDS)}")
@@ -74,6 +104,8 @@ class AdapterSpec:
             raise SpecError(f"reduction_factor must be a positive integer, got {self.reduction_factor!r}")
         if self.kind == "lora":
             self._validate_lora()
+        elif self.targets != DEFAULT_LORA_SITES:
+            raise SpecError(f"targets apply to LoRA adapters, not {self.kind}")
 
     def _validate_lora(self) -> None:
         if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and 1 <= self.rank <= 256):
@@ -102,17 +134,18 @@ class AdapterSpec:
         if self.kind == "bottleneck":
             return ("bottleneck", self.bottleneck_dim(hidden))
         if self.kind == "lora":
-            return ("lora", self.rank, float(self.alpha))
+            return ("lora", self.rank, float(self.alpha), self.targets)
         return ("ia3",)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["labels"] = list(self.labels)
+        d["targets"] = list(self.targets)
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdapterSpec":
-        known = {k: d[k] for k in ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling") if k in d}
+        known = {k: d[k] for k in ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling", "targets") if k in d}
         return cls(**known)
 
     def library_config(self, lower_layers: int):
@@ -124,7 +157,10 @@ class AdapterSpec:
             return BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=self.reduction_factor,
                             non_linearity="relu", leave_out=leave_out)
         if self.kind == "lora":
-            return LoRAConfig(r=self.rank, alpha=self.alpha, attn_matrices=["q", "v"], leave_out=leave_out)
+            attn = [t for t in self.targets if t in ("q", "k", "v")]
+            return LoRAConfig(r=self.rank, alpha=self.alpha, selfattn_lora=bool(attn), attn_matrices=attn or ["q", "v"],
+                              intermediate_lora="ffn_in" in self.targets, output_lora="ffn_out" in self.targets,
+                              leave_out=leave_out)
         return IA3Config(leave_out=leave_out)
 
 

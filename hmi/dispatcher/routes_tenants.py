@@ -73,7 +73,7 @@ def _spec(body) -> AdapterSpec:
     kw = {"kind": body.adapter.kind, "head": body.task.type, "labels": body.task.labels}
     if body.task.pooling is not None:  # else the spec's default
         kw["pooling"] = body.task.pooling
-    for k in ("reduction_factor", "rank", "alpha"):
+    for k in ("reduction_factor", "rank", "alpha", "targets"):
         if getattr(body.adapter, k) is not None:
             kw[k] = getattr(body.adapter, k)
     try:

@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from hmi.adapters.spec import HEADS, KINDS, POOLINGS
+from hmi.adapters.spec import ALL_LORA_SITES, HEADS, KINDS, LORA_SITES, POOLINGS
 from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
@@ -73,6 +73,10 @@ class Adapter(Body):
     reduction_factor: Int = Absent(ge=1, le=4096)
     rank: Int = Absent(ge=1, le=256)
     alpha: float = Absent(gt=0, le=1e6)
+    targets: Annotated[list[Literal[LORA_SITES + (ALL_LORA_SITES,)]],  # type: ignore[valid-type]
+                       Field(min_length=1, max_length=len(LORA_SITES))] = Absent(
+        description="lora: the projections it adapts, of q, k, v, ffn_in (the FFN's first layer) and ffn_out (its "
+                    "second), or [\"all\"] (default [\"q\", \"v\"])")
 
 
 class DecoderAdapter(Body):

@@ -36,6 +36,8 @@ TENANTS = {  # name -> spec; mixed kinds, sizes, label counts and pooling
     "t5": AdapterSpec("bottleneck", head="tagging", labels=("N", "V")),
     "t6": AdapterSpec("ia3", head="tagging", labels=("N", "V", "D", "X", "Y")),
     "t7": AdapterSpec("bottleneck", reduction_factor=8, labels=("a", "b")),
+    "t8": AdapterSpec("lora", rank=4, alpha=8, targets="all", labels=("x", "y"), pooling="mean"),
+    "t9": AdapterSpec("lora", rank=2, alpha=4, targets=("k", "ffn_out"), head="tagging", labels=("N", "V")),
 }
 
 
@@ -123,7 +125,7 @@ def run_batched(bert, weights, batch, hidden, mask, pools):
 
 def test_batched_forward_of_mixed_tenants_equals_library_one_at_a_time(setup):
     bert, lib, weights = setup
-    batch = ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t2", "t0", "t6", "t0"]  # repeats included
+    batch = ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", "t9", "t2", "t0", "t6", "t8", "t0"]  # repeats included
     rng = np.random.default_rng(0)
     lengths = rng.integers(2, 9, size=len(batch))
     T = int(lengths.max())
@@ -198,6 +200,10 @@ def test_evicting_a_pinned_tenant_frees_its_slot_only_after_release():
     ({"reduction_factor": 0}, "reduction_factor"),
     ({"pooling": "max"}, "unknown pooling"),
     ({"head": "tagging", "pooling": "mean"}, "pooling applies to classification"),
+    ({"kind": "lora", "targets": ("q", "o")}, "unknown LoRA target 'o'"),
+    ({"kind": "lora", "targets": ()}, "at least one target"),
+    ({"kind": "lora", "targets": ("v", "v")}, "distinct"),
+    ({"targets": "all"}, "targets apply to LoRA adapters, not bottleneck"),
 ])
 def test_spec_validation_gives_clear_errors(kw, msg):
     args = {"labels": ("a", "b"), **kw}
@@ -224,3 +230,15 @@ def test_segment_bmm_with_a_host_plan_matches_the_loop_and_never_reads_the_devic
     monkeypatch.undo()
     torch.testing.assert_close(got, ref_segment_bmm(x, s, w, b))
     torch.testing.assert_close(got_nb, ref_segment_bmm(x, s, w))
+
+
+def test_lora_targets_are_kept_in_canonical_order_and_name_their_pool():
+    every = AdapterSpec("lora", labels=("a", "b"), targets="all")
+    assert every.targets == ("q", "k", "v", "ffn_in", "ffn_out")
+    assert AdapterSpec("lora", labels=("a", "b"), targets="ffn_out,q").targets == ("q", "ffn_out")
+    assert AdapterSpec.from_dict(every.to_dict()) == every
+    assert AdapterSpec.from_dict({"kind": "lora", "labels": ["a", "b"]}).targets == ("q", "v")  # specs saved before targets
+    assert every.signature(H) != AdapterSpec("lora", labels=("a", "b")).signature(H)
+    pool = SlotPool(every.signature(H), 2, 1, H, 4 * H, scaling=every.scaling)
+    assert {k: tuple(v.shape[1:]) for k, v in pool.layer(0).items() if k.startswith("ffn")} == {
+        "ffn_in_A": (H, 8), "ffn_in_B": (8, 4 * H), "ffn_out_A": (4 * H, 8), "ffn_out_B": (8, H)}

@@ -60,8 +60,10 @@ BERT = tiny_bert(layers=LAYERS, hidden=H)
 @pytest.mark.parametrize("config", [
     BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu", leave_out=[0, 1]),
     LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]),
+    LoRAConfig(r=4, alpha=8, attn_matrices=["q", "k", "v"], intermediate_lora=True, output_lora=True, leave_out=[0, 1]),
+    LoRAConfig(r=2, alpha=4, selfattn_lora=False, output_lora=True, leave_out=[0, 1]),
     IA3Config(leave_out=[0, 1]),
-], ids=["bottleneck", "lora", "ia3"])
+], ids=["bottleneck", "lora", "lora-every-linear-layer", "lora-ffn-out-only", "ia3"])
 def test_a_library_saved_adapter_is_served_as_the_library_computes_it(tmp_path, config):
     model, folder = library_folder(tmp_path, config)
     spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)

@@ -34,6 +34,13 @@ def test_lora_rank_and_alpha_reach_the_tenants_spec(live):
     assert (spec["kind"], spec["rank"], spec["alpha"]) == ("lora", 16, 16.0)
 
 
+def test_lora_on_every_linear_layer_reaches_the_tenants_spec_and_serves(live):
+    assert create(live, "lora-all", "--kind", "lora", "--targets", "all") == 0
+    client = Client(live["url"], ADMIN)
+    assert client.tenant("lora-all")["spec"]["targets"] == ["q", "k", "v", "ffn_in", "ffn_out"]
+    assert client.infer("lora-all", ["a fine film"])[0]["label"] in ("neg", "pos")
+
+
 def test_bottleneck_reduction_factor_reaches_the_tenants_spec(live):
     assert create(live, "wide", "--reduction-factor", "4") == 0
     spec = Client(live["url"], ADMIN).tenant("wide")["spec"]
@@ -45,4 +52,6 @@ def test_a_size_option_of_another_kind_is_refused_before_anything_is_sent(live):
         create(live, "mistaken", "--rank", "16")
     with pytest.raises(SystemExit, match="--reduction-factor applies to --kind bottleneck, not ia3"):
         create(live, "mistaken", "--kind", "ia3", "--reduction-factor", "4")
+    with pytest.raises(SystemExit, match="--targets applies to --kind lora, not bottleneck"):
+        create(live, "mistaken", "--targets", "all")
     assert "mistaken" not in {t["name"] for t in Client(live["url"], ADMIN).tenants()}

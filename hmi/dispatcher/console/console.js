@@ -43,7 +43,8 @@ function showError(err) {
 function adapterOf(spec) {
   if (!spec) return "";
   if (spec.head === "lm") return `LoRA r=${spec.rank}`;
-  const size = spec.kind === "lora" ? ` r=${spec.rank}` : spec.kind === "bottleneck" ? ` /${spec.reduction_factor}` : "";
+  const sites = (spec.targets || ["q", "v"]).join("+");
+  const size = spec.kind === "lora" ? ` r=${spec.rank} on ${sites}` : spec.kind === "bottleneck" ? ` /${spec.reduction_factor}` : "";
   return `${spec.kind}${size}, ${spec.head} (${(spec.labels || []).length} labels)`;
 }
 
