@@ -38,6 +38,58 @@ def alternating(a, b, rounds: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
+def round_robin(fns: dict, rounds: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> callable) over ``rounds`` rounds that run them
+    one after the other, so drifts of a shared machine hit them alike."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def kind_costs(bert, l_low: int, rounds: int, g) -> tuple[list[tuple], dict]:
+    """What an adapter kind costs a batch of 32 distinct tenants in the shared upper layers (no
+    adapter, bottleneck, LoRA on q and v, LoRA on every linear layer), and its weights per tenant."""
+    from hmi.adapters.batched import Group, upper_forward
+    from hmi.adapters.pool import SlotPool
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.model.hplm import UpperLayers
+
+    H, inter = bert.config.hidden_size, bert.config.intermediate_size
+    n_layers, B = bert.config.num_hidden_layers - l_low, 32
+    labels = tuple(f"c{i}" for i in range(5))
+    specs = {"bottleneck r16 (default)": AdapterSpec("bottleneck", labels=labels),
+             "LoRA r16 on q, v": AdapterSpec("lora", rank=16, alpha=16, labels=labels),
+             "LoRA r16 on q, k, v, FFN in, FFN out": AdapterSpec("lora", rank=16, alpha=16, targets="all", labels=labels)}
+    layers = UpperLayers(bert, l_low).layers
+    slots = torch.arange(B)
+    rows, results = [], {}
+    for T in (32, 128):
+        x = torch.randn(B, T, H, generator=g)
+        mask = torch.ones(B, T, dtype=torch.long)
+        fns = {"no adapter": lambda: upper_forward(layers, x, mask, [])}
+        weights = {"no adapter": 0}
+        for name, spec in specs.items():
+            pool = SlotPool(spec.signature(H), B, n_layers, H, inter, max_labels=8, scaling=spec.scaling)
+            for layer in pool.layers:
+                for t in layer.values():
+                    t.copy_(0.05 * torch.randn(t.shape, generator=g))
+            weights[name] = sum(t[0].numel() for t in pool.layers[0].values()) * n_layers
+            fns[name] = lambda pool=pool: upper_forward(layers, x, mask, [Group(slots, slots, pool, True)])
+        with torch.no_grad():
+            med = round_robin(fns, rounds)
+        base = med["no adapter"]
+        for name, sec in med.items():
+            rows.append((name, T, f"{weights[name]:,}", f"{sec * 1e3:.1f}", f"{sec / base:.2f}"))
+            results[f"{name} {T}tok over no adapter"] = round(sec / base, 3)
+    return rows, results
+
+
 def with_mkl(fn):
     """Runs ``fn`` with the linear layers on ATen's default (MKL) kernel."""
     from hmi.model import kernels
@@ -123,6 +175,9 @@ def main() -> None:
         results["adapter_bmm_vs_loop"] = round(tl / tb, 2)
         rows.append(("bottleneck alone, stacked bmm vs loop (32 x 32 tok)", f"{tb * 1e3:.2f}", f"{tl * 1e3:.2f}", f"{tl / tb:.2f}"))
 
+    kind_rows, kind_results = kind_costs(bert, l_low, rounds, g)
+    results["upper_layers_time_by_kind"] = kind_results
+
     # Host memory per tenant and 10,000 tenants registered and servable in one process.
     host_bytes = weights_bytes({k: v.half() for k, v in weights["t0"].items()})
     results["host_bytes_per_tenant"] = host_bytes
@@ -152,6 +207,9 @@ def main() -> None:
     text += ("\n\nBoth sides of a row alternate over " + str(rounds) + " rounds (medians), so drifts of this "
              "shared machine hit them alike. Linear layers run through oneDNN (`hmi/model/kernels.py`):\n\n"
              + table([kernel_row], ("workload (CPU, fp32)", "MKL ms", "oneDNN ms", "speed-up")))
+    text += ("\n\nWhat the adapter kind costs the shared upper layers (32 distinct tenants in one batch, all "
+             f"{n_layers} upper layers, median of {rounds} rounds that run every kind in turn):\n\n"
+             + table(kind_rows, ("adapter", "tokens", "adapter weights per tenant", "ms", "time / no adapter")))
     text += (f"\n\nmax |batched - adapters library one tenant at a time|: {results['max_abs_err_vs_reference']}\n"
              f"host bytes per tenant (bottleneck r=24 on 3 layers + 5-class head, fp16): {host_bytes} "
              f"({host_bytes / 1024:.0f} KiB)\n"

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hmi.adapters.spec import KINDS, AdapterSpec
+from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec
 from hmi.allocator import tune_allocator
 from hmi.archive import zip_folder
 from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default
@@ -307,21 +307,21 @@ def cmd_generate(args):
     print(f"\n[{final.get('tokens')} tokens, {final.get('finish_reason')}]", file=sys.stderr)
 
 
-# Which --kind each adapter size option belongs to.
-ADAPTER_OPTIONS = {"reduction_factor": "bottleneck", "rank": "lora", "alpha": "lora", "targets": "lora"}
-
-
 def adapter_body(args) -> dict:
-    """The ``adapter`` object of a tenant create request: the kind and the size options given;
-    an option of another kind (``--rank`` with a bottleneck) is refused before anything is sent."""
-    body = {"kind": args.kind}
-    for key, kind in ADAPTER_OPTIONS.items():
-        value = getattr(args, key)
-        if value is None:
-            continue
-        if kind != args.kind:
-            raise SystemExit(f"hmi: --{key.replace('_', '-')} applies to --kind {kind}, not {args.kind}")
-        body[key] = value.split(",") if key == "targets" else value
+    """The ``adapter`` object of a tenant create request: the kind (when given; else the server
+    gives the task its default adapter) and the size options given; an option of another kind
+    (``--rank`` with a bottleneck) is refused before anything is sent."""
+    kind = args.kind or HEAD_DEFAULTS[args.type]["kind"]
+    body = {"kind": args.kind} if args.kind else {}
+    for owner, keys in KIND_OPTIONS.items():
+        for key in keys:
+            value = getattr(args, key)
+            if value is None:
+                continue
+            if owner != kind:
+                default = "" if args.kind else f" (the default for --type {args.type})"
+                raise SystemExit(f"hmi: --{key.replace('_', '-')} applies to --kind {owner}, not {kind}{default}")
+            body[key] = value.split(",") if key == "targets" else value
     return body
 
 
@@ -633,17 +633,19 @@ def build_parser() -> argparse.ArgumentParser:
     tc.add_argument("--dev", help="JSON Lines for early stopping")
     tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
     tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
-    tc.add_argument("--kind", default="bottleneck", choices=KINDS,
-                    help="the adapter (default bottleneck; on mpnet-base split 4+8 `--kind lora --rank 16 --alpha 16` "
-                         "scores higher: docs/roots.md)")
+    tc.add_argument("--kind", choices=KINDS,
+                    help="the adapter (default: bottleneck for classification, LoRA of rank 16 on every linear layer "
+                         "for tagging; on mpnet-base split 4+8 `--kind lora --rank 16 --alpha 16` scores higher for "
+                         "classification: docs/roots.md)")
     spec = AdapterSpec.__dataclass_fields__
     tc.add_argument("--reduction-factor", type=int,
                     help=f"bottleneck: hidden size / bottleneck width (default {spec['reduction_factor'].default})")
-    tc.add_argument("--rank", type=int, help=f"lora: the rank (default {spec['rank'].default})")
+    tc.add_argument("--rank", type=int, help=f"lora: the rank (default {spec['rank'].default}; "
+                    f"{HEAD_DEFAULTS['tagging']['rank']} in a tagging task's default adapter)")
     tc.add_argument("--alpha", type=float,
                     help=f"lora: the scale's numerator, scale = alpha / rank (default {spec['alpha'].default:g})")
     tc.add_argument("--targets", help="lora: the projections it adapts, comma-separated of q, k, v, ffn_in, ffn_out, or "
-                                      "'all' (default q,v)")
+                                      "'all' (default q,v; all in a tagging task's default adapter)")
     tc.add_argument("--pooling", choices=["cls", "mean"],
                     help="what a classification head reads: the [CLS] vector (default) or the mean of the tokens")
     tc.add_argument("--domain", default="root")

@@ -69,15 +69,12 @@ async def infer(request: web.Request) -> web.Response:
 
 
 def _spec(body) -> AdapterSpec:
-    """The AdapterSpec of a validated EncoderTenant body; 422 for combinations the spec refuses."""
-    kw = {"kind": body.adapter.kind, "head": body.task.type, "labels": body.task.labels}
-    if body.task.pooling is not None:  # else the spec's default
-        kw["pooling"] = body.task.pooling
-    for k in ("reduction_factor", "rank", "alpha", "targets"):
-        if getattr(body.adapter, k) is not None:
-            kw[k] = getattr(body.adapter, k)
+    """The AdapterSpec of a validated EncoderTenant body (no kind: the task's default adapter);
+    422 for combinations the spec refuses."""
+    a = body.adapter
     try:
-        return AdapterSpec(**kw)
+        return AdapterSpec.for_task(body.task.type, body.task.labels, a.kind, pooling=body.task.pooling,
+                                    reduction_factor=a.reduction_factor, rank=a.rank, alpha=a.alpha, targets=a.targets)
     except SpecError as exc:
         raise ApiError(422, "invalid_spec", str(exc)) from None
 

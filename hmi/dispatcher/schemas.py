@@ -69,7 +69,8 @@ def exactly_one(model: BaseModel, *fields: str) -> BaseModel:
 
 
 class Adapter(Body):
-    kind: Literal[KINDS] = "bottleneck"  # type: ignore[valid-type]
+    kind: Literal[KINDS] = Absent(  # type: ignore[valid-type]
+        description="default: bottleneck for classification, LoRA of rank 16 on every linear layer for tagging")
     reduction_factor: Int = Absent(ge=1, le=4096)
     rank: Int = Absent(ge=1, le=256)
     alpha: float = Absent(gt=0, le=1e6)

@@ -242,3 +242,17 @@ def test_lora_targets_are_kept_in_canonical_order_and_name_their_pool():
     pool = SlotPool(every.signature(H), 2, 1, H, 4 * H, scaling=every.scaling)
     assert {k: tuple(v.shape[1:]) for k, v in pool.layer(0).items() if k.startswith("ffn")} == {
         "ffn_in_A": (H, 8), "ffn_in_B": (8, 4 * H), "ffn_out_A": (4 * H, 8), "ffn_out_B": (8, H)}
+
+
+def test_a_task_without_a_kind_gets_its_heads_default_adapter_and_foreign_options_are_refused():
+    tagger = AdapterSpec.for_task("tagging", ("N", "V"))
+    assert (tagger.kind, tagger.rank, tagger.alpha, tagger.targets) == ("lora", 16, 16.0, ("q", "k", "v", "ffn_in", "ffn_out"))
+    assert AdapterSpec.for_task("tagging", ("N", "V"), rank=4).rank == 4
+    assert AdapterSpec.for_task("tagging", ("N", "V"), "lora").targets == ("q", "v")  # a named kind: its own defaults
+    assert AdapterSpec.for_task("classification", ("a", "b"), pooling="mean") == AdapterSpec(labels=("a", "b"), pooling="mean")
+    with pytest.raises(SpecError, match="reduction_factor applies to bottleneck adapters, not lora .the default adapter of a tagging"):
+        AdapterSpec.for_task("tagging", ("N", "V"), reduction_factor=4)
+    with pytest.raises(SpecError, match="rank applies to lora adapters, not bottleneck$"):
+        AdapterSpec.for_task("classification", ("a", "b"), "bottleneck", rank=8)
+    with pytest.raises(SpecError, match="targets applies to lora adapters, not ia3"):
+        AdapterSpec.for_task("classification", ("a", "b"), "ia3", targets=["q"])

@@ -8,7 +8,7 @@ import pytest
 from hmi.cli import main
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,9 @@ def live(tmp_path_factory):
     url, stop = run_in_thread(server)
     train = tmp_path_factory.mktemp("data") / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
-    yield {"url": url, "train": str(train)}
+    tags = train.with_name("tags.jsonl")
+    tags.write_text("".join(json.dumps(r) + "\n" for r in TAGS))
+    yield {"url": url, "train": str(train), "tags": str(tags)}
     stop()
 
 
@@ -39,6 +41,18 @@ def test_lora_on_every_linear_layer_reaches_the_tenants_spec_and_serves(live):
     client = Client(live["url"], ADMIN)
     assert client.tenant("lora-all")["spec"]["targets"] == ["q", "k", "v", "ffn_in", "ffn_out"]
     assert client.infer("lora-all", ["a fine film"])[0]["label"] in ("neg", "pos")
+
+
+def test_a_tagging_tenant_without_a_kind_gets_lora_on_every_linear_layer_and_a_classifier_the_bottleneck(live):
+    tags = ["--type", "tagging", "--train", live["tags"], "--labels", "D,N,V"]
+    assert create(live, "tagger", *tags) == 0
+    client = Client(live["url"], ADMIN)
+    spec = client.tenant("tagger")["spec"]
+    assert (spec["kind"], spec["rank"], spec["targets"]) == ("lora", 16, ["q", "k", "v", "ffn_in", "ffn_out"])
+    assert create(live, "plain") == 0
+    assert client.tenant("plain")["spec"]["kind"] == "bottleneck"
+    with pytest.raises(SystemExit, match="--reduction-factor applies to --kind bottleneck, not lora .the default for --type tagging"):
+        create(live, "mistaken", *tags, "--reduction-factor", "4")
 
 
 def test_bottleneck_reduction_factor_reaches_the_tenants_spec(live):

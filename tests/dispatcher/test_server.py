@@ -202,6 +202,8 @@ BAD = [  # (method, path, body, status, code)
                              "adapter": {"kind": "lora", "targets": ["q", "q"]}, "training_data": {"train": TRAIN}}, 422, "invalid_spec"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
                              "adapter": {"targets": ["q"]}, "training_data": {"train": TRAIN}}, 422, "invalid_spec"),
+    ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
+                             "adapter": {"kind": "bottleneck", "rank": 8}, "training_data": {"train": TRAIN}}, 422, "invalid_spec"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]}}, 400, "missing_field"),
     ("POST", "/v1/tenants", {"name": "n1", "task": {"type": "classification", "labels": ["neg", "pos"]},
                              "training_data": {"train": []}}, 400, "empty_training_data"),
