@@ -338,7 +338,7 @@ def main() -> None:
     texts = [t for t in texts if len(tok(t)["input_ids"]) <= MAX_LEN]
     measured_batches = 3 if args.quick else 10
     warm = 1
-    spec = AdapterSpec(**adapter, labels=tuple("abcde"))
+    spec = AdapterSpec.for_task("classification", tuple("abcde"), **adapter)
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-tenants-"))
     res: dict = {"uniform": defaultdict(dict), "zipf": defaultdict(dict)}
     out: dict = {}
@@ -479,7 +479,7 @@ def main() -> None:
             rows.append((s, *cells))
         text += f"Tenants drawn {dist}:\n\n" + table(rows, ("scheme", *(f"{n:,} tenants" for n in counts))) + "\n\n"
     text = (f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low}; tenants of hBERT and "
-            f"hBERT-adapter: {describe_adapter(adapter)} in the upper layers.\n\n" + text)
+            f"hBERT-adapter: {describe_adapter(spec.to_dict())} in the upper layers.\n\n" + text)
     text += (f"Plot: `docs/{png}`. Dedicated and compress models are real fp16 safetensors files "
              f"({args.model_files} per scheme; page cache dropped before every load, so a miss reads the disk); beyond "
              f"{args.model_files} tenants their figures are derived: requests / (requests x median single-request compute "

@@ -142,14 +142,17 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
 def adapter_options(arg: str | None) -> dict:
     """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
     ``lora[:RANK[:TARGETS]]`` (default 8, alpha = rank; TARGETS ``all`` or sites joined by ``+``,
-    default q+v) or ``ia3``; None is the protocol's bottleneck 16."""
+    default q+v) or ``ia3``; None is each task's default adapter (``AdapterSpec.for_task``: the
+    bottleneck 16 for classification, LoRA 16 on every linear layer for tagging), ``{}``."""
     import dataclasses
 
     from hmi.adapters.spec import KINDS, AdapterSpec, SpecError, lora_sites
 
+    if arg is None:
+        return {}
     usage = f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK[:all|SITE+SITE...]] or ia3, got {arg!r}"
     defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
-    kind, _, rest = (arg or defaults["kind"]).partition(":")
+    kind, _, rest = arg.partition(":")
     size, _, targets = rest.partition(":")
     if kind not in KINDS or (size and (kind == "ia3" or not size.isdigit() or int(size) < 1)) \
             or (targets and kind != "lora"):
@@ -168,6 +171,9 @@ def adapter_options(arg: str | None) -> dict:
 
 def describe_adapter(opts: dict) -> str:
     """How a results page names the adapters ``adapter_options`` gave."""
+    if not opts:
+        return ("each task's default adapters (bottleneck, reduction 16, for classification; LoRA of rank 16 on every "
+                "linear layer for tagging)")
     if opts["kind"] == "bottleneck":
         return f"bottleneck adapters (reduction {opts['reduction_factor']})"
     if opts["kind"] == "lora":

@@ -317,7 +317,7 @@ def main() -> None:
         labels = tuple(task_labels(task))
         tagging = is_tagging(task)
         poolings = ["cls"] if tagging else (["cls", "mean"] if args.pooling == "dev" else [args.pooling])
-        specs = {p: AdapterSpec(head="tagging" if tagging else "classification", labels=labels, pooling=p, **adapter)
+        specs = {p: AdapterSpec.for_task("tagging" if tagging else "classification", labels, pooling=p, **adapter)
                  for p in poolings}
         train = load_task(task, "train", caps[task])
         dev = load_task(task, "dev", n_eval // 2)
