@@ -77,8 +77,12 @@ def test_a_library_saved_adapter_is_served_as_the_library_computes_it(tmp_path, 
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_written_adapters_load_in_the_library_and_compute_the_same(tmp_path):
-    model, folder = library_folder(tmp_path, LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]))
+@pytest.mark.parametrize("config", [
+    LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]),
+    LoRAConfig(r=4, alpha=8, attn_matrices=["q", "k", "v"], intermediate_lora=True, output_lora=True, leave_out=[0, 1]),
+], ids=["lora-q-v", "lora-every-linear-layer"])
+def test_written_adapters_load_in_the_library_and_compute_the_same(tmp_path, config):
+    model, folder = library_folder(tmp_path, config)
     spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
     files = write_encoder(spec, weights, SHAPE, "roundtrip")
     out = tmp_path / "exported"
