@@ -17,7 +17,8 @@ one with the better dev accuracy (``--pooling cls``, the default with ``--quick`
 one).  A tagging head reads every token.
 
 ``--schemes`` and ``--tasks`` run a subset (e.g. how the gap moves with ``--train``); such a run writes
-docs/eval_accuracy_partial.md and leaves the full table alone.
+docs/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>.md) and leaves the full
+table alone.
 
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
@@ -301,6 +302,8 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
+        if args.tasks is not None:  # a run on some tasks keeps other runs' pages
+            page += "_" + "-".join(tasks)
         if args.dedicated_lr is not None:
             page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
         finish(page, text, res,
