@@ -17,7 +17,7 @@ one with the better dev accuracy (``--pooling cls``, the default with ``--quick`
 one).  A tagging head reads every token.
 
 ``--schemes`` and ``--tasks`` run a subset (e.g. how the gap moves with ``--train``); such a run writes
-docs/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>.md) and leaves the full
+docs/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>[_train-N].md) and leaves the full
 table alone.
 
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
@@ -303,7 +303,7 @@ def main() -> None:
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
-            page += "_" + "-".join(tasks)
+            page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
         if args.dedicated_lr is not None:
             page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
         finish(page, text, res,
