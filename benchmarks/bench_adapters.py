@@ -26,18 +26,6 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def alternating(a, b, rounds: int) -> tuple[float, float]:
-    """Median seconds of ``a()`` and of ``b()`` over ``rounds`` rounds that run one after the other."""
-    a(), b()
-    ta, tb = [], []
-    for _ in range(rounds):
-        for fn, out in ((a, ta), (b, tb)):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
-
-
 def round_robin(fns: dict, rounds: int) -> dict:
     """Median seconds of each of ``fns`` (name -> callable) over ``rounds`` rounds that run them
     one after the other, so drifts of a shared machine hit them alike."""
@@ -50,6 +38,12 @@ def round_robin(fns: dict, rounds: int) -> dict:
             fn()
             times[k].append(time.perf_counter() - t)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def alternating(a, b, rounds: int) -> tuple[float, float]:
+    """Median seconds of ``a()`` and of ``b()`` over ``rounds`` rounds that run one after the other."""
+    med = round_robin({"a": a, "b": b}, rounds)
+    return med["a"], med["b"]
 
 
 def kind_costs(bert, l_low: int, rounds: int, g) -> tuple[list[tuple], dict]:

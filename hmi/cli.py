@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec
+from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.allocator import tune_allocator
 from hmi.archive import zip_folder
 from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default
@@ -312,16 +312,14 @@ def adapter_body(args) -> dict:
     gives the task its default adapter) and the size options given; an option of another kind
     (``--rank`` with a bottleneck) is refused before anything is sent."""
     kind = args.kind or HEAD_DEFAULTS[args.type]["kind"]
-    body = {"kind": args.kind} if args.kind else {}
-    for owner, keys in KIND_OPTIONS.items():
-        for key in keys:
-            value = getattr(args, key)
-            if value is None:
-                continue
-            if owner != kind:
-                default = "" if args.kind else f" (the default for --type {args.type})"
-                raise SystemExit(f"hmi: --{key.replace('_', '-')} applies to --kind {owner}, not {kind}{default}")
-            body[key] = value.split(",") if key == "targets" else value
+    given = {key: getattr(args, key) for keys in KIND_OPTIONS.values() for key in keys if getattr(args, key) is not None}
+    wrong = misplaced_option(kind, given)
+    if wrong:
+        default = "" if args.kind else f" (the default for --type {args.type})"
+        raise SystemExit(f"hmi: --{wrong[0].replace('_', '-')} applies to --kind {wrong[1]}, not {kind}{default}")
+    body = {"kind": args.kind, **given} if args.kind else dict(given)
+    if "targets" in given:
+        body["targets"] = given["targets"].split(",")
     return body
 
 

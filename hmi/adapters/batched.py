@@ -152,32 +152,35 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
     scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
     ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
     y = _attention_output(li, layer.attention.output, ctx, x, groups)
-    inter = _lora_added(li, "ffn_in", y, layer.intermediate.dense(y), groups)
+    (inter,) = _lora_added(li, ("ffn_in",), y, (layer.intermediate.dense(y),), groups)
     inter = layer.intermediate.intermediate_act_fn(_ia3_scaled(li, "ffn", inter, groups))
-    return layer.output.LayerNorm(_lora_added(li, "ffn_out", inter, layer.output.dense(inter), groups) + y)
+    (out,) = _lora_added(li, ("ffn_out",), inter, (layer.output.dense(inter),), groups)
+    return layer.output.LayerNorm(out + y)
 
 
 def _adapted_qkv(li: int, att: nn.Module, x: torch.Tensor, groups: list[Group]):
     """Query, key and value projections with each group's LoRA (on the sites it targets) or IA3
     (key, value).  Shapes: x (B, T, H) -> three (B, T, H)."""
-    q = _lora_added(li, "q", x, att.query(x), groups)
-    k = _ia3_scaled(li, "k", _lora_added(li, "k", x, att.key(x), groups), groups)
-    v = _ia3_scaled(li, "v", _lora_added(li, "v", x, att.value(x), groups), groups)
-    return q, k, v
+    q, k, v = _lora_added(li, ("q", "k", "v"), x, (att.query(x), att.key(x), att.value(x)), groups)
+    return q, _ia3_scaled(li, "k", k, groups), _ia3_scaled(li, "v", v, groups)
 
 
-def _lora_added(li: int, site: str, x: torch.Tensor, y: torch.Tensor, groups: list[Group]) -> torch.Tensor:
-    """``y`` (a projection of ``x``) plus, on the rows of each LoRA group that targets ``site``,
-    their tenant's update ``scaling * x @ A^T @ B^T``.  Shapes: x (B, T, D_in); y (B, T, D_out) -> y's."""
+def _lora_added(li: int, sites: tuple[str, ...], x: torch.Tensor, ys: tuple[torch.Tensor, ...],
+                groups: list[Group]) -> list[torch.Tensor]:
+    """``ys`` (the projections of ``x`` at ``sites``) plus, on the rows of each LoRA group that
+    targets a site, their tenant's update ``scaling * x @ A^T @ B^T``; a group's rows of ``x`` are
+    gathered once for all its sites.  Shapes: x (B, T, D_in); each y (B, T, D_out) -> the ys'."""
+    ys = list(ys)
     for g in groups:
         p = g.pool
-        if p.kind != "lora" or site not in p.targets:
+        hit = [i for i, site in enumerate(sites) if p.kind == "lora" and site in p.targets]
+        if not hit:
             continue
-        lw = p.layer(li)
-        delta = batched_lora(x if g.all_rows else x.index_select(0, g.rows), g.slots, lw[f"{site}_A"],
-                             lw[f"{site}_B"], p.scaling, g.plan)
-        y = y + delta if g.all_rows else y.index_add(0, g.rows, delta)
-    return y
+        xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li)
+        for i in hit:
+            delta = batched_lora(xs, g.slots, lw[f"{sites[i]}_A"], lw[f"{sites[i]}_B"], p.scaling, g.plan)
+            ys[i] = ys[i] + delta if g.all_rows else ys[i].index_add(0, g.rows, delta)
+    return ys
 
 
 def _ia3_scaled(li: int, site: str, t: torch.Tensor, groups: list[Group]) -> torch.Tensor:

@@ -24,8 +24,8 @@ KINDS = ("bottleneck", "lora", "ia3")
 HEADS = ("classification", "tagging")  # encoder heads; decoder tenants use "lm"
 DECODER_HEAD = "lm"
 POOLINGS = ("cls", "mean")
-# The projections LoRA can adapt, in canonical order, and the library's name for each: the
-# attention's query, key and value, and the FFN's first (intermediate) and second (output) layer.
+# The projections LoRA can adapt, in canonical order: the attention's query, key and value, and the
+# FFN's first (intermediate) and second (output) layer (hmi.adapters.interop.LORA_MODULES places them).
 LORA_SITES = ("q", "k", "v", "ffn_in", "ffn_out")
 DEFAULT_LORA_SITES = ("q", "v")
 ALL_LORA_SITES = "all"  # shorthand for every site, in the API and on the command line
@@ -55,6 +55,16 @@ def lora_sites(names) -> tuple[str, ...]:
 KIND_OPTIONS = {"bottleneck": ("reduction_factor",), "lora": ("rank", "alpha", "targets"), "ia3": ()}
 HEAD_DEFAULTS = {"classification": {"kind": "bottleneck"},
                  "tagging": {"kind": "lora", "rank": 16, "alpha": 16.0, "targets": LORA_SITES}}
+
+
+def misplaced_option(kind: str, options) -> tuple[str, str] | None:
+    """The first of ``options`` (names of size options) that belongs to another kind than
+    ``kind``, with that kind, or None when all fit (KIND_OPTIONS)."""
+    for key in options:
+        owner = next((kd for kd, keys in KIND_OPTIONS.items() if key in keys), kind)
+        if owner != kind:
+            return key, owner
+    return None
 
 
 class SpecError(ValueError):
@@ -87,12 +97,10 @@ class AdapterSpec:
         of another kind is refused, so nothing asked for is silently dropped."""
         given = {k: v for k, v in options.items() if v is not None}
         base = dict(HEAD_DEFAULTS[head]) if kind is None and head in HEAD_DEFAULTS else {"kind": kind or cls.kind}
-        if base["kind"] in KIND_OPTIONS:
-            for k in given:
-                owner = next((kd for kd, opts in KIND_OPTIONS.items() if k in opts), base["kind"])
-                if owner != base["kind"]:
-                    why = f" (the default adapter of a {head} task; name the kind)" if kind is None else ""
-                    raise SpecError(f"{k} applies to {owner} adapters, not {base['kind']}{why}")
+        wrong = misplaced_option(base["kind"], given) if base["kind"] in KIND_OPTIONS else None
+        if wrong:
+            why = f" (the default adapter of a {head} task; name the kind)" if kind is None else ""
+            raise SpecError(f"{wrong[0]} applies to {wrong[1]} adapters, not {base['kind']}{why}")
         return cls(head=head, labels=labels, **{**base, **given})
 
     @classmethod
