@@ -12,6 +12,9 @@ still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): 
 Nothing accepted is lost: a tenant job's inputs are written (atomically) to ``inputs/<job>.json``
 before the job is accepted, so a job whose server stopped (crash, kill, a replica replaced) is
 run again from its start by the next server on the home, up to ``max_attempts`` times in all.
+A job stopped by a shutdown (Ctrl+C, a replica scaled down) is marked ``stopped_by_shutdown``
+and runs again without using up an attempt: attempts count the stops that may have been caused
+by the job itself (a crash, a kill), so stopping the server while a tenant trains never fails it.
 """
 
 from __future__ import annotations
@@ -135,10 +138,19 @@ class JobManager:
         self._cancel[job["id"]] = self.launcher.event()
         self._queue.put((job, data))
 
-    def _resumable(self, job: dict) -> bool:
+    def _resumable(self, job: dict, attempt_used: bool = True) -> bool:
+        """Whether a stopped job can run again from its kept inputs; ``attempt_used``: whether its
+        stop counts as one of its ``max_attempts`` (not when a shutdown stopped it)."""
+        used = attempt_used and not job.get("stopped_by_shutdown")
         return (self.inputs is not None and job.get("inputs_kept", False) and job["kind"] in RESUMABLE
                 and not job.get("cancel_requested")
-                and job.get("attempt", 1) < self.max_attempts and self._input(job["id"]).is_file())
+                and (not used or job.get("attempt", 1) < self.max_attempts) and self._input(job["id"]).is_file())
+
+    def _left_for_next_start(self, job: dict) -> None:
+        """Records that this server's shutdown, not the job, stopped ``job``: the next start's
+        recovery runs it again without counting an attempt."""
+        self.registry.update("jobs", job["id"], stopped_by_shutdown=True)
+        self._cancel.pop(job["id"], None)
 
     def recover(self, alive: Callable[[dict], bool] | None = None) -> tuple[list[str], list[str]]:
         """Start-up recovery of the registry's unfinished jobs whose process is gone (all of them, or
@@ -191,15 +203,18 @@ class JobManager:
                 return
             job, data = item
             if self._closed:  # left queued: the next start's recovery runs it again or marks it failed
+                if self._resumable(job, attempt_used=False):
+                    self._left_for_next_start(job)
                 continue
             try:
                 state, info = self._run_one(job, data)
             except Exception as exc:  # noqa: BLE001 - supervised: the job fails, the thread goes on
                 log.exception("job %s: the job thread failed", job["id"])
                 state, info = "failed", {"error": f"internal error running the job: {type(exc).__name__}: {exc}"}
-            if self._closed and state == "cancelled" and job["id"] not in self._cancelled_at and self._resumable(job):
+            if (self._closed and state == "cancelled" and job["id"] not in self._cancelled_at
+                    and self._resumable(job, attempt_used=False)):
                 # Stopped by the server's shutdown, not by its owner: left running, the next start runs it again.
-                self._cancel.pop(job["id"], None)
+                self._left_for_next_start(job)
                 continue
             try:
                 self._finish(job, state, info)

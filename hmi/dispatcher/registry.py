@@ -99,7 +99,8 @@ class RegistryOps:
         tenants they were creating are marked failed (never served half-built).  With ``alive``
         (a home shared by several serving processes), only the jobs ``alive(job)`` says no live
         process runs.  With ``resume``, a job it accepts (its inputs were kept) is instead claimed
-        for this process: queued again, ``attempt`` counted up; the caller runs it.  Each job is
+        for this process: queued again, ``attempt`` counted up unless a shutdown stopped it
+        (``stopped_by_shutdown``); the caller runs it.  Each job is
         claimed or failed in one transaction that first checks its owner is unchanged, so of
         several processes recovering one home only one takes a job.  Returns (the failed jobs' ids,
         the records of the jobs claimed)."""
@@ -109,8 +110,9 @@ class RegistryOps:
                 continue
             seen = {"state": job["state"], "owner": job.get("owner")}
             if resume is not None and resume(job):
+                attempt = job.get("attempt", 1) + (0 if job.get("stopped_by_shutdown") else 1)
                 mine = self.claim("jobs", jid, seen, state="queued", owner=process_owner(), progress=0.0,
-                                  attempt=job.get("attempt", 1) + 1, resumed=time.time())
+                                  attempt=attempt, stopped_by_shutdown=False, resumed=time.time())
                 if mine is not None:  # else another process took it meanwhile
                     claimed.append(mine)
                 continue
