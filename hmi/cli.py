@@ -87,7 +87,7 @@ def print_quality(meta: dict) -> None:
 
 
 def cmd_info(args) -> int:
-    from hmi.model.artifact import artifact_config, current_artifact_id
+    from hmi.model.artifact import artifact_config, calibration_shortfall, current_artifact_id
 
     home = hmi_home()
     l_low = args.l_low or default_l_low(args.root)
@@ -104,11 +104,8 @@ def cmd_info(args) -> int:
     cal = meta.get("calibration", {})
     print(f"calibration: steps={cal.get('steps_done')} batch={cal.get('batch_size')} lr={cal.get('lr')} "
           f"seconds={cal.get('train_seconds', cal.get('train_seconds_this_run'))}")
-    if cal.get("steps_done") is not None and cal.get("steps") and cal["steps_done"] < cal["steps"]:
-        how = ("the learning rate decayed over those" if "steps_planned" in cal else
-               "the run stopped there; the same command resumes it")
-        print(f"  the time budget ({cal.get('max_minutes')} min) held {cal['steps_done']} of the {cal['steps']} steps "
-              f"on this machine: {how}")
+    if shortfall := calibration_shortfall(meta):
+        print(f"  {shortfall}")
     print_quality(meta)
     if args.json:
         print(json.dumps(meta, indent=1))

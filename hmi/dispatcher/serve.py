@@ -19,7 +19,7 @@ from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text
 from hmi.model.aliases import DEFAULT_ROOT
-from hmi.model.artifact import load_root
+from hmi.model.artifact import calibration_shortfall, load_root
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 from hmi.scheduler.decoder_runtime import HgptRuntime
@@ -88,6 +88,8 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
     server = build_server(cfg, home, prepare_in_child(home, root, l_low))
+    if shortfall := calibration_shortfall(server.root.meta):
+        print(f"warning: root artifact {server.root.artifact_id}: {shortfall}")
     if server.recovered:
         print(f"marked {len(server.recovered)} interrupted job(s) as failed")
     if server.resumed:

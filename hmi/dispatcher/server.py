@@ -135,12 +135,20 @@ class Server:
     def _recover_jobs(self) -> tuple[list[str], list[str]]:
         """Jobs a stopped server left unfinished: run again from their kept inputs, or failed.  On a
         shared home, only those of processes that are gone (this one's lease is taken first), and
-        from then on those of processes that go while this one runs."""
+        from then on those of processes that go while this one runs.  Jobs of tenants trained on
+        another root are left alone: a server of that root runs them again."""
+        def foreign(job: dict) -> bool:
+            return job.get("tenant") in self._foreign
+
         if self.leases is None:
-            return self.jobs.recover()
+            return self.jobs.recover(foreign)
         self.leases.renew()
-        done = self.jobs.recover(self.leases.alive)
-        self.jobs.watch_orphans(self.leases.alive, self.cfg.orphan_check_s, renew=self.leases.renew,
+
+        def left_alone(job: dict) -> bool:
+            return foreign(job) or self.leases.alive(job)
+
+        done = self.jobs.recover(left_alone)
+        self.jobs.watch_orphans(left_alone, self.cfg.orphan_check_s, renew=self.leases.renew,
                                 renew_every_s=self.cfg.lease_s / 4)
         return done
 

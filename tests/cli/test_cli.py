@@ -57,7 +57,7 @@ def test_serve_ray_refuses_settings_it_cannot_honour_before_any_work(capsys):
     assert "--registry-cache-s must be 0 or more" in capsys.readouterr().err
 
 
-def test_info_says_when_the_time_budget_held_fewer_steps_than_configured(capsys):
+def test_info_says_when_the_time_budget_held_fewer_steps_than_configured_and_how_to_run_them_all(capsys):
     import json
 
     from hmi.home import hmi_home
@@ -76,3 +76,5 @@ def test_info_says_when_the_time_budget_held_fewer_steps_than_configured(capsys)
         assert "held 412 of the 600 steps" in out
         assert ("decayed over those" in out) == bool(extra)
         assert ("the same command resumes it" in out) != bool(extra)
+        # a planned run says what it cost and the budget that holds the whole recipe at this pace (1800 s / 412 steps)
+        assert ("`hmi calibrate --l-low 3 --max-minutes 50`" in out) == bool(extra)

@@ -50,3 +50,44 @@ def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path)
         assert not default._own_root(record)
     finally:
         default.shutdown()
+
+
+def test_a_job_of_another_roots_tenant_is_left_to_a_server_of_that_root(tmp_path, monkeypatch):
+    """A stopped server's unfinished job of a tenant trained on root A: a server of root B neither
+    runs it (it would train the tenant on B) nor fails it; the next server of root A runs it again."""
+    import json
+
+    from hmi.dispatcher.registry import Registry
+    from tests.dispatcher.test_server import ADMIN, TRAIN
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    first = tiny_server(tmp_path)
+    fingerprint = first.root_fingerprint
+    first.shutdown()
+    spec = AdapterSpec(labels=("neg", "pos")).to_dict()
+
+    reg = Registry(tmp_path / "registry")
+    reg.create("tenants", "alpha", {"state": "training", "spec": spec, "token_hash": "alpha", "job": "j-alpha",
+                                    "root": fingerprint, "domain": "root"})
+    job = {"id": "j-alpha", "kind": "create", "tenant": "alpha", "spec": spec, "state": "running", "attempt": 1,
+           "inputs_kept": True, "owner": "gone-host:1", "epochs": 1}
+    reg.create("jobs", "j-alpha", job)
+    (tmp_path / "jobs").mkdir(exist_ok=True)
+    (tmp_path / "jobs" / "j-alpha.json").write_text(json.dumps({"train": TRAIN}))
+    reg.close()
+
+    other = tiny_server(tmp_path, seed=1)
+    try:
+        assert other.resumed == [] and other.recovered == []
+        kept = other.registry.get("jobs", "j-alpha")
+        assert {k: kept[k] for k in job} == job  # neither claimed nor failed
+        assert other.registry.get("tenants", "alpha")["state"] == "training"
+    finally:
+        other.shutdown()
+    assert (tmp_path / "jobs" / "j-alpha.json").is_file()
+
+    same = tiny_server(tmp_path)
+    try:
+        assert same.resumed == ["j-alpha"]
+    finally:
+        same.shutdown()
