@@ -149,8 +149,12 @@ class JobManager:
     def _left_for_next_start(self, job: dict) -> None:
         """Records that this server's shutdown, not the job, stopped ``job``: the next start's
         recovery runs it again without counting an attempt."""
-        self.registry.update("jobs", job["id"], stopped_by_shutdown=True)
-        self._cancel.pop(job["id"], None)
+        try:
+            self.registry.update("jobs", job["id"], stopped_by_shutdown=True)
+        except Exception:  # noqa: BLE001 - unrecorded, the stop counts as an attempt, as a crash would
+            log.exception("job %s: recording that the shutdown stopped it failed", job["id"])
+        finally:
+            self._cancel.pop(job["id"], None)
 
     def recover(self, alive: Callable[[dict], bool] | None = None) -> tuple[list[str], list[str]]:
         """Start-up recovery of the registry's unfinished jobs whose process is gone (all of them, or
