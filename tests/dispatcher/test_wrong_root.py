@@ -1,12 +1,15 @@
 """A tenant belongs to the root it was trained on: another root's server keeps its record but
 neither serves nor retrains it, and says why."""
 
+import json
+
 import pytest
 
 from hmi.adapters.spec import AdapterSpec
+from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.validation import ApiError
 from hmi.scheduler.types import RequestError
-from tests.dispatcher.test_server import tiny_server
+from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
 
 
 def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):
@@ -55,11 +58,6 @@ def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path)
 def test_a_job_of_another_roots_tenant_is_left_to_a_server_of_that_root(tmp_path, monkeypatch):
     """A stopped server's unfinished job of a tenant trained on root A: a server of root B neither
     runs it (it would train the tenant on B) nor fails it; the next server of root A runs it again."""
-    import json
-
-    from hmi.dispatcher.registry import Registry
-    from tests.dispatcher.test_server import ADMIN, TRAIN
-
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     first = tiny_server(tmp_path)
     fingerprint = first.root_fingerprint
