@@ -1,4 +1,5 @@
-"""Tokens: an admin token, and per-tenant tokens stored only as hashes."""
+"""Authentication: an admin token, per-tenant tokens stored only as hashes, and ``Auth``, which
+tells who a request comes from."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from pathlib import Path
 
+from hmi.dispatcher.validation import ApiError
 from hmi.io import atomic_write_text
 
 
@@ -35,3 +38,88 @@ def admin_token(home: Path) -> tuple[str, bool]:
     token = new_token("hmi_admin")
     atomic_write_text(path, token + "\n", mode=0o600)
     return token, True
+
+
+class Auth:
+    """Who a request comes from: the admin, a tenant (its token's SHA-256 is in its registry
+    record, confirmed on every request in constant time), or nobody (401).  Keeps the map from
+    token digests to tenant names that lets a request find its record in one read; on a home
+    shared with other serving processes, tokens issued there are read at most once a second.
+    Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful."""
+
+    def __init__(self, registry, admin: str, shared_home: bool = False):
+        self.registry = registry
+        self.admin = admin
+        self.shared_home = shared_home
+        self._owner_by_digest: dict[str, str] = {}
+        self._read_at = 0.0  # when the map was last rebuilt from the registry (shared home)
+
+    # -- tokens ----------------------------------------------------------------------------------
+    @staticmethod
+    def issue() -> tuple[str, str]:
+        """A new tenant token: (the token, shown once; its digest, kept in the tenant's record)."""
+        token = new_token("hmi_t")
+        return token, hash_token(token)
+
+    def remember(self, name: str, digest: str) -> None:
+        """Records that ``digest`` belongs to tenant ``name`` (its record was written)."""
+        self._owner_by_digest[digest] = name
+
+    def forget(self, digest: str) -> None:
+        self._owner_by_digest.pop(digest, None)
+
+    # -- requests --------------------------------------------------------------------------------
+    async def caller(self, request) -> str:
+        """``admin`` or the name of the tenant whose token the request bears; 401 otherwise.  The
+        record that confirms a tenant's token is awaited, so a registry kept by another process
+        (a Ray actor's round trip) does not hold up the event loop."""
+        digest = self._digest(request)
+        if digest is None:
+            return "admin"
+        name = self._owner(digest)
+        if name is None or not self._owns(await self.registry.aget("tenants", name), digest):
+            raise ApiError(401, "unauthorized", "the token is not valid")
+        return name
+
+    async def require_admin(self, request) -> None:
+        if await self.caller(request) != "admin":
+            raise ApiError(403, "forbidden", "this operation needs the admin token")
+
+    async def require_owner(self, request, tenant: str) -> str:
+        """The caller, when it is the admin or ``tenant`` itself; 401 or 403 otherwise."""
+        return self.may_act(await self.caller(request), tenant)
+
+    @staticmethod
+    def may_act(who: str, tenant: str) -> str:
+        """``who`` (a ``caller``) if it may act on ``tenant``: the admin or the tenant; 403 otherwise."""
+        if who != "admin" and who != tenant:
+            raise ApiError(403, "forbidden", f"this token may not act on tenant {tenant!r}")
+        return who
+
+    def _digest(self, request) -> str | None:
+        """The digest of the request's bearer token, None for the admin token; 401 without a token."""
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
+        token = header[7:].strip()
+        try:
+            token.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
+            raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
+        if same(token, self.admin):
+            return None
+        return hash_token(token)
+
+    def _owner(self, digest: str) -> str | None:
+        """The tenant a digest was issued to as this process knows it; its record still has to
+        confirm it (``_owns``)."""
+        name = self._owner_by_digest.get(digest)
+        if name is None and self.shared_home and time.time() - self._read_at > 1.0:
+            self._read_at = time.time()
+            self._owner_by_digest.update({rec.get("token_hash", ""): n for n, rec in self.registry.items("tenants")})
+            name = self._owner_by_digest.get(digest)
+        return name
+
+    @staticmethod
+    def _owns(rec: dict | None, digest: str) -> bool:
+        return rec is not None and same(rec.get("token_hash", ""), digest)  # constant-time

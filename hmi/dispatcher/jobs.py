@@ -32,6 +32,7 @@ from typing import Callable
 import torch.multiprocessing as mp
 
 from hmi.dispatcher.registry import UNFINISHED, Registry, process_owner
+from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 from hmi.io import atomic_write_json
 
@@ -116,6 +117,12 @@ class JobManager:
 
     def full(self) -> bool:
         return self._queue.qsize() >= self.max_queued
+
+    def require_room(self) -> None:
+        """429 with ``Retry-After`` when ``max_queued`` jobs are waiting already."""
+        if self.full():
+            raise ApiError(429, "too_many_jobs", f"{self.max_queued} jobs are waiting; retry later",
+                           {"Retry-After": "30"})
 
     def submit(self, kind: str, tenant: str | None, spec: dict | None, data: dict, job_id: str | None = None,
                **extra) -> str:

@@ -93,6 +93,10 @@ class RegistryOps:
         holding up the loop (``hmi.scaleout.ray_registry.RemoteRegistry``)."""
         return self.get(table, key)
 
+    async def aitems(self, table: str) -> list[tuple[str, dict]]:
+        """``items`` for a caller on an event loop (see ``aget``)."""
+        return self.items(table)
+
     def recover(self, alive: Callable[[dict], bool] | None = None,
                 resume: Callable[[dict], bool] | None = None) -> tuple[list[str], list[dict]]:
         """After a restart: jobs that were queued or running are failed with the reason, and the

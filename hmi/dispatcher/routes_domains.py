@@ -12,9 +12,9 @@ from hmi.dispatcher.validation import ApiError, json_body
 from hmi.version_tree.tree import MIN_CORPUS_TOKENS, DomainError
 
 
-def _domains(s: Server) -> list[dict]:
+async def _domains(s: Server) -> list[dict]:
     counts: dict[str, int] = {}
-    for _, r in s.registry.items("tenants"):
+    for _, r in await s.registry.aitems("tenants"):
         counts[r.get("domain", "root")] = counts.get(r.get("domain", "root"), 0) + 1
     out = []
     for d in s.tree.listing():
@@ -27,15 +27,15 @@ def _domains(s: Server) -> list[dict]:
 
 async def list_domains(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
-    return web.json_response({"domains": _domains(s)})
+    await s.auth.require_admin(request)
+    return web.json_response({"domains": await _domains(s)})
 
 
 async def get_domain(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
+    await s.auth.require_admin(request)
     name = request.match_info["name"]
-    for d in _domains(s):
+    for d in await _domains(s):
         if d["name"] == name:
             return web.json_response(d)
     raise ApiError(404, "unknown_domain", f"no domain {name!r}")
@@ -82,25 +82,25 @@ def _corpus_data(body) -> dict:
     return {"lines": lines}
 
 
-def _pending_domain(s: Server, name: str) -> bool:
+async def _pending_domain(s: Server, name: str) -> bool:
     return any(j.get("domain") == name and j["kind"].startswith("domain") and j["state"] in UNFINISHED
-               for _, j in s.registry.items("jobs"))
+               for _, j in await s.registry.aitems("jobs"))
 
 
 async def create_domain(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
+    await s.auth.require_admin(request)
     raw = await _corpus_body(request)
     if raw.get("name") == "root":
         raise ApiError(400, "invalid_name", "'root' is the root of every domain tree; choose another name")
     body = parse(s.models["DomainCreate"], raw)
     name, parent = body.name, body.parent
-    if name in s.tree.nodes() or _pending_domain(s, name):
+    if name in s.tree.nodes() or await _pending_domain(s, name):
         raise ApiError(409, "domain_exists", f"domain {name!r} already exists or is being created")
     if parent != "root" and parent not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no parent domain {parent!r}")
     data = _corpus_data(body)
-    s.require_job_room()
+    s.jobs.require_room()
     job = s.jobs.submit("domain-create", None, None, data, domain=name, parent=parent, alpha=float(body.alpha),
                         steps=body.steps, objective=body.objective)
     return web.json_response({"domain": name, "job": job}, status=202)
@@ -108,27 +108,27 @@ async def create_domain(request: web.Request) -> web.Response:
 
 async def update_domain(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
+    await s.auth.require_admin(request)
     name = request.match_info["name"]
     if name not in s.tree.nodes():
         hint = " (the root is not updated)" if name == "root" else ""
         raise ApiError(404, "unknown_domain", f"no domain {name!r}{hint}")
-    if _pending_domain(s, name):
+    if await _pending_domain(s, name):
         raise ApiError(409, "domain_busy", f"domain {name!r} has a job running")
     body = parse(s.models["DomainUpdate"], await _corpus_body(request))
     data = _corpus_data(body)
-    s.require_job_room()
+    s.jobs.require_room()
     job = s.jobs.submit("domain-update", None, None, data, domain=name, steps=body.steps, objective=body.objective)
     return web.json_response({"domain": name, "job": job}, status=202)
 
 
 async def delete_domain(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
+    await s.auth.require_admin(request)
     name = request.match_info["name"]
     if name not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no domain {name!r}")
-    in_use = {r.get("domain") for _, r in s.registry.items("tenants")}
+    in_use = {r.get("domain") for _, r in await s.registry.aitems("tenants")}
     try:
         s.tree.delete(name, in_use)
     except DomainError as exc:

@@ -18,20 +18,20 @@ from hmi.dispatcher.validation import ApiError, json_body
 from hmi.scheduler.generation import GenerationError, GenRequest, ServiceClosedError
 
 
-def _decoder_tenant(s, tenant: str) -> None:
-    s.require_gpt()
-    rec = s.registry.get("tenants", tenant)
+async def _decoder_tenant(s, tenant: str) -> None:
+    s.decoders.require()
+    rec = await s.registry.aget("tenants", tenant)
     if rec is None:
         raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
     if rec.get("model") != "decoder":
         raise ApiError(422, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
-    if not s.decoder_ready(tenant):
+    if not s.tenants.decoder_ready(tenant):
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
 
 
-def _start(s, tenant: str, body, max_new_tokens: int):
+async def _start(s, tenant: str, body, max_new_tokens: int):
     """Checks the tenant, queues the request of a validated body; returns (request, stream sink or None)."""
-    _decoder_tenant(s, tenant)
+    await _decoder_tenant(s, tenant)
     sink: asyncio.Queue | None = asyncio.Queue() if body.stream else None
     req = _request(s, tenant, body, max_new_tokens, asyncio.get_running_loop(), sink)
     s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc()
@@ -44,7 +44,7 @@ def _request(s, tenant: str, body, max_new_tokens: int, loop, sink):
                      seed=body.seed, stop=tuple(stop),
                      on_text=(lambda piece: loop.call_soon_threadsafe(sink.put_nowait, piece)) if sink is not None else None)
     try:
-        s.gpt.service.submit(req)
+        s.decoders.runtime.service.submit(req)
     except GenerationError as exc:
         raise ApiError(exc.status, exc.code, str(exc)) from None
     except queue.Full:
@@ -74,7 +74,7 @@ async def _outcome(request, s, req, sink: asyncio.Queue | None = None):
                 return "text", getter.result()
             if done.done():
                 if not req.future.cancelled() and req.future.exception() is None:
-                    s.record_usage(req.tenant, 1, time.monotonic() - req.created)
+                    s.usage.record(req.tenant, 1, time.monotonic() - req.created)
                 return "done", None
             if _gone(request):
                 req.cancel()
@@ -143,9 +143,9 @@ async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encod
 async def generate(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.arequire_owner(request, tenant)
+    await s.auth.require_owner(request, tenant)
     body = parse(s.models["GenerateBody"], await json_body(request))
-    req, sink = _start(s, tenant, body, body.max_new_tokens)
+    req, sink = await _start(s, tenant, body, body.max_new_tokens)
     if sink is None:
         return web.json_response({"tenant": tenant, **await _result(request, s, req)})
     return await _stream(request, s, req, sink, "application/x-ndjson", lambda d: (json.dumps(d) + "\n").encode())
@@ -153,11 +153,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
-    who = await s.acaller(request)  # authenticate before the body is read or parsed
+    who = await s.auth.caller(request)  # authenticate before the body is read or parsed
     body = parse(s.models["CompletionBody"], await json_body(request))
     tenant = body.model
-    s.may_act(who, tenant)
-    req, sink = _start(s, tenant, body, body.max_tokens)
+    s.auth.may_act(who, tenant)
+    req, sink = await _start(s, tenant, body, body.max_tokens)
     cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
     def chunk(text: str, finish: str | None) -> dict:

@@ -14,11 +14,11 @@ from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError
 
 
-def _job_for(request) -> tuple[Server, dict]:
+async def _job_for(request) -> tuple[Server, dict]:
     s: Server = request.app[SERVER]
     jid = request.match_info["job"]
-    who = s.caller(request)
-    job = s.registry.get("jobs", jid)
+    who = await s.auth.caller(request)
+    job = await s.registry.aget("jobs", jid)
     if job is None:
         raise ApiError(404, "unknown_job", f"no job {jid!r}")
     if who != "admin" and job.get("tenant") != who:
@@ -27,12 +27,12 @@ def _job_for(request) -> tuple[Server, dict]:
 
 
 async def get_job(request: web.Request) -> web.Response:
-    _, job = _job_for(request)
+    _, job = await _job_for(request)
     return web.json_response(job)
 
 
 async def cancel_job(request: web.Request) -> web.Response:
-    s, job = _job_for(request)
+    s, job = await _job_for(request)
     if not s.jobs.cancel(job["id"]):
         raise ApiError(409, "job_finished", f"job {job['id']} is {job['state']}; only queued or running jobs can be cancelled")
     return web.json_response({"job": job["id"], "cancelling": True}, status=202)
@@ -40,14 +40,14 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 async def list_jobs(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
-    return web.json_response({"jobs": [j for _, j in s.registry.items("jobs")]})
+    await s.auth.require_admin(request)
+    return web.json_response({"jobs": [j for _, j in await s.registry.aitems("jobs")]})
 
 
 async def healthz(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
-                              "tenants_servable": s.servable_count(), "root_artifact": s.root.artifact_id,
+                              "tenants_servable": s.tenants.servable_count(), "root_artifact": s.root.artifact_id,
                               "registry": s.registry.where})
 
 
@@ -64,7 +64,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.adapter_hits.labels("host").set(s.store.stats["host_hits"])
     m.adapter_hits.labels("disk").set(s.store.stats["disk_loads"])
     counts = {st: 0 for st in ("queued", "running", "succeeded", "failed", "cancelled")}
-    for _, j in s.registry.items("jobs"):
+    for _, j in await s.registry.aitems("jobs"):
         counts[j["state"]] = counts.get(j["state"], 0) + 1
     for st, n in counts.items():
         m.jobs.labels(st).set(n)
@@ -79,7 +79,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def me(request: web.Request) -> web.Response:
     """Who the token belongs to: ``admin`` or a tenant's name."""
     s: Server = request.app[SERVER]
-    return web.json_response({"caller": s.caller(request)})
+    return web.json_response({"caller": await s.auth.caller(request)})
 
 
 CONSOLE = Path(__file__).with_name("console")

@@ -26,7 +26,7 @@ def public_tenant(s: Server, name: str, rec: dict) -> dict:
     """A tenant's record as the API shows it, with its usage and residency tier; encoder tenants
     also state how texts are read: ``max_tokens`` (the server's limit) and ``truncate``."""
     keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
-    out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}, **s.usage(name, rec)}
+    out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}, **s.usage.report(name, rec)}
     if rec.get("model", "encoder") == "encoder":
         out.update(max_tokens=s.cfg.max_len, truncate=rec.get("truncate", False))
     return out
@@ -35,10 +35,10 @@ def public_tenant(s: Server, name: str, rec: dict) -> dict:
 async def infer(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.arequire_owner(request, tenant)
+    await s.auth.require_owner(request, tenant)
     body = parse(s.models["InferBody"], await json_body(request))
     try:
-        entry = await s.aresolve(tenant)
+        entry = await s.tenants.resolve(tenant)
     except RequestError:
         rec = await s.registry.aget("tenants", tenant)
         if rec is None:
@@ -64,7 +64,7 @@ async def infer(request: web.Request) -> web.Response:
         raise ApiError(503, "shutting_down", "the server is shutting down") from None
     except asyncio.TimeoutError:
         raise ApiError(503, "timeout", "inference did not finish in time; retry") from None
-    s.record_usage(tenant, len(reqs), time.perf_counter() - start)
+    s.usage.record(tenant, len(reqs), time.perf_counter() - start)
     return web.json_response({"tenant": tenant, "outputs": outputs})
 
 
@@ -131,12 +131,12 @@ def _decoder_training(body) -> dict:
 
 async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
     body = parse(s.models["DecoderTenant"], raw)
-    gpt = s.require_gpt()
+    gpt = s.decoders.require()
     rank = body.adapter.rank or gpt.rank
     if rank != gpt.rank:
         raise ApiError(422, "invalid_spec", f"this server batches decoder LoRA of rank {gpt.rank}")
     spec = AdapterSpec.decoder(rank=rank, alpha=body.adapter.alpha or None)
-    token, job = s.create_tenant(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
+    token, job = s.tenants.create(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
                                  _decoder_training(body), epochs=body.epochs, model="decoder")
     return web.json_response({"tenant": body.name, "token": token, "job": job,
                               "note": "keep the token: it is shown only once"}, status=202)
@@ -144,7 +144,7 @@ async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
 
 async def create_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
+    await s.auth.require_admin(request)
     raw = await json_body(request)
     if raw.get("model") == "decoder":
         return await _create_decoder_tenant(s, raw)
@@ -154,7 +154,7 @@ async def create_tenant(request: web.Request) -> web.Response:
     spec = _spec(body)
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, body.truncate)
-    token, job = s.create_tenant(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
+    token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
                                  data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
                                  max_len=s.cfg.max_len)
     return web.json_response({"tenant": body.name, "token": token, "job": job,
@@ -178,21 +178,21 @@ def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
 async def update_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
-    rec = s.tenant_record(tenant)
+    await s.auth.require_owner(request, tenant)
+    rec = await s.tenants.record(tenant)
     if rec["state"] != "ready":
         raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
     raw = await json_body(request)
     if rec.get("model") == "decoder":
         body = _parse_for_kind(s, raw, "DecoderUpdate", "EncoderUpdate", "decoder")
-        s.require_gpt()
-        job = s.update_tenant(tenant, _decoder_training(body), epochs=body.epochs, model="decoder")
+        s.decoders.require()
+        job = s.tenants.update(tenant, _decoder_training(body), epochs=body.epochs, model="decoder")
         return web.json_response({"tenant": tenant, "job": job}, status=202)
     body = _parse_for_kind(s, raw, "EncoderUpdate", "DecoderUpdate", "encoder")
     spec, truncate = AdapterSpec.from_dict(rec["spec"]), rec.get("truncate", False)
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, truncate)
-    job = s.update_tenant(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
+    job = s.tenants.update(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
                           max_len=s.cfg.max_len)
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
@@ -200,23 +200,23 @@ async def update_tenant(request: web.Request) -> web.Response:
 async def delete_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
-    rec = s.tenant_record(tenant)
-    s.delete_tenant(tenant, rec)
+    await s.auth.require_owner(request, tenant)
+    rec = await s.tenants.record(tenant)
+    s.tenants.delete(tenant, rec)
     return web.json_response({"tenant": tenant, "deleted": True})
 
 
 async def list_tenants(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    s.require_admin(request)
-    return web.json_response({"tenants": [public_tenant(s, n, r) for n, r in s.registry.items("tenants")]})
+    await s.auth.require_admin(request)
+    return web.json_response({"tenants": [public_tenant(s, n, r) for n, r in await s.registry.aitems("tenants")]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
-    return web.json_response(public_tenant(s, tenant, s.tenant_record(tenant)))
+    await s.auth.require_owner(request, tenant)
+    return web.json_response(public_tenant(s, tenant, await s.tenants.record(tenant)))
 
 
 async def upload_adapter(request: web.Request) -> web.Response:
@@ -228,15 +228,15 @@ async def upload_adapter(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     if not is_valid_name(tenant):
         raise ApiError(400, "invalid_name", f"{tenant!r} is not a tenant name (1-63 characters a-z, 0-9, '_' or '-')")
-    rec = s.registry.get("tenants", tenant)
+    rec = await s.registry.aget("tenants", tenant)
     asked = request.query.get("model")
     if asked not in (None, "encoder", "decoder"):
         raise ApiError(400, "invalid_model", f"model must be encoder or decoder, not {asked!r}")
     if rec is None:
-        s.require_admin(request)
+        await s.auth.require_admin(request)
         model = asked or "encoder"
     else:
-        s.require_owner(request, tenant)
+        await s.auth.require_owner(request, tenant)
         model = rec.get("model", "encoder")
         if asked not in (None, model):
             raise ApiError(422, "wrong_tenant_kind", f"tenant {tenant!r} is an {model} tenant")
@@ -244,11 +244,11 @@ async def upload_adapter(request: web.Request) -> web.Response:
         raise ApiError(415, "unsupported_media_type", "send the adapter's saved folder as a zip archive "
                        f"(Content-Type: application/zip), not {request.content_type}")
     data = await request.read()
-    shape = s.root_shape(model)
+    shape = s.transfer.root_shape(model)
 
     def read():
         files = unzip(data, int(s.cfg.max_body_mb * 2**20))
-        return read_decoder(files, shape, s.gpt.rank) if model == "decoder" else read_encoder(files, shape)
+        return read_decoder(files, shape, s.decoders.runtime.rank) if model == "decoder" else read_encoder(files, shape)
 
     try:
         spec, weights = await asyncio.get_running_loop().run_in_executor(None, read)
@@ -257,7 +257,7 @@ async def upload_adapter(request: web.Request) -> web.Response:
     if model == "encoder" and spec.num_labels > s.cfg.max_labels:
         raise ApiError(422, "too_many_labels", f"the head has {spec.num_labels} labels; this server serves at most "
                        f"{s.cfg.max_labels}")
-    token = await asyncio.get_running_loop().run_in_executor(None, s.import_adapter, tenant, model, spec, weights)
+    token = await asyncio.get_running_loop().run_in_executor(None, s.transfer.import_adapter, tenant, model, spec, weights)
     out = {"tenant": tenant, "model": model, "spec": spec.to_dict(), "state": "ready"}
     if token is None:
         return web.json_response(out)
@@ -269,9 +269,9 @@ async def download_adapter(request: web.Request) -> web.Response:
     adapters library's saved folder (encoder) or PEFT's LoRA folder (decoder); owner or admin."""
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    s.require_owner(request, tenant)
-    spec, weights, model = s.export_adapter(tenant)
-    shape = s.root_shape(model)
+    await s.auth.require_owner(request, tenant)
+    spec, weights, model = s.transfer.export_adapter(tenant, await s.tenants.record(tenant))
+    shape = s.transfer.root_shape(model)
 
     def write() -> bytes:
         files = write_decoder(spec, weights, shape) if model == "decoder" else write_encoder(spec, weights, shape, tenant)

@@ -56,7 +56,7 @@ def start_demo_tenants(server: Server) -> dict[str, str]:
         spec = AdapterSpec(labels=tuple(task_labels(d["dataset"])), pooling=d["pooling"])
         # News articles and reviews run past the token limit: the demo tenants cut them (in
         # training and inference alike) rather than refuse them.
-        tokens[d["name"]], _ = server.create_tenant(d["name"], {"domain": "root", "spec": spec.to_dict(), "truncate": True},
+        tokens[d["name"]], _ = server.tenants.create(d["name"], {"domain": "root", "spec": spec.to_dict(), "truncate": True},
                                                     {"dataset": d["dataset"], "max_train": d["max_train"],
                                                      "max_eval": d["max_eval"]},
                                                     epochs=d["epochs"], truncate=True, max_len=server.cfg.max_len)
@@ -69,8 +69,8 @@ def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
     for d in DEMO_DECODER_TENANTS:
         if server.registry.get("tenants", d["name"]) is not None:
             continue
-        spec = server.gpt.default_spec()
-        tokens[d["name"]], _ = server.create_tenant(d["name"], {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
+        spec = server.decoders.runtime.default_spec()
+        tokens[d["name"]], _ = server.tenants.create(d["name"], {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
                                                     {"corpus": d["corpus"], "max_train": d["max_train"]},
                                                     epochs=d["epochs"], model="decoder")
     return tokens
@@ -79,7 +79,7 @@ def start_demo_decoder_tenants(server: Server) -> dict[str, str]:
 def enable_hgpt(server: Server, home: Path) -> None:
     """Loads the decoder root and its causal PLOT (built on first start) into the server."""
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
-    server.enable_hgpt(HgptRuntime.load_default(home, server.load_decoder_tenant, device=str(server.device)))
+    server.enable_hgpt(HgptRuntime.load_default(home, server.transfer.load_decoder_tenant, device=str(server.device)))
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False, root: str = DEFAULT_ROOT,

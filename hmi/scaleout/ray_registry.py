@@ -173,6 +173,10 @@ class RemoteRegistry(RegistryOps):
     def items(self, table: str) -> list[tuple[str, dict]]:
         return self._call("items", table)
 
+    async def aitems(self, table: str) -> list[tuple[str, dict]]:
+        """``items`` awaited (see ``aget``)."""
+        return await self._acall("items", table)
+
     def claim(self, table: str, key: str, expect: dict, **changes) -> dict | None:
         return self._write("claim", table, key, expect, **changes)
 

@@ -181,11 +181,14 @@ class ReplicaCore:
 
         def warm() -> None:
             try:
-                self.server.resolve(tenant)
                 self.server.store.load(tenant)
             except Exception:  # noqa: BLE001 - the request itself gets the route's answer
                 pass
 
+        try:
+            await self.server.tenants.resolve(tenant)
+        except Exception:  # noqa: BLE001 - the request itself gets the route's answer
+            pass
         await asyncio.get_running_loop().run_in_executor(None, warm)
         self.held.add(tenant)
         return HeldTenant(self, tenant)

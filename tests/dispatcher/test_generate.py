@@ -42,7 +42,7 @@ def gpt(tmp_path_factory):
     root = tiny_decoder_root()
     meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
     PlotStore(home / "gpt-plot", meta=meta, readonly=False).close()
-    runtime = HgptRuntime(root, PlotStore(home / "gpt-plot", readonly=True, expect=meta), server.load_decoder_tenant,
+    runtime = HgptRuntime(root, PlotStore(home / "gpt-plot", readonly=True, expect=meta), server.transfer.load_decoder_tenant,
                           miss_policy="compute", cfg=EngineConfig(rank=4, max_len=128, max_active=4))
     server.enable_hgpt(runtime)
     url, stop = run_in_thread(server)
@@ -197,7 +197,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_engine_slot(gpt, monkeyp
     import socket
     import urllib.parse
 
-    engine = gpt["server"].gpt.engine
+    engine = gpt["server"].decoders.runtime.engine
     real_decode = engine._decode
 
     def slow_decode(running):  # 120 tokens take seconds: the request cannot finish on its own meanwhile
@@ -234,7 +234,7 @@ def test_a_full_generation_queue_answers_429_with_retry_after(gpt, monkeypatch):
         def put_nowait(self, item):
             raise queue.Full
 
-    monkeypatch.setattr(gpt["server"].gpt.service, "_in", Full())
+    monkeypatch.setattr(gpt["server"].decoders.runtime.service, "_in", Full())
     req = urllib.request.Request(gpt["url"] + "/v1/tenants/writer/generate", data=json.dumps({"prompt": "x"}).encode(),
                                  method="POST", headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -246,8 +246,9 @@ def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(
     s = gpt["server"]
     spec = AdapterSpec.decoder(rank=2, alpha=4.0)  # the engine batches rank 4
     s.store.save("misfit", spec, {k: v[:2] if k.endswith("_A") else v[:, :2] for k, v in s.store.load("writer").items()})
-    s.registry.create("tenants", "misfit", {"state": "ready", "model": "decoder", "spec": spec.to_dict(), "token_hash": "x"})
-    s._gpt_ready.add("misfit")
+    rec = {"state": "ready", "model": "decoder", "spec": spec.to_dict(), "token_hash": "x"}
+    s.registry.create("tenants", "misfit", rec)
+    s.tenants.serve_new_version("misfit", rec)
     try:
         for stream in (False, True):
             if stream:
@@ -260,9 +261,7 @@ def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(
         assert got == 200 and out["tokens"] == 3
         assert not any("unhandled error" in r.getMessage() for r in caplog.records)
     finally:
-        s._gpt_ready.discard("misfit")
-        s.registry.delete("tenants", "misfit")
-        s.store.delete("misfit")
+        s.tenants.delete("misfit", rec)
 
 
 def test_a_peft_lora_uploads_as_a_decoder_tenant_generates_like_the_trained_one_and_downloads_for_peft(gpt, tmp_path):
@@ -278,7 +277,7 @@ def test_a_peft_lora_uploads_as_a_decoder_tenant_generates_like_the_trained_one_
     data = admin.export_adapter("writer")  # PEFT's folder, zipped
     zipfile.ZipFile(io.BytesIO(data)).extractall(tmp_path)
     folder = next(p for p in tmp_path.iterdir() if p.is_dir())
-    root = gpt["server"].gpt.root
+    root = gpt["server"].decoders.runtime.root
     peft = PeftModel.from_pretrained(copy.deepcopy(root.model), str(folder))  # PEFT reads what we wrote
     assert sorted(peft.peft_config["default"].target_modules) == ["q_proj", "v_proj"]
     out = admin.import_adapter("writer-copy", data, model="decoder")

@@ -27,8 +27,8 @@ LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
-def tiny_server(home, seed=0, job_launcher=None, registry=None, **cfg):
-    spec = RootSpec(default_spec().model_dir, 2)
+def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, **cfg):
+    spec = RootSpec(default_spec().model_dir, 2, source)
     bert = tiny_bert(layers=4, hidden=32, vocab=30522, seed=seed)
     root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
     meta = PlotMeta("tiny", 2, 32)

@@ -15,44 +15,47 @@ from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
 def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):
     rec = {"domain": "root", "spec": AdapterSpec(labels=("neg", "pos")).to_dict(), "state": "ready"}
     first = tiny_server(tmp_path)
-    first._register("alpha", rec)
-    fingerprint = first.root_fingerprint
+    first.tenants.register("alpha", rec)
+    fingerprint = first.tenants.root_fingerprint
     first.shutdown()
 
     same = tiny_server(tmp_path)
-    assert same.resolve("alpha").name == "alpha"
+    assert same.tenants.entry("alpha").name == "alpha"
     same.shutdown()
 
     other = tiny_server(tmp_path, seed=1)
     try:
-        assert other.root_fingerprint != fingerprint
+        assert other.tenants.root_fingerprint != fingerprint
         with pytest.raises(RequestError) as e:
-            other.resolve("alpha")
+            other.tenants.entry("alpha")
         assert e.value.status == 409 and e.value.code == "wrong_root"
-        assert fingerprint[:12] in str(e.value) and other.root_fingerprint[:12] in str(e.value)
+        assert fingerprint[:12] in str(e.value) and other.tenants.root_fingerprint[:12] in str(e.value)
         with pytest.raises(ApiError) as e:
-            other.update_tenant("alpha", {"train": []})
+            other.tenants.update("alpha", {"train": []})
         assert e.value.status == 409
     finally:
         other.shutdown()
 
 
 def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path):
-    from dataclasses import replace
-
     rec = {"domain": "root", "spec": AdapterSpec(labels=("neg", "pos")).to_dict(), "state": "ready"}
     server = tiny_server(tmp_path)
-    server._register("old", rec)
+    server.tenants.register("old", rec)
     record = {k: v for k, v in server.registry.get("tenants", "old").items() if k != "root"}
     server.registry.put("tenants", "old", record)  # as written before roots were recorded
     server.shutdown()
     default = tiny_server(tmp_path)
     try:
-        assert default.resolve("old").name == "old"
-        default.root.spec = replace(default.root.spec, source="mpnet-base")  # another root's server
-        assert not default._own_root(record)
+        assert default.tenants.entry("old").name == "old"
     finally:
         default.shutdown()
+    other = tiny_server(tmp_path, source="mpnet-base")  # a server of another root, same weights
+    try:
+        with pytest.raises(RequestError) as e:
+            other.tenants.entry("old")
+        assert e.value.code == "wrong_root"
+    finally:
+        other.shutdown()
 
 
 def test_a_job_of_another_roots_tenant_is_left_to_a_server_of_that_root(tmp_path, monkeypatch):
@@ -60,7 +63,7 @@ def test_a_job_of_another_roots_tenant_is_left_to_a_server_of_that_root(tmp_path
     runs it (it would train the tenant on B) nor fails it; the next server of root A runs it again."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     first = tiny_server(tmp_path)
-    fingerprint = first.root_fingerprint
+    fingerprint = first.tenants.root_fingerprint
     first.shutdown()
     spec = AdapterSpec(labels=("neg", "pos")).to_dict()
 

@@ -26,12 +26,12 @@ def main(home: Path, port: int) -> None:
     meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
     if not (home / "gpt-plot").exists():
         PlotStore(home / "gpt-plot", meta=meta, readonly=False).close()
-    server.enable_hgpt(HgptRuntime(root, PlotStore(home / "gpt-plot", readonly=True, expect=meta), server.load_decoder_tenant,
+    server.enable_hgpt(HgptRuntime(root, PlotStore(home / "gpt-plot", readonly=True, expect=meta), server.transfer.load_decoder_tenant,
                                    miss_policy="compute", cfg=EngineConfig(rank=4, max_len=128, max_active=4)))
-    jobs = [server.create_tenant("alpha", {"domain": "root", "spec": {"labels": ["neg", "pos"]}}, {"train": TRAIN}, epochs=1)[1],
-            server.create_tenant("beta", {"domain": "root", "spec": {"head": "tagging", "labels": ["D", "N", "V"]}},
+    jobs = [server.tenants.create("alpha", {"domain": "root", "spec": {"labels": ["neg", "pos"]}}, {"train": TRAIN}, epochs=1)[1],
+            server.tenants.create("beta", {"domain": "root", "spec": {"head": "tagging", "labels": ["D", "N", "V"]}},
                                  {"train": TAGS}, epochs=1)[1],
-            server.create_tenant("writer", {"model": "decoder", "domain": "root", "spec": {"rank": 4, "alpha": 8.0}},
+            server.tenants.create("writer", {"model": "decoder", "domain": "root", "spec": {"rank": 4, "alpha": 8.0}},
                                  {"texts": TEXTS}, epochs=1, model="decoder")[1]]
     while any(server.registry.get("jobs", j)["state"] in ("queued", "running") for j in jobs):
         time.sleep(0.2)

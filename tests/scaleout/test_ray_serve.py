@@ -20,6 +20,7 @@ from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
 from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
 
+ray = pytest.importorskip("ray")
 REPO = str(Path(__file__).resolve().parents[2])
 TEXTS = ["a wonderful film", "a dull and boring story"]
 

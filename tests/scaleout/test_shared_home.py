@@ -37,7 +37,7 @@ def publish_elsewhere(server, name: str, w: dict, token: str | None = None) -> N
     if rec is None:
         server.registry.create("tenants", name, {"state": "ready", "model": "encoder", "domain": "root",
                                                  "spec": SPEC.to_dict(), "truncate": False, "job": None, "version": 1,
-                                                 "token_hash": hash_token(token), "root": server.root_fingerprint})
+                                                 "token_hash": hash_token(token), "root": server.tenants.root_fingerprint})
     else:
         server.registry.update("tenants", name, version=rec["version"] + 1)
 

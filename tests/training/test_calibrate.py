@@ -43,16 +43,19 @@ def test_calibration_reduces_loss_and_improves_cosine_on_tiny_config(tmp_path):
     assert artifact_config(aid, tmp_path)["quality"]["after"] == after
 
 
-def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path):
+def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
+    import pytest
+
+    import hmi.training.calibrate as cal
+
     cfg = CalibrationConfig(steps=6, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=3)
     a = tiny_root()
     calibrate(a, TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "a", home=tmp_path / "ha", log=lambda *_: None)
 
-    # Interrupted run: stop after the step-3 checkpoint, then resume with a fresh process state.
+    # Interrupted run: stop during step 4, after the step-3 checkpoint, then resume with a fresh
+    # process state.
     b = tiny_root()
     short = CalibrationConfig(**{**cfg.__dict__, "max_minutes": None})
-    import hmi.training.calibrate as cal
-
     calls = {"n": 0}
     orig = cal.calibration_loss
 
@@ -62,15 +65,21 @@ def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path):
             raise KeyboardInterrupt
         return orig(*args, **kw)
 
-    cal.calibration_loss = crash_after_three
-    try:
-        calibrate(b, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        cal.calibration_loss = orig
+    with monkeypatch.context() as m:
+        m.setattr(cal, "calibration_loss", crash_after_three)
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(b, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
+    assert calls["n"] == 4  # the interrupt came during step 4, not before the checkpoint
+    resumed = {"n": 0}
+
+    def counted(*args, **kw):
+        resumed["n"] += 1
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(cal, "calibration_loss", counted)
     c = tiny_root()
     calibrate(c, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
+    assert resumed["n"] == 3  # steps 4-6 only: the first three came from the checkpoint
     for (k, x), (_, y) in zip(a.windowed.state_dict().items(), c.windowed.state_dict().items()):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=k)
 

@@ -1,0 +1,211 @@
+"""The tenant life cycle of one serving process: which tenants it serves (and in which
+version), creating, retraining and deleting them, and publishing what their jobs produce."""
+
+from __future__ import annotations
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.adapters.store import TenantMissingError
+from hmi.dispatcher.jobs import new_job_id
+from hmi.dispatcher.validation import ApiError
+from hmi.scheduler.types import RequestError, TenantEntry
+
+
+def entry_of(name: str, rec: dict) -> TenantEntry:
+    """The serving entry of an encoder tenant's registry record."""
+    return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0),
+                       rec.get("truncate", False))
+
+
+class Tenants:
+    """The tenants this process serves, kept in step with the registry.
+
+    Encoder tenants record the root they were trained on (its fingerprint); those of another root
+    stay in the registry but are not served here (409 ``wrong_root``).  On a home shared with
+    other serving processes, a tenant is brought up to its registry record whenever it is used
+    (``resolve``): a record is known by its creation time and version."""
+
+    def __init__(self, registry, store, scheduler, jobs, auth, decoders, usage, root_fingerprint: str,
+                 root_name: str, default_root: bool, shared_home: bool = False):
+        self.registry, self.store, self.scheduler, self.jobs = registry, store, scheduler, jobs
+        self.auth, self.decoders, self.usage = auth, decoders, usage
+        self.root_fingerprint, self.root_name, self.default_root = root_fingerprint, root_name, default_root
+        self.shared_home = shared_home
+        self._entries: dict[str, TenantEntry] = {}
+        self._foreign: dict[str, str] = {}  # tenant -> fingerprint of the root it was trained on
+        self._gpt_ready: set[str] = set()  # decoder tenants that can generate
+        self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
+        for name, rec in self.registry.items("tenants"):
+            self.auth.remember(name, rec.get("token_hash", ""))
+            if rec["state"] == "importing":
+                rec = self.recover_import(name, rec)
+            if rec.get("model") != "decoder" and not self._own_root(rec):
+                self._foreign[name] = rec.get("root") or "the default root's"
+            elif rec["state"] in ("ready", "updating"):
+                if rec.get("model") == "decoder":
+                    self._gpt_ready.add(name)
+                else:
+                    self._entries[name] = entry_of(name, rec)
+
+    # -- serving ---------------------------------------------------------------------------------
+    def entry(self, tenant: str) -> TenantEntry:
+        """The tenant's entry as this process serves it; RequestError when it serves none."""
+        e = self._entries.get(tenant)
+        if e is None and tenant in self._foreign:
+            raise RequestError("wrong_root", self.foreign_message(tenant), 409)
+        if e is None:
+            raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
+        return e
+
+    async def resolve(self, tenant: str) -> TenantEntry:
+        """The tenant's entry for a request, brought up to its registry record first on a shared
+        home (the read is awaited: a registry kept by another process does not hold up the loop)."""
+        if self.shared_home:
+            self.apply_record(tenant, await self.registry.aget("tenants", tenant))
+        return self.entry(tenant)
+
+    async def record(self, tenant: str) -> dict:
+        """The tenant's registry record; 404 when there is none."""
+        rec = await self.registry.aget("tenants", tenant)
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        return rec
+
+    def decoder_ready(self, tenant: str) -> bool:
+        """Whether a decoder tenant's LoRA is published and its generations are accepted."""
+        return tenant in self._gpt_ready
+
+    def servable_count(self) -> int:
+        return len(self._entries)
+
+    def foreign_message(self, tenant: str) -> str:
+        return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "
+                f"server serves {self.root_name} ({self.root_fingerprint[:12]}): serve that root to use it")
+
+    def apply_record(self, name: str, rec: dict | None) -> None:
+        """Brings this process's view of a tenant up to its registry record ``rec`` (None: there is
+        none), which another process sharing the home may have changed: a tenant created,
+        retrained, re-uploaded (or deleted and created again under its name) there is served here
+        in its published version, its cached copies dropped; a deleted one is dropped."""
+        if rec is None:
+            self._synced.pop(name, None)
+            if self._entries.pop(name, None) is not None or name in self._gpt_ready:
+                self._gpt_ready.discard(name)
+                self.scheduler.forget(name)
+            return
+        if rec.get("model") != "decoder" and not self._own_root(rec):
+            self._foreign[name] = rec.get("root") or "the default root's"
+            return
+        self._foreign.pop(name, None)
+        published = rec["state"] in ("ready", "updating") or (rec["state"] == "importing" and rec.get("import_of") == "update")
+        if not published:
+            return
+        self.auth.remember(name, rec.get("token_hash", ""))
+        seen = (rec.get("created"), rec.get("version", 0))
+        if self._synced.get(name) != seen:
+            self._synced[name] = seen
+            self.serve_new_version(name, rec)
+
+    def serve_new_version(self, name: str, rec: dict) -> None:
+        """Drops every cached copy of a tenant whose published version changed, and serves it."""
+        self.store.invalidate(name)
+        if rec.get("model") == "decoder":
+            self.decoders.forget(name)
+            self._gpt_ready.add(name)
+            return
+        self.scheduler.forget(name)
+        self._entries[name] = entry_of(name, rec)
+
+    def is_foreign(self, job: dict) -> bool:
+        """Whether a job belongs to a tenant trained on another root (a server of that root runs it)."""
+        return job.get("tenant") in self._foreign
+
+    def _own_root(self, rec: dict) -> bool:
+        """Whether an encoder tenant was trained on this server's root; records from before roots
+        were recorded belong to the default root, the only one then."""
+        if "root" not in rec:
+            return self.default_root
+        return rec["root"] == self.root_fingerprint
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def create(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
+        """Registers a new tenant and queues its first fine-tune job; returns (token, job id).
+        Raises ApiError: 429 when the job queue is full, 409 when the name is taken."""
+        self.jobs.require_room()
+        jid = new_job_id()
+        token = self.register(name, {**rec, "state": "training", "job": jid})
+        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        return token, jid
+
+    def register(self, name: str, rec: dict) -> str:
+        """Creates a tenant's record (version 0) with a new token, which it returns (shown once);
+        409 when the name is taken."""
+        token, digest = self.auth.issue()
+        rec = {**rec, "token_hash": digest, "version": 0}
+        if rec.get("model") != "decoder":
+            rec["root"] = self.root_fingerprint
+        if not self.registry.create("tenants", name, rec):
+            raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+        self.auth.remember(name, digest)
+        return token
+
+    def update(self, name: str, data: dict, **job) -> str:
+        """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
+        one is queued or running), checked and claimed in one registry transaction."""
+        if name in self._foreign:
+            raise ApiError(409, "wrong_root", self.foreign_message(name))
+        self.jobs.require_room()
+        jid = new_job_id()
+        rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
+        if rec is None:
+            state = (self.registry.get("tenants", name) or {}).get("state", "deleted")
+            raise ApiError(409, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
+        self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
+        return jid
+
+    def delete(self, tenant: str, rec: dict) -> None:
+        """Stops serving the tenant at once, cancels its job, forgets its record, token, usage,
+        resident copies and stored adapter."""
+        self._entries.pop(tenant, None)
+        self._gpt_ready.discard(tenant)
+        self.decoders.forget(tenant)
+        if rec.get("job"):
+            self.jobs.cancel(rec["job"])
+        self.registry.delete("tenants", tenant)
+        self.auth.forget(rec.get("token_hash", ""))
+        self.usage.forget(tenant)
+        self.scheduler.forget(tenant)
+        try:
+            self.store.delete(tenant)
+        except TenantMissingError:
+            pass
+
+    def job_finished(self, job: dict, state: str, info: dict) -> None:
+        """Publishes what a tenant's job produced (``succeeded``) or discards it; a tenant deleted
+        (and maybe re-created) while its job ran never serves that job's weights."""
+        t = job["tenant"]
+        rec = self.registry.get("tenants", t)
+        if rec is None or rec.get("job") != job["id"]:
+            self.store.discard(t, job["id"])
+            return
+        if state == "succeeded":
+            self.store.publish(t, job["id"])
+            rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
+                                       metrics=info, error=None)
+            self.serve_new_version(t, rec)
+            return
+        self.store.discard(t, job["id"])
+        if job["kind"] == "create":
+            self.registry.update("tenants", t, state="failed", error=info.get("error") or state)
+        else:
+            self.registry.update("tenants", t, state="ready")
+
+    def recover_import(self, name: str, rec: dict) -> dict:
+        """An upload a crash interrupted: a new tenant fails; an existing one serves whatever
+        version its store's pointer names, under that version's spec."""
+        if rec.get("import_of") == "new":
+            return self.registry.update("tenants", name, state="failed", error="the upload was interrupted by a restart")
+        try:
+            spec = self.store.spec(name).to_dict()
+        except TenantMissingError:
+            spec = rec["spec"]
+        return self.registry.update("tenants", name, state="ready", spec=spec, import_of=None)
