@@ -8,13 +8,13 @@ tenant's weights are gathered once per batch, not once per request.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from hmi.model.root import attention_mask
+from hmi.model import encoder_layers
+from hmi.model.encoder_layers import Sites
 
 
 @dataclass(frozen=True)
@@ -114,110 +114,76 @@ class Group:
     plan: SegmentPlan | None = None  # segment_plan(slots), made on the host with the group
 
 
+class GroupSites(Sites):
+    """The adapter sites of a batch that mixes tenants: each group's adapter on its own rows,
+    all of a group's tenants in one batched kernel (``hmi.model.encoder_layers.upper_forward``
+    runs the layers).  The sites of the ``adapters`` library: LoRA on the projections its pool
+    targets (query, key, value, the FFN's first and second layer; by default query and value),
+    IA3 scaling of keys, values and the FFN's intermediate projection (before its activation), and
+    the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
+    attention output projection and x the layer input (the library's default BnConfig)."""
+
+    def __init__(self, groups: list[Group]):
+        self.groups = groups
+
+    def projections(self, li: int, sites: tuple[str, ...], x: torch.Tensor,
+                    linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        """The projections of ``x`` at ``sites`` plus, on the rows of each LoRA group that targets
+        a site, their tenant's update ``scaling * x @ A^T @ B^T``; a group's rows of ``x`` are
+        gathered once for all its sites.  Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
+        ys = [lin(x) for lin in linears]
+        for g in self.groups:
+            p = g.pool
+            hit = [i for i, site in enumerate(sites) if p.kind == "lora" and site in p.targets]
+            if not hit:
+                continue
+            xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li)
+            for i in hit:
+                delta = batched_lora(xs, g.slots, lw[f"{sites[i]}_A"], lw[f"{sites[i]}_B"], p.scaling, g.plan)
+                ys[i] = ys[i] + delta if g.all_rows else ys[i].index_add(0, g.rows, delta)
+        return ys
+
+    def scaled(self, li: int, site: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with the rows of each IA3 group scaled by their tenant's vector at ``site`` (k, v,
+        ffn).  Shapes: t (B, T, D) -> (B, T, D)."""
+        for g in self.groups:
+            if g.pool.kind == "ia3":
+                s = g.pool.layer(li)[site].index_select(0, g.slots).unsqueeze(1)
+                t = t * s if g.all_rows else t.index_copy(0, g.rows, t.index_select(0, g.rows) * s)
+        return t
+
+    def attention_output(self, li: int, norm: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention block's output ``LN(h + x)``, with ``+ up(relu(down(h)))`` inside the norm
+        for the rows of bottleneck groups (h = the attention's output projection).
+        Shapes: h, x (B, T, H) -> (B, T, H)."""
+        groups = self.groups
+        pre = h + x
+        if not any(g.pool.kind == "bottleneck" for g in groups):
+            return norm(pre)
+        ys = []
+        y = norm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
+        for g in groups:
+            if g.pool.kind != "bottleneck":
+                continue
+            lw = g.pool.layer(li)
+            rows_h = h if g.all_rows else h.index_select(0, g.rows)
+            rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
+            out = norm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
+                                                             lw["up_w"], lw["up_b"], g.plan))
+            ys.append((g, out))
+        if y is None and len(ys) == 1 and ys[0][0].all_rows:
+            return ys[0][1]
+        y = norm(pre) if y is None else y
+        for g, out in ys:
+            y[g.rows] = out
+        return y
+
+
 def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, groups: list[Group],
                   before_layer=None, relative_bias=None) -> torch.Tensor:
-    """The shared BERT upper layers with each request's adapter applied.
-
-    Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual + LayerNorm)
-    with the adapter sites of the ``adapters`` library: LoRA on the projections its pool targets
-    (query, key, value, the FFN's first and second layer; by default query and value), IA3
-    scaling of keys, values and the FFN's intermediate projection (before its activation), and
-    the bottleneck adapter after the attention block: ``LN(h + x + up(relu(down(h))))`` with h the
-    attention output projection and x the layer input (the library's default BnConfig).
-    ``before_layer(i)``, when given, is called before layer i runs (the scheduler waits there for
-    that layer's adapter weights to be resident); ``relative_bias``: an MPNet root's
-    (``hmi.model.root.attention_mask``).
-    Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
-    """
-    ext = attention_mask(mask, hidden.dtype, relative_bias)
-    for li, layer in enumerate(layers):
-        if before_layer is not None:
-            before_layer(li)
-        hidden = layer_forward(li, layer, hidden, ext, groups)
-    return hidden
-
-
-def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor, groups: list[Group]) -> torch.Tensor:
-    """One upper layer (index ``li`` into the pools) for a mixed-tenant batch.
-
-    Shapes: x (B, T, H); ext (B, 1, 1, T) additive mask -> (B, T, H).
-    """
-    att = layer.attention.self
-    q, k, v = _adapted_qkv(li, att, x, groups)
-    B, T, H = x.shape
-    nh, hd = att.num_attention_heads, att.attention_head_size
-    qh = q.view(B, T, nh, hd).transpose(1, 2)
-    kh = k.view(B, T, nh, hd).transpose(1, 2)
-    vh = v.view(B, T, nh, hd).transpose(1, 2)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
-    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
-    y = _attention_output(li, layer.attention.output, ctx, x, groups)
-    (inter,) = _lora_added(li, ("ffn_in",), y, (layer.intermediate.dense(y),), groups)
-    inter = layer.intermediate.intermediate_act_fn(_ia3_scaled(li, "ffn", inter, groups))
-    (out,) = _lora_added(li, ("ffn_out",), inter, (layer.output.dense(inter),), groups)
-    return layer.output.LayerNorm(out + y)
-
-
-def _adapted_qkv(li: int, att: nn.Module, x: torch.Tensor, groups: list[Group]):
-    """Query, key and value projections with each group's LoRA (on the sites it targets) or IA3
-    (key, value).  Shapes: x (B, T, H) -> three (B, T, H)."""
-    q, k, v = _lora_added(li, ("q", "k", "v"), x, (att.query(x), att.key(x), att.value(x)), groups)
-    return q, _ia3_scaled(li, "k", k, groups), _ia3_scaled(li, "v", v, groups)
-
-
-def _lora_added(li: int, sites: tuple[str, ...], x: torch.Tensor, ys: tuple[torch.Tensor, ...],
-                groups: list[Group]) -> list[torch.Tensor]:
-    """``ys`` (the projections of ``x`` at ``sites``) plus, on the rows of each LoRA group that
-    targets a site, their tenant's update ``scaling * x @ A^T @ B^T``; a group's rows of ``x`` are
-    gathered once for all its sites.  Shapes: x (B, T, D_in); each y (B, T, D_out) -> the ys'."""
-    ys = list(ys)
-    for g in groups:
-        p = g.pool
-        hit = [i for i, site in enumerate(sites) if p.kind == "lora" and site in p.targets]
-        if not hit:
-            continue
-        xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li)
-        for i in hit:
-            delta = batched_lora(xs, g.slots, lw[f"{sites[i]}_A"], lw[f"{sites[i]}_B"], p.scaling, g.plan)
-            ys[i] = ys[i] + delta if g.all_rows else ys[i].index_add(0, g.rows, delta)
-    return ys
-
-
-def _ia3_scaled(li: int, site: str, t: torch.Tensor, groups: list[Group]) -> torch.Tensor:
-    """``t`` with the rows of each IA3 group scaled by their tenant's vector at ``site`` (k, v, ffn).
-    Shapes: t (B, T, D) -> (B, T, D)."""
-    for g in groups:
-        if g.pool.kind == "ia3":
-            s = g.pool.layer(li)[site].index_select(0, g.slots).unsqueeze(1)
-            t = t * s if g.all_rows else t.index_copy(0, g.rows, t.index_select(0, g.rows) * s)
-    return t
-
-
-def _attention_output(li: int, so: nn.Module, ctx: torch.Tensor, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
-    """The attention block's output ``LN(h + x)``, with ``+ up(relu(down(h)))`` inside the norm for
-    the rows of bottleneck groups (h = the output projection of ``ctx``).
-    Shapes: ctx, x (B, T, H) -> (B, T, H)."""
-    h = so.dense(ctx)
-    pre = h + x
-    if not any(g.pool.kind == "bottleneck" for g in groups):
-        return so.LayerNorm(pre)
-    ys = []
-    y = so.LayerNorm(pre) if any(g.pool.kind != "bottleneck" for g in groups) else None
-    for g in groups:
-        if g.pool.kind != "bottleneck":
-            continue
-        lw = g.pool.layer(li)
-        rows_h = h if g.all_rows else h.index_select(0, g.rows)
-        rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
-        out = so.LayerNorm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],
-                                                         lw["up_w"], lw["up_b"], g.plan))
-        ys.append((g, out))
-    if y is None and len(ys) == 1 and ys[0][0].all_rows:
-        return ys[0][1]
-    y = so.LayerNorm(pre) if y is None else y
-    for g, out in ys:
-        y[g.rows] = out
-    return y
+    """The shared upper layers with each request's adapter applied (``GroupSites``).
+    Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H)."""
+    return encoder_layers.upper_forward(layers, hidden, mask, GroupSites(groups), before_layer, relative_bias)
 
 
 def pooled(hidden: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | bool) -> torch.Tensor:

@@ -89,7 +89,8 @@ def _training_data(body, spec: AdapterSpec) -> dict:
         missing = sorted(set(task_labels(body.dataset)) - set(spec.labels))
         if missing:
             raise ApiError(422, "labels_missing", f"labels {missing} of dataset {body.dataset!r} are not in the task's labels")
-        return {"dataset": body.dataset, "max_train": body.max_train}
+        out = {"dataset": body.dataset, "max_train": body.max_train}
+        return out if body.max_eval is None else {**out, "max_eval": body.max_eval}
     tagging = spec.head == "tagging"
     data = {split: check_rows([r.model_dump() for r in getattr(body.training_data, split)], tagging,
                               f"training_data.{split}") for split in ("train", "dev", "test")}
@@ -129,7 +130,7 @@ def _decoder_training(body) -> dict:
     return {"texts": texts[:body.max_train] if body.max_train else texts}
 
 
-async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
+async def _create_decoder_tenant(s: Server, raw: dict) -> dict:
     body = parse(s.models["DecoderTenant"], raw)
     gpt = s.decoders.require()
     rank = body.adapter.rank or gpt.rank
@@ -137,15 +138,14 @@ async def _create_decoder_tenant(s: Server, raw: dict) -> web.Response:
         raise ApiError(422, "invalid_spec", f"this server batches decoder LoRA of rank {gpt.rank}")
     spec = AdapterSpec.decoder(rank=rank, alpha=body.adapter.alpha or None)
     token, job = s.tenants.create(body.name, {"model": "decoder", "domain": "root", "spec": spec.to_dict()},
-                                 _decoder_training(body), epochs=body.epochs, model="decoder")
-    return web.json_response({"tenant": body.name, "token": token, "job": job,
-                              "note": "keep the token: it is shown only once"}, status=202)
+                                  _decoder_training(body), epochs=body.epochs, model="decoder")
+    return {"tenant": body.name, "token": token, "job": job}
 
 
-async def create_tenant(request: web.Request) -> web.Response:
-    s: Server = request.app[SERVER]
-    await s.auth.require_admin(request)
-    raw = await json_body(request)
+async def create_from_body(s: Server, raw: dict) -> dict:
+    """Creates a tenant from a ``POST /v1/tenants`` body (encoder or decoder) and queues its first
+    fine-tune job; returns ``{"tenant", "token", "job"}``.  Raises ApiError for what the body gets
+    wrong (the route's answers)."""
     if raw.get("model") == "decoder":
         return await _create_decoder_tenant(s, raw)
     body = parse(s.models["EncoderTenant"], raw)
@@ -155,10 +155,16 @@ async def create_tenant(request: web.Request) -> web.Response:
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, body.truncate)
     token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
-                                 data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
-                                 max_len=s.cfg.max_len)
-    return web.json_response({"tenant": body.name, "token": token, "job": job,
-                              "note": "keep the token: it is shown only once"}, status=202)
+                                  data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
+                                  max_len=s.cfg.max_len)
+    return {"tenant": body.name, "token": token, "job": job}
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    await s.auth.require_admin(request)
+    out = await create_from_body(s, await json_body(request))
+    return web.json_response({**out, "note": "keep the token: it is shown only once"}, status=202)
 
 
 def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):

@@ -136,6 +136,8 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         training_data: TrainingData = Absent()
         dataset: Literal[tuple(TASKS)] = Absent()  # type: ignore[valid-type]
         max_train: Int = Absent(ge=1)
+        max_eval: Int = Absent(ge=1, description="with dataset: how many of its dev and test examples the job "
+                               "evaluates (default 500)")
         epochs: Int = Field(4, ge=1, le=50)
 
         @model_validator(mode="after")

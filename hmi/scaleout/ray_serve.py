@@ -34,7 +34,6 @@ held the tenant (``X-HMI-Affinity: hit|miss``), which ``benchmarks/bench_scale.p
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -47,12 +46,11 @@ from typing import Callable
 
 from hmi.bootstrap import prepare_in_child
 from hmi.client import ROUTING_HEADER, Client, tenant_of
-from hmi.data import task_labels
 from hmi.dispatcher.auth import admin_token
-from hmi.dispatcher.serve import DEMO_TENANTS, build_server, start_app
+from hmi.dispatcher.launch import banner, create_demo_tenants, over_http, startup_report
+from hmi.dispatcher.serve import build_server, start_app
 from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
-from hmi.io import atomic_write_text
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
@@ -357,29 +355,17 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     this ``HMI_HOME``; blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     home = hmi_home()
-    prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
+    prepared = prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
     token, new = admin_token(home)  # made once, before any replica reads it
     env = {"HMI_HOME": str(home), **{k: os.environ[k] for k in ("HMI_ADMIN_TOKEN",) if k in os.environ}}
     print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress, registry: {registry}", flush=True)
     factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus, registry,
                             registry_cache_s)
     url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
-    if new:
-        print(f"admin token (printed once, also in {home / 'admin_token'}, mode 0600): {token}")
+    startup_report(home, prepared.meta, prepared.artifact_id, token, new)
     if demo:
-        client = Client(url, token)
-        tokens = {}
-        for d in DEMO_TENANTS:
-            if not any(t["name"] == d["name"] for t in client.tenants()):
-                tokens[d["name"]] = client.create_tenant(
-                    d["name"], list(task_labels(d["dataset"])), dataset=d["dataset"], max_train=d["max_train"],
-                    epochs=d["epochs"], pooling=d["pooling"], truncate=True)["token"]
-        if tokens:
-            demo_file = home / "demo_tokens.json"
-            existing = json.loads(demo_file.read_text()) if demo_file.exists() else {}
-            atomic_write_text(demo_file, json.dumps({**existing, **tokens}, indent=1), mode=0o600)
-            print(f"demo tenants training in the background: {', '.join(tokens)} (tokens in {demo_file})")
-    print(f"HMI serving on {url} through Ray Serve ({replicas} replicas); the same API as `hmi serve`", flush=True)
+        create_demo_tenants(home, *over_http(Client(url, token)))
+    print(banner(url, home, how=f" through Ray Serve ({replicas} replicas); the same API as `hmi serve`"), flush=True)
     try:
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:

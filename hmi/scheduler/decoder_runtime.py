@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hmi.adapters.spec import AdapterSpec
 from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import ensure_root_plot, open_root_store
@@ -62,9 +61,6 @@ class HgptRuntime:
     @property
     def rank(self) -> int:
         return self.engine.cfg.rank
-
-    def default_spec(self) -> AdapterSpec:
-        return AdapterSpec.decoder(rank=self.rank)
 
     def worker_view(self) -> WorkerDecoder:
         self.root.model.share_memory()

@@ -1,0 +1,85 @@
+"""The forward pass of the root encoder's upper layers, written once, with the places where a
+tenant's adapter enters a layer (its *sites*) left to the caller.
+
+Hosted batched serving fills the sites with every tenant of a batch at once
+(``hmi.adapters.batched.GroupSites``); the root alone leaves them empty (``Sites``).  A caller
+that runs the frozen linear projections elsewhere (split execution) passes stand-ins for them:
+every projection goes through ``Sites.projections`` with the module that computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hmi.model.root import attention_mask
+
+
+class Sites:
+    """The adapter sites of an encoder layer, as the ``adapters`` library places them; this base
+    class adds no adapter (the root's own layer).
+
+    - ``projections``: every frozen linear projection of the layer, by site: q, k, v and
+      ``attn_out`` of the attention, ``ffn_in`` and ``ffn_out`` of the FFN (LoRA adds its update
+      at the first three and the last two);
+    - ``scaled``: IA3's scaling of keys, values and the FFN's intermediate projection (``k``,
+      ``v``, ``ffn``, before the activation);
+    - ``attention_output``: the attention block's ``LN(h + x)`` (h its output projection),
+      inside which the bottleneck adds ``up(relu(down(h)))``.
+    ``li`` is the index of the layer among the upper layers."""
+
+    def projections(self, li: int, sites: tuple[str, ...], x: torch.Tensor,
+                    linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        """Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
+        return [lin(x) for lin in linears]
+
+    def scaled(self, li: int, site: str, t: torch.Tensor) -> torch.Tensor:
+        """Shapes: t (B, T, D) -> (B, T, D)."""
+        return t
+
+    def attention_output(self, li: int, norm: nn.Module, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Shapes: h, x (B, T, H) -> (B, T, H)."""
+        return norm(h + x)
+
+
+def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, sites: Sites,
+                  before_layer=None, relative_bias=None) -> torch.Tensor:
+    """The upper layers, each with ``sites`` filled in.
+
+    Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual +
+    LayerNorm) when the sites add nothing.  ``before_layer(i)``, when given, is called before
+    layer i runs (the scheduler waits there for that layer's adapter weights to be resident);
+    ``relative_bias``: an MPNet root's (``hmi.model.root.attention_mask``).
+    Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
+    """
+    ext = attention_mask(mask, hidden.dtype, relative_bias)
+    for li, layer in enumerate(layers):
+        if before_layer is not None:
+            before_layer(li)
+        hidden = layer_forward(li, layer, hidden, ext, sites)
+    return hidden
+
+
+def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor, sites: Sites) -> torch.Tensor:
+    """One upper layer (index ``li``) with its adapter sites.
+
+    Shapes: x (B, T, H); ext (B, 1, 1, T) or (B, heads, T, T) additive mask -> (B, T, H).
+    """
+    att = layer.attention.self
+    q, k, v = sites.projections(li, ("q", "k", "v"), x, (att.query, att.key, att.value))
+    k, v = sites.scaled(li, "k", k), sites.scaled(li, "v", v)
+    B, T, H = x.shape
+    nh, hd = att.num_attention_heads, att.attention_head_size
+    qh = q.view(B, T, nh, hd).transpose(1, 2)
+    kh = k.view(B, T, nh, hd).transpose(1, 2)
+    vh = v.view(B, T, nh, hd).transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
+    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
+    (h,) = sites.projections(li, ("attn_out",), ctx, (layer.attention.output.dense,))
+    y = sites.attention_output(li, layer.attention.output.LayerNorm, h, x)
+    (inter,) = sites.projections(li, ("ffn_in",), y, (layer.intermediate.dense,))
+    inter = layer.intermediate.intermediate_act_fn(sites.scaled(li, "ffn", inter))
+    (out,) = sites.projections(li, ("ffn_out",), inter, (layer.output.dense,))
+    return layer.output.LayerNorm(out + y)

@@ -1,0 +1,68 @@
+"""Both ways of starting a server do the same around it: ``hmi serve`` creates the demo tenants
+through the route's own code before it listens, ``hmi serve --ray`` over HTTP once its replicas
+are up, from the same bodies; the tenants and jobs they leave are the same.  Both print the same
+startup report."""
+
+import json
+
+import pytest
+
+from hmi.client import Client
+from hmi.dispatcher.launch import DEMO_TENANTS, create_demo_tenants, over_http, startup_report
+from hmi.dispatcher.serve import in_process, run_in_thread
+from tests.dispatcher.test_server import ADMIN, tiny_server
+
+
+@pytest.fixture(scope="module")
+def data():
+    from hmi.bootstrap import ensure_data
+
+    ensure_data()
+
+
+def left_behind(server) -> dict:
+    """Each demo tenant's record and its job's record and kept inputs, without what differs by
+    instant or identity (tokens, job ids, times, owners)."""
+    out = {}
+    for name, rec in server.registry.items("tenants"):
+        job = server.registry.get("jobs", rec["job"])
+        inputs = json.loads((server.home / "jobs" / f"{rec['job']}.json").read_text())
+        keep = ("kind", "tenant", "spec", "epochs", "domain", "truncate", "max_len", "model")
+        out[name] = {"record": {k: rec.get(k) for k in ("spec", "domain", "truncate", "state", "model", "root")},
+                     "job": {k: job.get(k) for k in keep}, "inputs": inputs}
+    return out
+
+
+def test_demo_tenants_are_the_same_created_in_process_or_over_http(tmp_path, monkeypatch, data):
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    here = tiny_server(tmp_path / "here", job_concurrency=0)  # the jobs are queued, not run
+    try:
+        tokens = create_demo_tenants(here.home, *in_process(here))
+        local = left_behind(here)
+        assert create_demo_tenants(here.home, *in_process(here)) == {}  # a restart creates none again
+    finally:
+        here.shutdown()
+    there = tiny_server(tmp_path / "there", job_concurrency=0)
+    url, stop = run_in_thread(there)
+    try:
+        remote_tokens = create_demo_tenants(there.home, *over_http(Client(url, ADMIN)))
+        remote = left_behind(there)
+    finally:
+        stop()
+    assert set(tokens) == set(remote_tokens) == {d["name"] for d in DEMO_TENANTS}
+    assert local == remote
+    assert {n: t["inputs"]["max_eval"] for n, t in local.items()} == {d["name"]: d["max_eval"] for d in DEMO_TENANTS}
+    assert all(t["record"]["truncate"] and t["job"]["truncate"] for t in local.values())
+    kept = json.loads((tmp_path / "here" / "demo_tokens.json").read_text())
+    assert kept == tokens
+
+
+def test_the_startup_report_warns_of_a_calibration_cut_short_and_says_where_the_admin_token_is(tmp_path, capsys):
+    meta = {"calibration": {"steps": 800, "steps_done": 325, "steps_planned": 325, "max_minutes": 90.0,
+                            "train_seconds": 5400.0}, "root_source": "mpnet-base", "l_low": 6}
+    lines = startup_report(tmp_path, meta, "mpnet-l6-x", "tok", True, recovered=["j1"], resumed=["j2"])
+    assert lines[0].startswith("warning: root artifact mpnet-l6-x: the time budget (90.0 min) held 325 of the 800")
+    assert "--root mpnet-base --l-low 6" in lines[0]
+    assert lines[1:3] == ["marked 1 interrupted job(s) as failed", "running 1 interrupted job(s) again from their start: j2"]
+    assert lines[3].endswith(": tok") and capsys.readouterr().out.splitlines() == lines
+    assert startup_report(tmp_path, {}, "a", "tok", False)[0].startswith("admin token: ")
