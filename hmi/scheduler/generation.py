@@ -23,12 +23,13 @@ from typing import Callable
 
 import numpy as np
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hmi.adapters.batched import batched_lora, segment_plan
 from hmi.adapters.pool import SlotPool
 from hmi.adapters.spec import SpecError
+from hmi.model import decoder_layers
 from hmi.model.decoder import DecoderRoot, additive_mask
+from hmi.model.decoder_layers import KVCache, Step
 from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.sampling import GREEDY_BELOW, next_token, streamable
 from hmi.textlimit import words_exceed
@@ -113,8 +114,8 @@ class GenerationEngine:
         self.hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         n_up = len(self.upper)
         shape = (self.cfg.max_active, self.nkv, self.cfg.max_len, self.hd)
-        self.k_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
-        self.v_cache = [torch.zeros(shape, device=self.device) for _ in range(n_up)]
+        self.kv = KVCache([torch.zeros(shape, device=self.device) for _ in range(n_up)],
+                          [torch.zeros(shape, device=self.device) for _ in range(n_up)])
         self.pool = SlotPool(("lora", self.cfg.rank), self.cfg.lora_slots, n_up, c.hidden_size, c.intermediate_size,
                              max_labels=0, device=self.device, value_width=self.nkv * self.hd)
         self.waiting: list[GenRequest] = []
@@ -283,38 +284,13 @@ class GenerationEngine:
         kpos = torch.arange(Lk, device=dev)
         allowed = (kpos[None, None, :] <= pos[:, :, None]) & (kpos[None, None, :] < ends[:, None, None])
         mask = additive_mask(allowed, h.dtype)
-        rep = self.nh // self.nkv
-        for li, layer in enumerate(self.upper):
-            att = layer.self_attn
-            x = layer.input_layernorm(h)
+        step = Step(rows, starts, q_lens, mask, cos, sin)
+
+        def lora(li: int, site: str, x: torch.Tensor) -> torch.Tensor:
             lw = self.pool.layer(li)
-            q = att.q_proj(x) + scale * batched_lora(x, slots, lw["q_A"], lw["q_B"], 1.0, plan)
-            k = att.k_proj(x)
-            v = att.v_proj(x) + scale * batched_lora(x, slots, lw["v_A"], lw["v_B"], 1.0, plan)
-            q = q.view(B, Tq, self.nh, self.hd).transpose(1, 2)
-            k = k.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
-            v = v.view(B, Tq, self.nkv, self.hd).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            if Tq == 1:
-                kc[rows, :, starts] = k[:, :, 0]
-                vc[rows, :, starts] = v[:, :, 0]
-            else:
-                for b in range(B):
-                    s, n = int(starts[b]), int(q_lens[b])
-                    kc[rows[b], :, s:s + n] = k[b, :, :n]
-                    vc[rows[b], :, s:s + n] = v[b, :, :n]
-            # Only the first Lk positions of the batch's rows; query heads grouped by their key/value
-            # head (GQA) so keys and values are not repeated.
-            K = kc[:, :, :Lk].index_select(0, rows).unsqueeze(2)  # (B, nkv, 1, Lk, hd)
-            V = vc[:, :, :Lk].index_select(0, rows).unsqueeze(2)
-            qg = q.view(B, self.nkv, rep, Tq, self.hd)
-            scores = torch.matmul(qg, K.transpose(-1, -2)) / math.sqrt(self.hd) + mask.unsqueeze(1)
-            ctx = torch.matmul(torch.softmax(scores, dim=-1), V).view(B, self.nh, Tq, self.hd)
-            ctx = ctx.transpose(1, 2).reshape(B, Tq, self.nh * self.hd)
-            h = h + att.o_proj(ctx)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h
+            return scale * batched_lora(x, slots, lw[f"{site}_A"], lw[f"{site}_B"], 1.0, plan)
+
+        return decoder_layers.upper_forward(self.upper, h, step, self.kv, self.nh, self.nkv, self.hd, lora)
 
     def _sample(self, reqs: list[_Active], logits: torch.Tensor) -> None:
         for a, lg in zip(reqs, logits):
