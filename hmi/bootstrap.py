@@ -19,10 +19,15 @@ from hmi.data.prepare import prepare
 from hmi.model.aliases import DEFAULT_L_LOW, DEFAULT_ROOT, calibration_recipe, default_l_low, pointer_name, source_of
 
 
-def quiet_transformers() -> None:
-    """Offline, and without the libraries' per-call warnings."""
+def offline() -> None:
+    """Nothing is fetched from a model hub (read when the libraries are imported)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def quiet_transformers() -> None:
+    """Offline, and without the libraries' per-call warnings."""
+    offline()
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

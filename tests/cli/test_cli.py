@@ -1,9 +1,11 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from hmi.cli import build_parser, main, parse_selection
+from hmi.cli import build_parser, main
+from hmi.cli.roots import parse_selection
 
 
 def test_every_subcommand_has_help():
@@ -15,8 +17,20 @@ def test_every_subcommand_has_help():
 
 
 def test_console_script_prints_help():
-    out = subprocess.run([sys.executable, "-m", "hmi.cli", "--help"], capture_output=True, text=True, check=True)
+    script = Path(sys.executable).with_name("hmi")
+    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)
     assert "calibrate" in out.stdout and "serve" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["tenant", "create", "--help"], ["infer", "--help"], ["jobs", "--help"],
+                                  ["generate", "--help"], ["data", "--help"]])
+def test_help_and_client_commands_leave_the_model_side_unloaded(argv):
+    """Only the group of the command that runs is imported: help and the client commands start in
+    a fraction of a second, without torch."""
+    code = f"import sys\nfrom hmi.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n" \
+           "print('torch' in sys.modules, file=sys.stderr)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stderr.strip().splitlines()[-1] == "False"
 
 
 def test_info_without_artifact_says_what_to_do(capsys):

@@ -1,0 +1,57 @@
+"""What the command groups share: client options and calls, printing, corpus arguments, root options."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from hmi.bootstrap import ensure_data
+from hmi.client import ApiError, Client
+from hmi.data import CORPORA, load_corpus
+from hmi.model.aliases import ALIASES, DEFAULT_ROOT
+
+
+def client(args):
+    return Client(args.url, args.token)
+
+
+def show(obj) -> None:
+    print(json.dumps(obj, indent=1))
+
+
+def run_client(fn):
+    def wrapped(args) -> int:
+        try:
+            return fn(args) or 0
+        except (ApiError, ConnectionError) as exc:
+            print(f"hmi: {exc}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+def read_corpus_arg(corpus: str) -> list[str]:
+    if corpus in CORPORA:
+        ensure_data()
+        return load_corpus(corpus)
+    path = Path(corpus)
+    if not path.exists():
+        raise SystemExit(f"hmi: corpus {corpus!r} is neither a prepared corpus ({', '.join(CORPORA)}) nor a file")
+    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def add_root_options(parser) -> None:
+    parser.add_argument("--root", default=DEFAULT_ROOT,
+                        help=f"an alias ({', '.join(ALIASES)}; default {DEFAULT_ROOT}) or a BERT/RoBERTa/MPNet "
+                             "checkpoint folder (converted once into HMI_HOME)")
+    parser.add_argument("--l-low", type=int, default=None,
+                        help="how many lower layers become PLOT lookups (default: half the root's layers)")
+
+
+def client_args(p):
+    """The options of a command that calls a running server."""
+    p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
+    p.add_argument("--token", default=None, help="default: HMI_TOKEN, HMI_ADMIN_TOKEN or $HMI_HOME/admin_token")
+    return p

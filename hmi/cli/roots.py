@@ -1,0 +1,246 @@
+"""``hmi calibrate``, ``plot``, ``prepare``, ``demo`` and ``info``: the root, its calibrated lower
+layers and its PLOTs (the model side: this module is imported only when one of them runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default, quiet_transformers
+from hmi.cli.common import add_root_options, read_corpus_arg
+from hmi.data import held_out_texts
+from hmi.home import hmi_home
+from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
+from hmi.model.artifact import (
+    ArtifactMissingError,
+    artifact_config,
+    calibration_shortfall,
+    current_artifact_id,
+    load_root,
+)
+from hmi.model.catalog import root_spec
+from hmi.model.root import full_forward, mean_pool
+from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot.lookup import PlotLookup
+from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
+from hmi.plot.store import PlotStore
+from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
+
+
+def cmd_calibrate_decoder(args) -> int:
+    cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
+    root, meta = calibrate_and_save(hmi_home(), args.l_low or 2, cfg)
+    q = meta["quality"]
+    print(f"decoder root {root.artifact_id}: perplexity on {q['eval_texts']} held-out texts: full model {q['ppl_full']}, "
+          f"naive windows {q['ppl_naive_window']}, calibrated windows {q['ppl_calibrated']} "
+          f"({meta['train_seconds']} s of training)")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    # Options left out keep CalibrationConfig's defaults, stated there only.
+    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "max_minutes") if getattr(args, k) is not None}
+    for k, v in given.items():
+        if not v > 0:
+            raise SystemExit(f"hmi calibrate: --{k.replace('_', '-')} must be positive, got {v}")
+    quiet_transformers()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ensure_data()
+    if args.decoder:
+        return cmd_calibrate_decoder(args)
+    if args.check_shipped:
+        if given or args.seed or not args.backoff or args.eval_texts != 256 or args.root != DEFAULT_ROOT:
+            raise SystemExit("hmi calibrate --check-shipped: the shipped artifact is reproduced with the defaults only")
+        shipped, made = check_shipped(args.l_low or DEFAULT_L_LOW)
+        print(f"shipped: {shipped or 'none for this root and split'}\ncalibrated now: {made}")
+        print("identical, bit for bit" if shipped == made else "different")
+        return 0 if shipped == made else 1
+    artifact_id, meta = calibrate_default(args.l_low, args.seed, args.backoff, args.eval_texts, root=args.root, **given)
+    print(f"root artifact {artifact_id}")
+    print_quality(meta)
+    return 0
+
+
+def print_quality(meta: dict) -> None:
+    q = meta.get("quality")
+    if not q:
+        return
+    print(f"{'held-out real text':44s} {'before':>8s} {'after':>8s}")
+    for key, name in (("lower_cosine", "cosine at layer L_low (token)"), ("pooled_cosine", "cosine of pooled output"),
+                      ("lower_cosine_served", "cosine at layer L_low, as the PLOT serves"),
+                      ("pooled_cosine_served", "cosine of pooled output, as the PLOT serves")):
+        if key in q["before"] and key in q["after"]:
+            print(f"{name:44s} {q['before'][key]:8.4f} {q['after'][key]:8.4f}")
+
+
+def cmd_info(args) -> int:
+    home = hmi_home()
+    l_low = args.l_low or default_l_low(args.root)
+    if l_low is None:
+        raise SystemExit(f"hmi info: root {args.root!r} is a checkpoint folder: say --l-low")
+    aid = current_artifact_id(home, pointer_name(source_of(args.root), l_low))
+    print(f"HMI home: {home}")
+    if aid is None:
+        named = "" if args.root == DEFAULT_ROOT else f" --root {args.root} --l-low {l_low}"
+        print(f"root artifact: none (run `hmi calibrate{named}`)")
+        return 0
+    meta = artifact_config(aid)
+    print(f"root artifact: {aid}  root={meta['root']}  L_low={meta['l_low']}  hidden={meta['hidden_size']}")
+    cal = meta.get("calibration", {})
+    print(f"calibration: steps={cal.get('steps_done')} batch={cal.get('batch_size')} lr={cal.get('lr')} "
+          f"seconds={cal.get('train_seconds', cal.get('train_seconds_this_run'))}")
+    if shortfall := calibration_shortfall(meta):
+        print(f"  {shortfall}")
+    print_quality(meta)
+    if args.json:
+        print(json.dumps(meta, indent=1))
+    return 0
+
+
+def parse_selection(text: str):
+    if text == "all":
+        return Selection("all")
+    kind, _, value = text.partition(":")
+    try:
+        if kind == "alpha":
+            return Selection("alpha", alpha=float(value))
+        if kind == "top_k":
+            return Selection("top_k", top_k=int(value))
+    except ValueError as exc:
+        raise SystemExit(f"hmi: bad --select {text!r}: {exc}")
+    raise SystemExit(f"hmi: bad --select {text!r}; use all, alpha:A or top_k:K")
+
+
+def load_current_root(root: str = DEFAULT_ROOT, l_low: int | None = None):
+    quiet_transformers()
+
+    try:
+        return load_root(spec=root_spec(root, l_low))
+    except ArtifactMissingError as exc:
+        raise SystemExit(f"hmi: {exc}")
+
+
+def cmd_plot_build(args) -> int:
+    sel = parse_selection(args.select)
+    lines = read_corpus_arg(args.corpus)
+    if args.decoder:
+        root = load_calibrated_decoder(hmi_home())
+        if root is None:
+            raise SystemExit("hmi: no calibrated decoder root yet; run `hmi calibrate --decoder` first")
+    else:
+        root = load_current_root(args.root, args.l_low)
+    out = Path(args.out) if args.out else root_plot_path(root)
+    store = PlotStore(out, meta=plot_meta(root), readonly=False)
+    try:
+        summary = build_from_corpus(store, root.plot_lower, root.tokenizer, lines, sel, max_len=args.max_len)
+    finally:
+        store.close()
+    if summary.get("up_to_date"):
+        print(f"PLOT at {out} is already complete ({summary['entries']} entries)")
+    else:
+        print(f"PLOT at {out}: {summary['entries']} entries, {summary['file_bytes'] / 2**20:.1f} MiB on disk, "
+              f"{summary['written']} computed in {summary['seconds']} s ({summary['ngrams_per_s']} n-grams/s), "
+              f"selection {summary['selection']}, {summary['distinct_trigrams']} distinct corpus tri-grams")
+    return 0
+
+
+def cmd_plot_stats(args) -> int:
+    store = PlotStore(args.path, readonly=True)
+    print(json.dumps({"meta": store.meta.__dict__, "stats": store.stats(), "build": store.get_record("build")},
+                     indent=1))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
+    quiet_transformers()
+    root = prepare_default(hmi_home(), args.root, args.l_low)
+    print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Set-up of the embedded default and a look at what it computes."""
+    quiet_transformers()
+
+
+    root = prepare_default(hmi_home())
+    print(f"root artifact {root.artifact_id}")
+    print_quality(root.meta)
+    lookup = PlotLookup([open_root_version(root)], policy="compute")
+    texts = held_out_texts(8)
+    enc = root.tokenizer(texts, truncation=True, max_length=128, padding=True, return_tensors="np")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+
+    with torch.no_grad():
+        out = root.hplm().upper(lookup.merged(ids, mask), torch.from_numpy(mask))
+        ref = full_forward(root.bert, torch.from_numpy(ids), torch.from_numpy(mask))[-1]
+    cos = torch.nn.functional.cosine_similarity(mean_pool(out, torch.from_numpy(mask)),
+                                                mean_pool(ref, torch.from_numpy(mask)))
+    print(f"\n{'text (held-out)':60s} {'cos to full model':>18s}")
+    for t, c in zip(texts, cos.tolist()):
+        print(f"{t[:58]:60s} {c:18.4f}")
+    print(f"PLOT hits: {dict(lookup.hits)}")
+    return 0
+
+
+def arguments(command: str, parser) -> None:
+    {"calibrate": _calibrate_args, "plot": _plot_args, "prepare": _prepare_args, "demo": _demo_args,
+     "info": _info_args}[command](parser)
+
+
+def _calibrate_args(cal) -> None:
+    cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
+    cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder; 800 for mpnet-base), 150 (decoder)")
+    cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
+    cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder; 3e-4 for mpnet-base)")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--root", default=DEFAULT_ROOT,
+                     help=f"an alias ({', '.join(ALIASES)}; default {DEFAULT_ROOT}) or a BERT/RoBERTa/MPNet checkpoint folder")
+    cal.add_argument("--l-low", type=int, default=None,
+                     help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
+    cal.add_argument("--max-minutes", type=float, default=None,
+                     help="the encoder calibration's time budget, resumed runs included (default 30; 90 for "
+                          "mpnet-base); the learning rate decays over the budget when the steps would not fit")
+    cal.add_argument("--eval-texts", type=int, default=256)
+    cal.add_argument("--threads", type=int, default=0)
+    cal.add_argument("--no-backoff", dest="backoff", action="store_false",
+                     help="train every window computed, not as the PLOT serves text (windows it misses back off)")
+    cal.add_argument("--check-shipped", action="store_true",
+                     help="calibrate with the defaults in a throw-away home and compare with the artifact shipped "
+                          "in the package (same CPU kind, torch and thread count: identical bit for bit)")
+    cal.set_defaults(func=cmd_calibrate)
+
+
+def _plot_args(parser) -> None:
+    plot = parser.add_subparsers(dest="plot_cmd", required=True)
+    pb = plot.add_parser("build", help="build (or resume) a PLOT from a corpus")
+    pb.add_argument("--corpus", default="general", help="a prepared corpus name or a text file (one line each)")
+    pb.add_argument("--out", help="LMDB folder (default: the current root's root PLOT)")
+    pb.add_argument("--select", default="all", help="all, alpha:A (coverage) or top_k:K")
+    pb.add_argument("--max-len", type=int, default=128)
+    pb.add_argument("--decoder", action="store_true", help="a causal PLOT of the calibrated hGPT decoder root")
+    add_root_options(pb)
+    pb.set_defaults(func=cmd_plot_build)
+    ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
+    ps.add_argument("path")
+    ps.set_defaults(func=cmd_plot_stats)
+
+
+def _prepare_args(parser) -> None:
+    add_root_options(parser)
+    parser.set_defaults(func=cmd_prepare)
+
+
+def _demo_args(parser) -> None:
+    parser.set_defaults(func=cmd_demo)
+
+
+def _info_args(parser) -> None:
+    parser.add_argument("--json", action="store_true")
+    add_root_options(parser)
+    parser.set_defaults(func=cmd_info)

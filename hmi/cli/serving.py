@@ -1,0 +1,94 @@
+"""``hmi serve``: the HTTP server, in one process or on Ray Serve."""
+
+from __future__ import annotations
+
+import sys
+
+from hmi.bootstrap import quiet_transformers
+from hmi.cli.common import add_root_options
+from hmi.dispatcher.serve import serve
+from hmi.dispatcher.server import ServerConfig, ServerConfigError
+from hmi.scaleout.ray_serve import serve as serve_ray
+from hmi.scheduler.pipeline import pick_device
+
+
+def cmd_serve(args) -> int:
+    quiet_transformers()
+
+    try:
+        pick_device(args.device)
+        if not 8 <= args.max_len <= 512:  # the position limit of both packaged roots; the server checks its own
+            raise ValueError(f"--max-len {args.max_len} is outside [8, 512]")
+    except ValueError as exc:
+        print(f"hmi serve: {exc}", file=sys.stderr)
+        return 2
+    cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
+                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len)
+    try:
+        if args.ray:
+            if args.hgpt:
+                print("hmi serve: --hgpt is not served through --ray yet", file=sys.stderr)
+                return 2
+            if args.replicas < 1:
+                print(f"hmi serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+                return 2
+            if not args.registry_cache_s >= 0:
+                print(f"hmi serve: --registry-cache-s must be 0 or more, got {args.registry_cache_s}", file=sys.stderr)
+                return 2
+            if not args.job_cpus > 0:
+                print(f"hmi serve: --job-cpus must be above 0, got {args.job_cpus}", file=sys.stderr)
+                return 2
+
+            return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
+                             root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus,
+                             registry=args.registry, registry_cache_s=args.registry_cache_s)
+        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
+    except ServerConfigError as exc:
+        print(f"hmi serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def arguments(command: str, srv) -> None:
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8080)
+    srv.add_argument("--no-demo", action="store_true", help="do not create the demo tenants")
+    add_root_options(srv)
+    srv.add_argument("--max-batch", type=int, default=32)
+    srv.add_argument("--max-wait-ms", type=float, default=5.0)
+    srv.add_argument("--pool-slots", type=int, default=64)
+    srv.add_argument("--max-len", type=int, default=128,
+                     help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
+                          "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
+                          "measures the cost)")
+    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute"],
+                     help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
+    srv.add_argument("--hgpt", action="store_true",
+                     help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
+    srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where the upper layers, adapter pools and KV cache run (auto: cuda when torch sees a GPU)")
+    _ray_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+
+def _ray_args(srv) -> None:
+    srv.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: replicas of this server sharing HMI_HOME, requests routed to the "
+                          "replica that holds their tenant (needs the ray extra: pip install -e '.[ray]'; RAY_ADDRESS "
+                          "names a running cluster, else a local one is started)")
+    srv.add_argument("--replicas", type=int, default=2, help="with --ray: serving replicas (default 2)")
+    srv.add_argument("--tenants-per-replica", type=int, default=1000,
+                     help="with --ray: tenants a replica holds before Ray Serve's LRU lets one go (default 1000)")
+    srv.add_argument("--ingress", choices=["haproxy", "proxy"], default="haproxy",
+                     help="with --ray, for the local cluster it starts: Ray Serve's HAProxy ingress, straight to the "
+                          "replicas with a tenant kept on one replica by a hash of its routing header (default), or "
+                          "its Python HTTP proxy, routing by the replicas' multiplexed LRUs")
+    srv.add_argument("--job-cpus", type=float, default=1.0,
+                     help="with --ray: CPUs a fine-tune or domain job's Ray task reserves; jobs run on whichever node "
+                          "has them free (default 1)")
+    srv.add_argument("--registry", choices=["home", "actor"], default="home",
+                     help="with --ray: the registry the replicas share: HMI_HOME's own LMDB (replicas on one machine; "
+                          "default) or a Ray actor owning it on this node (replicas on several machines, HMI_HOME on a "
+                          "shared file system)")
+    srv.add_argument("--registry-cache-s", type=float, default=0.0,
+                     help="with --registry actor: seconds a replica keeps a tenant's record (a change made through "
+                          "another replica is then seen within this; 0, the default: at once, one actor call per request)")
