@@ -44,14 +44,14 @@ def main() -> None:
 
     args = start(__doc__, options)
     from hmi.adapters.spec import AdapterSpec
-    from hmi.adapters.train import FinetuneConfig, finetune
     from hmi.data import load_corpus, load_task, task_labels
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import plot_meta
     from hmi.plot.store import PlotStore
-    from hmi.version_tree.fpt import FPTConfig
-    from hmi.version_tree.fpt import summary as fpt_summary
+    from hmi.training.finetune import FinetuneConfig, finetune
+    from hmi.training.further_pretrain import FPTConfig
+    from hmi.training.further_pretrain import summary as fpt_summary
     from hmi.version_tree.tree import VersionTree
 
     domains = (args.domains or ("reviews" if args.quick else "reviews,legal")).split(",")

@@ -132,7 +132,7 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
     independent Gaussian noise (std 0.02) each, seeded."""
     import torch
 
-    from hmi.adapters.train import TenantTrainer
+    from hmi.training.finetune import TenantTrainer
 
     base = TenantTrainer(bert, l_low, spec, seed=trainer_seed).weights()
     g = torch.Generator().manual_seed(seed)

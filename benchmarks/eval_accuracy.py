@@ -108,8 +108,8 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
     root of "head" runs once per example (its output cannot change), the others every step."""
     from hmi.adapters.batched import pooled
     from hmi.adapters.interop import attach, library_model
-    from hmi.adapters.train import IGNORE, metrics_of, pad
     from hmi.model.root import full_forward
+    from hmi.training.finetune import IGNORE, metrics_of, pad
 
     torch.manual_seed(seed)
     model = library_model(bert)
@@ -227,9 +227,9 @@ def main() -> None:
                or args.dedicated_lr is not None)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
-    from hmi.adapters.train import FinetuneConfig, encode, finetune
     from hmi.data import is_tagging, load_task, task_labels
     from hmi.plot.lookup import PlotLookup
+    from hmi.training.finetune import FinetuneConfig, encode, finetune
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}

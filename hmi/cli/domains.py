@@ -10,9 +10,9 @@ from hmi.cli.roots import load_current_root
 from hmi.data import CORPORA
 from hmi.dispatcher.registry import Registry
 from hmi.home import hmi_home
-from hmi.version_tree.fpt import FPTConfig
-from hmi.version_tree.fpt import summary as fpt_summary
-from hmi.version_tree.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
+from hmi.training.further_pretrain import FPTConfig
+from hmi.training.further_pretrain import summary as fpt_summary
+from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
 from hmi.version_tree.tree import DomainError, VersionTree
 
 

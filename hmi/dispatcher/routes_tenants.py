@@ -10,7 +10,6 @@ from pydantic import ValidationError
 
 from hmi.adapters.portable import read_decoder, read_encoder, write_decoder, write_encoder
 from hmi.adapters.spec import AdapterSpec, SpecError
-from hmi.adapters.train import encode
 from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
@@ -20,6 +19,7 @@ from hmi.dispatcher.validation import ApiError, check_rows, json_body
 from hmi.names import is_valid_name
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
 from hmi.textlimit import TooLongError
+from hmi.training.finetune import encode
 
 
 def public_tenant(s: Server, name: str, rec: dict) -> dict:

@@ -20,7 +20,7 @@ from hmi.adapters.spec import ALL_LORA_SITES, HEADS, KINDS, LORA_SITES, POOLINGS
 from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
-from hmi.version_tree.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
+from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
 
 SEED_LIMIT = 2**63
 MAX_NEW_TOKENS = 1024

@@ -20,8 +20,6 @@ import torch
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
-from hmi.adapters.train import FinetuneConfig, finetune
-from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
 from hmi.allocator import tune_allocator
 from hmi.bootstrap import quiet_transformers
 from hmi.data import job_lines, job_rows, job_texts
@@ -29,9 +27,11 @@ from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotStore
+from hmi.training.finetune import FinetuneConfig, finetune
+from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
 from hmi.training.fit import Cancelled
-from hmi.version_tree.fpt import FPTConfig
-from hmi.version_tree.objectives import DEFAULT_OBJECTIVE
+from hmi.training.further_pretrain import FPTConfig
+from hmi.training.objectives import DEFAULT_OBJECTIVE
 from hmi.version_tree.tree import VersionTree
 
 PR_SET_PDEATHSIG = 1

@@ -35,7 +35,7 @@ from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_c
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_version, plot_meta
 from hmi.plot.store import PlotStore
-from hmi.version_tree.fpt import FPTConfig, further_pretrain
+from hmi.training.further_pretrain import FPTConfig, further_pretrain
 
 MIN_CORPUS_TOKENS = 20_000  # below this, neither FPT nor tri-gram frequencies are meaningful
 
@@ -52,7 +52,7 @@ class DomainNode:
     alpha: float
     corpus: dict = field(default_factory=dict)  # lines, tokens, trigram occurrences, distinct trigrams
     plot: dict = field(default_factory=dict)  # PLOT statistics
-    fpt: dict = field(default_factory=dict)  # objective, its measures before/after (fpt.summary), steps, seconds
+    fpt: dict = field(default_factory=dict)  # objective, its measures before/after (further_pretrain.summary), steps, seconds
     created: float = 0.0
     updated: float = 0.0
     version: str = ""  # the folder under <name>/ served now ("" : the files lie in <name>/ itself)

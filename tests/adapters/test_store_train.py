@@ -5,11 +5,11 @@ import torch
 from hmi.adapters.interop import export_library_format, import_library_format
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.adapters.store import AdapterStore, TenantMissingError
-from hmi.adapters.train import FinetuneConfig, TenantTrainer, encode, finetune
 from hmi.model.hplm import WindowedEncoder
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
+from hmi.training.finetune import FinetuneConfig, TenantTrainer, encode, finetune
 from tests.conftest import tiny_bert
 from tests.training.test_calibrate import CharTokenizer
 

@@ -5,11 +5,11 @@ tokenizer's own truncation cuts them."""
 import pytest
 
 from hmi.adapters.spec import AdapterSpec
-from hmi.adapters.train import encode
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.textlimit import TooLongError, fit_ids
+from hmi.training.finetune import encode
 from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
 
 LIMIT = 16

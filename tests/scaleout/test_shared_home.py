@@ -13,11 +13,11 @@ import torch
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
-from hmi.adapters.train import TenantTrainer
 from hmi.client import ApiError, Client
 from hmi.dispatcher.auth import hash_token, new_token
 from hmi.dispatcher.registry import Leases, Registry, owner_alive, process_owner
 from hmi.dispatcher.serve import run_in_thread
+from hmi.training.finetune import TenantTrainer
 from tests.dispatcher.test_server import ADMIN, tiny_server
 
 SPEC = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)

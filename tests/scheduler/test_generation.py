@@ -150,7 +150,7 @@ def test_tenants_get_their_own_adapters(world):
 
 def test_lora_fine_tune_lowers_dev_loss_resumes_from_saved_weights_and_serves(world, tmp_path):
     from hmi.adapters.store import AdapterStore
-    from hmi.adapters.train_lm import LmFinetuneConfig, finetune_lm
+    from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
 
     root, lookup, _, _ = world
     text = ["the quick brown fox jumps over the lazy dog", "a quick brown dog jumps over the lazy fox"] * 4

@@ -7,13 +7,13 @@ import torch
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
-from hmi.adapters.train import TenantTrainer
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
+from hmi.training.finetune import TenantTrainer
 from tests.conftest import tiny_bert
 
 H, L_LOW = 32, 2

@@ -8,7 +8,7 @@ from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer
 from hmi.plot.paths import ensure_root_plot
-from hmi.version_tree.fpt import OBJECTIVES, FPTConfig, further_pretrain, mask_tokens, summary
+from hmi.training.further_pretrain import OBJECTIVES, FPTConfig, further_pretrain, mask_tokens, summary
 from hmi.version_tree.tree import DomainError, VersionTree
 from tests.conftest import tiny_bert
 

@@ -1,4 +1,4 @@
-"""The further-pretraining objectives of a domain branch and their defaults (``fpt.FPTConfig``).
+"""The further-pretraining objectives of a domain branch and their defaults (``further_pretrain.FPTConfig``).
 
 Torch-free, so that argument parsing and the HTTP schemas name them without loading a model.
 """

@@ -27,7 +27,7 @@ from hmi.model.artifact import Root
 from hmi.model.hplm import UpperLayers, WindowedEncoder
 from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_fit, distill_steps, quality, token_lists
 from hmi.training.fit import Fit, deterministic
-from hmi.version_tree.objectives import DEFAULT_BATCH, DEFAULT_LR, DEFAULT_OBJECTIVE, DEFAULT_STEPS, OBJECTIVES
+from hmi.training.objectives import DEFAULT_BATCH, DEFAULT_LR, DEFAULT_OBJECTIVE, DEFAULT_STEPS, OBJECTIVES
 
 IGNORE = -100
 
