@@ -37,13 +37,15 @@ def isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_HOME", str(tmp_path / "hmi_home"))
 
 
-# With pytest-xdist (`make test` runs two workers), the tests of one file stay on one worker, so a
-# module's fixtures (a live server, trained tenants) are set up once; the files that start a Ray
-# cluster share one worker, so that two clusters never start at once.
+# `make test` runs the tests in two pytest-xdist workers, the tests of one file on one worker (a
+# module's fixtures, a live server with trained tenants, are set up once), then the files that
+# start a Ray cluster (``ray_cluster``) on their own: a cluster starts proxies and ports of its own
+# and must not compete with a second one.
 RAY_FILES = {"test_ray_jobs.py", "test_ray_multinode.py", "test_ray_registry.py", "test_ray_serve.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("ray" if name in RAY_FILES else str(item.path)))
+        item.add_marker(pytest.mark.xdist_group(str(item.path)))
+        if item.path.name in RAY_FILES:
+            item.add_marker(pytest.mark.ray_cluster)
