@@ -131,7 +131,7 @@ class GroupSites(Sites):
         """The projections of ``x`` at ``sites`` plus, on the rows of each LoRA group that targets
         a site, their tenant's update ``scaling * x @ A^T @ B^T``; a group's rows of ``x`` are
         gathered once for all its sites.  Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
-        ys = [lin(x) for lin in linears]
+        ys = self.frozen(li, sites, x, linears)
         for g in self.groups:
             p = g.pool
             hit = [i for i, site in enumerate(sites) if p.kind == "lora" and site in p.targets]

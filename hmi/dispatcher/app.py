@@ -13,6 +13,7 @@ from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.registry import RegistryUnavailable
+from hmi.dispatcher.routes_base import linear, lower
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
 from hmi.dispatcher.routes_generate import completions, generate
 from hmi.dispatcher.routes_ops import (
@@ -96,6 +97,8 @@ ROUTES = [
     ("GET", "/v1/jobs", list_jobs),
     ("GET", "/v1/jobs/{job}", get_job),
     ("DELETE", "/v1/jobs/{job}", cancel_job),
+    ("POST", "/v1/base/lower", lower),
+    ("POST", "/v1/base/layers/{layer}/{projection}/{operation}", linear),
     ("GET", "/healthz", healthz),
     ("GET", "/metrics", metrics),
     ("GET", "/openapi.json", openapi),

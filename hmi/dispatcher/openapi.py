@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from hmi.names import NAME_PATTERN
+from hmi.scheduler.base_executor import OPERATIONS, PROJECTIONS
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["code", "message"],
@@ -22,7 +23,8 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
         ("CompletionBody",), False),
     ("POST", "/v1/tenants"): (
         "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin). Decoder tenants: "
-        "'model': 'decoder' with 'corpus' or 'training_text'", ("EncoderTenant", "DecoderTenant"), False),
+        "'model': 'decoder' with 'corpus' or 'training_text'. Private tenants (201, no job): 'model': 'private'",
+        ("EncoderTenant", "DecoderTenant", "PrivateTenant"), False),
     ("GET", "/v1/tenants"): ("List tenants (admin)", (), False),
     ("GET", "/v1/tenants/{tenant}"): ("A tenant's state, spec and metrics (owner or admin)", (), False),
     ("POST", "/v1/tenants/{tenant}/update"): ("Continue training on more data: a job (owner or admin)",
@@ -44,6 +46,12 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("GET", "/v1/jobs"): ("All jobs (admin)", (), False),
     ("GET", "/v1/jobs/{job}"): ("A job's state, progress and metrics (owner or admin)", (), False),
     ("DELETE", "/v1/jobs/{job}"): ("Cancel a queued or running job (owner or admin)", (), False),
+    ("POST", "/v1/base/lower"): (
+        "Base executor: the lower layers' output as the PLOT serves it for token ids (B, T) and their mask (B, T); "
+        "tensors in hmi.split.wire's format (private tenant or admin)", (), False),
+    ("POST", "/v1/base/layers/{layer}/{projection}/{operation}"): (
+        "Base executor: a frozen linear projection of an upper layer on a float32 tensor (..., D), batched across "
+        "private tenants; hmi.split.wire's format (private tenant or admin)", (), False),
     ("GET", "/healthz"): ("Liveness", (), True),
     ("GET", "/metrics"): ("Prometheus metrics", (), True),
     ("GET", "/openapi.json"): ("This document", (), True),
@@ -54,6 +62,10 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
 
 ZIP_BODY = {("POST", "/v1/tenants/{tenant}/adapter")}
 ZIP_RESPONSE = {("GET", "/v1/tenants/{tenant}/adapter")}
+TENSOR_ROUTES = {("POST", "/v1/base/lower"), ("POST", "/v1/base/layers/{layer}/{projection}/{operation}")}
+PATH_PARAMS = {"{job}": {"type": "string"}, "{file}": {"type": "string"}, "{layer}": {"type": "integer", "minimum": 0},
+               "{projection}": {"type": "string", "enum": list(PROJECTIONS)},
+               "{operation}": {"type": "string", "enum": list(OPERATIONS)}}
 BINARY = {"type": "string", "format": "binary"}
 
 ERRORS = {
@@ -87,8 +99,7 @@ def openapi_document(app, models: dict) -> dict:
                           for code, text in ERRORS.items()})
         op = {"summary": summary, "responses": responses}
         params = [{"name": seg[1:-1], "in": "path", "required": True,
-                   "schema": {"type": "string"} if seg in ("{job}", "{file}") else
-                   {"type": "string", "pattern": f"^{NAME_PATTERN}$"}}
+                   "schema": PATH_PARAMS.get(seg, {"type": "string", "pattern": f"^{NAME_PATTERN}$"})}
                   for seg in path.split("/") if seg.startswith("{")]
         if params:
             op["parameters"] = params
@@ -102,6 +113,14 @@ def openapi_document(app, models: dict) -> dict:
                                  "content": {"application/octet-stream": {"schema": BINARY}}}
             op["parameters"] = op.get("parameters", []) + [{"name": "model", "in": "query", "required": False, "schema": {
                 "type": "string", "enum": ["encoder", "decoder"]}, "description": "the kind of a new tenant"}]
+        if (method, path) in TENSOR_ROUTES:
+            op["requestBody"] = {"required": True, "description": "tensors in hmi.split.wire's binary format",
+                                 "content": {"application/octet-stream": {"schema": BINARY}}}
+            responses["200"] = {"description": "the result tensor(s) in the same format", "content": {
+                "application/octet-stream": {"schema": BINARY}}}
+            if "layers" in path:
+                op["parameters"] = op.get("parameters", []) + [{"name": "priority", "in": "query", "required": False,
+                                                                "schema": {"type": "string", "enum": ["inference", "training"]}}]
         if (method, path) in ZIP_RESPONSE:
             responses["200"] = {"description": "the adapter's folder as a zip", "content": {"application/zip": {
                 "schema": BINARY}}}

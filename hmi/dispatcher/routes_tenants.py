@@ -15,6 +15,7 @@ from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import api_error, parse
 from hmi.dispatcher.server import Server
+from hmi.dispatcher.tenants import is_private, private_error
 from hmi.dispatcher.validation import ApiError, check_rows, json_body
 from hmi.names import is_valid_name
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
@@ -43,6 +44,8 @@ async def infer(request: web.Request) -> web.Response:
         rec = await s.registry.aget("tenants", tenant)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}") from None
+        if is_private(rec):
+            raise private_error(tenant, "this server does not run its model") from None
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds") \
             from None
     truncate = body.truncate if body.truncate is not None else entry.truncate
@@ -148,6 +151,9 @@ async def create_from_body(s: Server, raw: dict) -> dict:
     wrong (the route's answers)."""
     if raw.get("model") == "decoder":
         return await _create_decoder_tenant(s, raw)
+    if raw.get("model") == "private":
+        body = parse(s.models["PrivateTenant"], raw)
+        return {"tenant": body.name, "token": s.tenants.create_private(body.name), "job": None}
     body = parse(s.models["EncoderTenant"], raw)
     if body.domain != "root" and body.domain not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no domain {body.domain!r}")
@@ -164,7 +170,8 @@ async def create_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     await s.auth.require_admin(request)
     out = await create_from_body(s, await json_body(request))
-    return web.json_response({**out, "note": "keep the token: it is shown only once"}, status=202)
+    return web.json_response({**out, "note": "keep the token: it is shown only once"},
+                             status=202 if out["job"] else 201)
 
 
 def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
@@ -186,6 +193,8 @@ async def update_tenant(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     await s.auth.require_owner(request, tenant)
     rec = await s.tenants.record(tenant)
+    if is_private(rec):
+        raise private_error(tenant, "there is nothing of it to train here")
     if rec["state"] != "ready":
         raise ApiError(409, "tenant_busy", f"tenant {tenant!r} is {rec['state']}; update it once it is ready")
     raw = await json_body(request)
@@ -243,6 +252,8 @@ async def upload_adapter(request: web.Request) -> web.Response:
         model = asked or "encoder"
     else:
         await s.auth.require_owner(request, tenant)
+        if is_private(rec):
+            raise private_error(tenant, "its adapter stays on its own side")
         model = rec.get("model", "encoder")
         if asked not in (None, model):
             raise ApiError(422, "wrong_tenant_kind", f"tenant {tenant!r} is an {model} tenant")
@@ -276,7 +287,10 @@ async def download_adapter(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     await s.auth.require_owner(request, tenant)
-    spec, weights, model = s.transfer.export_adapter(tenant, await s.tenants.record(tenant))
+    rec = await s.tenants.record(tenant)
+    if is_private(rec):
+        raise private_error(tenant, "its adapter is not on the server")
+    spec, weights, model = s.transfer.export_adapter(tenant, rec)
     shape = s.transfer.root_shape(model)
 
     def write() -> bytes:

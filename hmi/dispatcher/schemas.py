@@ -203,7 +203,12 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
         truncate: bool = Absent(description="cut inputs over the token limit (their answer says \"truncated\": "
                                 "true) instead of refusing them (413); default: the tenant's setting")
 
-    models = [InferBody, DomainUpdate, DomainCreate, *_encoder_models(limits), *_decoder_models(limits)]
+    class PrivateTenant(Body):
+        name: Name
+        model: Literal["private"] = Field(description="a private tenant: its adapter stays on its own side "
+                                          "(hmi.split); the server runs the root's frozen layers for it")
+
+    models = [InferBody, DomainUpdate, DomainCreate, PrivateTenant, *_encoder_models(limits), *_decoder_models(limits)]
     return {m.__name__: m for m in models}
 
 

@@ -22,6 +22,7 @@ from hmi.dispatcher.transfer import AdapterTransfer
 from hmi.dispatcher.usage import Usage
 from hmi.dispatcher.workers import WorkerContext
 from hmi.model.root import weights_fingerprint
+from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.version_tree.tree import VersionTree
 
@@ -55,6 +56,10 @@ class ServerConfig:
     # Shared home: a process on another host that has not renewed its lease for this long is gone
     # (and its jobs are taken over); each process renews its own four times as often.
     lease_s: float = 60.0
+    # The base executor of private tenants: how long a batch of calls waits for more, and whether
+    # calls of different clients are batched at all (off: the ablation of bench_private).
+    executor_wait_ms: float = 2.0
+    executor_batching: bool = True
 
 
 class ServerConfigError(ValueError):
@@ -116,6 +121,7 @@ class Server:
                                default_root=root.spec.source is None, shared_home=cfg.shared_home)
         self.transfer = AdapterTransfer(root, self.registry, self.store, self.scheduler.residency, self.tenants,
                                         self.decoders)
+        self._executor: BaseExecutor | None = None
         self.leases = Leases(self.registry, cfg.lease_s) if cfg.shared_home else None
         self.recovered, self.resumed = self._recover_jobs()
         self.started = time.time()
@@ -123,6 +129,14 @@ class Server:
     @property
     def admin_token(self) -> str:
         return self.auth.admin
+
+    @property
+    def executor(self) -> BaseExecutor:
+        """The base executor of private tenants (``hmi.split``), made on first use."""
+        if self._executor is None:
+            self._executor = BaseExecutor(FrozenLinears(self.root.bert, self.root.spec.l_low),
+                                          self.cfg.executor_wait_ms / 1000, batching=self.cfg.executor_batching)
+        return self._executor
 
     def _recover_jobs(self) -> tuple[list[str], list[str]]:
         """Jobs a stopped server left unfinished: run again from their kept inputs, or failed.  On a
@@ -173,6 +187,8 @@ class Server:
         self.jobs.ctx.gpt = runtime.worker_view()
 
     def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown()
         self.decoders.shutdown()
         self.jobs.shutdown()
         if self.leases is not None:

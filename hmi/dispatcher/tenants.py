@@ -10,6 +10,16 @@ from hmi.dispatcher.validation import ApiError
 from hmi.scheduler.types import RequestError, TenantEntry
 
 
+def is_private(rec: dict) -> bool:
+    """Whether a record is a private tenant's: its adapter stays on its own side (``hmi.split``)."""
+    return rec.get("model") == "private"
+
+
+def private_error(name: str, what: str) -> ApiError:
+    return ApiError(409, "private_tenant", f"tenant {name!r} is private: {what}; it runs its adapter on its own side "
+                    "with hmi.split, calling this server's base executor (POST /v1/base/...)")
+
+
 def entry_of(name: str, rec: dict) -> TenantEntry:
     """The serving entry of an encoder tenant's registry record."""
     return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0),
@@ -40,7 +50,7 @@ class Tenants:
                 rec = self.recover_import(name, rec)
             if rec.get("model") != "decoder" and not self._own_root(rec):
                 self._foreign[name] = rec.get("root") or "the default root's"
-            elif rec["state"] in ("ready", "updating"):
+            elif rec["state"] in ("ready", "updating") and not is_private(rec):
                 if rec.get("model") == "decoder":
                     self._gpt_ready.add(name)
                 else:
@@ -100,6 +110,8 @@ class Tenants:
         if not published:
             return
         self.auth.remember(name, rec.get("token_hash", ""))
+        if is_private(rec):
+            return
         seen = (rec.get("created"), rec.get("version", 0))
         if self._synced.get(name) != seen:
             self._synced[name] = seen
@@ -147,6 +159,10 @@ class Tenants:
             raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
         self.auth.remember(name, digest)
         return token
+
+    def create_private(self, name: str) -> str:
+        """Registers a private tenant (ready at once, nothing to train here); returns its token."""
+        return self.register(name, {"state": "ready", "model": "private", "domain": "root", "job": None})
 
     def update(self, name: str, data: dict, **job) -> str:
         """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 class Usage:
     """Counts each tenant's answered requests and their latency, and says where its adapter is
-    now: ``device`` (a pool slot), ``host`` (the memory cache) or ``disk``."""
+    now: ``device`` (a pool slot), ``host`` (the memory cache), ``disk``, or ``client`` (a private
+    tenant's, on its own side)."""
 
     def __init__(self, residency, store, decoders):
         self.residency, self.store, self.decoders = residency, store, decoders
@@ -22,6 +23,8 @@ class Usage:
     def report(self, tenant: str, rec: dict) -> dict:
         """Requests answered since start, their mean latency, and the adapter's tier."""
         n, total = self._counts.get(tenant, (0, 0.0))
+        if rec.get("model") == "private":
+            return {"residency": "client", "requests": n, "latency_ms": None}
         if rec.get("model") == "decoder":
             on_device = self.decoders.on_device(tenant)
         else:

@@ -23,7 +23,7 @@ class Sites:
 
     - ``projections``: every frozen linear projection of the layer, by site: q, k, v and
       ``attn_out`` of the attention, ``ffn_in`` and ``ffn_out`` of the FFN (LoRA adds its update
-      at the first three and the last two);
+      at the first three and the last two), each computed by ``frozen``;
     - ``scaled``: IA3's scaling of keys, values and the FFN's intermediate projection (``k``,
       ``v``, ``ffn``, before the activation);
     - ``attention_output``: the attention block's ``LN(h + x)`` (h its output projection),
@@ -32,7 +32,14 @@ class Sites:
 
     def projections(self, li: int, sites: tuple[str, ...], x: torch.Tensor,
                     linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
-        """Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
+        """The projections at ``sites`` with their adapter; here the frozen ones alone.
+        Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
+        return self.frozen(li, sites, x, linears)
+
+    def frozen(self, li: int, sites: tuple[str, ...], x: torch.Tensor,
+               linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        """The root's own projections at ``sites`` (run here; split execution runs them on the
+        server).  Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
         return [lin(x) for lin in linears]
 
     def scaled(self, li: int, site: str, t: torch.Tensor) -> torch.Tensor:

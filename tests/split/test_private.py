@@ -1,0 +1,201 @@
+"""Private tenants by split execution on a live server: the tenant keeps its adapter and runs the
+non-linear parts; the server's base executor runs the frozen projections and the PLOT lookup.
+A private tenant answers as the same adapter served as a hosted tenant, with and without noise;
+bad calls at the executor get a 4xx and hurt nobody; calls of several clients share one GEMM."""
+
+import threading
+import urllib.request
+
+import pytest
+import torch
+
+from hmi.client import ApiError, Client
+from hmi.dispatcher.serve import run_in_thread
+from hmi.model.root import default_spec, load_tokenizer
+from hmi.scheduler.base_executor import FrozenLinears
+from hmi.split.client import BaseClient, BaseExecutorError
+from hmi.split.model import Noise, OnServer, PrivateModel
+from hmi.split.wire import encode
+from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
+
+TEXTS = ["a great film", "an awful boring mess of a story", "the dog runs"]
+HOSTED = {  # tenant -> (labels, task type, adapter)
+    "bn": (["neg", "pos"], "classification", {"kind": "bottleneck", "reduction_factor": 4}),
+    "lora": (["neg", "pos"], "classification", {"kind": "lora", "rank": 4, "targets": ["all"]}),
+    "ia3": (["neg", "pos"], "classification", {"kind": "ia3"}),
+    "tagger": (["D", "N", "V"], "tagging", None),  # the tagging default: LoRA on every linear layer
+}
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    import os
+
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    home = tmp_path_factory.mktemp("home")
+    server = tiny_server(home)
+    # The tiny root as a checkpoint folder: what a private tenant loads its non-linear parts from.
+    root_dir = tmp_path_factory.mktemp("root")
+    server.root.bert.save_pretrained(root_dir, safe_serialization=True)
+    load_tokenizer(default_spec().model_dir).save_pretrained(root_dir)
+    url, stop = run_in_thread(server)
+    admin = Client(url, ADMIN)
+    jobs = []
+    for name, (labels, task, adapter) in HOSTED.items():
+        data = {"train": TAGS * 3} if task == "tagging" else {"train": TRAIN * 2}
+        jobs.append(admin.create_tenant(name, labels, task, data, adapter=adapter, epochs=2)["job"])
+    for job in jobs:
+        assert admin.wait_job(job, 300)["state"] == "succeeded"
+    token = admin.request("POST", "/v1/tenants", {"name": "priv", "model": "private"})["token"]
+    yield {"admin": admin, "url": url, "server": server, "root_dir": root_dir, "token": token}
+    stop()
+
+
+def private_model(live, tenant, noise=False):
+    base = BaseClient(live["url"], live["token"])
+    files = PrivateModel.files_of(live["admin"].export_adapter(tenant))
+    return PrivateModel(base, live["root_dir"], 2, files, noise=Noise(base, scale=3.0) if noise else None)
+
+
+def assert_same_answers(hosted, private):
+    assert len(hosted) == len(private)
+    for h, p in zip(hosted, private):
+        if "scores" in h:
+            assert h["label"] == p["label"]
+            for label, score in h["scores"].items():
+                assert abs(score - p["scores"][label]) < 1e-4, (h, p)
+        else:
+            assert h == p
+
+
+@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
+@pytest.mark.parametrize("tenant", list(HOSTED))
+def test_a_private_tenant_answers_as_the_same_adapter_served_hosted(live, tenant, noise):
+    model = private_model(live, tenant, noise)
+    assert_same_answers(live["admin"].infer(tenant, TEXTS), model.infer(TEXTS))
+    assert model.base.stats["round_trips"] == 1 + 4 * 2 + (4 * 2 if noise else 0)  # lower, 4 calls a layer, noise once
+
+
+def test_the_client_holds_no_frozen_projection_of_the_root(live):
+    model = private_model(live, "bn")
+    for layer in model.layers:
+        for module in (layer.attention.self.query, layer.attention.self.key, layer.attention.self.value,
+                       layer.attention.output.dense, layer.intermediate.dense, layer.output.dense):
+            assert isinstance(module, OnServer)
+
+
+def test_noise_hides_what_the_server_receives_and_its_effect_is_subtracted_exactly(live):
+    base = BaseClient(live["url"], live["token"])
+    noise = Noise(base, scale=3.0)
+    x = torch.randn(5, 32)
+    sent, effect = noise.hide(2, "ffn_in", x)
+    assert (sent - x).abs().mean() > 1.0  # what the server sees is far from x
+    got = base.linear(2, "ffn_in", "forward", sent) - effect
+    w, b = FrozenLinears(live["server"].root.bert, 2).weights[2, "ffn_in"]
+    torch.testing.assert_close(got, x @ w.T + b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_executors_operations_are_the_frozen_layers_own(live):
+    base = BaseClient(live["url"], live["token"])
+    lin = FrozenLinears(live["server"].root.bert, 2)
+    x, g = torch.randn(3, 7, 32), torch.randn(3, 7, 96)
+    w, b = lin.weights[3, "qkv"]
+    torch.testing.assert_close(base.linear(3, "qkv", "forward", x), x @ w.T + b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(base.linear(3, "qkv", "nobias", x), x @ w.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(base.linear(3, "qkv", "backward", g), g @ w, atol=1e-5, rtol=1e-5)
+
+
+def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_rows(live):
+    executor = live["server"].executor
+    lin = executor.linears
+    xs = [torch.randn(n, 32) for n in (1, 4, 9, 2, 7, 3)]
+    out, start = [None] * len(xs), threading.Barrier(len(xs))
+    before = dict(executor.stats)
+
+    def call(i):
+        base = BaseClient(live["url"], live["token"])
+        start.wait()
+        out[i] = base.linear(2, "attn_out", "forward", xs[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    calls = executor.stats["calls"] - before["calls"]
+    batches = executor.stats["batches"] - before["batches"]
+    assert calls == len(xs) and batches < calls, (calls, batches)
+    for x, y in zip(xs, out):
+        torch.testing.assert_close(y, lin.run(2, "attn_out", "forward", x), atol=1e-5, rtol=1e-5)
+
+
+def post(url, path, body, token, ctype="application/octet-stream"):
+    req = urllib.request.Request(url + path, data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": ctype})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+BAD_CALLS = [  # (path, body, status, code)
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 31)), 422, "wrong_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.ones(4, 32, dtype=torch.int32)), 422, "wrong_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32))[:-3], 400, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", b"not a tensor at all", 400, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32), torch.randn(4, 32)), 400, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(0, 32)), 422, "wrong_tensor"),
+    ("/v1/base/layers/1/ffn_in/forward", encode(torch.randn(4, 32)), 404, "unknown_layer"),
+    ("/v1/base/layers/9/ffn_in/forward", encode(torch.randn(4, 32)), 404, "unknown_layer"),
+    ("/v1/base/layers/x/ffn_in/forward", encode(torch.randn(4, 32)), 404, "unknown_layer"),
+    ("/v1/base/layers/2/gate/forward", encode(torch.randn(4, 32)), 404, "unknown_projection"),
+    ("/v1/base/layers/2/ffn_in/sideways", encode(torch.randn(4, 32)), 404, "unknown_operation"),
+    ("/v1/base/layers/2/ffn_in/forward?priority=urgent", encode(torch.randn(4, 32)), 400, "invalid_priority"),
+    ("/v1/base/lower", encode(torch.tensor([[1, 2]]), torch.tensor([[1, 1, 1]], dtype=torch.uint8)), 422, "wrong_tensor"),
+    ("/v1/base/lower", encode(torch.tensor([[1, 40000]]), torch.tensor([[1, 1]], dtype=torch.uint8)), 422,
+     "wrong_tensor"),
+    ("/v1/base/lower", encode(torch.ones(1, 500, dtype=torch.int32), torch.ones(1, 500, dtype=torch.uint8)), 413,
+     "too_large"),
+    ("/v1/base/lower", encode(torch.randn(1, 2), torch.ones(1, 2, dtype=torch.uint8)), 422, "wrong_tensor"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, code", BAD_CALLS)
+def test_a_bad_call_at_the_executor_is_a_4xx_that_says_why_and_hurts_nobody(live, path, body, status, code):
+    import json
+
+    got, raw = post(live["url"], path, body, live["token"])
+    assert got == status and json.loads(raw)["error"]["code"] == code, raw
+    x = torch.randn(2, 32)
+    w, b = live["server"].executor.linears.weights[2, "ffn_in"]
+    torch.testing.assert_close(BaseClient(live["url"], live["token"]).linear(2, "ffn_in", "forward", x), x @ w.T + b,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_only_private_tenants_and_the_admin_may_call_the_executor(live):
+    body = encode(torch.randn(2, 32))
+    hosted_token = live["admin"].request("POST", "/v1/tenants", {"name": "hosted-x", "model": "encoder", "task": {
+        "labels": ["a", "b"]}, "training_data": {"train": [{"text": "x y", "label": "a"}]}, "epochs": 1})["token"]
+    assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", body, hosted_token)[0] == 403
+    assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", body, "nobody")[0] == 401
+    assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", body, ADMIN)[0] == 200
+    assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", body, live["token"], "application/json")[0] == 415
+    with pytest.raises(BaseExecutorError) as e:
+        BaseClient(live["url"], "nobody").linear(2, "ffn_in", "forward", torch.randn(1, 32))
+    assert e.value.status == 401
+
+
+def test_a_private_tenant_is_served_nowhere_but_listed_and_deleted_like_any(live):
+    admin, token = live["admin"], live["token"]
+    me = Client(live["url"], token)
+    assert me.tenant("priv")["residency"] == "client" and me.tenant("priv")["model"] == "private"
+    for call in (lambda: me.infer("priv", ["x"]), lambda: me.export_adapter("priv"),
+                 lambda: me.update_tenant("priv", training_data={"train": TRAIN})):
+        with pytest.raises(ApiError) as e:
+            call()
+        assert e.value.status == 409 and e.value.code == "private_tenant", e.value
+    extra = admin.request("POST", "/v1/tenants", {"name": "priv-2", "model": "private"})
+    assert extra["job"] is None
+    admin.delete_tenant("priv-2")
+    assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", encode(torch.randn(1, 32)), extra["token"])[0] == 401
