@@ -1,8 +1,8 @@
 """The ``hmi`` command line: argparse and printing only (nothing in the package imports it).
 
 A module per command group: ``data``, ``roots`` (calibrate, plot, prepare, demo, info),
-``serving`` (serve), ``tenants`` (infer, generate, tenant, jobs) and ``domains``; each builds its
-commands' arguments (``arguments(command, parser)``) and runs them.  ``main`` imports only the
+``serving`` (serve), ``tenants`` (infer, generate, tenant, jobs), ``domains`` and ``private``;
+each builds its commands' arguments (``arguments(command, parser)``) and runs them.  ``main`` imports only the
 group of the command it runs, so ``hmi --help`` and the client commands start in a fraction of a
 second, and the model side (torch, transformers, the PLOT) is loaded by the commands that use it.
 """
@@ -30,6 +30,7 @@ COMMANDS = {
     "tenant": ("tenants", "tenant hPLMs on a server"),
     "jobs": ("tenants", "list jobs, or cancel one"),
     "domain": ("domains", "the version tree of domains (in HMI_HOME, or on a server with --url)"),
+    "private": ("private", "a private tenant: its adapter here, the root's frozen layers on the server"),
     "info": ("roots", "home directory, root artifact and its quality figures"),
 }
 

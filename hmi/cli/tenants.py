@@ -102,6 +102,9 @@ def cmd_tenant_delete(args):
 @run_client
 def cmd_tenant_list(args):
     for t in client(args).tenants():
+        if t.get("model") == "private":
+            print(f"{t['name']:24s} {t['state']:10s} private (its adapter on its own side)")
+            continue
         acc = ((t.get("metrics") or {}).get("test") or {}).get("accuracy")
         print(f"{t['name']:24s} {t['state']:10s} {t['spec']['kind']:10s} {t['spec']['head']:14s} "
               f"labels={len(t['spec']['labels'])} test_acc={acc}")

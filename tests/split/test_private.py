@@ -195,7 +195,27 @@ def test_a_private_tenant_is_served_nowhere_but_listed_and_deleted_like_any(live
         with pytest.raises(ApiError) as e:
             call()
         assert e.value.status == 409 and e.value.code == "private_tenant", e.value
+    from hmi.cli import main
+
+    assert main(["tenant", "list", "--url", live["url"], "--token", ADMIN]) == 0  # listed among the hosted ones
     extra = admin.request("POST", "/v1/tenants", {"name": "priv-2", "model": "private"})
     assert extra["job"] is None
     admin.delete_tenant("priv-2")
     assert post(live["url"], "/v1/base/layers/2/ffn_in/forward", encode(torch.randn(1, 32)), extra["token"])[0] == 401
+
+
+def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
+    import json
+
+    from hmi.cli import main
+
+    archive = tmp_path / "bn.zip"
+    archive.write_bytes(live["admin"].export_adapter("bn"))
+    argv = ["private", "infer", str(archive), *TEXTS, "--url", live["url"], "--token", live["token"],
+            "--root", str(live["root_dir"]), "--l-low", "2"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert_same_answers(live["admin"].infer("bn", TEXTS), out["outputs"])
+    assert out["round_trips"] == 1 + 4 * 2 + 4 * 2  # noise on by default: each projection's effect asked once
+    with pytest.raises(SystemExit, match="no adapter archive"):
+        main([*argv[:2], str(tmp_path / "missing.zip"), "x", "--token", "t"])
