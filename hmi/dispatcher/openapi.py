@@ -124,7 +124,7 @@ def openapi_document(app, models: dict) -> dict:
         if (method, path) in ZIP_RESPONSE:
             responses["200"] = {"description": "the adapter's folder as a zip", "content": {"application/zip": {
                 "schema": BINARY}}}
-        if (method, path) in ZIP_BODY:
+        if (method, path) in ZIP_BODY or (method, path) == ("POST", "/v1/tenants"):
             responses["201"] = {"description": "a new tenant: its token, shown once"}
         if not public:
             op["security"] = [{"bearer": []}]

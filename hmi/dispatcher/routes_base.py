@@ -40,9 +40,9 @@ async def _tensors(request: web.Request, count: int) -> list[torch.Tensor]:
     try:
         tensors = decode(await request.read(), limit=count)
     except WireError as exc:
-        raise ApiError(400, "malformed_tensor", str(exc)) from None
+        raise ApiError(422, "malformed_tensor", str(exc)) from None
     if len(tensors) != count:
-        raise ApiError(400, "malformed_tensor", f"the body holds {len(tensors)} tensor(s); this route takes {count}")
+        raise ApiError(422, "malformed_tensor", f"the body holds {len(tensors)} tensor(s); this route takes {count}")
     return tensors
 
 

@@ -142,9 +142,9 @@ def post(url, path, body, token, ctype="application/octet-stream"):
 BAD_CALLS = [  # (path, body, status, code)
     ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 31)), 422, "wrong_tensor"),
     ("/v1/base/layers/2/ffn_in/forward", encode(torch.ones(4, 32, dtype=torch.int32)), 422, "wrong_tensor"),
-    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32))[:-3], 400, "malformed_tensor"),
-    ("/v1/base/layers/2/ffn_in/forward", b"not a tensor at all", 400, "malformed_tensor"),
-    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32), torch.randn(4, 32)), 400, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32))[:-3], 422, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", b"not a tensor at all", 422, "malformed_tensor"),
+    ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(4, 32), torch.randn(4, 32)), 422, "malformed_tensor"),
     ("/v1/base/layers/2/ffn_in/forward", encode(torch.randn(0, 32)), 422, "wrong_tensor"),
     ("/v1/base/layers/1/ffn_in/forward", encode(torch.randn(4, 32)), 404, "unknown_layer"),
     ("/v1/base/layers/9/ffn_in/forward", encode(torch.randn(4, 32)), 404, "unknown_layer"),
