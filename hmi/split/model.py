@@ -92,13 +92,32 @@ class Noise:
         return x + n[k], effects[k]
 
 
+class RemoteProjection(torch.autograd.Function):
+    """A frozen projection on the server, differentiable: forward ``x W^T + b`` (through
+    ``RemoteSites._call``, noise included), backward ``grad_y W`` (the executor's ``backward``, at
+    training priority).  The projection has no weight gradient: it is frozen.  The gradients sent
+    back are not hidden by the noise.  Shapes: x (..., D_in) -> (..., D_out)."""
+
+    @staticmethod
+    def forward(ctx, x, sites, layer, projection):
+        ctx.sites, ctx.layer, ctx.projection = sites, layer, projection
+        return sites._plain(layer, projection, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.sites
+        return s.base.linear(ctx.layer, ctx.projection, "backward", grad, training=True), None, None, None
+
+
 class RemoteSites(GroupSites):
     """The adapter sites of a private tenant: the adapter here (``GroupSites``), the frozen
-    projections on the server (q, k and v in one call), hidden by ``noise`` when given."""
+    projections on the server (q, k and v in one call), hidden by ``noise`` when given; with
+    ``grad``, differentiable through the server (``RemoteProjection``)."""
 
-    def __init__(self, groups: list[Group], base: BaseClient, l_low: int, noise: Noise | None = None):
+    def __init__(self, groups: list[Group], base: BaseClient, l_low: int, noise: Noise | None = None,
+                 grad: bool = False):
         super().__init__(groups)
-        self.base, self.l_low, self.noise = base, l_low, noise
+        self.base, self.l_low, self.noise, self.grad = base, l_low, noise, grad
 
     def frozen(self, li: int, sites: tuple[str, ...], x: torch.Tensor, linears) -> list[torch.Tensor]:
         layer = self.l_low + li
@@ -107,10 +126,15 @@ class RemoteSites(GroupSites):
         return [self._call(layer, SITE_PROJECTION[site], x) for site in sites]
 
     def _call(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
+        if self.grad and torch.is_grad_enabled():
+            return RemoteProjection.apply(x, self, layer, projection)
+        return self._plain(layer, projection, x)
+
+    def _plain(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
         if self.noise is None:
-            return self.base.linear(layer, projection, "forward", x)
+            return self.base.linear(layer, projection, "forward", x, training=self.grad)
         hidden, effect = self.noise.hide(layer, projection, x)
-        return self.base.linear(layer, projection, "forward", hidden) - effect
+        return self.base.linear(layer, projection, "forward", hidden, training=self.grad) - effect
 
 
 class PrivateModel:
@@ -134,21 +158,33 @@ class PrivateModel:
         with zipfile.ZipFile(io.BytesIO(archive)) as zf:
             return {Path(n).name: zf.read(n) for n in zf.namelist() if not n.endswith("/")}
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The adapter's and head's tensors (the pool's one slot), made trainable."""
+        params = [t for layer in self.pool.layers for t in layer.values()]
+        if self.pool.max_labels:
+            params += [self.pool.head_w, self.pool.head_b]
+        return [p.requires_grad_(True) for p in params]
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        """The head's logits for the upper layers' input ``hidden`` (``BaseClient.lower``); with
+        ``grad``, differentiable in ``parameters()`` through the server's projections.
+        Shapes: hidden (B, T, H); mask (B, T) -> (B, T, C_max)."""
+        b = hidden.shape[0]
+        group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
+        sites = RemoteSites([group], self.base, self.l_low, self.noise, grad=grad)
+        out = encoder_layers.upper_forward(self.layers, hidden, mask, sites, relative_bias=self.relative_bias)
+        tagging = torch.full((b,), self.spec.head == "tagging")
+        mean = torch.full((b,), self.spec.pooling == "mean")
+        return batched_heads(out, [group], tagging, mask, mean)
+
     def logits(self, texts: list[str], truncate: bool = False):
         """(logits (B, T, C_max), the batch's encoding, its token ids) of texts read as the hosted
         route reads them (``fit_ids``: refused past ``max_len`` unless ``truncate``)."""
         enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True)
         ids_list = [fit_ids(ids, self.max_len, truncate)[0] for ids in enc["input_ids"]]
         ids, mask = (torch.from_numpy(a) for a in as_numpy_ids(ids_list))
-        hidden = self.base.lower(ids, mask)
-        b = len(texts)
-        group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
-        sites = RemoteSites([group], self.base, self.l_low, self.noise)
         with torch.no_grad():
-            out = encoder_layers.upper_forward(self.layers, hidden, mask, sites, relative_bias=self.relative_bias)
-            tagging = torch.full((b,), self.spec.head == "tagging")
-            mean = torch.full((b,), self.spec.pooling == "mean")
-            return batched_heads(out, [group], tagging, mask, mean), enc, ids_list
+            return self.forward(self.base.lower(ids, mask), mask), enc, ids_list
 
     def infer(self, texts: list[str], truncate: bool = False) -> list[dict]:
         """The answers of ``POST /v1/tenants/{t}/infer`` for ``texts``."""

@@ -219,3 +219,36 @@ def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
     assert out["round_trips"] == 1 + 4 * 2 + 4 * 2  # noise on by default: each projection's effect asked once
     with pytest.raises(SystemExit, match="no adapter archive"):
         main([*argv[:2], str(tmp_path / "missing.zip"), "x", "--token", "t"])
+
+
+@pytest.mark.parametrize("tenant", ["bn", "lora", "ia3", "tagger"])
+def test_gradients_through_the_servers_projections_equal_those_of_the_layers_run_here(live, tenant):
+    from hmi.adapters.batched import Group, GroupSites, batched_heads, segment_plan
+    from hmi.model import encoder_layers
+
+    model = private_model(live, tenant, noise=True)
+    params = model.parameters()
+    enc = model.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    mask = enc["attention_mask"]
+    hidden = model.base.lower(enc["input_ids"], mask)
+
+    def loss_of(logits):
+        return (logits.logsumexp(-1) - logits[..., 0]).mean()
+
+    loss_of(model.forward(hidden, mask, grad=True)).backward()
+    through_server = [p.grad.clone() for p in params]
+    calls = dict(model.base.stats)
+    for p in params:
+        p.grad = None
+    # The same adapter on the root's own upper layers, run here: the reference.
+    b = len(TEXTS)
+    group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), model.pool, True, segment_plan([0] * b))
+    out = encoder_layers.upper_forward(live["server"].root.bert.encoder.layer[2:], hidden, mask, GroupSites([group]))
+    tagging, mean = torch.full((b,), model.spec.head == "tagging"), torch.full((b,), model.spec.pooling == "mean")
+    loss_of(batched_heads(out, [group], tagging, mask, mean)).backward()
+    for got, want in zip(through_server, [p.grad for p in params]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    assert any(float(g.abs().sum()) > 0 for g in through_server)
+    # the lookup; per layer and projection its noise's effect and forward, and a backward where a
+    # gradient must pass (none into the lookup's output, none below the adapter's first site)
+    assert 1 + 2 * 4 * 2 < calls["round_trips"] < 1 + 3 * 4 * 2
