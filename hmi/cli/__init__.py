@@ -2,9 +2,10 @@
 
 A module per command group: ``data``, ``roots`` (calibrate, plot, prepare, demo, info),
 ``serving`` (serve), ``tenants`` (infer, generate, tenant, jobs), ``domains`` and ``private``;
-each builds its commands' arguments (``arguments(command, parser)``) and runs them.  ``main`` imports only the
-group of the command it runs, so ``hmi --help`` and the client commands start in a fraction of a
-second, and the model side (torch, transformers, the PLOT) is loaded by the commands that use it.
+each builds its commands' arguments (``arguments(command, parser)``) and runs them.  ``main``
+imports only the group of the command it runs, so ``hmi --help`` and the client commands start in
+a fraction of a second, and the model side (torch, transformers, the PLOT) is loaded by the
+commands that use it.
 """
 
 from __future__ import annotations
