@@ -111,13 +111,15 @@ class RemoteProjection(torch.autograd.Function):
 
 class RemoteSites(GroupSites):
     """The adapter sites of a private tenant: the adapter here (``GroupSites``), the frozen
-    projections on the server (q, k and v in one call), hidden by ``noise`` when given; with
-    ``grad``, differentiable through the server (``RemoteProjection``)."""
+    projections on the server (q, k and v in one call) for the real tokens' rows only (``mask``;
+    a padding row's projection is never read, so it is left at zero), hidden by ``noise`` when
+    given; with ``grad``, differentiable through the server (``RemoteProjection``)."""
 
-    def __init__(self, groups: list[Group], base: BaseClient, l_low: int, noise: Noise | None = None,
-                 grad: bool = False):
+    def __init__(self, groups: list[Group], base: BaseClient, l_low: int, mask: torch.Tensor,
+                 noise: Noise | None = None, grad: bool = False):
         super().__init__(groups)
         self.base, self.l_low, self.noise, self.grad = base, l_low, noise, grad
+        self.real = mask.bool()
 
     def frozen(self, li: int, sites: tuple[str, ...], x: torch.Tensor, linears) -> list[torch.Tensor]:
         layer = self.l_low + li
@@ -126,9 +128,15 @@ class RemoteSites(GroupSites):
         return [self._call(layer, SITE_PROJECTION[site], x) for site in sites]
 
     def _call(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
+        """Shapes: x (B, T, D_in) -> (B, T, D_out), zero at padding."""
+        rows = x[self.real]
         if self.grad and torch.is_grad_enabled():
-            return RemoteProjection.apply(x, self, layer, projection)
-        return self._plain(layer, projection, x)
+            y = RemoteProjection.apply(rows, self, layer, projection)
+        else:
+            y = self._plain(layer, projection, rows)
+        out = y.new_zeros(*x.shape[:-1], y.shape[-1])
+        out[self.real] = y
+        return out
 
     def _plain(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor:
         if self.noise is None:
@@ -171,7 +179,7 @@ class PrivateModel:
         Shapes: hidden (B, T, H); mask (B, T) -> (B, T, C_max)."""
         b = hidden.shape[0]
         group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
-        sites = RemoteSites([group], self.base, self.l_low, self.noise, grad=grad)
+        sites = RemoteSites([group], self.base, self.l_low, mask, self.noise, grad=grad)
         out = encoder_layers.upper_forward(self.layers, hidden, mask, sites, relative_bias=self.relative_bias)
         tagging = torch.full((b,), self.spec.head == "tagging")
         mean = torch.full((b,), self.spec.pooling == "mean")

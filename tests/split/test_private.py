@@ -232,8 +232,8 @@ def test_gradients_through_the_servers_projections_equal_those_of_the_layers_run
     mask = enc["attention_mask"]
     hidden = model.base.lower(enc["input_ids"], mask)
 
-    def loss_of(logits):
-        return (logits.logsumexp(-1) - logits[..., 0]).mean()
+    def loss_of(logits):  # over the real tokens, as training reads them (padding is never a target)
+        return ((logits.logsumexp(-1) - logits[..., 0]) * mask).sum() / mask.sum()
 
     loss_of(model.forward(hidden, mask, grad=True)).backward()
     through_server = [p.grad.clone() for p in params]
