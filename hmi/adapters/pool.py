@@ -194,6 +194,15 @@ class SlotPool:
             self.write_head(slot, weights)
         self.scales[slot] = self.scaling if scaling is None else scaling
 
+    def read(self, slot: int, num_labels: int) -> dict[str, torch.Tensor]:
+        """A slot's weights in the canonical layout (the inverse of ``write``), copied."""
+        out = {f"layers.{li}.{self._site}.{name}": to_pool_layout(self.kind, name, t[slot]).detach().clone()
+               for li, layer in enumerate(self.layers) for name, t in layer.items()}
+        if self.max_labels:
+            out["head.w"] = self.head_w[slot, :, :num_labels].detach().clone()
+            out["head.b"] = self.head_b[slot, :num_labels].detach().clone()
+        return out
+
     @property
     def _site(self) -> str:
         return {"bottleneck": "bn", "lora": "lora", "ia3": "ia3"}[self.kind]

@@ -7,44 +7,87 @@ import os
 import sys
 from pathlib import Path
 
+from hmi.adapters.portable import RootShape, write_encoder
+from hmi.archive import zip_files
 from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options, show
+from hmi.client import load_rows
 from hmi.model.catalog import root_spec
 from hmi.split.client import BaseClient, BaseExecutorError
 from hmi.split.model import Noise, PrivateModel
+from hmi.split.train import finetune_private
+from hmi.training.finetune import FinetuneConfig
 
 
-def cmd_private_infer(args) -> int:
+def _model(args, verb: str) -> PrivateModel:
+    """The private tenant's model from the command's adapter archive, root and noise."""
     quiet_transformers()
     token = args.token or os.environ.get("HMI_TOKEN")
     if not token:
-        raise SystemExit("hmi private infer: give the private tenant's --token (or HMI_TOKEN)")
+        raise SystemExit(f"hmi private {verb}: give the private tenant's --token (or HMI_TOKEN)")
     path = Path(args.adapter)
     if not path.exists():
-        raise SystemExit(f"hmi private infer: no adapter archive {path}")
+        raise SystemExit(f"hmi private {verb}: no adapter archive {path}")
     spec = root_spec(args.root, args.l_low)
     base = BaseClient(args.url, token)
+    return PrivateModel(base, spec.model_dir, spec.l_low, PrivateModel.files_of(path.read_bytes()),
+                        noise=Noise(base, scale=args.noise) if args.noise > 0 else None, max_len=args.max_len)
+
+
+def cmd_private_infer(args) -> int:
     try:
-        model = PrivateModel(base, spec.model_dir, spec.l_low, PrivateModel.files_of(path.read_bytes()),
-                             noise=Noise(base, scale=args.noise) if args.noise > 0 else None, max_len=args.max_len)
-        show({"outputs": model.infer(args.texts, truncate=args.truncate), **base.stats})
+        model = _model(args, "infer")
+        show({"outputs": model.infer(args.texts, truncate=args.truncate), **model.base.stats})
     except (BaseExecutorError, ConnectionError) as exc:
         print(f"hmi: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+def cmd_private_train(args) -> int:
+    """Trains the archive's adapter further here and writes the result as an archive of the same
+    format (loadable by the adapters library, uploadable as a hosted tenant)."""
+    try:
+        model = _model(args, "train")
+        cfg = FinetuneConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
+        weights, metrics = finetune_private(model, load_rows(args.train), load_rows(args.dev) if args.dev else [],
+                                            cfg, progress=True)
+    except (BaseExecutorError, ConnectionError) as exc:
+        print(f"hmi: {exc}", file=sys.stderr)
+        return 1
+    c = model.config
+    shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, model.l_low, c.hidden_size)
+    out = Path(args.out)
+    out.write_bytes(zip_files(write_encoder(model.spec, weights, shape, out.stem), out.stem))
+    show({"wrote": str(out), "dev": metrics["dev"], "epochs_run": metrics["epochs_run"],
+          "round_trips": metrics["round_trips"], "seconds": metrics["seconds"]})
+    return 0
+
+
+def _common(p) -> None:
+    p.add_argument("adapter", help="the adapter's folder as a zip (what `hmi tenant export` writes)")
+    p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
+    p.add_argument("--token", default=None, help="the private tenant's token (default: HMI_TOKEN)")
+    p.add_argument("--noise", type=float, default=1.0,
+                   help="standard deviation of the noise that hides what the server sees (0: none; default 1)")
+    p.add_argument("--max-len", type=int, default=128, help="the server's token limit (default 128)")
+    add_root_options(p)
+
+
 def arguments(command: str, parser) -> None:
     sub = parser.add_subparsers(dest="private_cmd", required=True)
     inf = sub.add_parser("infer", help="run a private tenant's adapter here on texts, the root's frozen layers on the "
                                        "server")
-    inf.add_argument("adapter", help="the adapter's folder as a zip (what `hmi tenant export` writes)")
+    _common(inf)
     inf.add_argument("texts", nargs="+")
-    inf.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
-    inf.add_argument("--token", default=None, help="the private tenant's token (default: HMI_TOKEN)")
-    inf.add_argument("--noise", type=float, default=1.0,
-                     help="standard deviation of the noise that hides what the server sees (0: none; default 1)")
-    inf.add_argument("--max-len", type=int, default=128, help="the server's token limit (default 128)")
     inf.add_argument("--truncate", action="store_true", help="cut texts over the limit instead of refusing them")
-    add_root_options(inf)
     inf.set_defaults(func=cmd_private_infer)
+    tr = sub.add_parser("train", help="train a private tenant's adapter further here (AdamW), the frozen layers' "
+                                      "forward and backward on the server")
+    _common(tr)
+    tr.add_argument("--train", required=True, help="JSON Lines of {text,label} or {tokens,tags}")
+    tr.add_argument("--dev", help="JSON Lines for early stopping")
+    tr.add_argument("--epochs", type=int, default=4)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("-o", "--out", required=True, help="the trained adapter's archive (same format)")
+    tr.set_defaults(func=cmd_private_train)

@@ -60,9 +60,10 @@ async def lower(request: web.Request) -> web.Response:
     if mask.shape != ids.shape or mask.dtype not in (torch.uint8, torch.int32, torch.int64):
         raise ApiError(422, "wrong_tensor", f"the mask must be an integer tensor of the ids' shape {list(ids.shape)}")
     b, t = ids.shape
-    if not (0 < b <= s.cfg.max_inputs and 0 < t <= s.cfg.max_len):
-        raise ApiError(413, "too_large", f"{b} x {t} token ids; this server takes up to {s.cfg.max_inputs} x "
-                       f"{s.cfg.max_len}")
+    rows = s.cfg.max_inputs * s.cfg.max_len
+    if not (0 < t <= s.cfg.max_len and 0 < b * t <= rows):
+        raise ApiError(413, "too_large", f"{b} x {t} token ids; this server takes texts of up to {s.cfg.max_len} "
+                       f"tokens, {rows} tokens in all")
     vocab = s.root.bert.config.vocab_size
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise ApiError(422, "wrong_tensor", f"token ids must lie in [0, {vocab})")

@@ -152,6 +152,7 @@ class PrivateModel:
                  noise: Noise | None = None, max_len: int = 128):
         self.base, self.l_low, self.noise, self.max_len = base, l_low, noise, max_len
         self.layers, config = upper_layers(model_dir, l_low)
+        self.config = config
         self.tokenizer = load_tokenizer(str(model_dir))
         self.relative_bias = load_relative_bias(Path(model_dir), config)
         shape = RootShape(config.model_type, config.hidden_size, config.num_hidden_layers, l_low, config.hidden_size)
@@ -165,6 +166,14 @@ class PrivateModel:
         """The files of a zipped adapter folder (what ``GET /v1/tenants/{t}/adapter`` answers)."""
         with zipfile.ZipFile(io.BytesIO(archive)) as zf:
             return {Path(n).name: zf.read(n) for n in zf.namelist() if not n.endswith("/")}
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The adapter's and head's weights in the canonical layout (what an export holds)."""
+        return self.pool.read(0, self.spec.num_labels)
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.pool.write(0, weights)
 
     def parameters(self) -> list[torch.Tensor]:
         """The adapter's and head's tensors (the pool's one slot), made trainable."""
