@@ -70,16 +70,21 @@ class Auth:
 
     # -- requests --------------------------------------------------------------------------------
     async def caller(self, request) -> str:
-        """``admin`` or the name of the tenant whose token the request bears; 401 otherwise.  The
-        record that confirms a tenant's token is awaited, so a registry kept by another process
-        (a Ray actor's round trip) does not hold up the event loop."""
+        """``admin`` or the name of the tenant whose token the request bears; 401 otherwise."""
+        return (await self.identify(request))[0]
+
+    async def identify(self, request) -> tuple[str, dict | None]:
+        """(``caller``, the tenant's record that confirmed its token; None for the admin).  The
+        record is awaited, so a registry kept by another process (a Ray actor's round trip) does
+        not hold up the event loop."""
         digest = self._digest(request)
         if digest is None:
-            return "admin"
+            return "admin", None
         name = self._owner(digest)
-        if name is None or not self._owns(await self.registry.aget("tenants", name), digest):
+        rec = None if name is None else await self.registry.aget("tenants", name)
+        if not self._owns(rec, digest):
             raise ApiError(401, "unauthorized", "the token is not valid")
-        return name
+        return name, rec
 
     async def require_admin(self, request) -> None:
         if await self.caller(request) != "admin":
