@@ -132,9 +132,9 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
     independent Gaussian noise (std 0.02) each, seeded."""
     import torch
 
-    from hmi.training.finetune import TenantTrainer
+    from hmi.training.finetune import initial_weights
 
-    base = TenantTrainer(bert, l_low, spec, seed=trainer_seed).weights()
+    base = initial_weights(bert.config, l_low, spec, trainer_seed)
     g = torch.Generator().manual_seed(seed)
     return [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(n)]
 

@@ -148,8 +148,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
                              truncate=job.get("truncate", True))
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir), spec,
-            train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set,
-            private_copy=False)
+            train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
                       version=job["id"], publish=False)
         return metrics

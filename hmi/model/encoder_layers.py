@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hmi.model.root import attention_mask
@@ -52,11 +53,12 @@ class Sites:
 
 
 def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tensor, sites: Sites,
-                  before_layer=None, relative_bias=None) -> torch.Tensor:
+                  before_layer=None, relative_bias=None, train: bool = False) -> torch.Tensor:
     """The upper layers, each with ``sites`` filled in.
 
     Exactly the eager BertLayer (attention, dense, residual + LayerNorm, FFN, residual +
-    LayerNorm) when the sites add nothing.  ``before_layer(i)``, when given, is called before
+    LayerNorm) when the sites add nothing; with ``train``, its dropouts too, drawn in the
+    library's order (the layers' own modules are left in whatever mode they are).  ``before_layer(i)``, when given, is called before
     layer i runs (the scheduler waits there for that layer's adapter weights to be resident);
     ``relative_bias``: an MPNet root's (``hmi.model.root.attention_mask``).
     Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H).
@@ -65,12 +67,15 @@ def upper_forward(layers: nn.ModuleList, hidden: torch.Tensor, mask: torch.Tenso
     for li, layer in enumerate(layers):
         if before_layer is not None:
             before_layer(li)
-        hidden = layer_forward(li, layer, hidden, ext, sites)
+        hidden = layer_forward(li, layer, hidden, ext, sites, train)
     return hidden
 
 
-def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor, sites: Sites) -> torch.Tensor:
-    """One upper layer (index ``li``) with its adapter sites.
+def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor, sites: Sites,
+                  train: bool = False) -> torch.Tensor:
+    """One upper layer (index ``li``) with its adapter sites; ``train``: with the layer's dropouts
+    (attention probabilities, attention output, FFN output; the adapters see the dropped values,
+    as in the library).
 
     Shapes: x (B, T, H); ext (B, 1, 1, T) or (B, heads, T, T) additive mask -> (B, T, H).
     """
@@ -83,10 +88,12 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
     kh = k.view(B, T, nh, hd).transpose(1, 2)
     vh = v.view(B, T, nh, hd).transpose(1, 2)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
-    ctx = torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2).reshape(B, T, H)
+    probs = F.dropout(torch.softmax(scores, dim=-1), att.dropout.p, train)
+    ctx = torch.matmul(probs, vh).transpose(1, 2).reshape(B, T, H)
     (h,) = sites.projections(li, ("attn_out",), ctx, (layer.attention.output.dense,))
+    h = F.dropout(h, layer.attention.output.dropout.p, train)
     y = sites.attention_output(li, layer.attention.output.LayerNorm, h, x)
     (inter,) = sites.projections(li, ("ffn_in",), y, (layer.intermediate.dense,))
     inter = layer.intermediate.intermediate_act_fn(sites.scaled(li, "ffn", inter))
     (out,) = sites.projections(li, ("ffn_out",), inter, (layer.output.dense,))
-    return layer.output.LayerNorm(out + y)
+    return layer.output.LayerNorm(F.dropout(out, layer.output.dropout.p, train) + y)

@@ -4,9 +4,9 @@ upper layers (LayerNorms, activations, attention's softmax, an MPNet root's rela
 bias) and the tokenizer; every frozen linear projection, and the lower layers' PLOT lookup, run
 on the server's base executor (``BaseClient``).
 
-The upper layers are ``hmi.model.encoder_layers``' own, the adapter's arithmetic is the hosted
-batched kernels' (``GroupSites`` with a pool of one slot): a private tenant computes what the same
-adapter served as a hosted tenant computes.
+The model is a hosted fine-tune's (``hmi.adapters.tenant_model``: ``hmi.model.encoder_layers``
+with the hosted batched kernels' sites over a pool of one slot) with the frozen projections moved
+to the server: a private tenant computes, and trains, as the same adapter hosted does.
 
 With ``Noise``, what the server sees of each projection's input is hidden by additive noise whose
 effect it computed once (Symbiosis, section 3.8): the client sends ``x + n``, receives
@@ -25,11 +25,10 @@ from torch import nn
 from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertLayer
 
-from hmi.adapters.batched import Group, GroupSites, batched_heads, segment_plan
+from hmi.adapters.batched import Group, GroupSites
 from hmi.adapters.heads import decode, word_starts
-from hmi.adapters.pool import SlotPool
 from hmi.adapters.portable import RootShape, read_encoder
-from hmi.model import encoder_layers
+from hmi.adapters.tenant_model import TenantModel
 from hmi.model.convert import load_relative_bias
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.root import load_tokenizer
@@ -145,21 +144,20 @@ class RemoteSites(GroupSites):
         return self.base.linear(layer, projection, "forward", hidden, training=self.grad) - effect
 
 
-class PrivateModel:
-    """A private tenant's hPLM: ``infer(texts)`` answers as the hosted route does."""
+class PrivateModel(TenantModel):
+    """A private tenant's hPLM: ``infer(texts)`` answers as the hosted route does; trained by the
+    hosted fine-tune's loop (``hmi.split.train``)."""
 
     def __init__(self, base: BaseClient, model_dir: str | Path, l_low: int, adapter_files: dict[str, bytes],
                  noise: Noise | None = None, max_len: int = 128):
         self.base, self.l_low, self.noise, self.max_len = base, l_low, noise, max_len
-        self.layers, config = upper_layers(model_dir, l_low)
+        layers, config = upper_layers(model_dir, l_low)
         self.config = config
         self.tokenizer = load_tokenizer(str(model_dir))
-        self.relative_bias = load_relative_bias(Path(model_dir), config)
         shape = RootShape(config.model_type, config.hidden_size, config.num_hidden_layers, l_low, config.hidden_size)
-        self.spec, weights = read_encoder(adapter_files, shape)
-        self.pool = SlotPool(self.spec.signature(config.hidden_size), 1, len(self.layers), config.hidden_size,
-                             config.intermediate_size, max(2, self.spec.num_labels), scaling=self.spec.scaling)
-        self.pool.write(0, weights)
+        spec, weights = read_encoder(adapter_files, shape)
+        super().__init__(layers, spec, weights, config.hidden_size, config.intermediate_size,
+                         load_relative_bias(Path(model_dir), config))
 
     @staticmethod
     def files_of(archive: bytes) -> dict[str, bytes]:
@@ -167,34 +165,11 @@ class PrivateModel:
         with zipfile.ZipFile(io.BytesIO(archive)) as zf:
             return {Path(n).name: zf.read(n) for n in zf.namelist() if not n.endswith("/")}
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The adapter's and head's weights in the canonical layout (what an export holds)."""
-        return self.pool.read(0, self.spec.num_labels)
+    def sites(self, group: Group, mask: torch.Tensor, train: bool) -> RemoteSites:
+        """The frozen projections on the server; differentiable through it when ``train``."""
+        return RemoteSites([group], self.base, self.l_low, mask, self.noise, grad=train)
 
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            self.pool.write(0, weights)
-
-    def parameters(self) -> list[torch.Tensor]:
-        """The adapter's and head's tensors (the pool's one slot), made trainable."""
-        params = [t for layer in self.pool.layers for t in layer.values()]
-        if self.pool.max_labels:
-            params += [self.pool.head_w, self.pool.head_b]
-        return [p.requires_grad_(True) for p in params]
-
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor, grad: bool = False) -> torch.Tensor:
-        """The head's logits for the upper layers' input ``hidden`` (``BaseClient.lower``); with
-        ``grad``, differentiable in ``parameters()`` through the server's projections.
-        Shapes: hidden (B, T, H); mask (B, T) -> (B, T, C_max)."""
-        b = hidden.shape[0]
-        group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
-        sites = RemoteSites([group], self.base, self.l_low, mask, self.noise, grad=grad)
-        out = encoder_layers.upper_forward(self.layers, hidden, mask, sites, relative_bias=self.relative_bias)
-        tagging = torch.full((b,), self.spec.head == "tagging")
-        mean = torch.full((b,), self.spec.pooling == "mean")
-        return batched_heads(out, [group], tagging, mask, mean)
-
-    def logits(self, texts: list[str], truncate: bool = False):
+    def text_logits(self, texts: list[str], truncate: bool = False):
         """(logits (B, T, C_max), the batch's encoding, its token ids) of texts read as the hosted
         route reads them (``fit_ids``: refused past ``max_len`` unless ``truncate``)."""
         enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True)
@@ -205,7 +180,7 @@ class PrivateModel:
 
     def infer(self, texts: list[str], truncate: bool = False) -> list[dict]:
         """The answers of ``POST /v1/tenants/{t}/infer`` for ``texts``."""
-        logits, enc, ids_list = self.logits(texts, truncate)
+        logits, enc, ids_list = self.text_logits(texts, truncate)
         out = []
         for i, text in enumerate(texts):
             starts = word_starts(enc, i, text) if self.spec.head == "tagging" else []

@@ -1,6 +1,8 @@
-"""Tenant fine-tune jobs: the ``adapters`` library trains an adapter and a head on the upper
-layers, fed with the merged PLOT representations of the tenant's domain chain (exactly what
-serving computes)."""
+"""Tenant fine-tunes: an adapter and a head trained on the root's upper layers as serving runs
+them (``hmi.adapters.tenant_model``), fed with the merged PLOT representations of the tenant's
+domain chain (exactly what serving computes).  The same loop (``fit``) trains a private tenant,
+whose frozen projections run on the server (``hmi.split.train``); the ``adapters`` library
+initializes new adapters and stays the reference the tests compare training with."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import BertModel
 
-from hmi.adapters.batched import pooled
-from hmi.adapters.interop import attach, from_library, library_model, to_library
+from hmi.adapters.interop import attach, from_library
 from hmi.adapters.spec import AdapterSpec, SpecError
+from hmi.adapters.tenant_model import HEAD_DROPOUT, TenantModel  # noqa: F401 (HEAD_DROPOUT: re-exported for training callers)
 from hmi.model.hplm import UpperLayers, as_numpy_ids
 from hmi.plot.lookup import PlotLookup
 from hmi.textlimit import TooLongError, fit_ids
@@ -131,80 +134,79 @@ def metrics_of(preds: np.ndarray, gold: np.ndarray, n_labels: int) -> dict:
     return {"accuracy": round(acc, 4), "macro_f1": round(float(np.mean(f1s)) if f1s else 0.0, 4), "n": int(len(gold))}
 
 
-class TenantTrainer:
-    """One tenant's adapter and head on a private library copy of the root's upper layers."""
+def initial_weights(config, l_low: int, spec: AdapterSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A new tenant's weights (canonical layout): the adapter as the ``adapters`` library
+    initializes it and the head as ``nn.Linear`` does, both drawn after ``torch.manual_seed(seed)``.
+    The library attaches to a throwaway model of the root's shapes whose weights are never
+    written nor read (allocated, not initialized: a few MB resident); the root is not touched."""
+    shape = copy.deepcopy(config)
+    shape.vocab_size = 8
+    with torch.device("meta"):
+        skeleton = BertModel(shape, add_pooling_layer=False)
+    skeleton = skeleton.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    attach(skeleton, NAME, spec, l_low, train=True)
+    weights = from_library(skeleton, NAME, spec, l_low)
+    head = nn.Linear(config.hidden_size, spec.num_labels)
+    weights["head.w"] = head.weight.detach().t().contiguous()
+    weights["head.b"] = head.bias.detach().clone()
+    return weights
 
-    def __init__(self, root_bert, l_low: int, spec: AdapterSpec, init: dict[str, torch.Tensor] | None = None,
-                 seed: int = 0, private_copy: bool = True):
-        torch.manual_seed(seed)
-        self.spec, self.l_low = spec, l_low
-        # A worker process attaches the adapter to its own module objects, whose weights stay in
-        # the server's shared memory (frozen, never written); elsewhere the root is copied first.
-        self.model = library_model(root_bert) if private_copy else root_bert
-        attach(self.model, NAME, spec, l_low, train=True)
-        self.upper = UpperLayers(self.model, l_low)
-        self.head = nn.Linear(root_bert.config.hidden_size, spec.num_labels)
-        self.dropout = nn.Dropout(0.1)
-        if init is not None:
-            self.load(init)
 
-    def load(self, weights: dict[str, torch.Tensor]) -> None:
-        to_library(self.model, NAME, self.spec, self.l_low, {k: v.float() for k, v in weights.items()})
-        with torch.no_grad():
-            self.head.weight.copy_(weights["head.w"].float().t())
-            self.head.bias.copy_(weights["head.b"].float())
+def tenant_model(root_bert, l_low: int, spec: AdapterSpec, init: dict[str, torch.Tensor] | None = None,
+                 seed: int = 0) -> TenantModel:
+    """A hosted tenant's trainable model on the root's own upper layers (shared, frozen, never
+    copied): ``init``'s weights, or new ones (``initial_weights``)."""
+    cfg = root_bert.config
+    weights = init if init is not None else initial_weights(cfg, l_low, spec, seed)
+    return TenantModel(UpperLayers(root_bert, l_low).layers, spec, weights, cfg.hidden_size, cfg.intermediate_size,
+                       getattr(root_bert, "relative_bias", None))
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        w = from_library(self.model, NAME, self.spec, self.l_low)
-        w["head.w"] = self.head.weight.detach().t().contiguous().clone()
-        w["head.b"] = self.head.bias.detach().clone()
-        return w
 
-    def parameters(self):
-        return [p for p in self.model.parameters() if p.requires_grad] + list(self.head.parameters())
-
-    def logits(self, x, mask, train: bool):
-        self.model.train(train)
-        out = self.upper(x, mask)
-        out = self.dropout(out) if train else out
-        if self.spec.head == "tagging":
-            return self.head(out)
-        return self.head(pooled(out, mask, self.spec.pooling == "mean"))
-
-    @torch.no_grad()
-    def evaluate(self, examples, feats, batch: int = 64) -> dict:
-        if not examples:
-            return {"accuracy": 0.0, "macro_f1": 0.0, "n": 0}
-        tagging = self.spec.head == "tagging"
-        preds, gold = [], []
-        for s in range(0, len(examples), batch):
-            idx = list(range(s, min(len(examples), s + batch)))
-            x, mask, y = collate(examples, feats, idx, tagging)
-            p = self.logits(x, mask, train=False).argmax(-1)
-            if tagging:
-                keep = y != IGNORE
-                preds.append(p[keep].numpy())
-                gold.append(y[keep].numpy())
-            else:
-                preds.append(p.numpy())
-                gold.append(y.numpy())
-        return metrics_of(np.concatenate(preds), np.concatenate(gold), self.spec.num_labels)
+@torch.no_grad()
+def evaluate(model: TenantModel, examples: list[Example], feats: list[torch.Tensor], batch: int = 64) -> dict:
+    """Accuracy and macro F1 of ``model`` on encoded examples with their lower-layer features."""
+    if not examples:
+        return {"accuracy": 0.0, "macro_f1": 0.0, "n": 0}
+    tagging, preds, gold = model.spec.head == "tagging", [], []
+    for s in range(0, len(examples), batch):
+        x, mask, y = collate(examples, feats, list(range(s, min(len(examples), s + batch))), tagging)
+        p = model.logits(x, mask).argmax(-1)
+        keep = y != IGNORE if tagging else torch.ones_like(y, dtype=torch.bool)
+        preds.append(p[keep].numpy())
+        gold.append(y[keep].numpy())
+    return metrics_of(np.concatenate(preds), np.concatenate(gold), model.spec.num_labels)
 
 
 def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: AdapterSpec, train: list[dict],
              dev: list[dict], test: list[dict] | None = None, cfg: FinetuneConfig | None = None,
              init: dict[str, torch.Tensor] | None = None, progress: bool = True,
              on_progress: Callable[[float, dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None,
-             private_copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    """Trains (or, with ``init``, continues training) a tenant's adapter and head.
+             should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Trains (or, with ``init``, continues training) a hosted tenant's adapter and head on the
+    root's upper layers (``fit``).  Returns canonical weights and a metrics record."""
+    cfg = cfg or FinetuneConfig()
+    model = tenant_model(root_bert, l_low, spec, init, cfg.seed)
+    weights, metrics = fit(model, lookup, tokenizer, train, dev, test, cfg, progress, on_progress, should_stop)
+    metrics["lookup_hits"] = dict(lookup.hits)
+    return weights, metrics
 
-    AdamW, seeded, early stopping on the dev metric (accuracy; the best epoch's weights are
-    kept).  Returns canonical weights and a metrics record.
-    """
+
+def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict], test: list[dict] | None = None,
+        cfg: FinetuneConfig | None = None, progress: bool = True,
+        on_progress: Callable[[float, dict], None] | None = None,
+        should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tenant fine-tune loop, hosted or private: ``lookup.merged(ids, mask)`` gives the lower
+    layers' output (computed once: the lower side is frozen), ``model`` runs the upper layers.
+
+    AdamW, seeded (``torch.manual_seed(cfg.seed)`` before the first step: the dropout masks are
+    the same wherever the frozen projections run), early stopping on the dev metric (accuracy;
+    the best epoch's weights are kept, and loaded into ``model``).  Returns canonical weights and
+    a metrics record."""
     cfg = cfg or FinetuneConfig()
     if not train:
         raise SpecError("no training examples")
+    spec = model.spec
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     t0 = time.time()
@@ -212,11 +214,11 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
     ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len, cfg.truncate) for name, rows in
           (("train", train), ("dev", dev), ("test", test))}
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
-    trainer = TenantTrainer(root_bert, l_low, spec, init, cfg.seed, private_copy=private_copy)
     tagging = spec.head == "tagging"
     rng = np.random.default_rng(cfg.seed)
+    torch.manual_seed(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
-    with Fit(trainer.parameters(), steps_per_epoch * cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    with Fit(model.parameters(), steps_per_epoch * cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay,
              desc="fine-tune", progress=progress, should_stop=should_stop, on_progress=on_progress,
              report_every=5) as fit:
 
@@ -225,22 +227,22 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
             for s in range(0, len(order), cfg.batch_size):
                 fit.check()
                 x, mask, y = collate(ex["train"], feats["train"], order[s:s + cfg.batch_size].tolist(), tagging)
-                logits = trainer.logits(x, mask, train=True)
+                logits = model.logits(x, mask, train=True)
                 loss = F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
                 fit.step(loss, {"epoch": epoch + 1}, epoch=epoch + 1)
-            dev_m = trainer.evaluate(ex["dev"], feats["dev"]) if ex["dev"] else None
+            dev_m = evaluate(model, ex["dev"], feats["dev"]) if ex["dev"] else None
             return {"epoch": epoch + 1, "loss": round(fit.last_loss, 4), "dev": dev_m}
 
         # Without a dev set the score is the last batch's loss.
         _, best_state, history = early_stopping(
             cfg.epochs, cfg.patience, run_epoch, lambda r: r["dev"]["accuracy"] if r["dev"] else -r["loss"],
-            lambda: copy.deepcopy(trainer.weights()))
-    trainer.load(best_state)
-    metrics = {"train": trainer.evaluate(ex["train"][:2000], feats["train"][:2000]),
-               "dev": trainer.evaluate(ex["dev"], feats["dev"]),
-               "test": trainer.evaluate(ex["test"], feats["test"]) if ex["test"] else None,
+            lambda: copy.deepcopy(model.weights()))
+    model.load(best_state)
+    metrics = {"train": evaluate(model, ex["train"][:2000], feats["train"][:2000]),
+               "dev": evaluate(model, ex["dev"], feats["dev"]),
+               "test": evaluate(model, ex["test"], feats["test"]) if ex["test"] else None,
                "epochs_run": len(history), "history": history, "seconds": round(time.time() - t0, 1),
-               "config": asdict(cfg), "lookup_hits": dict(lookup.hits)}
+               "config": asdict(cfg)}
     if on_progress is not None:
         on_progress(1.0, {"done": True})
     return best_state, metrics

@@ -9,7 +9,7 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.training.finetune import FinetuneConfig, TenantTrainer, encode, finetune
+from hmi.training.finetune import FinetuneConfig, encode, finetune, tenant_model
 from tests.conftest import tiny_bert
 from tests.training.test_calibrate import CharTokenizer
 
@@ -18,7 +18,7 @@ H, L_LOW = 32, 2
 
 def random_weights(spec, seed=0):
     bert = tiny_bert(hidden=H)
-    t = TenantTrainer(bert, L_LOW, spec, seed=seed)
+    t = tenant_model(bert, L_LOW, spec, seed=seed)
     with torch.no_grad():
         for p in t.parameters():
             p.add_(0.1 * torch.randn(p.shape))

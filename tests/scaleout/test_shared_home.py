@@ -17,7 +17,7 @@ from hmi.client import ApiError, Client
 from hmi.dispatcher.auth import hash_token, new_token
 from hmi.dispatcher.registry import Leases, Registry, owner_alive, process_owner
 from hmi.dispatcher.serve import run_in_thread
-from hmi.training.finetune import TenantTrainer
+from hmi.training.finetune import tenant_model
 from tests.dispatcher.test_server import ADMIN, tiny_server
 
 SPEC = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
@@ -25,7 +25,7 @@ TEXTS = ["a wonderful film", "a dull and boring story"]
 
 
 def weights(server, seed: int) -> dict:
-    w = TenantTrainer(server.root.bert, server.root.spec.l_low, SPEC, seed=seed).weights()
+    w = tenant_model(server.root.bert, server.root.spec.l_low, SPEC, seed=seed).weights()
     g = torch.Generator().manual_seed(seed)
     return {k: v + 0.3 * torch.randn(v.shape, generator=g) for k, v in w.items()}
 

@@ -13,7 +13,7 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
-from hmi.training.finetune import TenantTrainer
+from hmi.training.finetune import tenant_model
 from tests.conftest import tiny_bert
 
 H, L_LOW = 32, 2
@@ -45,7 +45,7 @@ def world(tmp_path_factory):
     entries = {}
     for i in range(12):
         spec = KINDS[i % len(KINDS)]
-        t = TenantTrainer(bert, L_LOW, spec, seed=i)
+        t = tenant_model(bert, L_LOW, spec, seed=i)
         with torch.no_grad():
             for p in t.parameters():
                 p.add_(0.2 * torch.randn(p.shape))
@@ -213,7 +213,7 @@ def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooli
     bert, tok, adapters, _, lookup = world
     spec = AdapterSpec("bottleneck", labels=("a", "b", "c"), pooling=pooling)
     name = f"pool-{pooling}"
-    trainer = TenantTrainer(bert, L_LOW, spec, seed=5)
+    trainer = tenant_model(bert, L_LOW, spec, seed=5)
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(0.2 * torch.randn(p.shape))
@@ -246,7 +246,7 @@ def test_served_scores_equal_the_fine_tune_model_on_an_mpnet_root(tmp_path, kind
     lookup = PlotLookup([PlotVersion("root", store, enc)], policy="compute+insert")
     adapters = AdapterStore(tmp_path / "tenants")
     spec = AdapterSpec(kind, labels=("a", "b", "c"), pooling="mean")
-    trainer = TenantTrainer(bert, L_LOW, spec, seed=5)
+    trainer = tenant_model(bert, L_LOW, spec, seed=5)
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(0.2 * torch.randn(p.shape))

@@ -223,8 +223,7 @@ def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
 
 @pytest.mark.parametrize("tenant", ["bn", "lora", "ia3", "tagger"])
 def test_gradients_through_the_servers_projections_equal_those_of_the_layers_run_here(live, tenant):
-    from hmi.adapters.batched import Group, GroupSites, batched_heads, segment_plan
-    from hmi.model import encoder_layers
+    from hmi.training.finetune import tenant_model
 
     model = private_model(live, tenant, noise=True)
     params = model.parameters()
@@ -235,18 +234,16 @@ def test_gradients_through_the_servers_projections_equal_those_of_the_layers_run
     def loss_of(logits):  # over the real tokens, as training reads them (padding is never a target)
         return ((logits.logsumexp(-1) - logits[..., 0]) * mask).sum() / mask.sum()
 
-    loss_of(model.forward(hidden, mask, grad=True)).backward()
+    torch.manual_seed(0)  # the same dropout masks (the head's) on both sides
+    loss_of(model.forward(hidden, mask, train=True)).backward()
     through_server = [p.grad.clone() for p in params]
     calls = dict(model.base.stats)
-    for p in params:
-        p.grad = None
     # The same adapter on the root's own upper layers, run here: the reference.
-    b = len(TEXTS)
-    group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), model.pool, True, segment_plan([0] * b))
-    out = encoder_layers.upper_forward(live["server"].root.bert.encoder.layer[2:], hidden, mask, GroupSites([group]))
-    tagging, mean = torch.full((b,), model.spec.head == "tagging"), torch.full((b,), model.spec.pooling == "mean")
-    loss_of(batched_heads(out, [group], tagging, mask, mean)).backward()
-    for got, want in zip(through_server, [p.grad for p in params]):
+    hosted = tenant_model(live["server"].root.bert, 2, model.spec, model.weights())
+    hosted_params = hosted.parameters()
+    torch.manual_seed(0)
+    loss_of(hosted.forward(hidden, mask, train=True)).backward()
+    for got, want in zip(through_server, [p.grad for p in hosted_params]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
     assert any(float(g.abs().sum()) > 0 for g in through_server)
     # the lookup; per layer and projection its noise's effect and forward, and a backward where a
@@ -274,6 +271,39 @@ def test_a_private_fine_tune_trains_its_adapter_and_served_hosted_it_answers_as_
     live["admin"].import_adapter("back-home", zip_files(write_encoder(model.spec, weights, shape, "back-home"),
                                                        "back-home"))
     assert_same_answers(live["admin"].infer("back-home", TEXTS), model.infer(TEXTS))
+
+
+@pytest.mark.parametrize("tenant", ["lora", "tagger"])
+def test_a_private_fine_tune_equals_the_hosted_fine_tune_step_for_step(live, tenant):
+    """The same data, seed and starting adapter, both sides' layers dropping at 0.1: the private
+    fine-tune (every frozen projection on the server, noise on) and the hosted one (run here) take
+    the same steps: the same losses epoch by epoch, the same weights at the end."""
+    import copy
+
+    from torch import nn
+
+    from hmi.split.train import finetune_private
+    from hmi.training.finetune import FinetuneConfig, fit, tenant_model
+
+    def dropping(modules):
+        for m in modules:
+            if isinstance(m, nn.Dropout):
+                m.p = 0.1
+
+    model = private_model(live, tenant, noise=True)
+    dropping(model.layers.modules())
+    start = model.weights()
+    bert = copy.deepcopy(live["server"].root.bert)
+    dropping(bert.modules())
+    hosted = tenant_model(bert, 2, model.spec, start)
+    rows = TAGS * 3 if tenant == "tagger" else TRAIN * 4
+    cfg = FinetuneConfig(epochs=3, batch_size=8, lr=3e-3, patience=3)
+    got, got_m = finetune_private(model, rows, rows[:8], cfg)
+    want, want_m = fit(hosted, live["server"].lookup, model.tokenizer, rows, rows[:8], None, cfg, progress=False)
+    assert [h["loss"] for h in got_m["history"]] == pytest.approx([h["loss"] for h in want_m["history"]], abs=1e-4)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=1e-3, msg=k)
+    assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3  # it did train
 
 
 def test_hmi_private_train_writes_an_archive_that_serves_hosted_as_it_trained(live, tmp_path, capsys):
