@@ -5,16 +5,24 @@ Usage: python benchmarks/bench_private.py [--quick] [--processes 4] [--texts 8]
 One server process (the prepared default root) serves N tenants at once, each a client thread
 sending requests of ``--texts`` real texts (cut to 64 tokens) one after another:
 - hosted: the tenant's adapter on the server, ``POST /v1/tenants/{t}/infer``;
-- private: the same adapter on the client (``hmi.split.PrivateModel``, noise on), the server's
-  base executor batching the frozen projections of every client;
+- private: the same adapter on the client (``hmi.split.PrivateModel``, the shipped noise on), the
+  server's base executor batching the frozen projections of every client;
 - private, unbatched: the same with the executor's cross-client batching off.
 The clients run in ``--processes`` processes of their own (one torch thread each); the server and
 every client share the machine's cores, so a private request's client work is paid on them too.
 Reported: requests/s, p50/p99 latency, round trips and bytes per request, at 1, 8 and 32 clients.
+
+Then the provider as an attacker (``hmi.split.attack``): a private LoRA tenant (rank 8 on every
+upper layer's FFN input, B drawn at random so that the update is of a trained one's size) answers
+held-out texts while the server records every call; three attackers fit the update of each upper
+layer by least squares (on a sample of its output units), against no noise, the paper's noise
+(effects computed by the server) and the shipped noise (effects computed by the client).  And
+what the shipped noise costs a request.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import statistics
 import time
@@ -35,7 +43,8 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results):
     from hmi.client import Client
     from hmi.model.root import default_spec
     from hmi.split.client import BaseClient
-    from hmi.split.model import Noise, PrivateModel
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise
 
     models = []
     for tenant, token, archive in jobs:
@@ -44,7 +53,8 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results):
         else:
             base = BaseClient(url, token)
             models.append((tenant, base, PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
-                                                      noise=Noise(base), max_len=64)))
+                                                      noise=ClientNoise(default_spec().model_dir),
+                                                      max_len=64)))
     out = []
 
     def run(tenant, conn, model):
@@ -59,7 +69,7 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results):
         stats = getattr(conn, "stats", {"round_trips": requests, "bytes_sent": 0, "bytes_received": 0})
         out.append((lat, dict(stats)))
 
-    if mode != "hosted":  # the noise's effects are asked once per client, before the clock starts
+    if mode != "hosted":  # the noise's effects are computed once per client, before the clock starts
         for tenant, _, model in models:
             model.infer(texts[:1], truncate=True)
             model.base.stats.update(round_trips=0, bytes_sent=0, bytes_received=0)
@@ -98,49 +108,188 @@ def measure(mode, url, tenants, texts, requests, processes):
     return n / wall, 1000 * statistics.median(lat), 1000 * lat[min(n - 1, int(0.99 * n))], trips, sent
 
 
-def main() -> None:
-    args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
-                                     ap.add_argument("--texts", type=int, default=8)))
+def _trainer_process(url, token, archive, rows, ready, stop, results):
+    """A private fine-tune (LoRA on every linear layer, the shipped noise) at low CPU priority, until
+    ``stop``; reports the steps it made."""
+    import os
+
+    import torch
+
+    os.nice(19)
+    torch.set_num_threads(1)
+    from hmi.model.root import default_spec
+    from hmi.split.client import BaseClient
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise
+    from hmi.split.train import finetune_private
+    from hmi.training.finetune import FinetuneConfig
+    from hmi.training.fit import Cancelled
+
+    base = BaseClient(url, token)
+    model = PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
+                         noise=ClientNoise(default_spec().model_dir), max_len=64)
+    cfg = FinetuneConfig(epochs=1000, batch_size=16, max_len=64, patience=1000)
+    total = -(-len(rows) // cfg.batch_size) * cfg.epochs
+    reports = []  # (time, steps done), every few steps
+
+    def on_progress(fraction, info):
+        reports.append((time.perf_counter(), round(fraction * total)))
+        if len(reports) == 1:
+            ready.put(1)
+
+    try:
+        finetune_private(model, rows, rows[:16], cfg, on_progress=on_progress, should_stop=stop.is_set)
+    except Cancelled:
+        pass
+    (t0, s0), (t1, s1) = reports[0], reports[-1]
+    results.put({"steps": s1 - s0, "steps_per_s": (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0})
+
+
+def beside_training(url, private, trainer, rows, texts, requests, processes) -> dict:
+    """Inference clients' latency alone, then beside a fine-tuning client (its calls at training
+    priority)."""
+    ctx = mp.get_context("spawn")
+    alone = measure("private", url, private, texts, requests, processes)
+    ready, stop, results = ctx.Queue(), ctx.Event(), ctx.Queue()
+    proc = ctx.Process(target=_trainer_process, args=(url, *trainer, rows, ready, stop, results))
+    proc.start()
+    ready.get(timeout=600)
+    beside = measure("private", url, private, texts, requests, processes)
+    stop.set()
+    trained = results.get(timeout=600)
+    proc.join()
+    return {"inference_alone_p50_ms": round(alone[1], 1), "inference_alone_p99_ms": round(alone[2], 1),
+            "inference_beside_training_p50_ms": round(beside[1], 1),
+            "inference_beside_training_p99_ms": round(beside[2], 1),
+            "inference_beside_training_over_alone_p50": round(beside[1] / alone[1], 3),
+            "training_steps_meanwhile": trained["steps"], "training_steps_per_s": round(trained["steps_per_s"], 2)}
+
+
+SCHEMES = ("none", "paper", "shipped")
+
+
+def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[list[tuple], dict]:
+    """Each attacker's extraction error against each noise scheme, over ``units`` sampled output
+    units of every upper layer (the largest over layers), and what the shipped noise costs."""
+    import torch
+
     from hmi.adapters.portable import RootShape, write_encoder
     from hmi.adapters.spec import AdapterSpec
     from hmi.archive import zip_files
-    from hmi.bootstrap import prepare_default
     from hmi.data import held_out_texts
-    from hmi.dispatcher.serve import build_server, run_in_thread
-    from hmi.dispatcher.server import ServerConfig
-    from hmi.home import hmi_home
+    from hmi.scheduler.base_executor import FrozenLinears
+    from hmi.split import attack
     from hmi.split.client import BaseClient
     from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise, ServerNoise
+    from hmi.training.finetune import initial_weights
 
-    requests = 3 if args.quick else 10
-    prepare_default(hmi_home())  # the default root and its root PLOT, when missing
-    server = build_server(ServerConfig(max_len=64, max_inputs=64))
-    root = server.root
-    url, stop = run_in_thread(server)
+    bert, l_low, c = root.bert, root.l_low, root.bert.config
+    spec = AdapterSpec(kind="lora", rank=8, alpha=8.0, targets=("ffn_in",), labels=("neg", "pos"))
+    weights = initial_weights(c, l_low, spec, seed)
+    gen = torch.Generator().manual_seed(seed)
+    frozen = FrozenLinears(bert, l_low).weights
+    layers = range(l_low, c.num_hidden_layers)
+    for li in range(len(layers)):
+        weights[f"layers.{li}.lora.ffn_in_B"] = 0.05 * torch.randn(weights[f"layers.{li}.lora.ffn_in_B"].shape,
+                                                                   generator=gen)
+    shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, l_low, c.hidden_size, root.spec.name)
+    files = PrivateModel.files_of(zip_files(write_encoder(spec, weights, shape, "bench-attack"), "bench-attack"))
+    token = server.tenants.create_private("bench-attack")
+    texts = held_out_texts(n_texts)
+    sample = torch.randperm(c.intermediate_size, generator=gen)[:units].sort().values
+    model_dir = root.spec.model_dir
+    rows, errors, ratio = [], {}, []
+    for scheme in SCHEMES:
+        base = BaseClient(url, token)
+        noise = {"none": None, "paper": ServerNoise(base), "shipped": ClientNoise(model_dir)}[scheme]
+        model = PrivateModel(base, model_dir, l_low, files, noise=noise, max_len=64)
+        recording = attack.Recording("bench-attack")
+        server.executor.observers.append(recording)
+        try:
+            for i in range(0, len(texts), 16):
+                model.infer(texts[i:i + 16], truncate=True)
+        finally:
+            server.executor.observers.remove(recording)
+        for li, layer in enumerate(layers):
+            w = frozen[layer, "ffn_in"][0]
+            norm = bert.encoder.layer[layer].attention.output.LayerNorm
+            true = attack.lora_update(weights, li, "ffn_in", spec.alpha / spec.rank)
+            ratio.append(float(true.norm() / w.norm()))
+            fits = {"naive": attack.naive(recording, layer, w, norm.weight, units=sample),
+                    "informed": attack.informed(recording, layer, w, norm.weight, norm.bias, units=sample),
+                    "subspace": attack.subspace(recording, layer, w, norm.weight, 16, units=sample)}
+            if scheme == "shipped":  # told the pools' values, so the exact subspaces the noise lies in
+                fits["subspace, told"] = attack.subspace(recording, layer, w, norm.weight, 16, units=sample,
+                                                         told=(noise.values[layer, "ffn_in"][0],
+                                                               noise.values[layer, "ffn_out"][0]))
+            for name, est in fits.items():
+                err = attack.extraction_error(est, true)
+                key = (scheme, name)
+                errors[key] = max(errors.get(key, 0.0), err)
+                covered = errors.setdefault((scheme, name, "covered"), units)
+                errors[scheme, name, "covered"] = min(covered, int(est.covered.sum()))
+        names = ("naive", "informed", "subspace") + (("subspace, told",) if scheme == "shipped" else ())
+        rows.extend((scheme, name, f"{errors[scheme, name]:.3g}", errors[scheme, name, "covered"]) for name in names)
+        print(rows[-len(names):], flush=True)
+    res = {"extraction_error_without_noise": round(errors["none", "informed"], 6),
+           "extraction_error_with_noise": round(errors["shipped", "informed"], 6),
+           "extraction_error_paper_noise_naive": round(errors["paper", "naive"], 6),
+           "extraction_error_paper_noise_informed": round(errors["paper", "informed"], 6),
+           "extraction_error_with_noise_subspace": round(errors["shipped", "subspace"], 6),
+           "extraction_error_with_noise_subspace_told": round(errors["shipped", "subspace, told"], 6),
+           "attack_texts": len(texts), "attack_units_per_layer": units,
+           "update_over_weight": round(max(ratio), 4)}
+    # What the shipped noise costs: its effects once (the projections' weights read, the pool's
+    # effects computed), and a request's extra work, against no noise, one client alone.
+    batch = texts[:8]
+    for scheme in ("none", "shipped"):
+        base = BaseClient(url, token)
+        noise = ClientNoise(model_dir) if scheme == "shipped" else None
+        model = PrivateModel(base, model_dir, l_low, files, noise=noise, max_len=64)
+        t = time.perf_counter()
+        model.infer(batch, truncate=True)
+        first = time.perf_counter() - t
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            model.infer(batch, truncate=True)
+            times.append(time.perf_counter() - t)
+        res[f"noise_{scheme}_first_ms"] = round(1000 * first, 1)
+        res[f"noise_{scheme}_p50_ms"] = round(1000 * statistics.median(times), 1)
+        res[f"noise_{scheme}_round_trips"] = base.stats["round_trips"] / 11
+    server.tenants.delete("bench-attack", server.registry.get("tenants", "bench-attack"))
+    return rows, res
+
+
+def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dict]:
+    """Hosted, private and private-unbatched tenants at 1, 8 and 32 clients; and how far a private
+    tenant's answers (with the shipped noise) are from the same adapter's hosted ones."""
+    from hmi.adapters.portable import RootShape, write_encoder
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.archive import zip_files
+    from hmi.client import Client
+    from hmi.data import held_out_texts, load_task
+    from hmi.split.client import BaseClient
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise
+
     texts = held_out_texts(args.texts)
     c = root.bert.config
     shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, root.l_low, c.hidden_size, root.spec.name)
     spec = AdapterSpec(labels=("neg", "pos"))
-    n_max = max(CLIENTS)
-    weights = adapter_variants(root.bert, root.l_low, spec, n_max)
+    weights = adapter_variants(root.bert, root.l_low, spec, max(CLIENTS))
     hosted, private = [], []
-    for name, rec in server.registry.items("tenants"):  # a run stopped before it cleaned up
-        if name.startswith("bench-"):
-            server.tenants.delete(name, rec)
     for i, w in enumerate(weights):
         token = server.transfer.import_adapter(f"bench-hosted-{i}", "encoder", spec, w)
         archive = zip_files(write_encoder(spec, w, shape, f"bench-{i}"), f"bench-{i}")
         hosted.append((f"bench-hosted-{i}", token, archive))
         private.append((f"bench-private-{i}", server.tenants.create_private(f"bench-private-{i}"), archive))
-    # The answers of one tenant both ways: how far apart they are.
-    base = BaseClient(url, private[0][1])
-    got = PrivateModel(base, root.spec.model_dir, root.l_low, PrivateModel.files_of(private[0][2]), max_len=64)
-    from hmi.client import Client
-
     want = Client(url, hosted[0][1]).infer(hosted[0][0], texts, truncate=True)
+    got = PrivateModel(BaseClient(url, private[0][1]), root.spec.model_dir, root.l_low,
+                       PrivateModel.files_of(private[0][2]), noise=ClientNoise(root.spec.model_dir), max_len=64)
     mine = got.infer(texts, truncate=True)
     diff = max(abs(a["scores"][k] - b["scores"][k]) for a, b in zip(want, mine) for k in a["scores"])
-
     rows, res = [], {"max_abs_diff_vs_hosted": round(diff, 8), "requests_per_client": requests, "texts": args.texts,
                      "processes": args.processes}
     for n in CLIENTS:
@@ -156,24 +305,79 @@ def main() -> None:
             res[f"{mode.replace(', ', '_')}_{n}_rps"] = round(rps, 3)
             print(rows[-1], flush=True)
     server.executor.batching = True
-    for name, rec in server.registry.items("tenants"):
-        if name.startswith("bench-"):
-            server.tenants.delete(name, rec)
-    stop()
+    trainee = AdapterSpec.for_task("classification", ("fresh", "rotten"), "lora", targets="all")
+    w = adapter_variants(root.bert, root.l_low, trainee, 1)[0]
+    trainer = (server.tenants.create_private("bench-trainer"), zip_files(write_encoder(trainee, w, shape, "bench-t"),
+                                                                          "bench-t"))
+    res.update(beside_training(url, private[:8], trainer, load_task("review-sentiment", "train", 256), texts,
+                               requests, args.processes))
+    print({k: v for k, v in res.items() if k.startswith(("inference", "training"))}, flush=True)
     res["private_over_hosted_32"] = round(res["private_32_rps"] / res["hosted_32_rps"], 3)
     res["batched_over_unbatched_32"] = round(res["private_32_rps"] / res["private_unbatched_32_rps"], 3)
-    res["extraction_error_without_noise"] = None  # the attackers are not built yet (docs/private.md)
-    res["extraction_error_with_noise"] = None
+    return rows, res
+
+
+def main() -> None:
+    args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
+                                     ap.add_argument("--texts", type=int, default=8),
+                                     ap.add_argument("--part", choices=("all", "throughput", "privacy"), default="all",
+                                                     help="run one part only (prints it; docs/ is written by all)")))
+    from hmi.bootstrap import prepare_default
+    from hmi.dispatcher.serve import build_server, run_in_thread
+    from hmi.dispatcher.server import ServerConfig
+    from hmi.home import hmi_home
+
+    requests = 3 if args.quick else 10
+    prepare_default(hmi_home())  # the default root and its root PLOT, when missing
+    server = build_server(ServerConfig(max_len=64, max_inputs=64))
+    root = server.root
+    url, stop = run_in_thread(server)
+
+    def clean():  # bench tenants, also of a run stopped before it cleaned up
+        for name, rec in server.registry.items("tenants"):
+            if name.startswith("bench-"):
+                server.tenants.delete(name, rec)
+
+    clean()
+    rows, res, attack_rows = [], {}, []
+    try:
+        if args.part in ("all", "throughput"):
+            rows, res = throughput(server, url, root, args, requests)
+        if args.part in ("all", "privacy"):
+            attack_rows, attack_res = privacy(server, url, root, 200 if args.quick else 800, 96 if args.quick else 384)
+            res.update(attack_res)
+    finally:
+        clean()
+        stop()
+    if args.part != "all":
+        print(table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted")
+                    if attack_rows else THROUGHPUT_HEADERS))
+        print(json.dumps(res))
+        return
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
             f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
-            f"the machine's cores ({machine()}). Private tenants with noise; the noise's effects are asked before "
-            "the clock starts.\n\n"
-            + table(rows, ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
-                           "MiB / request", "rows / executor GEMM"))
+            f"the machine's cores ({machine()}). Private tenants with the shipped noise (effects computed by the "
+            "client, once, before the clock starts).\n\n"
+            + table(rows, THROUGHPUT_HEADERS)
             + f"\n\nprivate / hosted at 32 clients: {res['private_over_hosted_32']}; cross-client batching / none at "
-              f"32 clients: {res['batched_over_unbatched_32']}; largest score difference private vs hosted: {diff:.2e}.")
+              f"32 clients: {res['batched_over_unbatched_32']}; largest score difference private (with noise) vs "
+              f"hosted: {res['max_abs_diff_vs_hosted']:.2e}.\n\n"
+            + f"The provider as an attacker: a private LoRA tenant (rank 8 on each upper layer's FFN input, "
+              f"||delta W|| / ||W|| up to {res['update_over_weight']}) answered {res['attack_texts']} held-out texts; "
+              f"each attacker fitted {res['attack_units_per_layer']} sampled output units of every upper layer "
+              "(extraction error ||est - delta W|| / ||delta W|| over the units it could fit, the largest over "
+              "layers; 1 is what guessing 0 scores):\n\n"
+            + table(attack_rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)"))
+            + f"\n\nWhat the shipped noise costs one client alone (8 texts a request): first request "
+              f"{res['noise_shipped_first_ms']} ms against {res['noise_none_first_ms']} ms without noise (the "
+              f"effects computed once), then p50 {res['noise_shipped_p50_ms']} ms against {res['noise_none_p50_ms']} "
+              f"ms; round trips a request {res['noise_shipped_round_trips']:.2f} against "
+              f"{res['noise_none_round_trips']:.2f}.")
     finish("bench_private", text, res, "python benchmarks/bench_private.py" + (" --quick" if args.quick else ""))
 
+
+THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
+                      "MiB / request", "rows / executor GEMM")
 
 if __name__ == "__main__":
     main()

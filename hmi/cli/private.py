@@ -14,7 +14,8 @@ from hmi.cli.common import add_root_options, show
 from hmi.client import load_rows
 from hmi.model.catalog import root_spec
 from hmi.split.client import BaseClient, BaseExecutorError
-from hmi.split.model import Noise, PrivateModel
+from hmi.split.model import PrivateModel
+from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.split.train import finetune_private
 from hmi.training.finetune import FinetuneConfig
 
@@ -30,8 +31,12 @@ def _model(args, verb: str) -> PrivateModel:
         raise SystemExit(f"hmi private {verb}: no adapter archive {path}")
     spec = root_spec(args.root, args.l_low)
     base = BaseClient(args.url, token)
+    noise = None
+    if args.noise > 0:
+        noise = (ServerNoise(base, scale=args.noise) if args.noise_effects == "server"
+                 else ClientNoise(spec.model_dir, scale=args.noise))
     return PrivateModel(base, spec.model_dir, spec.l_low, PrivateModel.files_of(path.read_bytes()),
-                        noise=Noise(base, scale=args.noise) if args.noise > 0 else None, max_len=args.max_len)
+                        noise=noise, max_len=args.max_len)
 
 
 def cmd_private_infer(args) -> int:
@@ -70,6 +75,11 @@ def _common(p) -> None:
     p.add_argument("--token", default=None, help="the private tenant's token (default: HMI_TOKEN)")
     p.add_argument("--noise", type=float, default=1.0,
                    help="standard deviation of the noise that hides what the server sees (0: none; default 1)")
+    p.add_argument("--noise-effects", choices=("client", "server"), default="client",
+                   help="who computes the noise's effect on each projection: this machine from the root's public "
+                        "weights, the server never seeing a noise value (default), or the server (the Symbiosis "
+                        "paper's scheme: one call per projection, and the server knows the values; see "
+                        "docs/private.md)")
     p.add_argument("--max-len", type=int, default=128, help="the server's token limit (default 128)")
     add_root_options(p)
 

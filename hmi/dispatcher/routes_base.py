@@ -53,7 +53,7 @@ def _reply(*tensors: torch.Tensor) -> web.Response:
 
 async def lower(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    await _private_caller(s, request)
+    who = await _private_caller(s, request)
     ids, mask = await _tensors(request, 2)
     if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 2:
         raise ApiError(422, "wrong_tensor", f"token ids must be int32 or int64 of shape (B, T), not {ids.dtype} "
@@ -70,6 +70,7 @@ async def lower(request: web.Request) -> web.Response:
         raise ApiError(422, "wrong_tensor", f"token ids must lie in [0, {vocab})")
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ApiError(422, "wrong_tensor", "the mask holds 0 and 1 only")
+    s.executor.observe(who, ("lower",), ids)
 
     def run() -> torch.Tensor:
         with torch.no_grad():
@@ -80,7 +81,7 @@ async def lower(request: web.Request) -> web.Response:
 
 async def linear(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    await _private_caller(s, request)
+    who = await _private_caller(s, request)
     layer, projection, operation = _call_of(s, request)
     priority = PRIORITIES.get(request.query.get("priority", "inference"))
     if priority is None:
@@ -91,6 +92,7 @@ async def linear(request: web.Request) -> web.Response:
         raise ApiError(422, "wrong_tensor", f"{projection} {operation} of layer {layer} takes a non-empty float32 "
                        f"tensor (..., {width}), not {x.dtype} {list(x.shape)}")
     rows = x.reshape(-1, width)
+    s.executor.observe(who, (layer, projection, operation), rows)
     y = await s.executor.call(layer, projection, operation, rows, priority)
     return _reply(y.reshape(*x.shape[:-1], y.shape[-1]))
 

@@ -56,9 +56,10 @@ class ServerConfig:
     # Shared home: a process on another host that has not renewed its lease for this long is gone
     # (and its jobs are taken over); each process renews its own four times as often.
     lease_s: float = 60.0
-    # The base executor of private tenants: how long a batch of calls waits for more, and whether
-    # calls of different clients are batched at all (off: the ablation of bench_private).
-    executor_wait_ms: float = 2.0
+    # The base executor of private tenants: how long an idle executor holds a batch for more calls
+    # (0: none; calls still gather while a GEMM runs), and whether calls of different clients are
+    # batched at all (off: the ablation of bench_private).
+    executor_wait_ms: float = 0.0
     executor_batching: bool = True
 
 

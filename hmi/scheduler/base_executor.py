@@ -2,8 +2,9 @@
 the upper layers, run for many private tenants at once.
 
 Each call names an upper layer, a projection and an operation; calls for the same (layer,
-projection, operation) from all clients are gathered for a bounded wait and run as one GEMM over
-their rows (every client's batch x sequence flattened, no padding), then split back.  Calls
+projection, operation) from all clients are gathered while the executor is busy (or for a
+bounded wait) and run as one GEMM over their rows (every client's batch x sequence flattened,
+no padding), then split back.  Calls
 batched together at one layer need not meet again at the next.  Nothing is kept between calls.
 Inference calls go before training calls.  The GEMMs run on one thread of their own, off the
 event loop.
@@ -12,10 +13,9 @@ event loop.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import queue
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,63 +63,86 @@ class _Call:
     rows: torch.Tensor  # (n, D)
     future: asyncio.Future
     priority: int
-
-
-@dataclass
-class _Pending:
-    calls: list[_Call] = field(default_factory=list)
-    rows: int = 0
-    timer: asyncio.TimerHandle | None = None
+    arrived: float  # time.monotonic()
 
 
 class BaseExecutor:
     """Runs ``FrozenLinears`` for many clients, batched per (layer, projection, operation) across
-    them: a call joins the open batch of its key; the batch closes when it holds ``max_rows`` rows
-    or ``max_wait_s`` after its first call (``batching=False``: every call runs alone, at once).
-    Closed batches run on one thread, inference before training."""
+    them, on one thread of its own.  Work-conserving: whenever the thread is free it runs, as one
+    GEMM, every call of one key that arrived meanwhile (up to ``max_rows`` rows; inference keys
+    before training keys, then the key waiting longest), so calls gather while a GEMM runs and an
+    idle executor never waits.  ``max_wait_s`` > 0 holds a batch that long after its first call
+    for more calls (the fixed wait of Symbiosis's opportunistic batching); ``batching=False`` runs
+    every call alone (the ablation).
 
-    def __init__(self, linears: FrozenLinears, max_wait_s: float = 0.002, max_rows: int = 8192,
+    ``stats``: calls, batches (GEMMs), rows, and seconds the thread spent running them.
+
+    ``observers``: callables told of every call the routes accept, ``(caller, call, tensor)``
+    with ``call`` = ``("lower",)`` (the token ids) or ``(layer, projection, operation)`` (the
+    rows): the provider's view of a private tenant, for audits of what it reveals
+    (``hmi.split.attack``).  None by default."""
+
+    def __init__(self, linears: FrozenLinears, max_wait_s: float = 0.0, max_rows: int = 8192,
                  batching: bool = True):
+        self.observers: list = []
         self.linears, self.max_wait_s, self.max_rows, self.batching = linears, max_wait_s, max_rows, batching
-        self._open: dict[tuple[int, str, str], _Pending] = {}
-        self._ready: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-        self.stats = {"calls": 0, "batches": 0, "rows": 0}
+        self._open: dict[tuple[int, str, str], list[_Call]] = {}
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.stats = {"calls": 0, "batches": 0, "rows": 0, "seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name="base-executor", daemon=True)
         self._thread.start()
+
+    def observe(self, caller: str, call: tuple, tensor: torch.Tensor) -> None:
+        for observer in self.observers:
+            observer(caller, call, tensor)
 
     async def call(self, layer: int, projection: str, operation: str, rows: torch.Tensor,
                    priority: int = INFERENCE) -> torch.Tensor:
         """The result of one call (its own rows, in order).  Shapes: rows (n, D) -> (n, D')."""
-        loop = asyncio.get_running_loop()
-        c = _Call(rows, loop.create_future(), priority)
-        key = (layer, projection, operation)
-        self.stats["calls"] += 1
-        if not self.batching:
-            self._close(key, _Pending([c], len(rows)))
-            return await c.future
-        p = self._open.setdefault(key, _Pending())
-        p.calls.append(c)
-        p.rows += len(rows)
-        if p.rows >= self.max_rows:
-            self._close(key, self._open.pop(key))
-        elif p.timer is None:
-            p.timer = loop.call_later(self.max_wait_s, lambda: self._close(key, self._open.pop(key, None)))
+        c = _Call(rows, asyncio.get_running_loop().create_future(), priority, time.monotonic())
+        with self._cond:
+            self.stats["calls"] += 1
+            self._open.setdefault((layer, projection, operation), []).append(c)
+            self._cond.notify()
         return await c.future
 
-    def _close(self, key, pending: _Pending | None) -> None:
-        if pending is None:
-            return
-        if pending.timer is not None:
-            pending.timer.cancel()
-        priority = min(c.priority for c in pending.calls)
-        self._ready.put((priority, next(self._seq), key, pending.calls))
+    def _next(self) -> tuple[tuple[int, str, str], list[_Call]] | None:
+        """The key and calls to run next (None: shutting down); waits for calls, and, with
+        ``max_wait_s``, for a batch's wait to pass.  Holds the lock."""
+        while not self._stopping:
+            if not self._open:
+                self._cond.wait()
+                continue
+            key = min(self._open, key=lambda k: (min(c.priority for c in self._open[k]), self._open[k][0].arrived))
+            calls = self._open[key]
+            if not self.batching:
+                take = 1
+            else:
+                take, rows = 0, 0
+                while take < len(calls) and (take == 0 or rows + len(calls[take].rows) <= self.max_rows):
+                    rows += len(calls[take].rows)
+                    take += 1
+                left = self.max_wait_s - (time.monotonic() - calls[0].arrived)
+                if take == len(calls) and rows < self.max_rows and left > 0:
+                    self._cond.wait(left)
+                    continue
+            batch, rest = calls[:take], calls[take:]
+            if rest:
+                self._open[key] = rest
+            else:
+                del self._open[key]
+            return key, batch
+        return None
 
     def _run(self) -> None:
         while True:
-            _, _, key, calls = self._ready.get()
-            if key is None:
+            with self._cond:
+                got = self._next()
+            if got is None:
                 return
+            key, calls = got
+            t = time.perf_counter()
             try:
                 with torch.no_grad():
                     out = self.linears.run(*key, torch.cat([c.rows for c in calls]) if len(calls) > 1 else calls[0].rows)
@@ -131,9 +154,12 @@ class BaseExecutor:
             except Exception as exc:  # noqa: BLE001 - each caller gets the error
                 for c in calls:
                     c.future.get_loop().call_soon_threadsafe(_settle, c.future, None, exc)
+            self.stats["seconds"] += time.perf_counter() - t
 
     def shutdown(self) -> None:
-        self._ready.put((-1, -1, None, None))
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
         self._thread.join(5)
 
 

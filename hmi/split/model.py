@@ -8,9 +8,8 @@ The model is a hosted fine-tune's (``hmi.adapters.tenant_model``: ``hmi.model.en
 with the hosted batched kernels' sites over a pool of one slot) with the frozen projections moved
 to the server: a private tenant computes, and trains, as the same adapter hosted does.
 
-With ``Noise``, what the server sees of each projection's input is hidden by additive noise whose
-effect it computed once (Symbiosis, section 3.8): the client sends ``x + n``, receives
-``(x + n) W^T + b`` and subtracts ``n W^T``.
+With noise (``hmi.split.noise``), what the server sees of each projection's input is hidden:
+the client sends ``x + n``, receives ``(x + n) W^T + b`` and subtracts ``n W^T``.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from hmi.model.convert import load_relative_bias
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.root import load_tokenizer
 from hmi.split.client import BaseClient
+from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.textlimit import fit_ids
 
 SITE_PROJECTION = {"attn_out": "attn_out", "ffn_in": "ffn_in", "ffn_out": "ffn_out"}
@@ -68,29 +68,6 @@ def upper_layers(model_dir: str | Path, l_low: int) -> tuple[nn.ModuleList, Bert
     return layers, config
 
 
-class Noise:
-    """Per (layer, projection), ``count`` noise vectors n_k (D_in,) of standard deviation ``scale``
-    drawn once, with their effect n_k W^T (no bias) asked of the server once; the calls rotate
-    through them."""
-
-    def __init__(self, base: BaseClient, scale: float = 1.0, count: int = 4, seed: int = 0):
-        self.base, self.scale, self.count = base, scale, count
-        self.gen = torch.Generator().manual_seed(seed)
-        self._values: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._turn: dict[tuple[int, str], int] = {}
-
-    def hide(self, layer: int, projection: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + n, n W^T) for this call's noise value n.  Shapes: x (..., D_in) -> (..., D_in), (D_out,)."""
-        key = (layer, projection)
-        if key not in self._values:
-            n = torch.randn(self.count, x.shape[-1], generator=self.gen) * self.scale
-            self._values[key] = (n, self.base.linear(layer, projection, "nobias", n))
-        k = self._turn.get(key, 0)
-        self._turn[key] = (k + 1) % self.count
-        n, effects = self._values[key]
-        return x + n[k], effects[k]
-
-
 class RemoteProjection(torch.autograd.Function):
     """A frozen projection on the server, differentiable: forward ``x W^T + b`` (through
     ``RemoteSites._call``, noise included), backward ``grad_y W`` (the executor's ``backward``, at
@@ -115,7 +92,7 @@ class RemoteSites(GroupSites):
     given; with ``grad``, differentiable through the server (``RemoteProjection``)."""
 
     def __init__(self, groups: list[Group], base: BaseClient, l_low: int, mask: torch.Tensor,
-                 noise: Noise | None = None, grad: bool = False):
+                 noise: ClientNoise | ServerNoise | None = None, grad: bool = False):
         super().__init__(groups)
         self.base, self.l_low, self.noise, self.grad = base, l_low, noise, grad
         self.real = mask.bool()
@@ -149,7 +126,7 @@ class PrivateModel(TenantModel):
     hosted fine-tune's loop (``hmi.split.train``)."""
 
     def __init__(self, base: BaseClient, model_dir: str | Path, l_low: int, adapter_files: dict[str, bytes],
-                 noise: Noise | None = None, max_len: int = 128):
+                 noise: ClientNoise | ServerNoise | None = None, max_len: int = 128):
         self.base, self.l_low, self.noise, self.max_len = base, l_low, noise, max_len
         layers, config = upper_layers(model_dir, l_low)
         self.config = config

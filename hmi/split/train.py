@@ -22,10 +22,12 @@ class RemoteLookup:
 
 
 def finetune_private(model, train: list[dict], dev: list[dict], cfg: FinetuneConfig | None = None,
-                     progress: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+                     progress: bool = False, on_progress=None, should_stop=None) -> tuple[dict[str, torch.Tensor], dict]:
     """Trains a ``PrivateModel``'s adapter and head (starting from its current weights) on
     ``train``, early-stopping on ``dev``; returns (canonical weights of the best epoch, metrics).
-    The model keeps the best weights."""
-    weights, metrics = fit(model, RemoteLookup(model.base), model.tokenizer, train, dev, None, cfg, progress)
+    The model keeps the best weights.  ``on_progress``, ``should_stop``: as ``fit`` takes them
+    (``should_stop()`` true ends the run with ``hmi.training.fit.Cancelled``)."""
+    weights, metrics = fit(model, RemoteLookup(model.base), model.tokenizer, train, dev, None, cfg, progress,
+                           on_progress, should_stop)
     metrics["round_trips"] = model.base.stats["round_trips"]
     return weights, metrics

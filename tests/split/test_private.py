@@ -14,7 +14,8 @@ from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.scheduler.base_executor import FrozenLinears
 from hmi.split.client import BaseClient, BaseExecutorError
-from hmi.split.model import Noise, OnServer, PrivateModel
+from hmi.split.model import OnServer, PrivateModel
+from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.split.wire import encode
 from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
 
@@ -51,10 +52,14 @@ def live(tmp_path_factory):
     stop()
 
 
-def private_model(live, tenant, noise=False):
+def private_model(live, tenant, noise: str | None = None):
+    """The hosted tenant's exported adapter as a private model; ``noise``: whose effects hide the
+    activations (``"client"``, the product's; ``"server"``, the paper's) or none."""
     base = BaseClient(live["url"], live["token"])
     files = PrivateModel.files_of(live["admin"].export_adapter(tenant))
-    return PrivateModel(base, live["root_dir"], 2, files, noise=Noise(base, scale=3.0) if noise else None)
+    hide = {None: None, "server": lambda: ServerNoise(base, scale=3.0),
+            "client": lambda: ClientNoise(live["root_dir"], scale=3.0)}[noise]
+    return PrivateModel(base, live["root_dir"], 2, files, noise=hide() if hide else None)
 
 
 def assert_same_answers(hosted, private, tol=1e-4):
@@ -68,12 +73,13 @@ def assert_same_answers(hosted, private, tol=1e-4):
             assert h == p
 
 
-@pytest.mark.parametrize("noise", [False, True], ids=["plain", "noise"])
+@pytest.mark.parametrize("noise", [None, "server", "client"], ids=["plain", "server-noise", "client-noise"])
 @pytest.mark.parametrize("tenant", list(HOSTED))
 def test_a_private_tenant_answers_as_the_same_adapter_served_hosted(live, tenant, noise):
     model = private_model(live, tenant, noise)
     assert_same_answers(live["admin"].infer(tenant, TEXTS), model.infer(TEXTS))
-    assert model.base.stats["round_trips"] == 1 + 4 * 2 + (4 * 2 if noise else 0)  # lower, 4 calls a layer, noise once
+    # the lookup, 4 calls a layer, and with the paper's noise each projection's effects asked once
+    assert model.base.stats["round_trips"] == 1 + 4 * 2 + (4 * 2 if noise == "server" else 0)
 
 
 def test_the_client_holds_no_frozen_projection_of_the_root(live):
@@ -84,15 +90,26 @@ def test_the_client_holds_no_frozen_projection_of_the_root(live):
             assert isinstance(module, OnServer)
 
 
-def test_noise_hides_what_the_server_receives_and_its_effect_is_subtracted_exactly(live):
+@pytest.mark.parametrize("scheme", ["server", "client"])
+def test_noise_hides_what_the_server_receives_and_its_effect_is_subtracted_exactly(live, scheme):
     base = BaseClient(live["url"], live["token"])
-    noise = Noise(base, scale=3.0)
+    noise = ServerNoise(base, scale=3.0) if scheme == "server" else ClientNoise(live["root_dir"], scale=3.0)
     x = torch.randn(5, 32)
     sent, effect = noise.hide(2, "ffn_in", x)
     assert (sent - x).abs().mean() > 1.0  # what the server sees is far from x
+    assert base.stats["round_trips"] == (1 if scheme == "server" else 0)  # the paper's asks for the effects
     got = base.linear(2, "ffn_in", "forward", sent) - effect
     w, b = FrozenLinears(live["server"].root.bert, 2).weights[2, "ffn_in"]
     torch.testing.assert_close(got, x @ w.T + b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_shipped_noise_is_drawn_afresh_per_client_and_per_row_never_from_a_fixed_seed(live):
+    """Anyone can run this code: noise from a fixed default seed would be the attacker's too."""
+    x = torch.zeros(3, 32)
+    first, _ = ClientNoise(live["root_dir"]).hide(2, "ffn_in", x)
+    second, _ = ClientNoise(live["root_dir"]).hide(2, "ffn_in", x)
+    assert not torch.allclose(first, second)  # two clients: two pools
+    assert not torch.allclose(first[0], first[1])  # one call: each row its own noise
 
 
 def test_the_executors_operations_are_the_frozen_layers_own(live):
@@ -107,6 +124,7 @@ def test_the_executors_operations_are_the_frozen_layers_own(live):
 
 def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_rows(live):
     executor = live["server"].executor
+    executor.max_wait_s = 0.05  # an idle executor holds a batch for more calls (else calls meet only while it is busy)
     lin = executor.linears
     xs = [torch.randn(n, 32) for n in (1, 4, 9, 2, 7, 3)]
     out, start = [None] * len(xs), threading.Barrier(len(xs))
@@ -118,15 +136,66 @@ def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_r
         out[i] = base.linear(2, "attn_out", "forward", xs[i])
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        executor.max_wait_s = 0.0
     calls = executor.stats["calls"] - before["calls"]
     batches = executor.stats["batches"] - before["batches"]
     assert calls == len(xs) and batches < calls, (calls, batches)
     for x, y in zip(xs, out):
         torch.testing.assert_close(y, lin.run(2, "attn_out", "forward", x), atol=1e-5, rtol=1e-5)
+
+
+def test_clients_of_every_adapter_kind_and_batch_size_share_executor_batches_beside_a_fine_tune(live):
+    """Private tenants of four adapter kinds, each sending its own number of texts, call at once
+    while a fifth client fine-tunes (its calls at training priority): they share GEMMs (fewer
+    batches than calls), and each answer is still its hosted tenant's."""
+    from hmi.split.train import finetune_private
+    from hmi.training.finetune import FinetuneConfig
+
+    executor = live["server"].executor
+    sizes = {"bn": 1, "lora": 2, "ia3": 3, "tagger": 5}
+    models = {t: private_model(live, t, "client") for t in sizes}
+    texts = {t: (TEXTS * 2)[:n] for t, n in sizes.items()}
+    want = {t: live["admin"].infer(t, texts[t]) for t in sizes}
+    trainer = private_model(live, "lora", "client")
+    got, errors, start = {}, [], threading.Barrier(len(sizes) + 1)
+
+    def infer(t):
+        try:
+            start.wait()
+            got[t] = [models[t].infer(texts[t]) for _ in range(3)]
+        except Exception as exc:  # surfaced below, with the tenant
+            errors.append((t, exc))
+
+    def train():
+        try:
+            start.wait()
+            got["trained"] = finetune_private(trainer, TRAIN * 2, TRAIN, FinetuneConfig(epochs=1, batch_size=4))
+        except Exception as exc:
+            errors.append(("trainer", exc))
+
+    executor.max_wait_s, before = 0.02, dict(executor.stats)  # a wait long enough to gather on a busy machine
+    try:
+        threads = [threading.Thread(target=infer, args=(t,)) for t in sizes] + [threading.Thread(target=train)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        executor.max_wait_s = 0.0
+    assert not errors, errors
+    calls = executor.stats["calls"] - before["calls"]
+    batches = executor.stats["batches"] - before["batches"]
+    assert batches < calls, (calls, batches)
+    for t in sizes:
+        for answers in got[t]:
+            assert_same_answers(want[t], answers)
+    assert got["trained"][1]["epochs_run"] == 1
 
 
 def post(url, path, body, token, ctype="application/octet-stream"):
@@ -216,7 +285,11 @@ def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert_same_answers(live["admin"].infer("bn", TEXTS), out["outputs"])
-    assert out["round_trips"] == 1 + 4 * 2 + 4 * 2  # noise on by default: each projection's effect asked once
+    assert out["round_trips"] == 1 + 4 * 2  # noise on by default, its effects computed here: no call for them
+    assert main([*argv, "--noise-effects", "server"]) == 0  # the paper's scheme asks each projection's effects once
+    out = json.loads(capsys.readouterr().out)
+    assert_same_answers(live["admin"].infer("bn", TEXTS), out["outputs"])
+    assert out["round_trips"] == 1 + 4 * 2 + 4 * 2
     with pytest.raises(SystemExit, match="no adapter archive"):
         main([*argv[:2], str(tmp_path / "missing.zip"), "x", "--token", "t"])
 
@@ -225,7 +298,7 @@ def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
 def test_gradients_through_the_servers_projections_equal_those_of_the_layers_run_here(live, tenant):
     from hmi.training.finetune import tenant_model
 
-    model = private_model(live, tenant, noise=True)
+    model = private_model(live, tenant, noise="server")
     params = model.parameters()
     enc = model.tokenizer(TEXTS, padding=True, return_tensors="pt")
     mask = enc["attention_mask"]
@@ -259,7 +332,7 @@ def test_a_private_fine_tune_trains_its_adapter_and_served_hosted_it_answers_as_
     from hmi.split.train import finetune_private
     from hmi.training.finetune import FinetuneConfig
 
-    model = private_model(live, "lora", noise=True)
+    model = private_model(live, "lora", noise="client")
     before = {k: v.clone() for k, v in model.weights().items()}
     weights, metrics = finetune_private(model, TRAIN * 4, TRAIN, FinetuneConfig(epochs=2, batch_size=8, lr=3e-3))
     # The steps are exact (their gradients are those of the layers run here, tested above); whether a
@@ -290,7 +363,7 @@ def test_a_private_fine_tune_equals_the_hosted_fine_tune_step_for_step(live, ten
             if isinstance(m, nn.Dropout):
                 m.p = 0.1
 
-    model = private_model(live, tenant, noise=True)
+    model = private_model(live, tenant, noise="client")
     dropping(model.layers.modules())
     start = model.weights()
     bert = copy.deepcopy(live["server"].root.bert)
@@ -304,6 +377,52 @@ def test_a_private_fine_tune_equals_the_hosted_fine_tune_step_for_step(live, ten
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-4, rtol=1e-3, msg=k)
     assert max(float((want[k] - start[k]).abs().max()) for k in want) > 1e-3  # it did train
+
+
+@pytest.mark.parametrize("scheme", [None, "server", "client"], ids=["no-noise", "paper-noise", "client-noise"])
+def test_the_provider_recovers_a_lora_update_from_what_it_served_unless_the_client_computes_the_noise(live, scheme):
+    """The provider records every call of a private LoRA tenant (LoRA on the FFN's first layer
+    among others) and fits the update by least squares (``hmi.split.attack``). Without noise both
+    attackers recover it; against the paper's scheme (the server computed the noise's effects, so
+    it saw the values) the naive attacker fails and the informed one recovers it; against the
+    client-side noise the product ships, both fail."""
+    from hmi.split import attack
+
+    model = private_model(live, "tagger", scheme)
+    gen = torch.Generator().manual_seed(0)
+    weights = model.weights()
+    for li in range(2):  # an update as large as a trained one on a real root, for a clear signal
+        key = f"layers.{li}.lora.ffn_in_B"
+        weights[key] = 0.3 * torch.randn(weights[key].shape, generator=gen)
+    model.load(weights)
+    vocab = [t for t in model.tokenizer.convert_ids_to_tokens(list(range(2000, 29000))) if t.isalpha()]
+    draw = torch.Generator().manual_seed(1)
+    texts = [" ".join(vocab[int(k)] for k in torch.randint(0, len(vocab), (8,), generator=draw)) for _ in range(100)]
+    recording = attack.Recording("priv")
+    executor = live["server"].executor
+    executor.observers.append(recording)
+    try:
+        model.infer(texts)
+    finally:
+        executor.observers.remove(recording)
+    bert = live["server"].root.bert
+    errors = {}
+    for li, layer in enumerate((2, 3)):
+        w = FrozenLinears(bert, 2).weights[layer, "ffn_in"][0]
+        norm = bert.encoder.layer[layer].attention.output.LayerNorm
+        true = attack.lora_update(weights, li, "ffn_in", model.spec.scaling)
+        for name, est in (("naive", attack.naive(recording, layer, w, norm.weight)),
+                          ("informed", attack.informed(recording, layer, w, norm.weight, norm.bias)),
+                          ("subspace", attack.subspace(recording, layer, w, norm.weight, 16))):
+            assert int(est.covered.sum()) >= 32  # most of the 64 units fired often enough to be fitted
+            errors[name] = max(errors.get(name, 0.0), attack.extraction_error(est, true))
+    if scheme is None:
+        assert errors["naive"] < 0.01 and errors["informed"] < 0.01, errors
+    elif scheme == "server":
+        assert errors["naive"] > 0.5 and errors["informed"] < 0.01, errors
+    else:
+        assert errors["naive"] > 0.5 and errors["informed"] > 0.5, errors
+    print(scheme, errors)
 
 
 def test_hmi_private_train_writes_an_archive_that_serves_hosted_as_it_trained(live, tmp_path, capsys):

@@ -1,0 +1,194 @@
+"""The provider as an attacker: what it can learn of a private tenant's adapter from the calls it
+served (the threat model of Symbiosis: the provider tries to extract the adapter's parameters).
+
+The attack here targets a LoRA update of the FFN's first projection, delta W = scaling * B A
+(I, H).  Per forward pass the server sees the FFN's input y (the ``ffn_in`` call's rows) and,
+one call later, its activated output a = GELU(y (W + delta W)^T + b) (the ``ffn_out`` call's
+rows).  Where a > 0 GELU is one-to-one, so z = GELU^-1(a) = y (W + delta W)^T + b is linear in
+the unknown: each output unit's row of W + delta W is a least-squares fit over the tokens where
+that unit fired; W is the public root's, so delta W follows.
+
+- ``naive``: takes the rows as they arrived.
+- ``informed``: knows every noise value the client registered with the server (the inputs of
+  its ``nobias`` calls) and, per call, tries each: the FFN's input is a LayerNorm output (every
+  row has mean 0 and variance 1 once the norm's public scale and shift are undone) and its
+  activated output never falls below GELU's minimum, so the right value is the one that leaves
+  rows with that structure.
+- ``subspace``: against noise it never saw, drawn from a pool of K values per projection (so
+  confined to a K-dimensional subspace): it finds that subspace as the directions in which the
+  rows it received vary most and replaces each row's component there by the rows' mean, losing
+  the true rows' own variation there along with the noise; ``told`` the exact subspaces, it
+  bounds what finding them can give.
+
+Two parts of delta W no observation shows.  An output unit the observed tokens never made fire
+cannot be fitted from them: an estimate covers the units with enough firing tokens
+(``Estimate.covered``).  And every LayerNorm output y satisfies y . (1/gamma) = sum(beta/gamma),
+a constant, so a row's component along u = 1/gamma only shifts the unit's bias: it changes no
+answer and no attacker can see it.  ``extraction_error`` is ``||estimate - delta W||_F /
+||delta W||_F`` over the covered units, both with their component along u removed: near 0 means
+the update's whole effect on those units was recovered; 1 is what the estimate 0 scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+GELU_MIN = -0.17  # GELU's minimum is -0.16997 (at x = -0.7518)
+
+
+class Recording:
+    """Everything the server received from one caller: an observer of the base executor
+    (``BaseExecutor.observers``)."""
+
+    def __init__(self, caller: str):
+        self.caller = caller
+        self.calls: list[tuple[tuple, torch.Tensor]] = []
+
+    def __call__(self, caller: str, call: tuple, tensor: torch.Tensor) -> None:
+        if caller == self.caller:
+            self.calls.append((call, tensor.detach().clone()))
+
+    def rows(self, layer: int, projection: str, operation: str) -> list[torch.Tensor]:
+        """The bodies of that projection's calls, in the order they came."""
+        return [t for call, t in self.calls if call == (layer, projection, operation)]
+
+    def registered(self, layer: int, projection: str) -> torch.Tensor | None:
+        """The noise values the client registered for a projection (its ``nobias`` inputs), (K, D)."""
+        got = self.rows(layer, projection, "nobias")
+        return torch.cat(got) if got else None
+
+    def ffn_pairs(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the FFN's input (N, H), its activated output (N, I)) of each forward pass through
+        ``layer``: the c-th ``ffn_in`` call with the c-th ``ffn_out`` call (one client calls in order)."""
+        return list(zip(self.rows(layer, "ffn_in", "forward"), self.rows(layer, "ffn_out", "forward")))
+
+
+def gelu_inverse(a: torch.Tensor, iterations: int = 40) -> torch.Tensor:
+    """x >= -0.75 with GELU(x) = a (the branch where GELU is one-to-one), by Newton's method in
+    float64.  Shapes: a (...) -> (...)."""
+    a = a.double()
+    x = a.clone().clamp_min(0.0)
+    for _ in range(iterations):
+        cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
+        pdf = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+        x = x - (F.gelu(x) - a) / (cdf + x * pdf)
+    return x
+
+
+@dataclass
+class Estimate:
+    """An attacker's delta W (I, H), the units (I,) bool it could fit, and the direction u (H,)
+    no observation shows (``visible`` removes it)."""
+
+    update: torch.Tensor
+    covered: torch.Tensor
+    hidden_direction: torch.Tensor
+
+    def visible(self, m: torch.Tensor) -> torch.Tensor:
+        """Rows of ``m`` (I, H) without their component along ``hidden_direction``."""
+        u = self.hidden_direction / self.hidden_direction.norm()
+        return m - (m @ u)[:, None] * u
+
+
+def ffn_update(pairs: list[tuple[torch.Tensor, torch.Tensor]], w: torch.Tensor, gamma: torch.Tensor,
+               fired: float = 0.0, rows_per_weight: float = 2.0, units: torch.Tensor | None = None) -> Estimate:
+    """The least-squares estimate of delta W from (input, activated output) pairs: for each output
+    unit, the tokens where its activation exceeds ``fired`` (where GELU is one-to-one); a unit
+    with fewer than ``rows_per_weight`` times H + 1 such tokens is not fitted, nor one outside
+    ``units`` (indices; default all: a fit costs a least-squares solve per unit).  ``gamma``: the
+    scale of the LayerNorm whose output feeds the FFN.
+    Shapes: pairs of (N_c, H) and (N_c, I); w (I, H) the root's; gamma (H,) -> Estimate."""
+    y = torch.cat([p[0] for p in pairs]).double()
+    a = torch.cat([p[1] for p in pairs]).double()
+    z = gelu_inverse(a)
+    design = torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], dim=1)
+    est = torch.zeros_like(w, dtype=torch.float64)
+    covered = torch.zeros(w.shape[0], dtype=torch.bool)
+    for j in range(w.shape[0]) if units is None else units.tolist():
+        rows = a[:, j] > fired
+        if int(rows.sum()) < rows_per_weight * design.shape[1]:
+            continue
+        est[j] = torch.linalg.lstsq(design[rows], z[rows, j:j + 1], driver="gelsd").solution[:-1, 0] - w[j].double()
+        covered[j] = True
+    return Estimate(est.float(), covered, 1.0 / gamma.detach().float())
+
+
+def naive(recording: Recording, layer: int, w: torch.Tensor, gamma: torch.Tensor, **fit) -> Estimate:
+    """delta W of ``layer``'s ``ffn_in`` from the rows as they arrived (``fit``: ``ffn_update``'s options)."""
+    return ffn_update(recording.ffn_pairs(layer), w, gamma, **fit)
+
+
+def layernorm_misfit(y: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor) -> float:
+    """How far rows are from a LayerNorm's output: with the norm's scale and shift undone, each row
+    has mean 0 and variance 1.  Shapes: y (N, H); gamma, beta (H,)."""
+    keep = gamma.abs() > 1e-3
+    t = (y[:, keep] - beta[keep]) / gamma[keep]
+    return float((t.mean(1) ** 2 + (t.var(1, unbiased=False) - 1) ** 2).mean())
+
+
+def below_gelu(a: torch.Tensor) -> int:
+    """How many entries no GELU can output."""
+    return int((a < GELU_MIN - 1e-4).sum())
+
+
+def informed(recording: Recording, layer: int, w: torch.Tensor, gamma: torch.Tensor,
+             beta: torch.Tensor, **fit) -> Estimate:
+    """delta W of ``layer``'s ``ffn_in`` after taking off each call the registered noise value
+    that leaves its rows a LayerNorm's output (the input) or a GELU's (the activated output);
+    where none was registered, the rows as they arrived.  ``gamma``, ``beta``: the public root's
+    attention-output LayerNorm of ``layer`` (what feeds the FFN)."""
+    n_in, n_out = recording.registered(layer, "ffn_in"), recording.registered(layer, "ffn_out")
+    pairs = []
+    for y, a in recording.ffn_pairs(layer):
+        if n_in is not None:
+            y = min((y - n for n in n_in), key=lambda c: layernorm_misfit(c, gamma, beta))
+        if n_out is not None:
+            a = min((a - n for n in n_out), key=below_gelu)
+        pairs.append((y, a))
+    return ffn_update(pairs, w, gamma, **fit)
+
+
+def varied_most(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` orthonormal directions (k, D) along which ``rows`` (N, D) vary most (their
+    principal components)."""
+    centred = rows.double() - rows.double().mean(0)
+    return torch.linalg.svd(centred, full_matrices=False).Vh[:k]
+
+
+def flattened(rows: torch.Tensor, directions: torch.Tensor) -> torch.Tensor:
+    """``rows`` (N, D) with their component along ``directions`` (k, D) replaced by the rows' mean's."""
+    rows = rows.double()
+    return rows - ((rows - rows.mean(0)) @ directions.T) @ directions
+
+
+def subspace(recording: Recording, layer: int, w: torch.Tensor, gamma: torch.Tensor, k: int,
+             told: tuple[torch.Tensor, torch.Tensor] | None = None, **fit) -> Estimate:
+    """delta W of ``layer``'s ``ffn_in`` from rows with their ``k`` most varying directions (where
+    noise drawn from a pool of ``k`` values lies) flattened, in the input and in the activated
+    output alike.  ``told``: the pools' values (K, H) and (K, I) themselves, for an attacker told
+    the exact subspaces (the bound on what finding them can give)."""
+    pairs = recording.ffn_pairs(layer)
+    if told is not None:
+        d_in, d_out = (torch.linalg.qr(v.double().T).Q.T for v in told)
+    else:
+        d_in = varied_most(torch.cat([y for y, _ in pairs]), k)
+        d_out = varied_most(torch.cat([a for _, a in pairs]), k)
+    return ffn_update([(flattened(y, d_in), flattened(a, d_out)) for y, a in pairs], w, gamma, **fit)
+
+
+def extraction_error(estimate: Estimate, true: torch.Tensor, units: torch.Tensor | None = None) -> float:
+    """``||estimate - true||_F / ||true||_F`` over the rows of ``units`` (I,) bool (default: the
+    units the estimate covers); 1.0 when it covers none."""
+    units = estimate.covered if units is None else units
+    if not bool(units.any()):
+        return 1.0
+    true = estimate.visible(true)[units]
+    return float((estimate.visible(estimate.update)[units] - true).norm() / true.norm())
+
+
+def lora_update(weights: dict[str, torch.Tensor], li: int, site: str, scaling: float) -> torch.Tensor:
+    """The true update scaling * B A of a LoRA site of upper layer ``li`` (canonical weights)."""
+    return scaling * weights[f"layers.{li}.lora.{site}_B"] @ weights[f"layers.{li}.lora.{site}_A"]
