@@ -27,9 +27,10 @@ import multiprocessing as mp
 import statistics
 import time
 
-from common import adapter_variants, finish, machine, start, table
+from common import adapter_variants, finish, machine, start, table, timeit
 
 CLIENTS = (1, 8, 32)
+GEMM_ROWS = (16, 64, 310, 923, 4096)  # 310: one request of 8 texts; 923: what 32 clients gathered
 
 
 def _client_process(mode, url, jobs, texts, requests, ready, go, results):
@@ -109,13 +110,10 @@ def measure(mode, url, tenants, texts, requests, processes):
 
 
 def _trainer_process(url, token, archive, rows, ready, stop, results):
-    """A private fine-tune (LoRA on every linear layer, the shipped noise) at low CPU priority, until
-    ``stop``; reports the steps it made."""
-    import os
-
+    """A private fine-tune (LoRA on every linear layer, the shipped noise) until ``stop``; reports
+    the steps it made meanwhile."""
     import torch
 
-    os.nice(19)
     torch.set_num_threads(1)
     from hmi.model.root import default_spec
     from hmi.split.client import BaseClient
@@ -147,7 +145,7 @@ def _trainer_process(url, token, archive, rows, ready, stop, results):
 
 def beside_training(url, private, trainer, rows, texts, requests, processes) -> dict:
     """Inference clients' latency alone, then beside a fine-tuning client (its calls at training
-    priority)."""
+    priority; its process shares the cores with the inference clients' and the server's)."""
     ctx = mp.get_context("spawn")
     alone = measure("private", url, private, texts, requests, processes)
     ready, stop, results = ctx.Queue(), ctx.Event(), ctx.Queue()
@@ -292,19 +290,35 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
     diff = max(abs(a["scores"][k] - b["scores"][k]) for a, b in zip(want, mine) for k in a["scores"])
     rows, res = [], {"max_abs_diff_vs_hosted": round(diff, 8), "requests_per_client": requests, "texts": args.texts,
                      "processes": args.processes}
-    for n in CLIENTS:
+    # The table's rows: every client count with requests of --texts texts, then 32 clients with
+    # requests of one text (small calls: where batching across clients can pay on a CPU).
+    for n, batch, tag in [(n, texts, "") for n in CLIENTS] + [(max(CLIENTS), texts[:1], "_one_text")]:
         for mode, tenants, batching in (("hosted", hosted, True), ("private", private, True),
                                         ("private, unbatched", private, False)):
             server.executor.batching = batching
             before = dict(server.executor.stats)
-            rps, p50, p99, trips, nbytes = measure(mode, url, tenants[:n], texts, requests, args.processes)
-            gemm_rows = (server.executor.stats["rows"] - before["rows"]) / max(1, server.executor.stats["batches"]
-                                                                              - before["batches"])
-            rows.append((n, mode, f"{rps:.2f}", f"{p50:.0f}", f"{p99:.0f}", f"{trips:.1f}", f"{nbytes / 2**20:.2f}",
-                         f"{gemm_rows:.0f}" if mode != "hosted" else "-"))
-            res[f"{mode.replace(', ', '_')}_{n}_rps"] = round(rps, 3)
+            reqs = requests * (4 if tag else 1)  # small requests: more of them, for a stable rate
+            rps, p50, p99, trips, nbytes = measure(mode, url, tenants[:n], batch, reqs, args.processes)
+            after = server.executor.stats
+            gemm_rows = (after["rows"] - before["rows"]) / max(1, after["batches"] - before["batches"])
+            busy = (after["seconds"] - before["seconds"]) / (n * reqs / rps)  # of the run's wall time
+            private_only = (lambda v: v) if mode != "hosted" else (lambda v: "-")
+            rows.append((f"{n}" + (" (1 text)" if tag else ""), mode, f"{rps:.2f}", f"{p50:.0f}", f"{p99:.0f}",
+                         f"{trips:.1f}", f"{nbytes / 2**20:.2f}", private_only(f"{gemm_rows:.0f}"),
+                         private_only(f"{100 * busy:.0f}%")))
+            res[f"{mode.replace(', ', '_')}_{n}{tag}_rps"] = round(rps, 3)
             print(rows[-1], flush=True)
     server.executor.batching = True
+    # What a bigger GEMM buys on this CPU: microseconds a row of one layer's four projections, by
+    # rows a GEMM (the executor's own kernels, alone; its thread is otherwise idle here).
+    import torch
+
+    lin, layer = server.executor.linears, root.l_low
+    for n in GEMM_ROWS:
+        xs = {p: torch.randn(n, lin.width(layer, p, "forward")) for p in ("qkv", "attn_out", "ffn_in", "ffn_out")}
+        with torch.no_grad():
+            sec = timeit(lambda: [lin.run(layer, p, "forward", x) for p, x in xs.items()], repeat=7)
+        res[f"gemm_us_per_row_{n}"] = round(1e6 * sec / n, 2)
     trainee = AdapterSpec.for_task("classification", ("fresh", "rotten"), "lora", targets="all")
     w = adapter_variants(root.bert, root.l_low, trainee, 1)[0]
     trainer = (server.tenants.create_private("bench-trainer"), zip_files(write_encoder(trainee, w, shape, "bench-t"),
@@ -314,6 +328,9 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
     print({k: v for k, v in res.items() if k.startswith(("inference", "training"))}, flush=True)
     res["private_over_hosted_32"] = round(res["private_32_rps"] / res["hosted_32_rps"], 3)
     res["batched_over_unbatched_32"] = round(res["private_32_rps"] / res["private_unbatched_32_rps"], 3)
+    res["private_over_hosted_32_one_text"] = round(res["private_32_one_text_rps"] / res["hosted_32_one_text_rps"], 3)
+    res["batched_over_unbatched_32_one_text"] = round(res["private_32_one_text_rps"]
+                                                      / res["private_unbatched_32_one_text_rps"], 3)
     return rows, res
 
 
@@ -357,11 +374,23 @@ def main() -> None:
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
             f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
             f"the machine's cores ({machine()}). Private tenants with the shipped noise (effects computed by the "
-            "client, once, before the clock starts).\n\n"
+            "client, once, before the clock starts). Executor busy: the share of the run's wall time the executor's "
+            "thread spent in GEMMs.\n\n"
             + table(rows, THROUGHPUT_HEADERS)
-            + f"\n\nprivate / hosted at 32 clients: {res['private_over_hosted_32']}; cross-client batching / none at "
-              f"32 clients: {res['batched_over_unbatched_32']}; largest score difference private (with noise) vs "
+            + f"\n\nprivate / hosted at 32 clients: {res['private_over_hosted_32']} (one text a request: "
+              f"{res['private_over_hosted_32_one_text']}); cross-client batching / none at 32 clients: "
+              f"{res['batched_over_unbatched_32']} (one text a request: {res['batched_over_unbatched_32_one_text']}); "
+              "largest score difference private (with noise) vs "
               f"hosted: {res['max_abs_diff_vs_hosted']:.2e}.\n\n"
+            + f"Inference beside a private fine-tune (8 private inference clients, then the same beside one client "
+              f"fine-tuning LoRA on every linear layer, batches of 16, in a process of its own on the same cores): p50 "
+              f"{res['inference_alone_p50_ms']} ms alone, {res['inference_beside_training_p50_ms']} ms beside it "
+              f"({res['inference_beside_training_over_alone_p50']}x; p99 {res['inference_alone_p99_ms']} and "
+              f"{res['inference_beside_training_p99_ms']} ms); the fine-tune made "
+              f"{res['training_steps_meanwhile']} steps meanwhile ({res['training_steps_per_s']} a second).\n\n"
+            + "What a bigger GEMM buys here: one layer's four projections, microseconds a row, by rows a GEMM "
+              "(the executor's kernels alone): "
+            + ", ".join(f"{n} rows {res[f'gemm_us_per_row_{n}']}" for n in GEMM_ROWS) + ".\n\n"
             + f"The provider as an attacker: a private LoRA tenant (rank 8 on each upper layer's FFN input, "
               f"||delta W|| / ||W|| up to {res['update_over_weight']}) answered {res['attack_texts']} held-out texts; "
               f"each attacker fitted {res['attack_units_per_layer']} sampled output units of every upper layer "
@@ -377,7 +406,7 @@ def main() -> None:
 
 
 THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
-                      "MiB / request", "rows / executor GEMM")
+                      "MiB / request", "rows / executor GEMM", "executor busy")
 
 if __name__ == "__main__":
     main()

@@ -70,15 +70,18 @@ def http_client(port: int):
 
 
 def ws_client(port: int):
+    from contextlib import ExitStack
+
     from websockets.sync.client import connect
 
-    sock = connect(f"ws://127.0.0.1:{port}/ws", max_size=64 << 20, compression=None)
+    stack = ExitStack()
+    sock = stack.enter_context(connect(f"ws://127.0.0.1:{port}/ws", max_size=64 << 20, compression=None))
 
     def call(body: bytes) -> bytes:
         sock.send(body)
         return sock.recv()
 
-    return call, sock.close
+    return call, stack.close
 
 
 def run(make, port: int, body: bytes, clients: int, calls: int) -> tuple[list[float], float]:

@@ -135,7 +135,7 @@ class Server:
     def executor(self) -> BaseExecutor:
         """The base executor of private tenants (``hmi.split``), made on first use."""
         if self._executor is None:
-            self._executor = BaseExecutor(FrozenLinears(self.root.bert, self.root.spec.l_low),
+            self._executor = BaseExecutor(FrozenLinears(self.root.bert, self.root.spec.l_low, self.device),
                                           self.cfg.executor_wait_ms / 1000, batching=self.cfg.executor_batching)
         return self._executor
 

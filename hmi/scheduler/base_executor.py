@@ -29,11 +29,12 @@ INFERENCE, TRAINING = 0, 1
 class FrozenLinears:
     """The frozen linear projections of a root's upper layers (absolute layer indices
     ``l_low .. L-1``): ``qkv`` (query, key and value fused: D_out = 3H), ``attn_out`` (H -> H),
-    ``ffn_in`` (H -> I) and ``ffn_out`` (I -> H).  Weights are the root's own tensors (shared,
-    not copied)."""
+    ``ffn_in`` (H -> I) and ``ffn_out`` (I -> H).  On the CPU the weights are the root's own
+    tensors (shared, not copied); on a GPU (``device``) a copy lives there, and each call's rows go
+    there and come back (calls arrive and leave as CPU tensors)."""
 
-    def __init__(self, bert, l_low: int):
-        self.l_low, self.layers = l_low, len(bert.encoder.layer)
+    def __init__(self, bert, l_low: int, device: str | torch.device = "cpu"):
+        self.l_low, self.layers, self.device = l_low, len(bert.encoder.layer), torch.device(device)
         self.weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for i in range(l_low, self.layers):
             layer = bert.encoder.layer[i]
@@ -43,6 +44,8 @@ class FrozenLinears:
             for name, lin in (("attn_out", layer.attention.output.dense), ("ffn_in", layer.intermediate.dense),
                               ("ffn_out", layer.output.dense)):
                 self.weights[i, name] = (lin.weight.detach(), lin.bias.detach())
+        if self.device.type != "cpu":
+            self.weights = {k: (w.to(self.device), b.to(self.device)) for k, (w, b) in self.weights.items()}
 
     def width(self, layer: int, projection: str, operation: str) -> int:
         """The last dimension a call's tensor must have (D_in; D_out for ``backward``)."""
@@ -53,9 +56,9 @@ class FrozenLinears:
         """Semantics: forward x W^T + b; nobias x W^T; backward x W (x a gradient of the output).
         Shapes: x (N, D_in) or, for backward, (N, D_out) -> (N, D_out) or (N, D_in)."""
         w, b = self.weights[layer, projection]
-        if operation == "backward":
-            return x @ w
-        return F.linear(x, w, b if operation == "forward" else None)
+        x = x.to(self.device, non_blocking=True)
+        y = x @ w if operation == "backward" else F.linear(x, w, b if operation == "forward" else None)
+        return y.cpu()
 
 
 @dataclass

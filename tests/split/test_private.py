@@ -57,9 +57,9 @@ def private_model(live, tenant, noise: str | None = None):
     activations (``"client"``, the product's; ``"server"``, the paper's) or none."""
     base = BaseClient(live["url"], live["token"])
     files = PrivateModel.files_of(live["admin"].export_adapter(tenant))
-    hide = {None: None, "server": lambda: ServerNoise(base, scale=3.0),
-            "client": lambda: ClientNoise(live["root_dir"], scale=3.0)}[noise]
-    return PrivateModel(base, live["root_dir"], 2, files, noise=hide() if hide else None)
+    hide = {None: None, "server": lambda: ServerNoise(base, scale=3.0, seed=0),
+            "client": lambda: ClientNoise(live["root_dir"], scale=3.0, seed=0)}[noise]
+    return PrivateModel(base, live["root_dir"], 2, files, noise=hide() if hide else None)  # seeded: each run alike
 
 
 def assert_same_answers(hosted, private, tol=1e-4):
@@ -122,20 +122,25 @@ def test_the_executors_operations_are_the_frozen_layers_own(live):
     torch.testing.assert_close(base.linear(3, "qkv", "backward", g), g @ w, atol=1e-5, rtol=1e-5)
 
 
-def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_rows(live):
-    executor = live["server"].executor
-    executor.max_wait_s = 0.05  # an idle executor holds a batch for more calls (else calls meet only while it is busy)
-    lin = executor.linears
-    xs = [torch.randn(n, 32) for n in (1, 4, 9, 2, 7, 3)]
-    out, start = [None] * len(xs), threading.Barrier(len(xs))
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the executor's CUDA path runs where torch sees one")
+def test_the_executors_projections_on_a_gpu_equal_them_on_the_cpu(live):
+    bert = live["server"].root.bert
+    cpu, gpu = FrozenLinears(bert, 2), FrozenLinears(bert, 2, "cuda")
+    x, g = torch.randn(9, 32), torch.randn(9, 128)
+    for operation, rows in (("forward", x), ("nobias", x)):
+        torch.testing.assert_close(gpu.run(2, "ffn_in", operation, rows), cpu.run(2, "ffn_in", operation, rows),
+                                   atol=1e-4, rtol=1e-4)
+    got = gpu.run(2, "ffn_in", "backward", g)
+    assert got.device.type == "cpu"  # calls leave as CPU tensors
+    torch.testing.assert_close(got, cpu.run(2, "ffn_in", "backward", g), atol=1e-4, rtol=1e-4)
+
+
+def at_once(executor, threads, wait_s: float = 0.02) -> tuple[int, int]:
+    """Runs ``threads`` (each a client, starting together) to their end while the executor holds
+    a batch ``wait_s`` for more calls (on a busy test machine calls may not otherwise overlap);
+    returns the (calls, GEMMs) the executor made meanwhile."""
     before = dict(executor.stats)
-
-    def call(i):
-        base = BaseClient(live["url"], live["token"])
-        start.wait()
-        out[i] = base.linear(2, "attn_out", "forward", xs[i])
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+    executor.max_wait_s = wait_s
     try:
         for t in threads:
             t.start()
@@ -143,8 +148,21 @@ def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_r
             t.join()
     finally:
         executor.max_wait_s = 0.0
-    calls = executor.stats["calls"] - before["calls"]
-    batches = executor.stats["batches"] - before["batches"]
+    return executor.stats["calls"] - before["calls"], executor.stats["batches"] - before["batches"]
+
+
+def test_calls_of_several_clients_at_once_share_one_gemm_and_each_gets_its_own_rows(live):
+    executor = live["server"].executor
+    lin = executor.linears
+    xs = [torch.randn(n, 32) for n in (1, 4, 9, 2, 7, 3)]
+    out, start = [None] * len(xs), threading.Barrier(len(xs))
+
+    def call(i):
+        base = BaseClient(live["url"], live["token"])
+        start.wait()
+        out[i] = base.linear(2, "attn_out", "forward", xs[i])
+
+    calls, batches = at_once(executor, [threading.Thread(target=call, args=(i,)) for i in range(len(xs))])
     assert calls == len(xs) and batches < calls, (calls, batches)
     for x, y in zip(xs, out):
         torch.testing.assert_close(y, lin.run(2, "attn_out", "forward", x), atol=1e-5, rtol=1e-5)
@@ -179,18 +197,9 @@ def test_clients_of_every_adapter_kind_and_batch_size_share_executor_batches_bes
         except Exception as exc:
             errors.append(("trainer", exc))
 
-    executor.max_wait_s, before = 0.02, dict(executor.stats)  # a wait long enough to gather on a busy machine
-    try:
-        threads = [threading.Thread(target=infer, args=(t,)) for t in sizes] + [threading.Thread(target=train)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        executor.max_wait_s = 0.0
+    calls, batches = at_once(executor, [threading.Thread(target=infer, args=(t,)) for t in sizes]
+                             + [threading.Thread(target=train)])
     assert not errors, errors
-    calls = executor.stats["calls"] - before["calls"]
-    batches = executor.stats["batches"] - before["batches"]
     assert batches < calls, (calls, batches)
     for t in sizes:
         for answers in got[t]:
@@ -412,8 +421,7 @@ def test_the_provider_recovers_a_lora_update_from_what_it_served_unless_the_clie
         norm = bert.encoder.layer[layer].attention.output.LayerNorm
         true = attack.lora_update(weights, li, "ffn_in", model.spec.scaling)
         for name, est in (("naive", attack.naive(recording, layer, w, norm.weight)),
-                          ("informed", attack.informed(recording, layer, w, norm.weight, norm.bias)),
-                          ("subspace", attack.subspace(recording, layer, w, norm.weight, 16))):
+                          ("informed", attack.informed(recording, layer, w, norm.weight, norm.bias))):
             assert int(est.covered.sum()) >= 32  # most of the 64 units fired often enough to be fitted
             errors[name] = max(errors.get(name, 0.0), attack.extraction_error(est, true))
     if scheme is None:
@@ -422,7 +430,6 @@ def test_the_provider_recovers_a_lora_update_from_what_it_served_unless_the_clie
         assert errors["naive"] > 0.5 and errors["informed"] < 0.01, errors
     else:
         assert errors["naive"] > 0.5 and errors["informed"] > 0.5, errors
-    print(scheme, errors)
 
 
 def test_hmi_private_train_writes_an_archive_that_serves_hosted_as_it_trained(live, tmp_path, capsys):
