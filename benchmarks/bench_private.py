@@ -374,8 +374,8 @@ def main() -> None:
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
             f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
             f"the machine's cores ({machine()}). Private tenants with the shipped noise (effects computed by the "
-            "client, once, before the clock starts). Executor busy: the share of the run's wall time the executor's "
-            "thread spent in GEMMs.\n\n"
+            "client, once, before the clock starts). Executor busy: the executor thread's seconds in GEMMs over the "
+            "run's wall time (its count includes the clients' warm-up requests, so it can pass 100%).\n\n"
             + table(rows, THROUGHPUT_HEADERS)
             + f"\n\nprivate / hosted at 32 clients: {res['private_over_hosted_32']} (one text a request: "
               f"{res['private_over_hosted_32_one_text']}); cross-client batching / none at 32 clients: "
