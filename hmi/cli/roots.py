@@ -205,7 +205,8 @@ def _calibrate_args(cal) -> None:
                      help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
     cal.add_argument("--max-minutes", type=float, default=None,
                      help="the encoder calibration's time budget, resumed runs included (default 30; 90 for "
-                          "mpnet-base); the learning rate decays over the budget when the steps would not fit")
+                          "mpnet-base); the learning rate decays over the budget when the steps would not fit. "
+                          "Re-run with a larger budget, a calibration continues from its checkpoint")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

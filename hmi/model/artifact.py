@@ -198,8 +198,8 @@ def calibration_shortfall(meta: dict) -> str | None:
     minutes = "" if not seconds else f" --max-minutes {10 * (int(seconds / done * steps * 1.1 / 600) + 1)}"
     return (f"the time budget ({cal.get('max_minutes')} min) held {done} of the {steps} steps on this machine: the "
             f"learning rate decayed over those. A shortened calibration costs accuracy (mpnet-base 6+6 at 325 of 800 "
-            f"steps: 4 to 10 points on classification tasks, docs/roots.md). The whole recipe at this machine's pace, "
-            f"from the start: `hmi calibrate{flags}{minutes}`")
+            f"steps: 4 to 10 points on classification tasks, docs/roots.md). The whole recipe at this machine's pace "
+            f"(continuing from the run's checkpoint where it is kept): `hmi calibrate{flags}{minutes}`")
 
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"

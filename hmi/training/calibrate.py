@@ -6,7 +6,10 @@ of every shared upper layer (MSE) and one minus the cosine of the mean-pooled fi
 Checkpoints let a killed run resume where it stopped.
 
 Time budget (``CalibrationConfig.max_minutes``): the whole calibration's, resumed runs included.
-At each checkpoint the steps are planned again from the pace so far (``StepPlan``): when
+The budget is not part of what a checkpoint must match: a run resumed with a larger budget
+continues where it stopped and plans again at once, so a recipe cut short by one budget can be
+finished later (its learning rate rises again to where the longer plan's schedule stands: a warm
+restart, not the uninterrupted schedule).  At each checkpoint the steps are planned again from the pace so far (``StepPlan``): when
 ``cfg.steps`` would not fit, the run is shortened to the steps that do and the learning rate
 decays to its end over them, so a slow machine ends with a finished schedule rather than a run
 cut at a high learning rate.  Where the steps fit, the plan stays at ``cfg.steps`` and runs
@@ -258,6 +261,13 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed)
 
 
+def same_recipe(saved: dict, config: dict) -> bool:
+    """Whether a checkpoint's configuration is this one's, the time budget aside (a budget limits
+    how long the recipe may take, not what it is)."""
+    return {k: v for k, v in saved.items() if k != "max_minutes"} == \
+        {k: v for k, v in config.items() if k != "max_minutes"}
+
+
 def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
               work_dir: Path | None = None, home: Path | None = None, log=print) -> tuple[str, dict]:
     """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata)."""
@@ -280,13 +290,15 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     before = None
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=True)
-        if ck["config"] == asdict(cfg) and ck.get("root") == fingerprint:
+        if same_recipe(ck["config"], asdict(cfg)) and ck.get("root") == fingerprint:
             windowed.load_state_dict(ck["model"])
             plan.steps, plan.spent_before_s = ck.get("planned_steps", cfg.steps), ck.get("spent_seconds", 0.0)
-            fit.set_total(plan.steps)
             fit.load_state_dict(ck)
+            if ck["config"].get("max_minutes") != cfg.max_minutes:  # a new budget: the steps it holds now
+                plan.steps = plan.replan(fit.step_count, plan.spent_before_s) if plan.budget_s else cfg.steps
+            fit.set_total(plan.steps)
             before = json.loads(ck["before"])
-            log(f"resuming calibration at step {fit.step_count}/{cfg.steps}")
+            log(f"resuming calibration at step {fit.step_count}/{plan.steps}")
     if before is None:
         windowed.eval()
         before = quality(root, eval_texts, cfg.max_len, serve=serve_whole)

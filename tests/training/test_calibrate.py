@@ -261,3 +261,33 @@ def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_p
     assert (c["steps_done"], c["steps_planned"], c["train_seconds"]) == (12, 12, 12.0)  # 12 s hold 12 steps
     lr_end = torch.load(tmp_path / "cal" / "checkpoint.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
     assert lr_end == pytest.approx(0.05 * cfg.lr)  # at its 5% floor after step 12, not cut at 70% of the peak
+
+
+def test_a_calibration_cut_short_by_its_budget_resumes_under_a_larger_one_and_finishes_the_recipe(tmp_path,
+                                                                                                    monkeypatch):
+    """A budget limits how long the recipe may take, not what it is: re-run with a larger budget,
+    a calibration continues from its checkpoint (it does not start again) and runs to the
+    recipe's end."""
+    import dataclasses
+
+    import hmi.training.calibrate as cal
+
+    clock, steps = {"now": 0.0}, {"n": 0}
+    orig = cal.calibration_loss
+
+    def slow_step(*args, **kw):  # a step takes 1 s of the budget's clock
+        clock["now"] += 1.0
+        steps["n"] += 1
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(cal, "_now", lambda: clock["now"])
+    monkeypatch.setattr(cal, "calibration_loss", slow_step)
+    cfg = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
+                            max_minutes=0.2)
+    run = {"work_dir": tmp_path / "cal", "home": tmp_path, "log": lambda *_: None}
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, **run)
+    assert meta["calibration"]["steps_done"] == 12  # 12 s hold 12 of the 40 steps
+    steps["n"] = 0
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], dataclasses.replace(cfg, max_minutes=1.0), **run)
+    assert meta["calibration"]["steps_done"] == meta["calibration"]["steps_planned"] == 40
+    assert steps["n"] == 28  # it went on from step 12
