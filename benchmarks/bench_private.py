@@ -31,6 +31,8 @@ from common import adapter_variants, finish, machine, start, table, timeit
 
 CLIENTS = (1, 8, 32)
 GEMM_ROWS = (16, 64, 310, 923, 4096)  # 310: one request of 8 texts; 923: what 32 clients gathered
+THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
+                      "MiB / request", "rows / executor GEMM", "executor busy")
 
 
 def _client_process(mode, url, jobs, texts, requests, ready, go, results):
@@ -404,9 +406,6 @@ def main() -> None:
               f"{res['noise_none_round_trips']:.2f}.")
     finish("bench_private", text, res, "python benchmarks/bench_private.py" + (" --quick" if args.quick else ""))
 
-
-THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
-                      "MiB / request", "rows / executor GEMM", "executor busy")
 
 if __name__ == "__main__":
     main()

@@ -32,7 +32,7 @@ from hmi.model.convert import load_relative_bias
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.root import load_tokenizer
 from hmi.split.client import BaseClient
-from hmi.split.noise import ClientNoise, ServerNoise
+from hmi.split.noise import ClientNoise, ServerNoise, checkpoint_tensor
 from hmi.textlimit import fit_ids
 
 SITE_PROJECTION = {"attn_out": "attn_out", "ffn_in": "ffn_in", "ffn_out": "ffn_out"}
@@ -61,9 +61,7 @@ def upper_layers(model_dir: str | Path, l_low: int) -> tuple[nn.ModuleList, Bert
             for norm, name in ((layer.attention.output.LayerNorm, "attention.output.LayerNorm"),
                                (layer.output.LayerNorm, "output.LayerNorm")):
                 for p in ("weight", "bias"):
-                    key = next(k for k in (f"encoder.layer.{i}.{name}.{p}", f"bert.encoder.layer.{i}.{name}.{p}")
-                               if k in keys)
-                    getattr(norm, p).data.copy_(f.get_tensor(key))
+                    getattr(norm, p).data.copy_(checkpoint_tensor(f, keys, f"encoder.layer.{i}.{name}.{p}"))
             layers.append(layer.eval().requires_grad_(False))
     return layers, config
 

@@ -35,19 +35,22 @@ PROJECTION_MODULES = {"qkv": ("attention.self.query", "attention.self.key", "att
                       "ffn_out": ("output.dense",)}
 
 
+def checkpoint_tensor(f, keys: set[str], name: str) -> torch.Tensor:
+    """The tensor ``name`` (``encoder.layer...``) of a root checkpoint opened with ``safe_open`` as
+    ``f`` whose names are ``keys``, stored with or without the ``bert.`` prefix."""
+    key = name if name in keys else f"bert.{name}"
+    if key not in keys:
+        raise KeyError(f"the root checkpoint has no {name}")
+    return f.get_tensor(key)
+
+
 def read_projection(model_dir: str | Path, layer: int, projection: str) -> torch.Tensor:
     """The frozen weight W (D_out, D_in) of a projection of layer ``layer``, read from the root
-    checkpoint (``model.safetensors``, with or without the ``bert.`` prefix)."""
+    checkpoint (``model.safetensors``)."""
     with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-        parts = []
-        for module in PROJECTION_MODULES[projection]:
-            name = f"encoder.layer.{layer}.{module}.weight"
-            key = name if name in keys else f"bert.{name}"
-            if key not in keys:
-                raise KeyError(f"{Path(model_dir) / 'model.safetensors'} has no {name}")
-            parts.append(f.get_tensor(key).float())
-    return torch.cat(parts)
+        return torch.cat([checkpoint_tensor(f, keys, f"encoder.layer.{layer}.{module}.weight").float()
+                          for module in PROJECTION_MODULES[projection]])
 
 
 class _Pool:

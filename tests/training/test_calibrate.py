@@ -241,20 +241,32 @@ def test_schedule_decays_to_its_end_at_the_planned_total_not_the_configured_step
     assert schedule(cfg)(249) > 0.6  # a run cut there without a plan stops at a high learning rate
 
 
-def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_path, monkeypatch):
+# 40 steps within 12 seconds of the budget's clock: on ``slow_machine`` the budget holds 12 of them.
+BUDGETED = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
+                             max_minutes=0.2)
+
+
+@pytest.fixture
+def slow_machine(monkeypatch) -> dict:
+    """A slow machine: each calibration step takes 1 s of the budget's clock.  Returns the count of
+    steps run (``["n"]``)."""
     import hmi.training.calibrate as cal
 
-    clock = {"now": 0.0}
+    clock, steps = {"now": 0.0}, {"n": 0}
     orig = cal.calibration_loss
 
-    def slow_step(*args, **kw):  # a slow machine: a step takes 1 s of the budget's clock, 40 take 40 s
+    def slow_step(*args, **kw):
         clock["now"] += 1.0
+        steps["n"] += 1
         return orig(*args, **kw)
 
     monkeypatch.setattr(cal, "_now", lambda: clock["now"])
     monkeypatch.setattr(cal, "calibration_loss", slow_step)
-    cfg = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
-                            max_minutes=0.2)
+    return steps
+
+
+def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_path, slow_machine):
+    cfg = BUDGETED
     _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "cal", home=tmp_path,
                         log=lambda *_: None)
     c = meta["calibration"]
@@ -264,30 +276,16 @@ def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_p
 
 
 def test_a_calibration_cut_short_by_its_budget_resumes_under_a_larger_one_and_finishes_the_recipe(tmp_path,
-                                                                                                    monkeypatch):
+                                                                                                    slow_machine):
     """A budget limits how long the recipe may take, not what it is: re-run with a larger budget,
     a calibration continues from its checkpoint (it does not start again) and runs to the
     recipe's end."""
     import dataclasses
 
-    import hmi.training.calibrate as cal
-
-    clock, steps = {"now": 0.0}, {"n": 0}
-    orig = cal.calibration_loss
-
-    def slow_step(*args, **kw):  # a step takes 1 s of the budget's clock
-        clock["now"] += 1.0
-        steps["n"] += 1
-        return orig(*args, **kw)
-
-    monkeypatch.setattr(cal, "_now", lambda: clock["now"])
-    monkeypatch.setattr(cal, "calibration_loss", slow_step)
-    cfg = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
-                            max_minutes=0.2)
     run = {"work_dir": tmp_path / "cal", "home": tmp_path, "log": lambda *_: None}
-    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, **run)
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], BUDGETED, **run)
     assert meta["calibration"]["steps_done"] == 12  # 12 s hold 12 of the 40 steps
-    steps["n"] = 0
-    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], dataclasses.replace(cfg, max_minutes=1.0), **run)
+    slow_machine["n"] = 0
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], dataclasses.replace(BUDGETED, max_minutes=1.0), **run)
     assert meta["calibration"]["steps_done"] == meta["calibration"]["steps_planned"] == 40
-    assert steps["n"] == 28  # it went on from step 12
+    assert slow_machine["n"] == 28  # it went on from step 12
