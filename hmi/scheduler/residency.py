@@ -104,6 +104,8 @@ class ResidencyManager:
             if sig not in self.pools:
                 self.pools[sig] = SlotPool(sig, self.slots, self.n_layers, self.hidden, self.intermediate,
                                            self.max_labels, self.device, scaling=entry.spec.scaling)
+                if self.cuda:  # the copy stream writes the new pool only after the compute stream zeroed it
+                    self.streams.copy.wait_stream(self.streams.compute())
             return self.pools[sig]
 
     def check(self, entry: TenantEntry, weights: dict[str, torch.Tensor]) -> None:

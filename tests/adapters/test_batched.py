@@ -1,5 +1,7 @@
 """The batched multi-tenant forward against the ``adapters`` library run one tenant at a time."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,7 @@ from hmi.adapters.interop import attach, from_library, library_model
 from hmi.adapters.pool import PoolExhaustedError, SlotPool
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import UpperLayers
-from tests.conftest import tiny_bert
+from tests.conftest import DEVICES, tiny_bert
 
 L_LOW, H = 2, 32
 
@@ -18,13 +20,15 @@ def ref_segment_bmm(x, slots, w, b=None):
     return torch.stack([x[n] @ w[s] + (0 if b is None else b[s]) for n, s in enumerate(slots.tolist())])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 2, 2, 2], [1, 0, 1, 3], [3, 1, 3, 1]])
-def test_segment_bmm_matches_per_request_loop(slots):
+def test_segment_bmm_matches_per_request_loop(slots, device):
     torch.manual_seed(0)
     x, w, b = torch.randn(4, 5, 6), torch.randn(4, 6, 3), torch.randn(4, 3)
     s = torch.tensor(slots)
-    torch.testing.assert_close(segment_bmm(x, s, w, b), ref_segment_bmm(x, s, w, b))
-    torch.testing.assert_close(segment_bmm(x, s, w), ref_segment_bmm(x, s, w))
+    on = lambda *ts: [t.to(device) for t in ts]
+    torch.testing.assert_close(segment_bmm(*on(x, s, w, b)).cpu(), ref_segment_bmm(x, s, w, b), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(segment_bmm(*on(x, s, w)).cpu(), ref_segment_bmm(x, s, w), atol=1e-5, rtol=1e-5)
 
 
 TENANTS = {  # name -> spec; mixed kinds, sizes, label counts and pooling
@@ -88,17 +92,18 @@ def reference(lib, name, spec, weights, hidden, mask):
     return out, vec @ weights["head.w"] + weights["head.b"]
 
 
-def pools_for(bert, specs, n_slots=4):
+def pools_for(bert, specs, n_slots=4, device="cpu"):
     pools = {}
     for spec in specs:
         sig = spec.signature(H)
         if sig not in pools:
             pools[sig] = SlotPool(sig, n_slots, 2, H, bert.config.intermediate_size, max_labels=6,
-                                  scaling=spec.scaling)
+                                  scaling=spec.scaling, device=device)
     return pools
 
 
-def run_batched(bert, weights, batch, hidden, mask, pools):
+def run_batched(bert, weights, batch, hidden, mask, pools, device="cpu"):
+    """The serving path's batched forward on ``device`` (the pools' device); outputs on the CPU."""
     groups, acquired = [], []
     by_sig = {}
     for row, name in enumerate(batch):
@@ -109,21 +114,25 @@ def run_batched(bert, weights, batch, hidden, mask, pools):
         for n in missing:
             pool.write(slots[n], weights[n])
         acquired.append((pool, slots))
-        rows = torch.tensor([r for r, _ in members])
-        groups.append(Group(rows, torch.tensor([slots[n] for _, n in members]), pool,
+        rows = torch.tensor([r for r, _ in members], device=device)
+        groups.append(Group(rows, torch.tensor([slots[n] for _, n in members], device=device), pool,
                             all_rows=len(by_sig) == 1))
-    tagging = torch.tensor([TENANTS[n].head == "tagging" for n in batch])
-    mean = torch.tensor([TENANTS[n].pooling == "mean" for n in batch])
+    tagging = torch.tensor([TENANTS[n].head == "tagging" for n in batch], device=device)
+    mean = torch.tensor([TENANTS[n].pooling == "mean" for n in batch], device=device)
+    layers, bias = UpperLayers(bert, L_LOW).layers, getattr(bert, "relative_bias", None)
+    if device != "cpu":
+        layers, bias = copy.deepcopy(layers).to(device), None if bias is None else copy.deepcopy(bias).to(device)
+    hidden, mask = hidden.to(device), mask.to(device)
     with torch.no_grad():
-        out = upper_forward(UpperLayers(bert, L_LOW).layers, hidden, mask, groups,
-                            relative_bias=getattr(bert, "relative_bias", None))
+        out = upper_forward(layers, hidden, mask, groups, relative_bias=bias)
         logits = batched_heads(out, groups, tagging, mask, mean)
     for pool, slots in acquired:
         pool.release(slots)
-    return out, logits
+    return out.cpu(), logits.cpu()
 
 
-def test_batched_forward_of_mixed_tenants_equals_library_one_at_a_time(setup):
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_forward_of_mixed_tenants_equals_library_one_at_a_time(setup, device):
     bert, lib, weights = setup
     batch = ["t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", "t9", "t2", "t0", "t6", "t8", "t0"]  # repeats included
     rng = np.random.default_rng(0)
@@ -134,7 +143,7 @@ def test_batched_forward_of_mixed_tenants_equals_library_one_at_a_time(setup):
         mask[i, :n] = 1
     torch.manual_seed(3)
     hidden = torch.randn(len(batch), T, H)
-    out, logits = run_batched(bert, weights, batch, hidden, mask, pools_for(bert, TENANTS.values()))
+    out, logits = run_batched(bert, weights, batch, hidden, mask, pools_for(bert, TENANTS.values(), device=device), device)
     with torch.no_grad():
         for i, name in enumerate(batch):
             n = int(lengths[i])

@@ -9,6 +9,7 @@ from hmi.model.decoder import CausalLower, DecoderRoot, run_layers
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenRequest
+from tests.conftest import DEVICES
 
 L_LOW, VOCAB = 2, 90
 
@@ -85,17 +86,20 @@ PROMPTS = [("t0", "hello world"), ("t1", "the cat sat on"), ("t2", "abc"), ("t0"
            ("t1", "x"), ("t2", "hello world")]
 
 
-def test_batched_multi_tenant_lora_generation_equals_the_library_one_tenant_at_a_time_without_cache(world):
-    e = engine(world)
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_multi_tenant_lora_generation_equals_the_library_one_tenant_at_a_time_without_cache(world, device):
+    """On a GPU: upper layers, KV cache and LoRA pool there; the reference runs on the CPU."""
+    e = engine(world, device=device)
     got = e.generate([GenRequest(t, p, max_new_tokens=6) for t, p in PROMPTS])
     for (t, p), r in zip(PROMPTS, got):
         assert r["text"] == reference_greedy(world, t, p, 6), (t, p)
         assert r["finish_reason"] == "length" and r["tokens"] == 6
 
 
-def test_requests_that_finish_at_different_steps_and_join_late_get_their_solo_results(world):
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_that_finish_at_different_steps_and_join_late_get_their_solo_results(world, device):
     lengths = [3, 9, 1, 7, 5, 2]
-    batch = engine(world, max_active=3).generate([GenRequest(t, p, max_new_tokens=n) for (t, p), n in zip(PROMPTS, lengths)])
+    batch = engine(world, max_active=3, device=device).generate([GenRequest(t, p, max_new_tokens=n) for (t, p), n in zip(PROMPTS, lengths)])
     for (t, p), n, r in zip(PROMPTS, lengths, batch):
         solo = engine(world).generate([GenRequest(t, p, max_new_tokens=n)])[0]
         assert r == solo

@@ -14,7 +14,7 @@ from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
 from hmi.training.finetune import tenant_model
-from tests.conftest import tiny_bert
+from tests.conftest import DEVICES, tiny_bert
 
 H, L_LOW = 32, 2
 KINDS = [AdapterSpec("bottleneck", labels=("a", "b", "c")), AdapterSpec("lora", rank=4, labels=("x", "y")),
@@ -82,16 +82,19 @@ def same(a, b):
         assert [t["token"] for t in a["tokens"]] == [t["token"] for t in b["tokens"]]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("switches", [
     {}, {"pipeline_retrieval": False}, {"pipeline_swap": False}, {"batched_adapters": False},
     {"pool_slots": 2, "max_batch": 7},
 ])
-def test_pipelined_results_equal_synchronized_results_for_many_tenants(world, switches):
+def test_pipelined_results_equal_synchronized_results_for_many_tenants(world, switches, device):
+    """On a GPU: upper layers, pools and heads there, adapters copied on their own stream; the
+    reference is the synchronized path on the CPU."""
     pairs = workload()
-    ref = make(world, pipeline_retrieval=False, pipeline_swap=False, batched_adapters=False)
+    ref = make(world, pipeline_retrieval=False, pipeline_swap=False, batched_adapters=False, device="cpu")
     want = ref.infer(pairs)
     ref.shutdown()
-    s = make(world, **switches)
+    s = make(world, device=device, **switches)
     got = s.infer(pairs)
     s.shutdown()
     for a, b in zip(got, want):
@@ -205,8 +208,9 @@ def test_scheduler_sets_the_configured_gil_switch_interval_and_none_keeps_it(wor
         sys.setswitchinterval(before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooling):
+def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooling, device):
     """Serving (batched pool, PLOT lookup, pooled head) computes what the fine-tune job trained."""
     from hmi.model.hplm import as_numpy_ids
 
@@ -219,7 +223,7 @@ def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooli
             p.add_(0.2 * torch.randn(p.shape))
     adapters.save(name, spec, trainer.weights())
     trainer.load(adapters.load(name))  # the fp16 weights that serving reads
-    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig())
+    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig(device=device))
     got = s.infer([(name, text) for text in TEXTS])
     s.shutdown()
     ids, mask = as_numpy_ids(tok(TEXTS)["input_ids"])

@@ -122,19 +122,6 @@ def test_the_executors_operations_are_the_frozen_layers_own(live):
     torch.testing.assert_close(base.linear(3, "qkv", "backward", g), g @ w, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: the executor's CUDA path runs where torch sees one")
-def test_the_executors_projections_on_a_gpu_equal_them_on_the_cpu(live):
-    bert = live["server"].root.bert
-    cpu, gpu = FrozenLinears(bert, 2), FrozenLinears(bert, 2, "cuda")
-    x, g = torch.randn(9, 32), torch.randn(9, 128)
-    for operation, rows in (("forward", x), ("nobias", x)):
-        torch.testing.assert_close(gpu.run(2, "ffn_in", operation, rows), cpu.run(2, "ffn_in", operation, rows),
-                                   atol=1e-4, rtol=1e-4)
-    got = gpu.run(2, "ffn_in", "backward", g)
-    assert got.device.type == "cpu"  # calls leave as CPU tensors
-    torch.testing.assert_close(got, cpu.run(2, "ffn_in", "backward", g), atol=1e-4, rtol=1e-4)
-
-
 def at_once(executor, threads, wait_s: float = 0.02) -> tuple[int, int]:
     """Runs ``threads`` (each a client, starting together) to their end while the executor holds
     a batch ``wait_s`` for more calls (on a busy test machine calls may not otherwise overlap);
@@ -239,7 +226,8 @@ BAD_CALLS = [  # (path, body, status, code)
 ]
 
 
-@pytest.mark.parametrize("path, body, status, code", BAD_CALLS)
+@pytest.mark.parametrize("path, body, status, code", BAD_CALLS,  # ids without the (random) bodies: one per worker
+                         ids=[f"{i}-{path.split('?')[0]}-{code}" for i, (path, _, _, code) in enumerate(BAD_CALLS)])
 def test_a_bad_call_at_the_executor_is_a_4xx_that_says_why_and_hurts_nobody(live, path, body, status, code):
     import json
 
