@@ -8,6 +8,9 @@ Usage: python benchmarks/bench_device.py [--quick]
   3+3 split with each row's own LoRA (rank 8 on query and value) and head, batched across
   tenants (``hmi.adapters.batched.upper_forward`` over slot pools, weights resident), 32 texts
   of 64 tokens, at 1 and 100 tenants: rows per second.
+- **PLOT hot tier**: a batch's distinct windows (4,096 keys, 90% held) looked up in a tier of
+  500,000 entries of the root's value shape (``hmi.plot.hot.HotTier``: ``searchsorted`` and a
+  gather; 1.1 GB), values left on the tier's device: microseconds per key.
 - **Base executor** (private tenants): 32 clients at once, each calling the 12 frozen
   projections of the upper layers on its own 64 rows, through ``BaseExecutor`` with cross-client
   batching and with every call alone (calls arrive and leave as CPU tensors, as over HTTP):
@@ -83,6 +86,31 @@ def upper_rows_per_s(bert, device: torch.device, tenants: int, repeat: int) -> f
     return BATCH * repeat / (time.perf_counter() - start)
 
 
+def hot_tier_us_per_key(device: torch.device, repeat: int, entries: int = 500_000, queries: int = 4096) -> float:
+    """Microseconds per key of a hot-tier lookup and gather (values stay on the device)."""
+    import numpy as np
+
+    from hmi.plot.hot import HotTier
+
+    rng = np.random.default_rng(0)
+    keys = rng.choice(np.uint64(1) << np.uint64(62), size=entries, replace=False).astype(np.uint64)
+    tier = HotTier(keys, np.ones((entries, 3, HIDDEN), dtype=np.float16), device)
+    held = rng.choice(keys, size=int(queries * 0.9))
+    q = np.concatenate([held, rng.integers(1, 1 << 62, size=queries - len(held), dtype=np.int64).astype(np.uint64)])
+    q = torch.from_numpy(q.view(np.int64)).to(device)
+
+    def once():
+        pos, found = tier.lookup(q)
+        tier.values[pos[found]]
+        sync(device)
+
+    once()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        once()
+    return (time.perf_counter() - start) / repeat / queries * 1e6
+
+
 def executor_calls_per_s(bert, device: torch.device, batching: bool, rounds: int) -> tuple[float, float]:
     """Calls per second of ``CLIENTS`` clients calling every upper-layer projection at once, and
     the mean rows per GEMM."""
@@ -124,13 +152,16 @@ def main() -> None:
     bert = minilm_shaped_root()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     repeat, rounds = (3, 2) if args.quick else (10, 5)
-    result, upper_rows, exec_rows = {}, [], []
+    result, upper_rows, exec_rows, hot_rows = {}, [], [], []
     for device in devices:
         d = device.type
         for tenants in (1, 100):
             rps = upper_rows_per_s(bert, device, tenants, repeat if d == "cpu" else 20 * repeat)
             result[f"upper_rows_per_s_{d}_{tenants}"] = round(rps, 1)
             upper_rows.append((d, tenants, f"{rps:,.0f}"))
+        us = hot_tier_us_per_key(device, 5 * repeat)
+        result[f"hot_tier_us_per_key_{d}"] = round(us, 3)
+        hot_rows.append((d, f"{us:.3f}"))
         (batched, per_gemm), (alone, _) = (executor_calls_per_s(bert, device, b, rounds) for b in (True, False))
         result[f"executor_batched_over_unbatched_{d}_{CLIENTS}"] = round(batched / alone, 2)
         exec_rows.append((d, f"{batched:,.0f}", f"{alone:,.0f}", f"{batched / alone:.2f}", f"{per_gemm:.0f}"))
@@ -143,6 +174,7 @@ def main() -> None:
         "random weights. " + ("" if torch.cuda.is_available() else "No GPU here: the CPU rows only."),
         f"Upper layers, {BATCH} texts x {TOKENS} tokens, LoRA rank 8 on q and v plus a head per tenant "
         "(adapters resident):\n\n" + table(upper_rows, ("device", "tenants", "rows/s")),
+        "PLOT hot tier, 4,096 distinct windows (90% held) in 500,000 entries:\n\n" + table(hot_rows, ("device", "us / key")),
         f"Base executor, {CLIENTS} clients at once, each calling the {4 * (LAYERS - L_LOW)} upper-layer projections "
         f"on {TOKENS} rows (CPU tensors in and out):\n\n"
         + table(exec_rows, ("device", "calls/s batched", "calls/s alone", "batched/alone", "rows per GEMM")),

@@ -1,4 +1,7 @@
-"""PLOT lookup + merge against computing the lower layers it replaces (batch 32 x 128, real text).
+"""PLOT lookup + merge against computing the lower layers it replaces (batch 32 x 128, real text),
+where the lookup's time goes, and the hot tier (``hmi.plot.hot``) in front of LMDB at several
+budgets: the tier's entries are the root PLOT's keys most read by the general corpus's first
+lines (not the measured texts), so its hit rate is what a server would see on the tasks' texts.
 
 Usage: python benchmarks/bench_plot.py [--quick]
 """
@@ -9,12 +12,14 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, prepared_root, real_batch, start, table, timeit  # noqa: E402
+from benchmarks.common import finish, prepared_root, real_batch, start, table  # noqa: E402
+from benchmarks.common import timeit as timed  # noqa: E402
 
 
 def main() -> None:
@@ -26,6 +31,10 @@ def main() -> None:
     from hmi.plot.store import PlotStore
 
     repeat = 2 if args.quick else 10
+    # Each path warmed up three times: a lookup's first two calls (first-touch memory of the
+    # merge, the PLOT's pages) take 3 to 7 times a warm one; one warm-up left --quick's figures
+    # at a quarter of the steady speed.
+    timeit = partial(timed, warmup=3)
     root, version = prepared_root()
     ids, mask = real_batch(root.tokenizer)
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
@@ -49,7 +58,15 @@ def main() -> None:
         t_merge = timeit(lambda: enc.merge(lookup.represent(ids, mask).reps), repeat) - timeit(
             lambda: lookup.represent(ids, mask), repeat)
 
-    uniq, _ = unique_windows(encoder_windows(ids, mask), mask)
+    # Where the lookup's time goes: windows, PLOT reads (LMDB and decoding), merge.
+    with torch.no_grad():
+        t_windows = timeit(lambda: unique_windows(encoder_windows(ids, mask), mask), repeat)
+        uniq, inverse = unique_windows(encoder_windows(ids, mask), mask)
+        t_reads = timeit(lambda: lookup.window_reps(uniq), repeat)
+        reps_u = torch.from_numpy(lookup.window_reps(uniq)[0])
+        t_merge_u = timeit(lambda: enc.merge.forward_unique(reps_u, torch.from_numpy(inverse)), repeat)
+    hot_rows, hot_result = hot_tier(root, version, ids, mask, tokens, t_full, repeat, args.quick)
+
     lookup.hits.clear()
     lookup.merged(ids, mask)
     hits = dict(lookup.hits)
@@ -91,6 +108,10 @@ def main() -> None:
         "root_plot_entries": stats["entries"],
         "trigram_hit_rate": round(tri / len(uniq), 4),
         "batch": list(ids.shape),
+        "windows_us_per_token": per_tok(t_windows),
+        "plot_reads_us_per_token": per_tok(t_reads),
+        "merge_unique_us_per_token": per_tok(t_merge_u),
+        **hot_result,
     }
     rows = [
         ("full-context lower layers (reference)", result["full_lower_us_per_token"], "1.00"),
@@ -105,8 +126,66 @@ def main() -> None:
              f"Distinct windows in the batch: {len(uniq)}; served from tri-grams: {result['trigram_hit_rate']:.1%}; "
              f"levels: {hits}.\n"
              f"Exactness: lookup + merge vs windowed computation, max |diff| {max_err:.5f} "
-             f"(outputs up to {scale:.2f}; fp16 storage).\nBuild rate: {build_rate:.0f} n-grams/s.")
+             f"(outputs up to {scale:.2f}; {version.store.meta.dtype} storage).\nBuild rate: {build_rate:.0f} n-grams/s.")
+    text += ("\n\nWhere PLOT lookup + merge spends its time (us / token): windows and their distinct set "
+             f"{result['windows_us_per_token']}, PLOT reads (LMDB, decoding the {version.store.meta.dtype} values) "
+             f"{result['plot_reads_us_per_token']}, merge of the distinct windows {result['merge_unique_us_per_token']}.")
+    text += ("\n\nHot tier in front of LMDB, measured side by side (every variant warmed up, the PLOT in the page "
+             "cache, rounds interleaved; entries chosen by the general corpus's first lines; the batch above; "
+             f"{result['hot_mb_per_million_entries']:.0f} MB per million entries):\n\n"
+             + table(hot_rows, ("hot tier budget", "entries", "distinct windows served from it", "lookup + merge us / token",
+                                "speed-up vs LMDB alone", "speed-up vs full")))
     finish("bench_plot", text, result, "python benchmarks/bench_plot.py" + (" --quick" if args.quick else ""))
+
+
+def hot_tier(root, version, ids, mask, tokens: int, t_full: float, repeat: int, quick: bool) -> tuple[list, dict]:
+    """Lookup + merge through hot tiers of several budgets and LMDB alone, side by side: every
+    variant warmed up (the PLOT's pages in the page cache), then rounds interleaved, medians."""
+    import statistics
+
+    from hmi.data import load_corpus
+    from hmi.plot.build import tokenize_corpus
+    from hmi.plot.hot import HotTier, entry_bytes, serving_order
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+
+    sample = tokenize_corpus(root.tokenizer, load_corpus("general", 5_000 if quick else 20_000), progress=False)
+    order = serving_order(version.store, sample)
+    m = version.store.meta
+    whole = len(order) * entry_bytes(m.n, m.hidden_size) / 2**20
+    variants = {"LMDB alone": PlotLookup([version], policy="backoff")}
+    for mb in (16, 64, 256, whole):
+        hot = HotTier.from_store(version.store, order, mb)
+        name = f"{mb:.0f} MB" + (" (the whole PLOT)" if mb == whole else "")
+        variants[name] = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=hot)], policy="backoff")
+    times = {name: [] for name in variants}
+    with torch.no_grad():
+        for lk in variants.values():
+            for _ in range(2):
+                lk.merged(ids, mask)
+        for _ in range(max(repeat, 3)):
+            for name, lk in variants.items():
+                t = time.perf_counter()
+                lk.merged(ids, mask)
+                times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    t_lmdb = med["LMDB alone"]
+    rows, result = [], {"hot_mb_per_million_entries": round(entry_bytes(m.n, m.hidden_size) * 1e6 / 2**20, 1),
+                        "lmdb_alone_warm_us_per_token": round(t_lmdb / tokens * 1e6, 2)}
+    for name, lk in variants.items():
+        lk.hits.clear()
+        with torch.no_grad():
+            lk.merged(ids, mask)
+        served = sum(n for level, n in lk.hits.items() if level not in ("hot", "zeros"))
+        share = lk.hits["hot"] / max(served, 1)
+        t = med[name]
+        held = len(lk.chain[0].hot) if lk.chain[0].hot is not None else 0
+        rows.append((name, held, f"{share:.1%}", f"{t / tokens * 1e6:.2f}", f"{t_lmdb / t:.2f}", f"{t_full / t:.2f}"))
+        if name != "LMDB alone":
+            key = "whole" if "whole" in name else name.split()[0] + "mb"
+            result.update({f"hot_{key}_us_per_token": round(t / tokens * 1e6, 2), f"hot_{key}_over_lmdb": round(t_lmdb / t, 2),
+                           f"hot_{key}_hit_rate": round(share, 4)})
+    result["hot_whole_speedup_vs_full_lower"] = round(t_full / med[list(variants)[-1]], 2)
+    return rows, result
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hmi.model.hplm import WindowedEncoder
+from hmi.plot.hot import HotTier
 from hmi.plot.keys import (
     bigram_backoff,
     causal_unigram_backoff,
@@ -34,12 +35,13 @@ POLICIES = ("backoff", "compute", "compute+insert")
 
 @dataclass
 class PlotVersion:
-    """One node of a domain chain: its PLOT and the windowed encoder (lower layers, gate, merge)
-    that produced it."""
+    """One node of a domain chain: its PLOT, the windowed encoder (lower layers, gate, merge)
+    that produced it, and optionally the PLOT's hot tier (``hmi.plot.hot``), read before LMDB."""
 
     name: str
     store: PlotStore
     encoder: WindowedEncoder
+    hot: HotTier | None = None
 
 
 @dataclass
@@ -82,13 +84,16 @@ class PlotLookup:
 
         def serve(level: str, lookup_keys: np.ndarray) -> None:
             for v in self.chain:
-                idx = np.flatnonzero(todo)
-                if idx.size == 0:
-                    return
-                vals, found = v.store.get_many(lookup_keys[idx])
-                out[idx[found]] = vals[found]
-                todo[idx[found]] = False
-                hits[f"{level}:{v.name}"] += int(found.sum())
+                for tier in ((v.hot, v.store) if v.hot is not None else (v.store,)):
+                    idx = np.flatnonzero(todo)
+                    if idx.size == 0:
+                        return
+                    vals, found = tier.get_many(lookup_keys[idx])
+                    out[idx[found]] = vals[found]
+                    todo[idx[found]] = False
+                    hits[f"{level}:{v.name}"] += int(found.sum())
+                    if tier is v.hot:
+                        hits["hot"] += int(found.sum())
 
         serve("trigram", keys)
         if todo.any() and self.policy != "backoff":

@@ -1,0 +1,97 @@
+"""The hot tier of a PLOT: its most read entries held as tensors, in front of LMDB (the cold tier).
+
+A sorted int64 key tensor (K,) and the values (K, n, H) float16 exactly as the PLOT gives them
+back (``PlotStore.get_many``: its format decoded), looked up for a whole batch at once with
+``searchsorted`` and a gather; on the GPU when the tier is placed there, in host memory otherwise.
+A key the tier does not hold goes on to LMDB, so a lookup with the tier returns the same values,
+bit for bit, as one without it.
+
+Which entries: the PLOT's keys in the order serving reads them most (``serving_order``: every
+window of a sample of texts counted at the key that serves it under back-off: the tri-gram when
+the PLOT holds it, else its bi-gram, else its uni-gram), taken until the budget in MB is spent;
+a budget of the PLOT's size holds all of it.
+The tier is a snapshot: entries later inserted into the PLOT are read from LMDB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hmi.plot.build import count_ngrams
+from hmi.plot.keys import ngram_order, served_keys
+from hmi.plot.store import PlotStore
+
+READ_CHUNK = 4096  # keys read from LMDB per transaction while the tier is filled
+
+
+def serving_order(store: PlotStore, token_lists: list[list[int]]) -> np.ndarray:
+    """Every key of an encoder PLOT, the most read first for texts like ``token_lists`` (ties by
+    key), then the keys none of their windows reads (by key).  Shapes: -> (K,) uint64."""
+    windows, counts = count_ngrams(token_lists)
+    held = store.keys()
+    order = ngram_order(held)
+    served = served_keys(windows, held[order == 3], held[order == 2])
+    keys, at = np.unique(served, return_inverse=True)
+    reads = np.bincount(at.reshape(-1), weights=counts, minlength=len(keys))
+    read = np.isin(keys, held)
+    keys, reads = keys[read], reads[read]
+    return np.concatenate([keys[np.lexsort((keys, -reads))], np.setdiff1d(held, keys)])
+
+
+def entry_bytes(n: int, hidden: int) -> int:
+    """Memory of one entry in the tier: its int64 key and its float16 values."""
+    return 8 + 2 * n * hidden
+
+
+class HotTier:
+    """Entries of one PLOT as tensors on ``device``.  Thread-safe for lookups (read-only)."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray, device: str | torch.device = "cpu"):
+        """Shapes: keys (K,) uint64, distinct; values (K, n, H) float16."""
+        keys = np.asarray(keys, dtype=np.uint64).view(np.int64)
+        order = np.argsort(keys, kind="stable")
+        self.device = torch.device(device)
+        self.keys = torch.from_numpy(keys[order]).to(self.device)
+        self.values = torch.from_numpy(np.ascontiguousarray(values[order], dtype=np.float16)).to(self.device)
+
+    @classmethod
+    def from_store(cls, store: PlotStore, order: np.ndarray, budget_mb: float,
+                   device: str | torch.device = "cpu") -> "HotTier":
+        """The first keys of ``order`` (most read first) that fit ``budget_mb``, with the values
+        the PLOT holds for them."""
+        m = store.meta
+        take = np.asarray(order, dtype=np.uint64)[: int(budget_mb * 2**20 // entry_bytes(m.n, m.hidden_size))]
+        keys, values = [], []
+        for i in range(0, len(take), READ_CHUNK):
+            vals, found = store.get_many(take[i:i + READ_CHUNK])
+            keys.append(take[i:i + READ_CHUNK][found])
+            values.append(vals[found])
+        if not keys:
+            return cls(np.zeros(0, np.uint64), np.zeros((0, m.n, m.hidden_size), np.float16), device)
+        return cls(np.concatenate(keys), np.concatenate(values), device)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.numel() * 8 + self.values.numel() * 2
+
+    def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Semantics: where the tier holds each query key, and whether it does.
+        Shapes: keys (N,) int64 on the tier's device -> positions (N,) int64 into ``values``
+        (meaningless where not found), found (N,) bool."""
+        if len(self.keys) == 0:
+            return torch.zeros_like(keys), torch.zeros(len(keys), dtype=torch.bool, device=self.device)
+        pos = torch.searchsorted(self.keys, keys).clamp_(max=len(self.keys) - 1)
+        return pos, self.keys[pos] == keys
+
+    def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``PlotStore.get_many``'s contract on host arrays: keys (N,) uint64 -> values (N, n, H)
+        float16 (zeros where not held), found (N,) bool."""
+        q = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(self.device)
+        pos, found = self.lookup(q)
+        values = torch.zeros((len(q), *self.values.shape[1:]), dtype=torch.float16, device=self.device)
+        values[found] = self.values[pos[found]]
+        return values.cpu().numpy(), found.cpu().numpy()

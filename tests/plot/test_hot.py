@@ -1,0 +1,86 @@
+"""The hot tier of a PLOT against LMDB alone: the same values bit for bit, on every device; its
+order against counting, window by window, which key serves each window."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from hmi.model.hplm import WindowedEncoder, as_numpy_ids
+from hmi.plot.build import Selection, build, count_ngrams, plan_keys
+from hmi.plot.hot import HotTier, entry_bytes, serving_order
+from hmi.plot.keys import encoder_windows, pack
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+from tests.conftest import DEVICES, tiny_bert
+
+H = 32
+RNG = np.random.default_rng(0)
+# Token lists as a tokenizer frames them ([CLS]=1 ... [SEP]=2), over a small vocabulary so that
+# windows repeat; the PLOT holds the tri-grams of the first half only, its bi-grams and uni-grams.
+TEXTS = [[1, *RNG.integers(3, 40, size=RNG.integers(3, 20)).tolist(), 2] for _ in range(60)]
+VOCAB = 40
+
+
+@pytest.fixture(scope="module")
+def plot(tmp_path_factory):
+    encoder = WindowedEncoder(tiny_bert(hidden=H, vocab=VOCAB), 2).eval()
+    store = PlotStore(tmp_path_factory.mktemp("hot") / "p", meta=PlotMeta("tiny", 2, H, dtype="int8"), readonly=False)
+    keys, counts = count_ngrams(TEXTS[:30])
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), VOCAB), progress=False)
+    return store, encoder
+
+
+def reference_order(store: PlotStore, token_lists) -> list[int]:
+    """Window by window: the key that serves it (tri-gram if held, else bi-gram, else uni-gram),
+    counted; most read first, ties by key; then the keys never read, by key."""
+    held = set(store.keys().tolist())
+    reads = Counter()
+    for t in token_lists:
+        ids, mask = as_numpy_ids([t])
+        for (a, b, c) in encoder_windows(ids, mask)[0][: len(t)].tolist():
+            for key in (int(pack(np.array([a, b, c]))), int(pack(np.array([0, b, c]))), int(pack(np.array([0, b, 0])))):
+                if key in held:
+                    reads[key] += 1
+                    break
+    return [k for k, _ in sorted(reads.items(), key=lambda kv: (-kv[1], kv[0]))] + sorted(held - set(reads))
+
+
+def test_the_serving_order_counts_every_window_at_the_key_that_serves_it(plot):
+    store, _ = plot
+    assert serving_order(store, TEXTS).tolist() == reference_order(store, TEXTS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("budget_entries", [0, 1, 25, 10_000])
+def test_a_lookup_through_the_hot_tier_equals_lmdb_alone_bit_for_bit(plot, budget_entries, device):
+    store, encoder = plot
+    order = serving_order(store, TEXTS[:40])
+    hot = HotTier.from_store(store, order, budget_entries * entry_bytes(3, H) / 2**20, device)
+    assert len(hot) == min(budget_entries, len(order)) and len(order) == len(store)
+    cold = PlotLookup([PlotVersion("root", store, encoder)])
+    warm = PlotLookup([PlotVersion("root", store, encoder, hot=hot)])
+    ids, mask = as_numpy_ids(TEXTS)
+    windows = np.unique(encoder_windows(ids, mask)[mask.astype(bool)], axis=0)
+    (want, want_hits), (got, got_hits) = cold.window_reps(windows), warm.window_reps(windows)
+    assert np.array_equal(got, want)
+    from_hot = got_hits.pop("hot", 0)
+    served = sum(n for level, n in want_hits.items() if level != "zeros")
+    assert (from_hot > 0) == (budget_entries > 0)
+    assert from_hot == served if budget_entries >= len(store) else from_hot < served  # the rest from LMDB
+    assert got_hits == want_hits
+    torch.testing.assert_close(warm.merged(ids, mask), cold.merged(ids, mask), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tier_answers_as_the_store_for_held_and_missing_keys(plot, device):
+    store, _ = plot
+    order = serving_order(store, TEXTS)
+    hot = HotTier.from_store(store, order, 10 * entry_bytes(3, H) / 2**20, device)
+    assert hot.nbytes == 10 * entry_bytes(3, H) and hot.keys.device.type == device
+    query = np.concatenate([order[:10][::-1], pack(np.array([[39, 39, 39], [0, 0, 0]])), order[10:15]])
+    vals, found = hot.get_many(query)
+    assert found.tolist() == [True] * 10 + [False] * 7
+    want, _ = store.get_many(query[:10])
+    assert np.array_equal(vals[:10], want) and not vals[10:].any()
