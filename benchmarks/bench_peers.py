@@ -1,0 +1,289 @@
+"""HMI against what a user would run instead, side by side in one process on the same texts.
+
+Usage: python benchmarks/bench_peers.py [--quick]
+
+- **Many adapters on one model, the library way**: Hugging Face PEFT's mixed-adapter batches
+  (``adapter_names=[...]`` per row) on the full root, LoRA rank 8 on query and value of the
+  upper layers plus a per-tenant classification head (``modules_to_save``), with the stock torch
+  kernels a user gets, and again with the linear kernels HMI uses (``hmi.model.kernels``).
+- **HMI's hBERT**, the serving path: PLOT lookup and the batched upper layers
+  (``hmi.scheduler.pipeline.Scheduler``), the same adapters (weights copied across, so both
+  sides compute the same tenant on the same upper layers).
+- **ONNX Runtime**: the full root for one model (an upper bound for one tenant), and the upper
+  layers alone with one adapter merged, against HMI's upper layers on the same tokens
+  (``hmi_upper_over_ort_upper``: HMI's speed over ONNX Runtime's; 1.0 = as fast).
+
+Batches of 32 news texts cut to 64 and to 128 tokens, tenants drawn uniformly from 1, 100 and
+1,000; rounds interleaved, medians.  PEFT adds adapters one at a time (its ``add_adapter``) and
+each add takes longer than the last, so it holds at most ``PEFT_CAP`` of them: at 1,000 tenants
+its rows are served by ``tenant mod PEFT_CAP`` (its speed with 1,000 resident would be no
+higher), and its time to load 1,000 is extrapolated from the measured adds (said so on the page).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_tenants import scheduler_rps, trace, warm_page_cache  # noqa: E402
+from benchmarks.common import adapter_variants, finish, prepared_root, start, table  # noqa: E402
+
+B, COUNTS, LENGTHS, RANK, LABELS = 32, (1, 100, 1000), (64, 128), 8, tuple("abcde")
+PEFT_CAP = 100
+
+
+class Classifier(nn.Module):
+    """The root with a classification head on [CLS], as a PEFT user would wrap it."""
+
+    def __init__(self, bert, labels: int):
+        super().__init__()
+        self.bert, self.classifier = bert, nn.Linear(bert.config.hidden_size, labels)
+
+    def forward(self, input_ids, attention_mask):
+        return self.classifier(self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0])
+
+
+def plain_root():
+    """The packaged root as transformers loads it (no HMI kernels)."""
+    from transformers import BertModel
+
+    from hmi.model.root import packaged_root_dir
+
+    return BertModel.from_pretrained(str(packaged_root_dir()), add_pooling_layer=False, attn_implementation="eager").eval()
+
+
+def peft_model(weights: list[dict], n: int, l_low: int, hmi_kernels: bool) -> tuple[nn.Module, list[float]]:
+    """A PEFT model holding ``n`` adapters (tenant i gets ``weights[i % len(weights)]``); the
+    seconds each ``add_adapter`` took."""
+    from peft import LoraConfig, get_peft_model
+
+    from hmi.model.kernels import use_onednn_linear
+
+    base = Classifier(plain_root(), len(LABELS)).eval()
+    if hmi_kernels:
+        use_onednn_linear(base)
+    layers = list(range(l_low, base.bert.config.num_hidden_layers))
+    cfg = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=["query", "value"], layers_to_transform=layers,
+                     modules_to_save=["classifier"], lora_dropout=0.0)
+    model, adds = None, []
+    for i in range(n):
+        name, w = f"t{i:05d}", weights[i % len(weights)]
+        t = time.perf_counter()
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=name)
+        else:
+            model.add_adapter(name, cfg)
+        adds.append(time.perf_counter() - t)
+        with torch.no_grad():
+            for j, li in enumerate(layers):
+                att = base.bert.encoder.layer[li].attention.self
+                for site, lin in (("q", att.query), ("v", att.value)):
+                    lin.lora_A[name].weight.copy_(w[f"layers.{j}.lora.{site}_A"])
+                    lin.lora_B[name].weight.copy_(w[f"layers.{j}.lora.{site}_B"])
+            head = base.classifier.modules_to_save[name]
+            head.weight.copy_(w["head.w"].T)
+            head.bias.copy_(w["head.b"])
+    return model.eval(), adds
+
+
+def peft_rps(model, tok, texts, batches, held: int) -> float:
+    """Rows per second of PEFT's mixed-adapter batches over the trace (tokenization included)."""
+    n, start_t = 0, time.perf_counter()
+    with torch.no_grad():
+        for bi, b in enumerate(batches):
+            enc = tok([texts[(bi * B + j) % len(texts)] for j in range(len(b))], padding=True, return_tensors="pt")
+            model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                  adapter_names=[f"t{t % held:05d}" for t in b])
+            n += len(b)
+    return n / (time.perf_counter() - start_t)
+
+
+def merged_upper(bert, l_low: int, w: dict, scaling: float) -> nn.Module:
+    """The upper layers with one tenant's LoRA merged into query and value, and its head."""
+
+    class Upper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = copy.deepcopy(bert.encoder.layer[l_low:])
+            with torch.no_grad():
+                for j, layer in enumerate(self.layers):
+                    for site, lin in (("q", layer.attention.self.query), ("v", layer.attention.self.value)):
+                        lin.weight += scaling * w[f"layers.{j}.lora.{site}_B"] @ w[f"layers.{j}.lora.{site}_A"]
+            self.head = nn.Linear(bert.config.hidden_size, len(LABELS))
+            with torch.no_grad():
+                self.head.weight.copy_(w["head.w"].T)
+                self.head.bias.copy_(w["head.b"])
+
+        def forward(self, hidden, mask):
+            ext = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=ext)[0]
+            return self.head(hidden[:, 0])
+
+    return Upper().eval()
+
+
+def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
+    """``module`` exported to ONNX (legacy exporter, dynamic batch and length) in an ONNX Runtime
+    session with as many threads as torch uses.  The export runs on a copy: it leaves the module
+    it traces in another state."""
+    import onnxruntime as ort
+
+    torch.onnx.export(copy.deepcopy(module), inputs, str(path), input_names=names, output_names=["out"],
+                      dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names}, dynamo=False)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def interleaved(fns: dict, rounds: int) -> dict:
+    """Median seconds of each function, rounds interleaved after two warm-up calls each."""
+    for fn in fns.values():
+        fn()
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    args = start(__doc__)
+    from hmi.adapters.batched import Group, batched_heads, segment_plan, upper_forward
+    from hmi.adapters.pool import SlotPool
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.adapters.store import AdapterStore
+    from hmi.data import load_task
+    from hmi.plot.lookup import PlotLookup
+    from hmi.plot.paths import root_plot_path
+    from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+    from hmi.scheduler.types import TenantEntry
+
+    root, version = prepared_root()
+    tok, bert, l_low, H = root.tokenizer, root.bert, root.spec.l_low, root.hidden_size
+    spec = AdapterSpec("lora", rank=RANK, alpha=float(RANK), labels=LABELS)
+    variants = adapter_variants(bert, l_low, spec, 32, seed=1)
+    lookup = PlotLookup([version], policy="backoff")
+    warm_page_cache(root_plot_path(root))
+    raw = [r["text"] for r in load_task("news-topic", "test")]
+    measured, warm = (3, 1) if args.quick else (10, 2)
+    result, rows, loads = {}, [], []
+    tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-peers-"))
+
+    # -- loading K adapters ---------------------------------------------------------------------
+    store = AdapterStore(tmp / "adapters")
+    t0 = time.perf_counter()
+    for i in range(max(COUNTS)):
+        store.save(f"t{i:05d}", spec, variants[i % len(variants)])
+        store.load(f"t{i:05d}")
+    hmi_load = time.perf_counter() - t0
+    entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(max(COUNTS))}
+    peers = {}
+    for kernels in (False, True):
+        peers[kernels], adds = peft_model(variants, PEFT_CAP, l_low, kernels)
+        if not kernels:
+            slope = np.polyfit(np.arange(len(adds)), adds, 1)[0]  # seconds more per adapter already present
+            peft_1000 = sum(adds) + sum(adds[-1] + slope * k for k in range(1, max(COUNTS) - PEFT_CAP + 1))
+            result.update({"peft_load_100_s": round(sum(adds), 2), "peft_load_1000_s_extrapolated": round(peft_1000, 1),
+                           "peft_add_growth_ms_per_adapter": round(slope * 1e3, 3), "hmi_load_1000_s": round(hmi_load, 2)})
+            loads = [("HMI (adapter store: write the file, load into host memory)", f"{hmi_load:.1f} (measured)"),
+                     (f"PEFT add_adapter, {PEFT_CAP}", f"{sum(adds):.1f} (measured; each add {slope * 1e3:.2f} ms "
+                      "slower than the one before)"),
+                     ("PEFT add_adapter, 1,000", f"{peft_1000:.0f} (extrapolated)")]
+
+    # -- rows/s against tenants -----------------------------------------------------------------
+    for length in LENGTHS:
+        texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw]
+        texts = [t for t in texts if len(tok(t)["input_ids"]) == length] or texts
+        for n in COUNTS:
+            cell = {"hmi": [], "peft": [], "peft_hmi_kernels": []}
+            for r in range(3 if not args.quick else 1):
+                batches = trace(n, "uniform", warm + measured, seed=n + 7919 * r + length)
+                s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d: lookup,
+                              SchedulerConfig(max_batch=B, pool_slots=64))
+                try:
+                    cell["hmi"].append(scheduler_rps(s, texts, batches, warm))
+                finally:
+                    s.shutdown()
+                held = min(n, PEFT_CAP)
+                peft_rps(peers[False], tok, texts, batches[:warm], held)
+                cell["peft"].append(peft_rps(peers[False], tok, texts, batches[warm:], held))
+                peft_rps(peers[True], tok, texts, batches[:warm], held)
+                cell["peft_hmi_kernels"].append(peft_rps(peers[True], tok, texts, batches[warm:], held))
+            med = {k: statistics.median(v) for k, v in cell.items()}
+            result[f"rows_per_s_{length}"] = {**result.get(f"rows_per_s_{length}", {}),
+                                              str(n): {k: round(v, 1) for k, v in med.items()}}
+            if length == 64:
+                result[f"hmi_over_peft_{n}"] = round(med["hmi"] / med["peft"], 2)
+                result[f"hmi_over_peft_hmi_kernels_{n}"] = round(med["hmi"] / med["peft_hmi_kernels"], 2)
+            rows.append((length, n, f"{med['hmi']:.1f}", f"{med['peft']:.1f}", f"{med['peft_hmi_kernels']:.1f}",
+                         f"{med['hmi'] / med['peft']:.2f}", f"{med['hmi'] / med['peft_hmi_kernels']:.2f}"))
+            print(rows[-1], flush=True)
+
+    # -- ONNX Runtime: the full root, and the upper layers against HMI's ------------------------
+    ort_rows = []
+    plain = plain_root()
+    w = variants[0]
+    upper = merged_upper(plain, l_low, w, spec.scaling)
+    full = Classifier(plain, len(LABELS)).eval()
+    for length in LENGTHS:
+        texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw][:B]
+        enc = tok(texts, padding=True, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        hidden = lookup.merged(ids.numpy(), mask.numpy())
+        full_sess = ort_session(full, (ids, mask), ["input_ids", "attention_mask"], tmp / f"full{length}.onnx")
+        upper_sess = ort_session(upper, (hidden, mask.float()), ["hidden", "mask"], tmp / f"upper{length}.onnx")
+        pool = SlotPool(spec.signature(H), 1, bert.config.num_hidden_layers - l_low, H, bert.config.intermediate_size,
+                        max_labels=len(LABELS), scaling=spec.scaling)
+        pool.write(0, w)
+        group = Group(torch.arange(B), torch.zeros(B, dtype=torch.long), pool, all_rows=True, plan=segment_plan([0] * B))
+        flags = torch.zeros(B, dtype=torch.bool)
+        layers = nn.ModuleList(bert.encoder.layer[l_low:])
+
+        def hmi_upper():
+            with torch.no_grad():
+                return batched_heads(upper_forward(layers, hidden, mask, [group]), [group], flags, mask, flags)[:, 0]
+
+        def ort_upper():
+            return upper_sess.run(None, {"hidden": hidden.numpy(), "mask": mask.float().numpy()})[0]
+
+        got, want = hmi_upper()[:, :len(LABELS)].numpy(), ort_upper()
+        t = interleaved({"hmi_upper": hmi_upper, "ort_upper": ort_upper,
+                         "ort_full": lambda: full_sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})},
+                        5 if args.quick else 20)
+        result[f"hmi_upper_over_ort_upper_{length}"] = round(t["ort_upper"] / t["hmi_upper"], 2)
+        result[f"ort_full_rows_per_s_{length}"] = round(B / t["ort_full"], 1)
+        result[f"upper_max_abs_diff_{length}"] = float(np.abs(got - want).max())
+        ort_rows.append((length, f"{B / t['hmi_upper']:.0f}", f"{B / t['ort_upper']:.0f}",
+                         f"{t['ort_upper'] / t['hmi_upper']:.2f}", f"{np.abs(got - want).max():.1e}", f"{B / t['ort_full']:.0f}"))
+    result["hmi_upper_over_ort_upper"] = result["hmi_upper_over_ort_upper_64"]
+
+    text = "\n\n".join([
+        f"Rows per second, batches of {B} news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
+        f"upper layers plus a head per tenant on both sides (the same weights). PEFT holds at most {PEFT_CAP} adapters "
+        f"(at 1,000 tenants a row is served by tenant mod {PEFT_CAP}).\n\n"
+        + table(rows, ("tokens", "tenants", "HMI hBERT", "PEFT", "PEFT on HMI's kernels", "HMI / PEFT",
+                       "HMI / PEFT on HMI's kernels")),
+        "Time to load the adapters, seconds:\n\n" + table(loads, ("", "seconds")),
+        f"ONNX Runtime ({B} rows; the upper layers with one adapter merged, on the hidden states the PLOT gives; the "
+        "full root for one model with no adapter):\n\n"
+        + table(ort_rows, ("tokens", "HMI upper layers rows/s", "ORT upper layers rows/s", "HMI / ORT",
+                           "max |diff| of the logits", "ORT full root rows/s")),
+    ])
+    finish("bench_peers", text, result, "python benchmarks/bench_peers.py" + (" --quick" if args.quick else ""))
+
+
+if __name__ == "__main__":
+    main()
