@@ -134,7 +134,7 @@ def merged_upper(bert, l_low: int, w: dict, scaling: float) -> nn.Module:
 
 def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
     """``module`` exported to ONNX (legacy exporter, dynamic batch and length) in an ONNX Runtime
-    session with as many threads as torch uses.  The export runs on a copy: it leaves the module
+    session with as many threads as torch uses, not spinning between runs.  The export runs on a copy: it leaves the module
     it traces in another state."""
     import onnxruntime as ort
 
@@ -142,6 +142,9 @@ def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
                       dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names}, dynamo=False)
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
+    # ORT's threads spin after a run by default and take the cores from whatever runs next (here
+    # HMI's side of an interleaved round: 250 -> 187 rows/s); a server sharing its cores turns it off.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 

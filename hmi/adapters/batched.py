@@ -100,7 +100,8 @@ def batched_lora(x: torch.Tensor, slots: torch.Tensor, a_t: torch.Tensor, b_t: t
     Semantics: delta[n] = scaling * x[n] @ A[slots[n]]^T @ B[slots[n]]^T
     Shapes: x (N, T, D_in); a_t (S, D_in, r) (= A^T); b_t (S, r, D_out) (= B^T) -> (N, T, D_out).
     """
-    return segment_bmm(segment_bmm(x, slots, a_t, plan=plan), slots, b_t, plan=plan) * scaling
+    xa = segment_bmm(x, slots, a_t, plan=plan)  # (N, T, r): scaled here, r/D_out of the work
+    return segment_bmm(xa if scaling == 1.0 else xa * scaling, slots, b_t, plan=plan)
 
 
 @dataclass
@@ -140,7 +141,12 @@ class GroupSites(Sites):
             xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li)
             for i in hit:
                 delta = batched_lora(xs, g.slots, lw[f"{sites[i]}_A"], lw[f"{sites[i]}_B"], p.scaling, g.plan)
-                ys[i] = ys[i] + delta if g.all_rows else ys[i].index_add(0, g.rows, delta)
+                if not g.all_rows:
+                    ys[i] = ys[i].index_add(0, g.rows, delta)
+                elif torch.is_grad_enabled():
+                    ys[i] = ys[i] + delta
+                else:  # serving: the update lands in the projection's own output
+                    ys[i].add_(delta)
         return ys
 
     def scaled(self, li: int, site: str, t: torch.Tensor) -> torch.Tensor:

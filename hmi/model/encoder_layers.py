@@ -10,12 +10,30 @@ every projection goes through ``Sites.projections`` with the module that compute
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hmi.model import kernels
 from hmi.model.root import attention_mask
+
+# The query, key and value weights of an attention, concatenated once (keyed by its query module;
+# rebuilt when a weight changes): frozen projections run as one GEMM of width 3H.
+_FUSED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def fused_projection(linears: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen ``linears`` (same input) as one weight (sum of D_out, D_in) and bias."""
+    key = tuple((t.data_ptr(), t._version) for lin in linears for t in (lin.weight, lin.bias) if t is not None)
+    hit = _FUSED.get(linears[0])
+    if hit is None or hit[0] != key:
+        with torch.no_grad():
+            w = torch.cat([lin.weight for lin in linears])
+            b = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+        hit = _FUSED[linears[0]] = (key, w, b)
+    return hit[1], hit[2]
 
 
 class Sites:
@@ -40,8 +58,12 @@ class Sites:
     def frozen(self, li: int, sites: tuple[str, ...], x: torch.Tensor,
                linears: tuple[nn.Module, ...]) -> list[torch.Tensor]:
         """The root's own projections at ``sites`` (run here; split execution runs them on the
-        server).  Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
-        return [lin(x) for lin in linears]
+        server); several frozen ones of the same input (query, key, value) as one GEMM.
+        Shapes: x (B, T, D_in) -> one (B, T, D_out) per site."""
+        if len(linears) == 1 or any(lin.weight.requires_grad for lin in linears):
+            return [lin(x) for lin in linears]
+        w, b = fused_projection(linears)
+        return list(kernels.linear(x, w, b).split([lin.out_features for lin in linears], -1))
 
     def scaled(self, li: int, site: str, t: torch.Tensor) -> torch.Tensor:
         """Shapes: t (B, T, D) -> (B, T, D)."""
@@ -87,9 +109,12 @@ def layer_forward(li: int, layer: nn.Module, x: torch.Tensor, ext: torch.Tensor,
     qh = q.view(B, T, nh, hd).transpose(1, 2)
     kh = k.view(B, T, nh, hd).transpose(1, 2)
     vh = v.view(B, T, nh, hd).transpose(1, 2)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
-    probs = F.dropout(torch.softmax(scores, dim=-1), att.dropout.p, train)
-    ctx = torch.matmul(probs, vh).transpose(1, 2).reshape(B, T, H)
+    if train and att.dropout.p > 0:  # the library's dropout on the probabilities, drawn in its order
+        scores = torch.matmul(qh, kh.transpose(-1, -2)) / math.sqrt(hd) + ext
+        ctx = torch.matmul(F.dropout(torch.softmax(scores, dim=-1), att.dropout.p, train), vh)
+    else:  # softmax(q k^T / sqrt(hd) + ext) v, fused
+        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=ext.to(qh.dtype))
+    ctx = ctx.transpose(1, 2).reshape(B, T, H)
     (h,) = sites.projections(li, ("attn_out",), ctx, (layer.attention.output.dense,))
     h = F.dropout(h, layer.attention.output.dropout.p, train)
     y = sites.attention_output(li, layer.attention.output.LayerNorm, h, x)
