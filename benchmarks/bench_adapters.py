@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, start, table, timeit  # noqa: E402
+from benchmarks.common import finish, round_robin, start, table, timeit  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -24,20 +23,6 @@ def rss_mb() -> float:
         if line.startswith("VmRSS"):
             return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def round_robin(fns: dict, rounds: int) -> dict:
-    """Median seconds of each of ``fns`` (name -> callable) over ``rounds`` rounds that run them
-    one after the other, so drifts of a shared machine hit them alike."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def alternating(a, b, rounds: int) -> tuple[float, float]:

@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_tenants import scheduler_rps, trace, warm_page_cache  # noqa: E402
-from benchmarks.common import adapter_variants, finish, prepared_root, start, table  # noqa: E402
+from benchmarks.common import adapter_variants, finish, prepared_root, round_robin, start, table  # noqa: E402
 
 B, COUNTS, LENGTHS, RANK, LABELS = 32, (1, 100, 1000), (64, 128), 8, tuple("abcde")
 PEFT_CAP = 100
@@ -148,20 +148,6 @@ def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def interleaved(fns: dict, rounds: int) -> dict:
-    """Median seconds of each function, rounds interleaved after two warm-up calls each."""
-    for fn in fns.values():
-        fn()
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def main() -> None:
     args = start(__doc__)
     from hmi.adapters.batched import Group, batched_heads, segment_plan, upper_forward
@@ -263,9 +249,9 @@ def main() -> None:
             return upper_sess.run(None, {"hidden": hidden.numpy(), "mask": mask.float().numpy()})[0]
 
         got, want = hmi_upper()[:, :len(LABELS)].numpy(), ort_upper()
-        t = interleaved({"hmi_upper": hmi_upper, "ort_upper": ort_upper,
+        t = round_robin({"hmi_upper": hmi_upper, "ort_upper": ort_upper,
                          "ort_full": lambda: full_sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})},
-                        5 if args.quick else 20)
+                        5 if args.quick else 20, warmup=2)
         result[f"hmi_upper_over_ort_upper_{length}"] = round(t["ort_upper"] / t["hmi_upper"], 2)
         result[f"ort_full_rows_per_s_{length}"] = round(B / t["ort_full"], 1)
         result[f"upper_max_abs_diff_{length}"] = float(np.abs(got - want).max())

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, prepared_root, real_batch, start, table  # noqa: E402
+from benchmarks.common import finish, prepared_root, real_batch, round_robin, start, table  # noqa: E402
 from benchmarks.common import timeit as timed  # noqa: E402
 
 
@@ -141,8 +141,6 @@ def main() -> None:
 def hot_tier(root, version, ids, mask, tokens: int, t_full: float, repeat: int, quick: bool) -> tuple[list, dict]:
     """Lookup + merge through hot tiers of several budgets and LMDB alone, side by side: every
     variant warmed up (the PLOT's pages in the page cache), then rounds interleaved, medians."""
-    import statistics
-
     from hmi.data import load_corpus
     from hmi.plot.build import tokenize_corpus
     from hmi.plot.hot import HotTier, entry_bytes, serving_order
@@ -157,17 +155,9 @@ def hot_tier(root, version, ids, mask, tokens: int, t_full: float, repeat: int, 
         hot = HotTier.from_store(version.store, order, mb)
         name = f"{mb:.0f} MB" + (" (the whole PLOT)" if mb == whole else "")
         variants[name] = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=hot)], policy="backoff")
-    times = {name: [] for name in variants}
     with torch.no_grad():
-        for lk in variants.values():
-            for _ in range(2):
-                lk.merged(ids, mask)
-        for _ in range(max(repeat, 3)):
-            for name, lk in variants.items():
-                t = time.perf_counter()
-                lk.merged(ids, mask)
-                times[name].append(time.perf_counter() - t)
-    med = {name: statistics.median(ts) for name, ts in times.items()}
+        med = round_robin({name: (lambda lk=lk: lk.merged(ids, mask)) for name, lk in variants.items()},
+                          max(repeat, 3), warmup=2)
     t_lmdb = med["LMDB alone"]
     rows, result = [], {"hot_mb_per_million_entries": round(entry_bytes(m.n, m.hidden_size) * 1e6 / 2**20, 1),
                         "lmdb_alone_warm_us_per_token": round(t_lmdb / tokens * 1e6, 2)}

@@ -61,6 +61,22 @@ def timeit(fn, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+def round_robin(fns: dict, rounds: int, warmup: int = 1) -> dict:
+    """Median seconds of each of ``fns`` (name -> callable) over ``rounds`` rounds that run them
+    one after the other, so drifts of a shared machine hit them alike; each runs ``warmup`` times
+    first."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def table(rows: list[tuple], headers: tuple) -> str:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     line = "| " + " | ".join(str(h).ljust(w) for h, w in zip(headers, widths)) + " |"
