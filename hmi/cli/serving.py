@@ -23,7 +23,11 @@ def cmd_serve(args) -> int:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
-                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len)
+                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len,
+                       plot_hot_mb=args.plot_hot_mb)
+    if not args.plot_hot_mb >= 0:
+        print(f"hmi serve: --plot-hot-mb must be 0 or more, got {args.plot_hot_mb}", file=sys.stderr)
+        return 2
     try:
         if args.ray:
             if args.hgpt:
@@ -66,6 +70,10 @@ def arguments(command: str, srv) -> None:
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="where the upper layers, adapter pools and KV cache run (auto: cuda when torch sees a GPU)")
+    srv.add_argument("--plot-hot-mb", type=float, default=0.0,
+                     help="MB of the root PLOT's most read entries held as tensors on the serving device, in front of "
+                          "LMDB (built in the background after start; 0, the default: LMDB alone, which on a CPU with "
+                          "a warm page cache is as fast: docs/bench_plot.md)")
     _ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 

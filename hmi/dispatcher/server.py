@@ -5,11 +5,13 @@ with one job: authentication, the tenant life cycle, adapter transfer, usage, de
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hmi.adapters.store import AdapterStore
+from hmi.data import load_corpus
 from hmi.dispatcher.auth import Auth, admin_token
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.decoders import Decoders
@@ -22,6 +24,7 @@ from hmi.dispatcher.transfer import AdapterTransfer
 from hmi.dispatcher.usage import Usage
 from hmi.dispatcher.workers import WorkerContext
 from hmi.model.root import weights_fingerprint
+from hmi.plot.hot import attach_hot_tier
 from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.version_tree.tree import VersionTree
@@ -61,6 +64,10 @@ class ServerConfig:
     # batched at all (off: the ablation of bench_private).
     executor_wait_ms: float = 0.0
     executor_batching: bool = True
+    # The root PLOT's hot tier (hmi.plot.hot), MB: its entries the general corpus reads most, on the
+    # server's device, built in the background after start; 0: none (LMDB alone).
+    plot_hot_mb: float = 0.0
+    hot_tier_lines: int = 20_000  # general-corpus lines that order the hot tier's entries
 
 
 class ServerConfigError(ValueError):
@@ -109,6 +116,8 @@ class Server:
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe)
         self.models = build_models(cfg)
+        if cfg.plot_hot_mb > 0:
+            threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
@@ -168,6 +177,18 @@ class Server:
             self.domain_changed(job["domain"])
 
     # -- domains ---------------------------------------------------------------------------------
+    def _build_hot_tier(self) -> None:
+        """The root PLOT's hot tier, in the background: lookups read LMDB alone until it is there."""
+        started = time.monotonic()
+        try:
+            tier = attach_hot_tier(self.lookup.chain[0], self.root.tokenizer,
+                                   load_corpus("general", self.cfg.hot_tier_lines), self.cfg.plot_hot_mb, self.device)
+        except Exception:  # serving goes on from LMDB alone
+            log.exception("the root PLOT's hot tier could not be built; lookups read LMDB alone")
+            return
+        log.info("root PLOT hot tier: %d entries, %.0f MB on %s, built in %.1f s", len(tier), tier.nbytes / 2**20,
+                 self.device, time.monotonic() - started)
+
     def lookup_for(self, domain: str):
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
         lk = self._lookups.get(domain)

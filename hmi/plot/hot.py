@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hmi.plot.build import count_ngrams
+from hmi.plot.build import count_ngrams, tokenize_corpus
 from hmi.plot.keys import ngram_order, served_keys
 from hmi.plot.store import PlotStore
 
@@ -37,6 +37,16 @@ def serving_order(store: PlotStore, token_lists: list[list[int]]) -> np.ndarray:
     read = np.isin(keys, held)
     keys, reads = keys[read], reads[read]
     return np.concatenate([keys[np.lexsort((keys, -reads))], np.setdiff1d(held, keys)])
+
+
+def attach_hot_tier(version, tokenizer, lines: list[str], budget_mb: float,
+                    device: str | torch.device = "cpu") -> "HotTier":
+    """Builds the hot tier of ``version`` (a ``PlotVersion``) in the order ``lines`` read its
+    PLOT, and puts it in front of the version's LMDB (lookups already running read LMDB until it
+    is there)."""
+    order = serving_order(version.store, tokenize_corpus(tokenizer, lines, progress=False))
+    version.hot = HotTier.from_store(version.store, order, budget_mb, device)
+    return version.hot
 
 
 def entry_bytes(n: int, hidden: int) -> int:

@@ -84,3 +84,23 @@ def test_the_tier_answers_as_the_store_for_held_and_missing_keys(plot, device):
     assert found.tolist() == [True] * 10 + [False] * 7
     want, _ = store.get_many(query[:10])
     assert np.array_equal(vals[:10], want) and not vals[10:].any()
+
+
+def test_a_tier_attached_to_a_serving_version_changes_no_lookup_and_serves_the_texts_it_was_ordered_by(plot, tmp_path):
+    from hmi.plot.hot import attach_hot_tier
+
+    store, encoder = plot
+
+    class Tokens:  # the texts as a tokenizer frames them
+        def __call__(self, lines, truncation=True, max_length=128):
+            return {"input_ids": [TEXTS[int(line)] for line in lines]}
+
+    version = PlotVersion("root", store, encoder)
+    lookup = PlotLookup([version])
+    ids, mask = as_numpy_ids(TEXTS)
+    want = lookup.merged(ids, mask)
+    tier = attach_hot_tier(version, Tokens(), [str(i) for i in range(len(TEXTS))], 40 * entry_bytes(3, H) / 2**20)
+    assert version.hot is tier and len(tier) == 40
+    lookup.hits.clear()
+    torch.testing.assert_close(lookup.merged(ids, mask), want, rtol=0, atol=0)
+    assert lookup.hits["hot"] > 0
