@@ -25,7 +25,7 @@ import copy
 import time
 
 import torch
-from common import finish, machine, table
+from common import adapter_variants, finish, machine, table
 
 HIDDEN, HEADS, INTERMEDIATE, LAYERS, L_LOW = 384, 12, 1536, 6, 3  # MiniLM-L6, split 3+3
 BATCH, TOKENS, CLIENTS = 32, 64, 32
@@ -50,18 +50,11 @@ def upper_rows_per_s(bert, device: torch.device, tenants: int, repeat: int) -> f
     from hmi.adapters.batched import Group, batched_heads, segment_plan, upper_forward
     from hmi.adapters.pool import SlotPool
     from hmi.adapters.spec import AdapterSpec
-    from hmi.training.finetune import tenant_model
 
     spec = AdapterSpec("lora", rank=8, labels=("a", "b", "c", "d"))
     pool = SlotPool(spec.signature(HIDDEN), tenants, LAYERS - L_LOW, HIDDEN, INTERMEDIATE, max_labels=4,
                     scaling=spec.scaling, device=device)
-    variants = []
-    for seed in range(min(tenants, 4)):  # a few distinct adapters, reused across tenants
-        t = tenant_model(bert, L_LOW, spec, seed=seed)
-        with torch.no_grad():
-            for p in t.parameters():
-                p.add_(0.02 * torch.randn(p.shape))
-        variants.append(t.weights())
+    variants = adapter_variants(bert, L_LOW, spec, min(tenants, 4))  # a few distinct adapters, reused across tenants
     for slot in range(tenants):
         pool.write(slot, variants[slot % len(variants)])
     slots = [row % tenants for row in range(BATCH)]

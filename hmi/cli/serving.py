@@ -22,12 +22,12 @@ def cmd_serve(args) -> int:
     except ValueError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
-    cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
-                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len,
-                       plot_hot_mb=args.plot_hot_mb)
     if not args.plot_hot_mb >= 0:
         print(f"hmi serve: --plot-hot-mb must be 0 or more, got {args.plot_hot_mb}", file=sys.stderr)
         return 2
+    cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
+                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len,
+                       plot_hot_mb=args.plot_hot_mb)
     try:
         if args.ray:
             if args.hgpt:

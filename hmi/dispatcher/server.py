@@ -176,7 +176,6 @@ class Server:
         elif state == "succeeded":
             self.domain_changed(job["domain"])
 
-    # -- domains ---------------------------------------------------------------------------------
     def _build_hot_tier(self) -> None:
         """The root PLOT's hot tier, in the background: lookups read LMDB alone until it is there."""
         started = time.monotonic()
@@ -189,6 +188,7 @@ class Server:
         log.info("root PLOT hot tier: %d entries, %.0f MB on %s, built in %.1f s", len(tier), tier.nbytes / 2**20,
                  self.device, time.monotonic() - started)
 
+    # -- domains ---------------------------------------------------------------------------------
     def lookup_for(self, domain: str):
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
         lk = self._lookups.get(domain)

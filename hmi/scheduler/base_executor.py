@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hmi.model.encoder_layers import fused_projection
+
 PROJECTIONS = ("qkv", "attn_out", "ffn_in", "ffn_out")
 # forward: y = x W^T + b;  nobias: y = x W^T (a noise's effect);  backward: grad_x = grad_y W
 OPERATIONS = ("forward", "nobias", "backward")
@@ -39,8 +41,7 @@ class FrozenLinears:
         for i in range(l_low, self.layers):
             layer = bert.encoder.layer[i]
             att = layer.attention.self
-            self.weights[i, "qkv"] = (torch.cat([att.query.weight, att.key.weight, att.value.weight]).detach(),
-                                      torch.cat([att.query.bias, att.key.bias, att.value.bias]).detach())
+            self.weights[i, "qkv"] = fused_projection((att.query, att.key, att.value))  # hosted serving's own
             for name, lin in (("attn_out", layer.attention.output.dense), ("ffn_in", layer.intermediate.dense),
                               ("ffn_out", layer.output.dense)):
                 self.weights[i, name] = (lin.weight.detach(), lin.bias.detach())
