@@ -58,13 +58,23 @@ class TenantModel:
         ``train``, the dropouts of training (the layers' and ``HEAD_DROPOUT``).
         Shapes: hidden (B, T, H); mask (B, T) -> (B, T, C_max) (classification at position 0)."""
         b = hidden.shape[0]
-        group = Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
-        out = encoder_layers.upper_forward(self.layers, hidden, mask, self.sites(group, mask, train),
-                                           relative_bias=self.relative_bias, train=train)
-        out = F.dropout(out, HEAD_DROPOUT, train)
+        group = self._group(b)
+        out = F.dropout(self._upper(group, hidden, mask, train), HEAD_DROPOUT, train)
         tagging = torch.full((b,), self.spec.head == "tagging")
         mean = torch.full((b,), self.spec.pooling == "mean")
         return batched_heads(out, [group], tagging, mask, mean)
+
+    def upper(self, hidden: torch.Tensor, mask: torch.Tensor, train: bool = False) -> torch.Tensor:
+        """The upper layers' output with the adapter (what the head and a sentence embedding read).
+        Shapes: hidden (B, T, H); mask (B, T) -> (B, T, H)."""
+        return self._upper(self._group(hidden.shape[0]), hidden, mask, train)
+
+    def _group(self, b: int) -> Group:
+        return Group(torch.arange(b), torch.zeros(b, dtype=torch.long), self.pool, True, segment_plan([0] * b))
+
+    def _upper(self, group: Group, hidden: torch.Tensor, mask: torch.Tensor, train: bool) -> torch.Tensor:
+        return encoder_layers.upper_forward(self.layers, hidden, mask, self.sites(group, mask, train),
+                                            relative_bias=self.relative_bias, train=train)
 
     def logits(self, hidden: torch.Tensor, mask: torch.Tensor, train: bool = False) -> torch.Tensor:
         """The logits as a loss reads them: (B, C) for classification, (B, T, C) for tagging."""

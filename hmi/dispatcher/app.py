@@ -15,6 +15,7 @@ from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.registry import RegistryUnavailable
 from hmi.dispatcher.routes_base import linear, lower
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
+from hmi.dispatcher.routes_embeddings import embeddings, list_models
 from hmi.dispatcher.routes_generate import completions, generate
 from hmi.dispatcher.routes_ops import (
     cancel_job,
@@ -82,6 +83,8 @@ ROUTES = [
     ("POST", "/v1/tenants/{tenant}/infer", infer),
     ("POST", "/v1/tenants/{tenant}/generate", generate),
     ("POST", "/v1/completions", completions),
+    ("POST", "/v1/embeddings", embeddings),
+    ("GET", "/v1/models", list_models),
     ("POST", "/v1/tenants", create_tenant),
     ("GET", "/v1/tenants", list_tenants),
     ("GET", "/v1/tenants/{tenant}", get_tenant),

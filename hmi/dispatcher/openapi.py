@@ -21,6 +21,11 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("POST", "/v1/completions"): (
         "OpenAI-style text completion; 'model' names the decoder tenant; 'stream' answers server-sent events",
         ("CompletionBody",), False),
+    ("POST", "/v1/embeddings"): (
+        "OpenAI-style embeddings: 'model' is 'root' (the shared root, any valid token) or an encoder tenant (its "
+        "token or the admin's); the root's sentence pooling of the upper layers' output, through the PLOT path",
+        ("EmbeddingBody",), False),
+    ("GET", "/v1/models"): ("OpenAI-style model list: 'root' and the tenants the token may use", (), False),
     ("POST", "/v1/tenants"): (
         "Create a tenant hPLM: starts a fine-tune job, returns the tenant token once (admin). Decoder tenants: "
         "'model': 'decoder' with 'corpus' or 'training_text'. Private tenants (201, no job): 'model': 'private'",

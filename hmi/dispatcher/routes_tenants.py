@@ -13,12 +13,12 @@ from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.schemas import api_error, parse
+from hmi.dispatcher.schemas import ROOT_MODEL, api_error, parse
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.tenants import is_private, private_error
 from hmi.dispatcher.validation import ApiError, check_rows, json_body
 from hmi.names import is_valid_name
-from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError
+from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 from hmi.textlimit import TooLongError
 from hmi.training.finetune import encode
 
@@ -38,18 +38,35 @@ async def infer(request: web.Request) -> web.Response:
     tenant = request.match_info["tenant"]
     await s.auth.require_owner(request, tenant)
     body = parse(s.models["InferBody"], await json_body(request))
+    entry = await servable_entry(s, tenant)
+    truncate = body.truncate if body.truncate is not None else entry.truncate
+    outputs = await run_requests(s, [InferRequest(tenant, x, truncate=truncate) for x in body.inputs])
+    return web.json_response({"tenant": tenant, "outputs": outputs})
+
+
+async def servable_entry(s: Server, tenant: str) -> TenantEntry:
+    """The serving entry of an encoder tenant whose adapter is published; 404 for no such tenant,
+    409 for a private tenant or one whose first job has not succeeded, 422 for a decoder tenant."""
     try:
-        entry = await s.tenants.resolve(tenant)
+        return await s.tenants.resolve(tenant)
     except RequestError:
         rec = await s.registry.aget("tenants", tenant)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}") from None
         if is_private(rec):
             raise private_error(tenant, "this server does not run its model") from None
+        if rec.get("model") == "decoder":
+            raise ApiError(422, "not_an_encoder_tenant", f"tenant {tenant!r} is a decoder tenant; use "
+                           "/v1/completions or /v1/tenants/{tenant}/generate") from None
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds") \
             from None
-    truncate = body.truncate if body.truncate is not None else entry.truncate
-    reqs = [InferRequest(tenant, x, truncate=truncate) for x in body.inputs]
+
+
+async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
+    """Queues one HTTP call's requests (one model) in the cross-tenant batcher and awaits their
+    answers; the scheduler's errors become the call's HTTP errors (429 at capacity, 503 when
+    shutting down or past the server's inference timeout)."""
+    tenant = reqs[0].tenant or "root"
     try:
         s.batcher.add(reqs)
     except QueueFullError:
@@ -67,8 +84,9 @@ async def infer(request: web.Request) -> web.Response:
         raise ApiError(503, "shutting_down", "the server is shutting down") from None
     except asyncio.TimeoutError:
         raise ApiError(503, "timeout", "inference did not finish in time; retry") from None
-    s.usage.record(tenant, len(reqs), time.perf_counter() - start)
-    return web.json_response({"tenant": tenant, "outputs": outputs})
+    if reqs[0].tenant is not None:
+        s.usage.record(tenant, len(reqs), time.perf_counter() - start)
+    return outputs
 
 
 def _spec(body) -> AdapterSpec:
@@ -249,6 +267,8 @@ async def upload_adapter(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_model", f"model must be encoder or decoder, not {asked!r}")
     if rec is None:
         await s.auth.require_admin(request)
+        if tenant == ROOT_MODEL:
+            raise ApiError(400, "invalid_name", "'root' names the shared root model; choose another name")
         model = asked or "encoder"
     else:
         await s.auth.require_owner(request, tenant)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from hmi.adapters.spec import ALL_LORA_SITES, HEADS, KINDS, LORA_SITES, POOLINGS
@@ -52,6 +52,18 @@ def Absent(**kw):  # noqa: N802 - reads as a type in the models
 # between the document's ECMA regexes and the validator's (U+0085 is white space to one only).
 NON_BLANK = r"[^\t\n\v\f\r ]"
 Name = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$", description="1-63 characters a-z, 0-9, '_' or '-'")]
+ROOT_MODEL = "root"  # the shared root's model name (POST /v1/embeddings): no tenant takes it
+
+
+def _not_root(name: str) -> str:
+    if name == ROOT_MODEL:
+        raise PydanticCustomError("reserved_name", "'root' names the shared root model; choose another name")
+    return name
+
+
+TenantName = Annotated[str, Field(pattern=f"^{NAME_PATTERN}$", json_schema_extra={"not": {"const": ROOT_MODEL}},
+                                  description="1-63 characters a-z, 0-9, '_' or '-'; not 'root'"),
+                       AfterValidator(_not_root)]
 Text = Annotated[str, Field(pattern=NON_BLANK, description="a text with at least one non-space character")]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
@@ -145,7 +157,7 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
             return exactly_one(self, "training_data", "dataset")
 
     class EncoderTenant(EncoderUpdate):
-        name: Name
+        name: TenantName
         model: Literal["encoder"] = "encoder"
         domain: Name = "root"
         task: Task
@@ -169,7 +181,7 @@ def _decoder_models(limits) -> list[type[BaseModel]]:
             return exactly_one(self, "corpus", "training_text")
 
     class DecoderTenant(DecoderUpdate):
-        name: Name
+        name: TenantName
         model: Literal["decoder"]
         adapter: DecoderAdapter = DecoderAdapter()
 
@@ -197,25 +209,39 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
     """The body models of every route, with the limits of ``limits`` (a ServerConfig: max_inputs,
     max_input_chars, max_examples, max_labels), by class name."""
 
+    EmbeddingText = Annotated[str, Field(pattern=NON_BLANK, max_length=limits.max_input_chars)]
+
     class InferBody(Body):
         inputs: list[Annotated[str, Field(pattern=NON_BLANK, max_length=limits.max_input_chars)]] = Field(
             min_length=1, max_length=limits.max_inputs)
         truncate: bool = Absent(description="cut inputs over the token limit (their answer says \"truncated\": "
                                 "true) instead of refusing them (413); default: the tenant's setting")
 
+    class EmbeddingBody(Body):
+        model: Annotated[str, Field(pattern=f"^{NAME_PATTERN}$")] = Field(
+            description="'root' (the shared root model: any valid token) or an encoder tenant's name (its token or the "
+                        "admin's): the upper layers run with that tenant's adapter")
+        input: EmbeddingText | Annotated[list[EmbeddingText], Field(min_length=1, max_length=limits.max_embedding_inputs)]
+        encoding_format: Literal["float", "base64"] = Field(
+            "float", description="base64: each embedding's float32 values, little-endian, base64-encoded")
+        dimensions: Int = Absent(ge=1, description="the embedding's width; this server serves the root's width only")
+        user: str = Absent()
+        truncate: bool = Absent(description="cut inputs over the token limit instead of refusing them (413); "
+                                "not in OpenAI's API; default: refuse (or the tenant's setting)")
+
     class PrivateTenant(Body):
-        name: Name
+        name: TenantName
         model: Literal["private"] = Field(description="a private tenant: its adapter stays on its own side "
                                           "(hmi.split); the server runs the root's frozen layers for it")
 
-    models = [InferBody, DomainUpdate, DomainCreate, PrivateTenant, *_encoder_models(limits), *_decoder_models(limits)]
+    models = [InferBody, EmbeddingBody, DomainUpdate, DomainCreate, PrivateTenant, *_encoder_models(limits), *_decoder_models(limits)]
     return {m.__name__: m for m in models}
 
 
 # What a too-long list or a blank item is called, per field.
-_TOO_MANY = {"inputs": "too_many_inputs", "train": "too_many_examples", "dev": "too_many_examples",
+_TOO_MANY = {"inputs": "too_many_inputs", "input": "too_many_inputs", "train": "too_many_examples", "dev": "too_many_examples",
              "test": "too_many_examples", "training_text": "too_many_examples", "corpus": "too_many_lines"}
-_EMPTY = {"inputs": "empty_inputs", "train": "empty_training_data", "training_text": "empty_training_data",
+_EMPTY = {"inputs": "empty_inputs", "input": "empty_input", "train": "empty_training_data", "training_text": "empty_training_data",
           "corpus": "empty_corpus"}
 _UNKNOWN = {"dataset": "unknown_dataset", "corpus": "unknown_corpus", "corpus_name": "unknown_corpus"}
 # Out-of-range values of generation fields keep the codes the generation engine uses.
@@ -223,12 +249,17 @@ _BAD_VALUE = {"prompt": "bad_prompt", "max_new_tokens": "bad_max_new_tokens", "m
               "temperature": "bad_temperature", "top_p": "bad_top_p", "seed": "bad_seed", "stop": "bad_stop"}
 
 
+def _branch(part: str) -> bool:
+    """Whether a location part names a branch of a union (TextExample, list[constrained-str], ...)."""
+    return part[:1].isupper() or "[" in part or part.startswith("constrained-") or part in ("str", "int", "list")
+
+
 def _where(loc: tuple) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part[:1].isupper():  # a branch of a union: TextExample, ...
+        elif _branch(part):
             continue
         else:
             out += ("." if out else "") + part
@@ -243,7 +274,7 @@ def api_error(exc: ValidationError) -> ApiError:
     if err["type"].endswith("_type"):  # a union: report the branch the value was meant for, not the wrong type
         err = next((e for e in errors if e["loc"][:1] == err["loc"][:1] and not e["type"].endswith("_type")), err)
     t, loc = err["type"], tuple(err["loc"])
-    names = [p for p in loc if isinstance(p, str) and not p[:1].isupper()]
+    names = [p for p in loc if isinstance(p, str) and not _branch(p)]
     field, where = (names[-1] if names else ""), _where(loc)
     in_example = any(p in ("train", "dev", "test") for p in names) and any(isinstance(p, int) for p in loc)
     if in_example and t not in ("too_long",):
@@ -256,6 +287,8 @@ def api_error(exc: ValidationError) -> ApiError:
         return ApiError(400, "unknown_field", f"unknown field {where!r}")
     if t in ("missing_field",):
         return ApiError(400, t, err["msg"])
+    if t == "reserved_name":
+        return ApiError(400, "invalid_name", f"field {where!r}: {err['msg']}")
     top = names[0] if names else ""
     if t in ("missing", "extra_forbidden") or t.endswith("_type"):
         pass

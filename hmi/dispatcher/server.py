@@ -23,7 +23,7 @@ from hmi.dispatcher.tenants import Tenants
 from hmi.dispatcher.transfer import AdapterTransfer
 from hmi.dispatcher.usage import Usage
 from hmi.dispatcher.workers import WorkerContext
-from hmi.model.root import weights_fingerprint
+from hmi.model.root import SentencePooling, sentence_pooling, weights_fingerprint
 from hmi.plot.hot import attach_hot_tier
 from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
@@ -38,6 +38,7 @@ class ServerConfig:
     max_wait_ms: float = 5.0
     max_len: int = 128
     max_inputs: int = 64
+    max_embedding_inputs: int = 2048  # texts in one POST /v1/embeddings (OpenAI's limit)
     max_input_chars: int = 20_000
     max_examples: int = 50_000
     max_body_mb: float = 32.0
@@ -108,11 +109,15 @@ class Server:
         self.decoders = Decoders()
         self.tree = VersionTree(root, home, root_version=lookup.chain[0])
         self._lookups: dict[str, object] = {"root": lookup}
+        try:  # the root's own sentence pooling; a root whose pooling is not served embeds nothing
+            pooling, self.embedding_error = sentence_pooling(root.spec.model_dir), None
+        except ValueError as exc:
+            pooling, self.embedding_error = SentencePooling(), str(exc)
         self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store,
                                    lambda tenant: self.tenants.entry(tenant), self.lookup_for,
                                    SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
                                                    pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
-                                                   max_labels=cfg.max_labels, device=str(self.device)))
+                                                   max_labels=cfg.max_labels, device=str(self.device)), pooling)
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe)
         self.models = build_models(cfg)

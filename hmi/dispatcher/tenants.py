@@ -87,6 +87,14 @@ class Tenants:
     def servable_count(self) -> int:
         return len(self._entries)
 
+    def servable_names(self) -> list[str]:
+        """The tenants this process answers for now: encoder and decoder."""
+        return [*self._entries, *self._gpt_ready]
+
+    def serving_kind(self, tenant: str) -> str | None:
+        """``encoder`` or ``decoder`` when this process answers for the tenant now, else None."""
+        return "encoder" if tenant in self._entries else "decoder" if tenant in self._gpt_ready else None
+
     def foreign_message(self, tenant: str) -> str:
         return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "
                 f"server serves {self.root_name} ({self.root_fingerprint[:12]}): serve that root to use it")

@@ -187,6 +187,21 @@ def convert_checkpoint(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copyfile(src / name, dst / name)
+    copy_sentence_modules(src, dst)
+
+
+def copy_sentence_modules(src: Path, dst: Path) -> None:
+    """The sentence-transformers pipeline of ``src`` (``modules.json`` and each module's
+    ``config.json``), so that the converted root pools its sentence embeddings as the original does
+    (``hmi.model.root.sentence_pooling``)."""
+    if not (src / "modules.json").exists():
+        return
+    shutil.copyfile(src / "modules.json", dst / "modules.json")
+    for module in json.loads((src / "modules.json").read_text()):
+        path = module.get("path", "")
+        if path and (src / path / "config.json").exists():
+            (dst / path).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / path / "config.json", dst / path / "config.json")
 
 
 def load_relative_bias(folder: Path, config) -> RelativeBias | None:

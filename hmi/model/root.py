@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -142,3 +143,50 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sentence-transformers pooling. Shapes: hidden (B, T, H); mask (B, T) -> (B, H)."""
     m = mask.to(hidden.dtype).unsqueeze(-1)
     return (hidden * m).sum(1) / m.sum(1).clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class SentencePooling:
+    """How the root's own sentence-transformers model turns token states into one sentence
+    embedding: ``mode`` (``mean``, ``cls`` or ``max``) over the real tokens, then L2 normalisation
+    when its pipeline has a ``Normalize`` module."""
+
+    mode: str = "mean"
+    normalize: bool = True
+
+    def __call__(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Semantics: v[n] = pool over t with mask[n, t] = 1 of hidden[n, t] (mean, max, or t = 0
+        for cls), then v[n] / max(||v[n]||, 1e-12) when normalizing (sentence-transformers' order).
+        Shapes: hidden (B, T, H); mask (B, T) {0,1} -> (B, H)."""
+        if self.mode == "cls":
+            v = hidden[:, 0]
+        elif self.mode == "max":
+            v = hidden.masked_fill(mask.unsqueeze(-1) == 0, -1e9).max(1).values
+        else:
+            v = mean_pool(hidden, mask)
+        return torch.nn.functional.normalize(v, p=2, dim=1) if self.normalize else v
+
+
+POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max"}
+
+
+def sentence_pooling(model_dir: str | Path) -> SentencePooling:
+    """The pooling of a sentence-transformers folder (``modules.json`` and its Pooling module's
+    ``config.json``).  A folder without them (a plain checkpoint, or a conversion that kept only
+    the transformer) gets the pooling of both packaged roots: mean over tokens, normalized.
+    Raises ValueError for a pooling this server does not compute (several modes at once,
+    mean-sqrt-len, weighted or last-token pooling)."""
+    model_dir = Path(model_dir)
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text())
+    except FileNotFoundError:
+        return SentencePooling()
+    types = {m.get("type", "").rsplit(".", 1)[-1]: m for m in modules}
+    if "Pooling" not in types:
+        return SentencePooling()
+    config = json.loads((model_dir / types["Pooling"].get("path", "") / "config.json").read_text())
+    on = [k for k, v in config.items() if k.startswith("pooling_mode") and v]
+    if len(on) != 1 or on[0] not in POOLING_MODES:
+        raise ValueError(f"{model_dir}: sentence-transformers pooling {on} is not one of "
+                         f"{', '.join(POOLING_MODES)} alone")
+    return SentencePooling(POOLING_MODES[on[0]], "Normalize" in types)

@@ -32,10 +32,12 @@ from hmi.adapters.heads import decode, word_starts
 from hmi.adapters.pool import PoolExhaustedError
 from hmi.adapters.store import AdapterStore, TenantMissingError
 from hmi.model.hplm import as_numpy_ids
+from hmi.model.root import SentencePooling
 from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.residency import ResidencyManager
 from hmi.scheduler.trace import Tracer
 from hmi.scheduler.types import (
+    ROOT,
     InferRequest,
     Prepared,
     QueueFullError,
@@ -86,8 +88,9 @@ def pick_device(name: str) -> torch.device:
 class Scheduler:
     def __init__(self, bert, l_low: int, tokenizer, store: AdapterStore,
                  tenants: Callable[[str], TenantEntry], lookups: Callable[[str], PlotLookup],
-                 cfg: SchedulerConfig | None = None):
+                 cfg: SchedulerConfig | None = None, pooling: SentencePooling = SentencePooling()):
         self.cfg = cfg or SchedulerConfig()
+        self.pooling = pooling  # the root's sentence embedding (embedding requests)
         if self.cfg.gil_switch_interval_s is not None:
             sys.setswitchinterval(self.cfg.gil_switch_interval_s)
         self.device = pick_device(self.cfg.device)
@@ -225,21 +228,22 @@ class Scheduler:
             rows = []  # (request, entry, ids, word starts, truncated?)
             for i, r in enumerate(todo):
                 try:
-                    entry = self.tenants(r.tenant)
+                    entry = ROOT if r.tenant is None else self.tenants(r.tenant)
                     try:
                         ids, cut = fit_ids(enc["input_ids"][i], self.cfg.max_len, r.truncate)
                     except TooLongError as exc:
                         raise RequestError("input_too_long", f"the input has {exc}; {TRUNCATE_HINT}", 413) from None
                     if r.tenant in bad:
                         raise bad[r.tenant]
-                    if r.tenant not in weights:
+                    if entry.spec is not None and r.tenant not in weights:
                         weights[r.tenant] = self._load(entry)
                 except RequestError as exc:
                     if exc.code in ("adapter_missing", "adapter_unreadable"):
                         bad[r.tenant] = exc  # read once per batch, not once per request
                     _fail(r, exc)
                     continue
-                starts = word_starts(enc, i, texts[i]) if entry.spec.head == "tagging" else []
+                tagging = not r.embed and entry.spec.head == "tagging"
+                starts = word_starts(enc, i, texts[i]) if tagging else []
                 rows.append((r, entry, ids, [s for s in starts if s[0] < len(ids) - 1], cut))
             if not rows:
                 return None
@@ -337,6 +341,9 @@ class Scheduler:
         """Row subsets whose distinct tenants per adapter signature fit the pools."""
         parts, current, seen = [], [], defaultdict(set)
         for r, e in enumerate(p.entries):
+            if e.spec is None:  # the root: no slot
+                current.append(r)
+                continue
             sig = e.spec.signature(self.hidden)
             if e.name not in seen[sig] and len(seen[sig]) >= self.cfg.pool_slots:
                 parts.append(current)
@@ -363,25 +370,41 @@ class Scheduler:
                     _fail(p.requests[r], exc)
                 return
         self.stats["adapters_loaded"] += res.loaded
+        embed = [p.requests[r].embed for r in rows]
         try:
             with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad():
                     out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer,
                                         relative_bias=self.relative_bias)
                     res.wait_head()
-                    tagging = torch.tensor([e.spec.head == "tagging" for e in entries], device=self.device)
-                    mean = torch.tensor([e.spec.pooling == "mean" for e in entries], device=self.device)
-                    logits = batched_heads(out, res.groups, tagging, mask, mean).float().cpu()
+                    logits = vectors = None
+                    if not all(embed):
+                        specs = [e.spec for e in entries]  # None: the root's rows, all embeddings
+                        tagging = torch.tensor([s is not None and s.head == "tagging" for s in specs], device=self.device)
+                        mean = torch.tensor([s is not None and s.pooling == "mean" for s in specs], device=self.device)
+                        logits = batched_heads(out, res.groups, tagging, mask, mean).float().cpu()
+                    if any(embed):
+                        vectors = self.pooling(out, mask).float().cpu()
         finally:
             self.residency.release(res)
+        n_tokens = mask.sum(1).tolist()
         for j, r in enumerate(rows):
-            _resolve(p.requests[r], entries[j], logits[j], p.word_starts[r], p.truncated[r])
+            req = p.requests[r]
+            if req.embed:
+                _embedded(req, vectors[j], int(n_tokens[j]), p.truncated[r])
+            else:
+                _resolve(req, entries[j], logits[j], p.word_starts[r], p.truncated[r])
 
 
 def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts, truncated: bool) -> None:
     if not req.future.done():
         out = decode(entry.spec, logits, starts)
         req.future.set_result({**out, "truncated": True} if truncated else out)
+
+
+def _embedded(req: InferRequest, vector: torch.Tensor, n_tokens: int, truncated: bool) -> None:
+    if not req.future.done():
+        req.future.set_result({"embedding": vector.numpy(), "tokens": n_tokens, "truncated": truncated})
 
 
 def _fail(req: InferRequest, exc: BaseException) -> None:

@@ -125,10 +125,13 @@ class ResidencyManager:
         """Pins slots for the batch's tenants and starts copying what is not resident.
 
         With ``pipelined`` the copies proceed layer by layer in the background; otherwise they
-        finish before this returns.
+        finish before this returns.  Rows of the root itself (``ROOT``: no spec) join no group:
+        the upper layers run on them without an adapter.
         """
         by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
         for row, e in enumerate(rows_entries):
+            if e.spec is None:
+                continue
             p = self.pool(e)
             # A tenant whose weights changed since they were copied in gets a fresh copy.
             if self._versions.get(e.name, e.version) != e.version:
@@ -146,7 +149,7 @@ class ResidencyManager:
                 slot_list = [slots[n] for n in names]
                 groups.append(Group(torch.tensor(rows, device=self.device),
                                     torch.tensor(slot_list, device=self.device), p,
-                                    all_rows=len(by_pool) == 1, plan=segment_plan(slot_list, self.device)))
+                                    all_rows=len(rows) == len(rows_entries), plan=segment_plan(slot_list, self.device)))
         except Exception:
             for p, slots in acquired:
                 p.release(slots)

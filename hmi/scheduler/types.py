@@ -26,21 +26,30 @@ class QueueFullError(RuntimeError):
 
 @dataclass(frozen=True)
 class TenantEntry:
-    """What serving needs to know of a tenant."""
+    """What serving needs to know of a tenant; ``ROOT`` (no spec: no adapter, no head) stands for
+    the shared root itself, whose requests are embeddings."""
 
     name: str
-    spec: AdapterSpec
+    spec: AdapterSpec | None
     domain: str = "root"
     version: int = 0  # bumped on update, so stale device copies are replaced
     truncate: bool = False  # the tenant's choice for texts over the limit (a request may override it)
 
 
+ROOT = TenantEntry("", None)
+
+
 @dataclass
 class InferRequest:
-    tenant: str
+    """One text for one model: a tenant's hPLM (``tenant`` its name) or the shared root
+    (``tenant`` None).  The answer is the tenant's head output, or with ``embed`` the sentence
+    embedding of the upper layers' output (with the tenant's adapter; the root's pooling)."""
+
+    tenant: str | None
     text: str
     future: Future = field(default_factory=Future)
     truncate: bool = False  # cut a text over the limit (answer marked "truncated") instead of refusing it
+    embed: bool = False
 
 
 @dataclass

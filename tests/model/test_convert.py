@@ -84,3 +84,13 @@ def test_a_folder_of_another_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(CheckpointError, match="gpt2"):
         convert_checkpoint(tmp_path, tmp_path / "out")
+
+
+def test_a_converted_root_keeps_the_sentence_pooling_of_its_checkpoint(tmp_path):
+    from hmi.model.root import SentencePooling, sentence_pooling
+    from tests.model.test_pooling import st_folder
+
+    src = tiny_checkpoint(tmp_path, "mpnet")
+    st_folder(src, ("pooling_mode_cls_token",), normalize=False)
+    convert_checkpoint(src, tmp_path / "out")
+    assert sentence_pooling(tmp_path / "out") == SentencePooling("cls", False)

@@ -265,3 +265,42 @@ def test_served_scores_equal_the_fine_tune_model_on_an_mpnet_root(tmp_path, kind
     for g, p in zip(got, probs):
         assert [g["scores"][c] for c in spec.labels] == pytest.approx(p.tolist(), abs=1e-4)
     store.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embeddings_of_the_root_and_of_tenants_batched_with_scoring_equal_their_pooled_upper_layers(world, device):
+    """One batch mixes root embeddings, tenant embeddings and scoring; each embedding is the root's
+    sentence pooling (mean over real tokens, L2-normalized) of the upper layers as the root's own
+    Hugging Face layers compute them (no adapter) or as the tenant's fine-tune model does (with
+    its adapter), and the scores are those of a batch without embeddings."""
+    from hmi.model.hplm import as_numpy_ids
+    from hmi.model.root import SentencePooling, extended_mask
+
+    bert, tok, adapters, resolve, lookup = world
+    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(device=device))
+    texts = TEXTS[:5]
+    reqs = [InferRequest(None, t, embed=True) for t in texts] + [InferRequest("t1", t, embed=True) for t in texts] \
+        + [InferRequest("t0", t) for t in texts]
+    s.submit(reqs)
+    got = [r.future.result(60) for r in reqs]
+    alone = s.infer([("t0", t) for t in texts])
+    s.shutdown()
+    ids, mask = as_numpy_ids(tok(texts)["input_ids"])
+    mask_t = torch.from_numpy(mask)
+    with torch.no_grad():
+        h = lookup.merged(ids, mask)
+        plain = h
+        for layer in bert.encoder.layer[L_LOW:]:
+            plain = layer(plain, extended_mask(mask_t))[0]
+        tenant = tenant_model(bert, L_LOW, resolve("t1").spec, seed=0)
+        tenant.load(adapters.load("t1"))
+        adapted = tenant.upper(h, mask_t)
+    pool = SentencePooling("mean", normalize=True)
+    for want, out in zip([*pool(plain, mask_t), *pool(adapted, mask_t)], got[:10]):
+        assert out["embedding"].shape == (H,) and not out["truncated"]
+        assert torch.from_numpy(out["embedding"]) == pytest.approx(want, abs=2e-5)
+        assert float(torch.linalg.vector_norm(torch.from_numpy(out["embedding"]))) == pytest.approx(1.0, abs=1e-5)
+    assert [g["tokens"] for g in got[:5]] == mask.sum(1).tolist()
+    assert not torch.allclose(torch.from_numpy(got[0]["embedding"]), torch.from_numpy(got[5]["embedding"]), atol=1e-3)
+    for a, b in zip(got[10:], alone):
+        same(a, b)
