@@ -9,6 +9,7 @@ tenant's weights are gathered once per batch, not once per request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -208,12 +209,39 @@ def pooled(hidden: torch.Tensor, mask: torch.Tensor, mean: torch.Tensor | bool) 
     return torch.where(mean.unsqueeze(-1), avg, cls)
 
 
+@lru_cache(maxsize=None)
+def head_activation(name: str | None):
+    """The activation between a head's layers as the ``adapters`` library applies it:
+    transformers' ``get_activation`` of the lower-cased name, ``leakyrelu`` as torch's, None none."""
+    if name is None:
+        return lambda x: x
+    if name.lower() == "leakyrelu":
+        return torch.nn.functional.leaky_relu
+    from transformers.activations import get_activation
+
+    return get_activation(name.lower())
+
+
+def head_hidden(x: torch.Tensor, slots: torch.Tensor, pool) -> torch.Tensor:
+    """The hidden layers of each request's head, before its labels' layer.
+
+    Semantics: x <- act(x[n] @ Wh[slot, j] + bh[slot, j]) for j = 0 .. L - 2 (L the pool's head
+    layers; nothing for one-layer heads).  Shapes: x (N, T, H); slots (N,) -> (N, T, H).
+    """
+    act = head_activation(pool.head_activation)
+    for j in range(pool.head_layers - 1):
+        x = act(segment_bmm(x, slots, pool.head_hidden_w[:, j], pool.head_hidden_b[:, j]))
+    return x
+
+
 def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tensor,
                   mask: torch.Tensor | None = None, mean: torch.Tensor | None = None) -> torch.Tensor:
     """Each request's own head: classification on [CLS] or on the token mean, or per-token tagging.
 
-    Semantics: logits[n] = pooled(hidden, mask, mean)[n] @ W[slot] + b[slot] (classification), or
-               hidden[n] @ W[slot] + b[slot] for every token (tagging); padded to C_max labels.
+    Semantics: logits[n] = head_hidden(pooled(hidden, mask, mean)[n]) @ W[slot] + b[slot]
+               (classification), or head_hidden(hidden[n]) @ W[slot] + b[slot] for every token
+               (tagging); padded to C_max labels (``head_hidden``: the hidden layers of heads with
+               more than one, else nothing).
     Shapes: hidden (B, T, H); tagging (B,) bool; mask (B, T) and mean (B,) bool (both or neither;
     without them every classification row reads [CLS]) -> logits (B, T, C_max) (classification
     rows carry their logits at position 0).
@@ -232,9 +260,11 @@ def batched_heads(hidden: torch.Tensor, groups: list[Group], tagging: torch.Tens
         out = hs.new_zeros(hs.shape[0], T, g.pool.max_labels)
         if bool(tag.any()):
             tr = torch.nonzero(tag).squeeze(1)
-            out[tr] = segment_bmm(hs.index_select(0, tr), g.slots.index_select(0, tr), w, b)
+            slots = g.slots.index_select(0, tr)
+            out[tr] = segment_bmm(head_hidden(hs.index_select(0, tr), slots, g.pool), slots, w, b)
         if not bool(tag.all()):
             cr = torch.nonzero(~tag).squeeze(1)
-            out[cr, :1] = segment_bmm(vs.index_select(0, cr), g.slots.index_select(0, cr), w, b)
+            slots = g.slots.index_select(0, cr)
+            out[cr, :1] = segment_bmm(head_hidden(vs.index_select(0, cr), slots, g.pool), slots, w, b)
         logits[g.rows, :, : g.pool.max_labels] = out
     return logits

@@ -58,12 +58,15 @@ class SlotPool:
 
     ``scaling`` is the LoRA factor shared by the pool (encoder pools: alpha is in the signature);
     ``scales`` (S,) holds each slot's own factor (decoder pools: one rank, any alpha).  A pool with
-    ``max_labels=0`` holds no head (decoder tenants use the root's language-model head).
+    ``max_labels=0`` holds no head (decoder tenants use the root's language-model head).  Heads of
+    ``head_layers`` > 1 hold ``head_layers - 1`` hidden layers (H -> H, then ``head_activation``)
+    before the labels' layer: ``head_hidden_w`` (S, L - 1, H, H), ``head_hidden_b`` (S, L - 1, H).
     """
 
     def __init__(self, signature: tuple, n_slots: int, n_layers: int, hidden: int, intermediate: int,
                  max_labels: int = 32, device: str | torch.device = "cpu", dtype=torch.float32,
-                 scaling: float = 1.0, value_width: int | None = None):
+                 scaling: float = 1.0, value_width: int | None = None, head_layers: int = 1,
+                 head_activation: str | None = None):
         self.signature = signature
         self.kind = signature[0]
         self.n_slots = n_slots
@@ -78,12 +81,23 @@ class SlotPool:
         self.hidden = hidden
         self.head_w = torch.zeros(n_slots, hidden, max_labels, device=self.device, dtype=dtype)
         self.head_b = torch.zeros(n_slots, max_labels, device=self.device, dtype=dtype)
+        self.head_layers, self.head_activation = head_layers, head_activation
+        self.head_hidden_w = torch.zeros(n_slots, head_layers - 1, hidden, hidden, device=self.device, dtype=dtype)
+        self.head_hidden_b = torch.zeros(n_slots, head_layers - 1, hidden, device=self.device, dtype=dtype)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._free = list(range(n_slots - 1, -1, -1))
         self._pins: Counter = Counter()
         self._retired: set[int] = set()  # slots of evicted tenants still pinned by a batch
         self._lock = threading.Lock()
         self.stats = Counter()
+
+    @classmethod
+    def for_spec(cls, spec, n_slots: int, n_layers: int, hidden: int, intermediate: int, max_labels: int = 32,
+                 device: str | torch.device = "cpu") -> "SlotPool":
+        """The pool of tenants of ``spec``'s ``pool_key`` (an encoder spec: adapter and head)."""
+        return cls(spec.signature(hidden), n_slots, n_layers, hidden, intermediate, max_labels, device,
+                   scaling=spec.scaling, head_layers=spec.head_layers,
+                   head_activation=spec.head_activation if spec.head_layers > 1 else None)
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         return self.layers[i]
@@ -164,7 +178,13 @@ class SlotPool:
         hidden = self.hidden
         if num_labels > self.max_labels:
             raise ValueError(f"a head of {num_labels} labels; this server serves at most {self.max_labels}")
-        for key, want in (("head.w", (hidden, num_labels)), ("head.b", (num_labels,))):
+        shapes = [("head.w", (hidden, num_labels)), ("head.b", (num_labels,))]
+        for j in range(self.head_layers - 1):
+            shapes += [(f"head.hidden.{j}.w", (hidden, hidden)), (f"head.hidden.{j}.b", (hidden,))]
+        extra = sorted(k for k in weights if k.startswith("head.hidden.") and k not in dict(shapes))
+        if extra:
+            raise ValueError(f"{extra[0]} does not belong to a head of {self.head_layers} layer(s)")
+        for key, want in shapes:
             got = weights.get(key)
             if got is None or tuple(got.shape) != want:
                 raise ValueError(f"{key} has shape {None if got is None else tuple(got.shape)}, expected {want}")
@@ -185,6 +205,9 @@ class SlotPool:
         self.head_b[slot].zero_()
         self.head_w[slot, :, :c].copy_(w, non_blocking=non_blocking)
         self.head_b[slot, :c].copy_(b, non_blocking=non_blocking)
+        for j in range(self.head_layers - 1):
+            self.head_hidden_w[slot, j].copy_(weights[f"head.hidden.{j}.w"], non_blocking=non_blocking)
+            self.head_hidden_b[slot, j].copy_(weights[f"head.hidden.{j}.b"], non_blocking=non_blocking)
 
     def write(self, slot: int, weights: dict[str, torch.Tensor], scaling: float | None = None) -> None:
         """Writes a tenant's whole canonical weights (and its own LoRA factor) into its slot."""
@@ -201,6 +224,9 @@ class SlotPool:
         if self.max_labels:
             out["head.w"] = self.head_w[slot, :, :num_labels].detach().clone()
             out["head.b"] = self.head_b[slot, :num_labels].detach().clone()
+            for j in range(self.head_layers - 1):
+                out[f"head.hidden.{j}.w"] = self.head_hidden_w[slot, j].detach().clone()
+                out[f"head.hidden.{j}.b"] = self.head_hidden_b[slot, j].detach().clone()
         return out
 
     @property

@@ -2,10 +2,11 @@
 
 * Encoder tenants: the ``adapters`` library's saved folder (``model.save_adapter(dir, name,
   use_safetensors=True)``): ``adapter_config.json`` and ``adapter.safetensors``, with a head either
-  the library's own (``head_config.json`` + ``model_head.safetensors``, a one-layer classification
-  or tagging head, ``add_classification_head(..., layers=1)``) or HMI's (``hmi_head.safetensors``
-  with ``head.w`` (H, C) and ``head.b`` (C,), and ``hmi_spec.json``, which also carries the
-  pooling).
+  the library's own (``head_config.json`` + ``model_head.safetensors``: a classification or
+  tagging head of any number of layers with the library's activations, its default
+  ``add_classification_head(name, num_labels)`` included) or HMI's (``hmi_head.safetensors`` with
+  ``head.w`` (H, C), ``head.b`` (C,) and any hidden layers' ``head.hidden.j.w``/``.b``, and
+  ``hmi_spec.json``, which also carries the pooling).
 * Decoder tenants: PEFT's LoRA folder (``model.save_pretrained(dir)``): ``adapter_config.json``
   and ``adapter_model.safetensors``.
 
@@ -26,7 +27,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from hmi.adapters.interop import convert, library_keys, to_library_layout
-from hmi.adapters.spec import AdapterSpec, SpecError, lora_sites
+from hmi.adapters.spec import HEAD_ACTIVATIONS, MAX_HEAD_LAYERS, AdapterSpec, SpecError, lora_sites
 from hmi.archive import ArchiveError
 
 # The adapter variants the batched kernels compute (hmi.adapters.batched), as library config values.
@@ -145,8 +146,7 @@ def read_encoder(files: dict[str, bytes], root: RootShape) -> tuple[AdapterSpec,
     _check_config(kind, cfg)
     raw = _tensors(files, "adapter.safetensors")
     head_spec, head = _read_head(files, root)
-    params = {"kind": kind, "head": head_spec["head"], "labels": head_spec["labels"],
-              "pooling": head_spec.get("pooling", "cls")}
+    params = {"pooling": "cls", **head_spec, "kind": kind}
     if kind == "lora":
         params.update(rank=cfg["r"], alpha=cfg["alpha"], targets=_lora_targets(cfg))
     if kind == "bottleneck":
@@ -190,34 +190,66 @@ def _library_weights(raw: dict[str, torch.Tensor], spec: AdapterSpec, root: Root
 def _read_head(files: dict[str, bytes], root: RootShape) -> tuple[dict, dict[str, torch.Tensor]]:
     """The head's spec fields and weights: HMI's head when present, else the library's."""
     if "hmi_head.safetensors" in files or "hmi_spec.json" in files:
-        spec = _json(files, "hmi_spec.json")
-        w = _tensors(files, "hmi_head.safetensors")
-        if set(w) != {"head.w", "head.b"}:
-            raise PortableError("bad_head", "hmi_head.safetensors must hold head.w (H, C) and head.b (C,)")
-        labels = spec.get("labels") or []
-        if tuple(w["head.w"].shape) != (root.hidden, len(labels)) or tuple(w["head.b"].shape) != (len(labels),):
-            raise PortableError("bad_head", f"the head's shapes {tuple(w['head.w'].shape)}, {tuple(w['head.b'].shape)} "
-                                f"do not fit hidden size {root.hidden} and {len(labels)} labels")
-        return {"head": spec.get("head", "classification"), "labels": labels, "pooling": spec.get("pooling", "cls")}, w
+        return _read_hmi_head(files, root)
     if "head_config.json" not in files:
         raise PortableError("missing_head", "the archive has no head: save the adapter with its head (with_head=True, a "
-                            "one-layer classification or tagging head) or add hmi_head.safetensors and hmi_spec.json")
+                            "classification or tagging head) or add hmi_head.safetensors and hmi_spec.json")
     cfg = _json(files, "head_config.json").get("config", {})
     kind = {"classification": "classification", "tagging": "tagging"}.get(cfg.get("head_type"))
-    if kind is None or cfg.get("layers") != 1 or cfg.get("use_pooler") or cfg.get("bias") is False:
-        raise PortableError("unsupported_head", "the server serves one-layer classification or tagging heads with a bias "
-                            f"and without pooler (head_config.json says {json.dumps(cfg)[:200]})")
+    layers, act = cfg.get("layers"), cfg.get("activation_function")
+    if kind is None or cfg.get("use_pooler") or cfg.get("bias") is False or not isinstance(layers, int) \
+            or not 1 <= layers <= MAX_HEAD_LAYERS or (act is not None and str(act).lower() not in HEAD_ACTIVATIONS):
+        raise PortableError("unsupported_head", f"the server serves classification or tagging heads of 1 to "
+                            f"{MAX_HEAD_LAYERS} layers with a bias, without pooler, with one of the activations "
+                            f"{', '.join(HEAD_ACTIVATIONS)} (head_config.json says {json.dumps(cfg)[:200]})")
     label2id = cfg.get("label2id") or {}
     labels = [label for label, _ in sorted(label2id.items(), key=lambda kv: kv[1])] or \
              [f"LABEL_{i}" for i in range(int(cfg.get("num_labels", 0)))]
     w = _tensors(files, "model_head.safetensors")
-    lin = {k.rsplit(".", 1)[-1]: v for k, v in w.items() if re.search(r"\.1\.(weight|bias)$", k)}
-    if set(lin) != {"weight", "bias"} or len(w) != 2:
-        raise PortableError("unsupported_head", "model_head.safetensors must hold one linear layer (heads.<name>.1)")
-    if tuple(lin["weight"].shape) != (len(labels), root.hidden):
-        raise PortableError("bad_head", f"the head's weight has shape {tuple(lin['weight'].shape)}; {len(labels)} labels "
-                            f"on hidden size {root.hidden} need {(len(labels), root.hidden)}")
-    return {"head": kind, "labels": labels}, {"head.w": lin["weight"].t().contiguous(), "head.b": lin["bias"]}
+    linears: dict[int, dict[str, torch.Tensor]] = {}  # module index in the head -> weight, bias
+    for k, v in w.items():
+        m = re.search(r"\.(\d+)\.(weight|bias)$", k)
+        if m is None:
+            raise PortableError("unsupported_head", f"model_head.safetensors holds {k}, which is no linear layer's")
+        linears.setdefault(int(m.group(1)), {})[m.group(2)] = v
+    order = [linears[i] for i in sorted(linears)]
+    if len(order) != layers or any(set(lin) != {"weight", "bias"} for lin in order):
+        raise PortableError("unsupported_head", f"model_head.safetensors must hold the {layers} linear layer(s) of the "
+                            "head, each with a weight and a bias")
+    out = {}
+    for j, lin in enumerate(order):
+        last = j == layers - 1
+        want = (len(labels), root.hidden) if last else (root.hidden, root.hidden)
+        if tuple(lin["weight"].shape) != want:
+            raise PortableError("bad_head", f"the head's layer {j + 1} has a weight of shape {tuple(lin['weight'].shape)}; "
+                                f"{'its ' + str(len(labels)) + ' labels' if last else 'a hidden layer'} on hidden size "
+                                f"{root.hidden} need(s) {want}")
+        prefix = "head" if last else f"head.hidden.{j}"
+        out[f"{prefix}.w"], out[f"{prefix}.b"] = lin["weight"].t().contiguous(), lin["bias"]
+    fields = {"head": kind, "labels": labels}
+    if layers > 1:
+        fields.update(head_layers=layers, head_activation=act)
+    return fields, out
+
+
+def _read_hmi_head(files: dict[str, bytes], root: RootShape) -> tuple[dict, dict[str, torch.Tensor]]:
+    """HMI's own head (``hmi_head.safetensors`` + ``hmi_spec.json``), with the pooling the library's
+    head has no place for."""
+    spec = _json(files, "hmi_spec.json")
+    w = _tensors(files, "hmi_head.safetensors")
+    layers = spec.get("head_layers", 1)
+    hidden = {f"head.hidden.{j}.{p}" for j in range(layers - 1) for p in "wb"} if isinstance(layers, int) else set()
+    if set(w) != {"head.w", "head.b"} | hidden:
+        raise PortableError("bad_head", "hmi_head.safetensors must hold head.w (H, C) and head.b (C,), and "
+                            "head.hidden.j.w (H, H) and head.hidden.j.b (H,) for each hidden layer j of the head")
+    labels = spec.get("labels") or []
+    if tuple(w["head.w"].shape) != (root.hidden, len(labels)) or tuple(w["head.b"].shape) != (len(labels),):
+        raise PortableError("bad_head", f"the head's shapes {tuple(w['head.w'].shape)}, {tuple(w['head.b'].shape)} "
+                            f"do not fit hidden size {root.hidden} and {len(labels)} labels")
+    fields = {"head": spec.get("head", "classification"), "labels": labels, "pooling": spec.get("pooling", "cls")}
+    if layers != 1:
+        fields.update(head_layers=layers, head_activation=spec.get("head_activation"))
+    return fields, w
 
 
 def write_encoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: RootShape, name: str) -> dict[str, bytes]:
@@ -233,22 +265,36 @@ def write_encoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: Roo
     cfg = {"config": spec.library_config(root.l_low).to_dict(), "hidden_size": root.hidden,
            "model_class": "BertAdapterModel", "model_name": root.name, "model_type": root.model_type, "name": name,
            "version": f"adapters.{adapters.__version__}"}
-    hw, hb = weights["head.w"].float(), weights["head.b"].float()
-    head_cfg = {"config": {"head_type": spec.head, "num_labels": spec.num_labels, "layers": 1,
-                           "activation_function": None if spec.head == "tagging" else "tanh",
+    act = spec.head_activation if spec.head_layers > 1 else None if spec.head == "tagging" else "tanh"
+    head_cfg = {"config": {"head_type": spec.head, "num_labels": spec.num_labels, "layers": spec.head_layers,
+                           "activation_function": act,
                            "label2id": {label: i for i, label in enumerate(spec.labels)}, "use_pooler": False,
                            "bias": True, "dropout_prob": None},
                 "hidden_size": root.hidden, "model_class": "BertAdapterModel", "model_name": root.name,
                 "model_type": root.model_type, "name": name, "version": f"adapters.{adapters.__version__}"}
-    if spec.head == "tagging":
+    if spec.head == "tagging":  # the library's tagging head takes neither (its constructor refuses them)
         head_cfg["config"].pop("use_pooler")
+        head_cfg["config"].pop("bias")
     return {"adapter_config.json": json.dumps(cfg, indent=1).encode(),
             "adapter.safetensors": save_safetensors(lib),
             "head_config.json": json.dumps(head_cfg, indent=1).encode(),
-            "model_head.safetensors": save_safetensors({f"heads.{name}.1.weight": hw.t().contiguous(),
-                                                        f"heads.{name}.1.bias": hb.contiguous()}),
-            "hmi_head.safetensors": save_safetensors({"head.w": hw.contiguous(), "head.b": hb.contiguous()}),
+            "model_head.safetensors": save_safetensors(_library_head(spec, weights, name, act)),
+            "hmi_head.safetensors": save_safetensors({k: v.float().contiguous() for k, v in weights.items()
+                                                      if k.startswith("head.")}),
             "hmi_spec.json": json.dumps(spec.to_dict(), indent=1).encode()}
+
+
+def _library_head(spec: AdapterSpec, weights: dict[str, torch.Tensor], name: str, act: str | None) -> dict:
+    """The head's linear layers under the library's module indices (``heads.<name>.<i>``: each layer
+    is a dropout, the linear layer, then the activation after hidden layers when there is one)."""
+    per_layer = 3 if act else 2
+    out = {}
+    for j in range(spec.head_layers):
+        prefix = "head" if j == spec.head_layers - 1 else f"head.hidden.{j}"
+        i = j * per_layer + 1
+        out[f"heads.{name}.{i}.weight"] = weights[f"{prefix}.w"].float().t().contiguous()
+        out[f"heads.{name}.{i}.bias"] = weights[f"{prefix}.b"].float().contiguous()
+    return out
 
 
 # -- decoder tenants: PEFT's LoRA format ----------------------------------------------------------

@@ -12,7 +12,9 @@ layer index i counts from 0 at the first upper layer):
   second); scaling alpha / r
 * ia3: ``layers.i.ia3.k`` (H,), ``layers.i.ia3.v`` (H,), ``layers.i.ia3.ffn`` (I,)
 * head: ``head.w`` (H, C), ``head.b`` (C,) for classification and tagging; none for ``lm`` (the
-  decoder's own language-model head)
+  decoder's own language-model head).  A head of ``head_layers`` L > 1 (the ``adapters``
+  library's default classification head has 2) has L - 1 hidden layers before it, each
+  ``head.hidden.j.w`` (H, H), ``head.hidden.j.b`` (H,) followed by ``head_activation``
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ POOLINGS = ("cls", "mean")
 LORA_SITES = ("q", "k", "v", "ffn_in", "ffn_out")
 DEFAULT_LORA_SITES = ("q", "v")
 ALL_LORA_SITES = "all"  # shorthand for every site, in the API and on the command line
+# Activations between a head's layers, by the ``adapters`` library's names (its heads call
+# transformers' ``get_activation`` on the lower-cased name; ``leakyrelu`` is its own); None: none.
+HEAD_ACTIVATIONS = ("tanh", "relu", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "quick_gelu", "silu", "swish",
+                    "mish", "sigmoid", "relu6", "linear", "leakyrelu")
+MAX_HEAD_LAYERS = 8
 
 
 def lora_sites(names) -> tuple[str, ...]:
@@ -84,6 +91,8 @@ class AdapterSpec:
     alpha: float = 8.0  # lora
     pooling: str = "cls"  # classification: the [CLS] vector, or the mean of the text's tokens
     targets: tuple[str, ...] = DEFAULT_LORA_SITES  # lora: the projections it adapts (LORA_SITES)
+    head_layers: int = 1  # linear layers of the head (hidden ones H -> H, then H -> C)
+    head_activation: str | None = "tanh"  # after each hidden layer of the head (head_layers > 1)
 
     def __post_init__(self):
         object.__setattr__(self, "labels", tuple(self.labels))
@@ -131,6 +140,12 @@ class AdapterSpec:
             raise SpecError("labels must be distinct")
         if any(not isinstance(x, str) or not x for x in self.labels):
             raise SpecError("labels must be non-empty strings")
+        if not (isinstance(self.head_layers, int) and not isinstance(self.head_layers, bool)
+                and 1 <= self.head_layers <= MAX_HEAD_LAYERS):
+            raise SpecError(f"head_layers must be an integer in [1, {MAX_HEAD_LAYERS}], got {self.head_layers!r}")
+        if self.head_activation is not None and self.head_activation.lower() not in HEAD_ACTIVATIONS:
+            raise SpecError(f"unknown head activation {self.head_activation!r}; use one of {', '.join(HEAD_ACTIVATIONS)} "
+                            "or none")
         if self.kind == "bottleneck" and not (isinstance(self.reduction_factor, int) and self.reduction_factor >= 1):
             raise SpecError(f"reduction_factor must be a positive integer, got {self.reduction_factor!r}")
         if self.kind == "lora":
@@ -160,8 +175,14 @@ class AdapterSpec:
     def bottleneck_dim(self, hidden: int) -> int:
         return max(1, hidden // self.reduction_factor)
 
+    def pool_key(self, hidden: int) -> tuple:
+        """Tenants with the same key share one stacked pool of device slots: the adapter's
+        signature, and the head's hidden layers and activation when it has any."""
+        sig = self.signature(hidden)
+        return sig if self.head_layers == 1 else (*sig, ("head", self.head_layers, self.head_activation))
+
     def signature(self, hidden: int) -> tuple:
-        """Tenants with the same signature share one stacked pool of device slots."""
+        """The adapter's kind and size (what its weights in the upper layers look like)."""
         if self.kind == "bottleneck":
             return ("bottleneck", self.bottleneck_dim(hidden))
         if self.kind == "lora":
@@ -169,15 +190,19 @@ class AdapterSpec:
         return ("ia3",)
 
     def to_dict(self) -> dict:
+        """The spec as JSON; a one-layer head's fields are left out (as specs before them read)."""
         d = asdict(self)
         d["labels"] = list(self.labels)
         d["targets"] = list(self.targets)
+        if self.head_layers == 1:
+            del d["head_layers"], d["head_activation"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdapterSpec":
-        known = {k: d[k] for k in ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling", "targets") if k in d}
-        return cls(**known)
+        keys = ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling", "targets", "head_layers",
+                "head_activation")
+        return cls(**{k: d[k] for k in keys if k in d})
 
     def library_config(self, lower_layers: int):
         """The ``adapters`` library config of this spec, attached to the upper layers only."""

@@ -31,8 +31,7 @@ class TenantModel:
     def __init__(self, layers: nn.ModuleList, spec: AdapterSpec, weights: dict[str, torch.Tensor],
                  hidden: int, intermediate: int, relative_bias=None):
         self.layers, self.spec, self.relative_bias = layers, spec, relative_bias
-        self.pool = SlotPool(spec.signature(hidden), 1, len(layers), hidden, intermediate,
-                             max(2, spec.num_labels), scaling=spec.scaling)
+        self.pool = SlotPool.for_spec(spec, 1, len(layers), hidden, intermediate, max(2, spec.num_labels))
         self.load(weights)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -47,6 +46,8 @@ class TenantModel:
         """The adapter's and head's tensors (the pool's one slot), made trainable."""
         params = [t for layer in self.pool.layers for t in layer.values()]
         params += [self.pool.head_w, self.pool.head_b]
+        if self.pool.head_layers > 1:
+            params += [self.pool.head_hidden_w, self.pool.head_hidden_b]
         return [p.requires_grad_(True) for p in params]
 
     def sites(self, group: Group, mask: torch.Tensor, train: bool) -> GroupSites:

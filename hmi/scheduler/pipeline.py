@@ -344,7 +344,7 @@ class Scheduler:
             if e.spec is None:  # the root: no slot
                 current.append(r)
                 continue
-            sig = e.spec.signature(self.hidden)
+            sig = e.spec.pool_key(self.hidden)
             if e.name not in seen[sig] and len(seen[sig]) >= self.cfg.pool_slots:
                 parts.append(current)
                 current, seen = [], defaultdict(set)

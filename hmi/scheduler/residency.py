@@ -99,11 +99,11 @@ class ResidencyManager:
         self._lock = threading.Lock()
 
     def pool(self, entry: TenantEntry) -> SlotPool:
-        sig = entry.spec.signature(self.hidden)
+        sig = entry.spec.pool_key(self.hidden)
         with self._lock:
             if sig not in self.pools:
-                self.pools[sig] = SlotPool(sig, self.slots, self.n_layers, self.hidden, self.intermediate,
-                                           self.max_labels, self.device, scaling=entry.spec.scaling)
+                self.pools[sig] = SlotPool.for_spec(entry.spec, self.slots, self.n_layers, self.hidden, self.intermediate,
+                                                    self.max_labels, self.device)
                 if self.cuda:  # the copy stream writes the new pool only after the compute stream zeroed it
                     self.streams.copy.wait_stream(self.streams.compute())
             return self.pools[sig]

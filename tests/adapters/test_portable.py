@@ -21,15 +21,21 @@ L_LOW, H, LAYERS = 2, 32, 4
 SHAPE = RootShape("bert", H, LAYERS, L_LOW, H, "tiny")
 
 
-def library_folder(tmp_path, config, name="mine", labels=("neg", "pos", "meh"), head_layers=1, seed=0, bert=None):
+def library_folder(tmp_path, config, name="mine", labels=("neg", "pos", "meh"), head_layers=1, seed=0, bert=None,
+                   head=None):
     """An adapter trained 'elsewhere': a library AdapterModel on ``bert`` (a tiny root by default)
-    with random adapter and head weights, saved as the library saves it."""
+    with random adapter and head weights, saved as the library saves it.  ``head``: None for a
+    classification head of ``head_layers`` (tanh between layers), or a callable that adds the
+    head to the model itself (e.g. the library's defaults)."""
     bert = bert if bert is not None else tiny_bert(layers=LAYERS, hidden=H)
     model = BertAdapterModel(copy.deepcopy(bert.config))  # the library records heads in the config
     model.bert.load_state_dict(bert.state_dict(), strict=False)
     model.add_adapter(name, config=config)
-    model.add_classification_head(name, num_labels=len(labels), layers=head_layers,
-                                  id2label=dict(enumerate(labels)))
+    if head is None:
+        model.add_classification_head(name, num_labels=len(labels), layers=head_layers,
+                                      id2label=dict(enumerate(labels)))
+    else:
+        head(model, name, labels)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -44,14 +50,33 @@ def library_folder(tmp_path, config, name="mine", labels=("neg", "pos", "meh"), 
 
 
 def served_logits(spec, weights, hidden, mask):
-    pool = SlotPool(spec.signature(H), 2, LAYERS - L_LOW, H, 2 * H, max_labels=8, scaling=spec.scaling)
+    """The batched path's logits: (B, C) for classification, (B, T, C) for tagging."""
+    pool = SlotPool.for_spec(spec, 2, LAYERS - L_LOW, H, 2 * H, max_labels=8)
     pool.write(0, weights)
     b = hidden.shape[0]
     groups = [Group(torch.arange(b), torch.zeros(b, dtype=torch.long), pool, True)]
     out = upper_forward(torch.nn.ModuleList(BERT.encoder.layer[L_LOW:]), hidden, mask, groups)
     tagging = torch.tensor([spec.head == "tagging"] * b)
     mean = torch.tensor([spec.pooling == "mean"] * b)
-    return batched_heads(out, groups, tagging, mask, mean)[:, 0, :spec.num_labels]
+    logits = batched_heads(out, groups, tagging, mask, mean)[..., :spec.num_labels]
+    return logits if spec.head == "tagging" else logits[:, 0]
+
+
+def library_head(model, name="mine"):
+    """The library's head as a plain stack of its modules (dropouts, linear layers, activations)."""
+    return torch.nn.Sequential(*model.heads[name].children())
+
+
+HEADS = {  # the adapters library's heads: its defaults, and other layer counts and activations
+    "classification-default": lambda m, n, labels: m.add_classification_head(n, num_labels=len(labels),
+                                                                            id2label=dict(enumerate(labels))),
+    "classification-3-relu": lambda m, n, labels: m.add_classification_head(
+        n, num_labels=len(labels), layers=3, activation_function="relu", id2label=dict(enumerate(labels))),
+    "classification-2-no-activation": lambda m, n, labels: m.add_classification_head(
+        n, num_labels=len(labels), layers=2, activation_function=None, id2label=dict(enumerate(labels))),
+    "tagging-2-gelu": lambda m, n, labels: m.add_tagging_head(n, num_labels=len(labels), layers=2,
+                                                              activation_function="gelu", id2label=dict(enumerate(labels))),
+}
 
 
 BERT = tiny_bert(layers=LAYERS, hidden=H)
@@ -103,6 +128,34 @@ def test_written_adapters_load_in_the_library_and_compute_the_same(tmp_path, con
     assert spec2 == spec and all(torch.equal(weights[k], weights2[k]) for k in weights)
 
 
+@pytest.mark.parametrize("head", list(HEADS))
+def test_the_librarys_default_and_deeper_heads_are_served_as_the_library_computes_them(tmp_path, head):
+    model, folder = library_folder(tmp_path, LoRAConfig(r=4, alpha=8, leave_out=[0, 1]), head=HEADS[head])
+    spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
+    layers = {"classification-default": 2, "classification-3-relu": 3}.get(head, 2)
+    assert (spec.head, spec.head_layers) == (head.split("-")[0], layers)
+    torch.manual_seed(3)
+    hidden, mask = torch.randn(2, 7, H), torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        out = UpperLayers(model.bert, L_LOW)(hidden, mask)
+        ref = library_head(model)(out if spec.head == "tagging" else out[:, 0])
+        got = served_logits(spec, weights, hidden, mask)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    files = write_encoder(spec, weights, SHAPE, "again")  # and back: the library loads the same head
+    out_dir = tmp_path / "exported"
+    out_dir.mkdir()
+    for name, data in files.items():
+        (out_dir / name).write_bytes(data)
+    again = BertAdapterModel(BERT.config)
+    again.bert.load_state_dict(BERT.state_dict(), strict=False)
+    again.load_adapter(str(out_dir), set_active=True, use_safetensors=True)
+    again.load_head(str(out_dir), use_safetensors=True)
+    again.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(library_head(again, "again")(out if spec.head == "tagging" else out[:, 0]), ref)
+    assert read_encoder(files, SHAPE)[0] == spec
+
+
 def refused(files, code, match=""):
     with pytest.raises(PortableError) as err:
         read_encoder(files, SHAPE)
@@ -136,7 +189,14 @@ def test_an_adapter_of_another_root_is_refused(tmp_path):
 def test_missing_or_unsupported_heads_are_refused(tmp_path):
     files = saved(tmp_path)
     refused({k: v for k, v in files.items() if not k.startswith(("head", "model_head"))}, "missing_head")
-    refused(saved(tmp_path / "two", head_layers=2), "unsupported_head")
+    files = saved(tmp_path / "two", head_layers=2)
+    cfg = json.loads(files["head_config.json"])
+    for change in ({"activation_function": "softsign"}, {"layers": 9}, {"use_pooler": True},
+                   {"head_type": "multilabel_classification"}):
+        head_cfg = json.dumps({**cfg, "config": {**cfg["config"], **change}}).encode()
+        refused({**files, "head_config.json": head_cfg}, "unsupported_head")
+    refused({**files, "head_config.json": json.dumps({**cfg, "config": {**cfg["config"], "layers": 3}}).encode()},
+            "unsupported_head", "3 linear layer(s)")
 
 
 def test_damaged_files_are_refused(tmp_path):

@@ -15,7 +15,7 @@ from hmi.archive import zip_files, zip_folder
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.hplm import UpperLayers
-from tests.adapters.test_portable import library_folder
+from tests.adapters.test_portable import HEADS, library_folder, library_head
 from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
 
 BN = BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu", leave_out=[0, 1])
@@ -60,6 +60,33 @@ def test_an_uploaded_adapter_is_a_ready_tenant_served_as_the_library_serves_it(l
     # One batch with another tenant's requests: the same answers.
     mixed = server.scheduler.infer([("trained", texts[0]), ("byo", texts[0]), ("trained", texts[1]), ("byo", texts[1])])
     assert [mixed[1]["scores"], mixed[3]["scores"]] == [got[0]["scores"], got[1]["scores"]]
+
+
+def test_an_adapter_with_the_librarys_default_head_uploads_and_answers_like_the_library(live):
+    """``add_classification_head(name, num_labels)`` (2 layers, tanh) saved with use_safetensors."""
+    server, admin = live["server"], live["admin"]
+    model, folder = library_folder(live["tmp"] / "default-head", BN, bert=server.root.bert, seed=4,
+                                   head=HEADS["classification-default"])
+    out = admin.import_adapter("deep-head", zip_folder(folder))
+    assert out["spec"]["head_layers"] == 2 and out["spec"]["head_activation"] == "tanh"
+    texts = ["a wonderful film", "a dull and boring story that goes on"]
+    got = Client(live["url"], out["token"]).infer("deep-head", texts)
+    enc = server.root.tokenizer(texts, padding=True, return_tensors="np")
+    hidden = server.lookup.merged(enc["input_ids"], enc["attention_mask"])
+    scores = torch.tensor([[g["scores"][k] for k in ("neg", "pos", "meh")] for g in got])
+    with torch.no_grad():
+        upper = UpperLayers(model.bert, 2)(hidden, torch.from_numpy(enc["attention_mask"]))
+        torch.testing.assert_close(scores, torch.softmax(library_head(model)(upper[:, 0]), -1), atol=1e-3, rtol=0)
+        for name, p in model.named_parameters():  # the library on the weights as the store keeps them (fp16)
+            if ".mine." in name:
+                p.copy_(p.half().float())
+        upper = UpperLayers(model.bert, 2)(hidden, torch.from_numpy(enc["attention_mask"]))
+        torch.testing.assert_close(scores, torch.softmax(library_head(model)(upper[:, 0]), -1), atol=1e-4, rtol=0)
+    mixed = server.scheduler.infer([("trained", texts[0]), ("deep-head", texts[0]), ("deep-head", texts[1])])
+    assert [mixed[1]["scores"], mixed[2]["scores"]] == [got[0]["scores"], got[1]["scores"]]
+    job = admin.update_tenant("deep-head", training_data={"train": TRAIN}, epochs=1)["job"]  # it trains on, too
+    assert admin.wait_job(job, 300)["state"] == "succeeded"
+    assert admin.tenant("deep-head")["spec"]["head_layers"] == 2 and admin.infer("deep-head", texts) != got
 
 
 def test_the_owner_downloads_the_adapter_in_the_library_format_and_it_reads_back(live):
