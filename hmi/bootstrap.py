@@ -68,9 +68,9 @@ def check_shipped(l_low: int = DEFAULT_L_LOW) -> tuple[str | None, str]:
     return (shipped.name if shipped else None), artifact_id
 
 
-def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
-    """Data, calibrated root and root PLOT, each only when missing (with progress bars); the
-    default root's shipped calibration is installed rather than recomputed where it fits."""
+def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, plot: bool = True):
+    """Data, calibrated root and (with ``plot``) root PLOT, each only when missing (with progress
+    bars); the default root's shipped calibration is installed rather than recomputed where it fits."""
     from hmi.model.artifact import current_artifact_id, install_shipped, load_root
     from hmi.model.catalog import root_spec
     from hmi.model.root import load_bert
@@ -89,50 +89,111 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
                   "minutes, about 10 on 2 cores for MiniLM-L6; resumable)")
             calibrate_default(spec.l_low, home=home, root=root)
     root = load_root(home=home, spec=spec)
-    summary = ensure_root_plot(root, home=home)
-    if not summary.get("up_to_date"):
-        print(f"root PLOT ready: {summary['entries']} entries")
+    if plot:
+        summary = ensure_root_plot(root, home=home)
+        if not summary.get("up_to_date"):
+            print(f"root PLOT ready: {summary['entries']} entries")
     return root
 
 
-def is_prepared(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None) -> bool:
-    """Whether data, a calibrated root and its complete root PLOT exist, read from their records
-    alone (no tokenizing, no model loading)."""
-    from hmi.model.artifact import current_artifact_id
-    from hmi.plot.store import PlotStore
-
+def is_prepared(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, plot: bool = True) -> bool:
+    """Whether data, a calibrated root and (with ``plot``) its complete root PLOT exist, read from
+    their records alone (no tokenizing, no model loading)."""
     if l_low is None and default_l_low(root) is None:
         return False
-    artifact = current_artifact_id(home, pointer_name(source_of(root), l_low or default_l_low(root)))
-    plot = Path(home) / "plots" / str(artifact) / "root"
-    if artifact is None or not (data_dir() / "stats.json").exists() or not (plot / "data.mdb").exists():
+    artifact = current_artifact_id_of(home, root, l_low)
+    if artifact is None or not (data_dir() / "stats.json").exists():
         return False
+    return not plot or root_plot_state(home, artifact).get("complete", False)
+
+
+def current_artifact_id_of(home: Path, root: str, l_low: int | None) -> str | None:
+    from hmi.model.artifact import current_artifact_id
+
+    return current_artifact_id(home, pointer_name(source_of(root), l_low or default_l_low(root)))
+
+
+def root_plot_state(home: Path, artifact: str) -> dict:
+    """The build record of an artifact's root PLOT (``{}`` when there is none yet)."""
+    from hmi.plot.store import PlotStore
+
+    plot = Path(home) / "plots" / str(artifact) / "root"
+    if not (plot / "data.mdb").exists():
+        return {}
     store = PlotStore(plot, readonly=True)
     try:
-        return bool((store.get_record("build") or {}).get("complete"))
+        return store.get_record("build") or {}
     finally:
         store.close()
 
 
-def _prepare_child(home: str, root: str, l_low: int | None) -> None:
+def _prepare_child(home: str, root: str, l_low: int | None, plot: bool = True) -> None:
     quiet_transformers()
     tune_allocator()
-    prepare_default(Path(home), root, l_low)
+    prepare_default(Path(home), root, l_low, plot)
 
 
-def prepare_in_child(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
+def prepare_in_child(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, plot: bool = True):
     """The embedded default made ready in a child process when anything is missing, so that the
     memory calibration and the PLOT build take returns to the system when the child ends (the
-    serving process keeps freed heap for reuse, ``hmi.allocator``); then the root loaded here."""
+    serving process keeps freed heap for reuse, ``hmi.allocator``); then the root loaded here.
+    Without ``plot`` the root PLOT is left to ``build_root_plot_in_background``."""
     from hmi.model.artifact import load_root
     from hmi.model.catalog import root_spec
 
-    if not is_prepared(home, root, l_low):
-        child = multiprocessing.get_context("spawn").Process(target=_prepare_child, args=(str(home), root, l_low),
-                                                             name="hmi-prepare")
+    if not is_prepared(home, root, l_low, plot):
+        child = multiprocessing.get_context("spawn").Process(target=_prepare_child,
+                                                             args=(str(home), root, l_low, plot), name="hmi-prepare")
         child.start()
         child.join()
         if child.exitcode != 0:
             raise SystemExit(f"hmi: preparing the embedded default failed (exit code {child.exitcode}); "
                              "the messages above say why, and the next start resumes where it stopped")
     return load_root(home=home, spec=root_spec(root, l_low, home))
+
+
+def _build_plot_child(home: str, root: str, l_low: int | None) -> None:
+    quiet_transformers()
+    tune_allocator()
+    try:
+        os.nice(5)  # serving goes first: the build only makes answers faster
+    except OSError:
+        pass
+    from hmi.model.artifact import load_root
+    from hmi.model.catalog import root_spec
+    from hmi.plot.paths import ensure_root_plot
+
+    ensure_root_plot(load_root(home=Path(home), spec=root_spec(root, l_low, Path(home))), home=Path(home),
+                     progress=False)
+
+
+def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT_ROOT, l_low: int | None = None,
+                                  timeout_s: float = 600.0):
+    """Starts the build of a calibrated root's PLOT in a child process unless it is complete, and
+    returns it (None when there is nothing to build) once the build has published its plan, from
+    when on the PLOT can be served as it will be (``hmi.plot.pending``)."""
+    import time
+
+    if root_plot_state(home, artifact).get("complete"):
+        return None
+    child = multiprocessing.get_context("spawn").Process(target=_build_plot_child, args=(str(home), root, l_low),
+                                                         name="hmi-plot-build", daemon=True)
+    child.start()
+    deadline = time.monotonic() + timeout_s
+    while not _plan_published(home, artifact):
+        if not child.is_alive():
+            raise SystemExit(f"hmi: building the root PLOT failed (exit code {child.exitcode}); the messages above "
+                             "say why, and the next start resumes where it stopped")
+        if time.monotonic() > deadline:
+            child.terminate()
+            raise SystemExit(f"hmi: the root PLOT's build published no plan in {timeout_s:g} s")
+        time.sleep(0.2)
+    return child
+
+
+def _plan_published(home: Path, artifact: str) -> bool:
+    from hmi.plot.pending import plan_path
+
+    state = root_plot_state(home, artifact)
+    path = Path(home) / "plots" / str(artifact) / "root"
+    return bool(state) and (state.get("complete") or plan_path(path, state["fingerprint"]).exists())

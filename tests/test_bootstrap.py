@@ -15,6 +15,7 @@ def test_a_home_is_prepared_only_with_a_current_root_and_its_complete_root_plot(
     (tmp_path / "roots").mkdir()
     atomic_write_text(tmp_path / "roots" / "current", "art")
     assert not is_prepared(tmp_path)  # no PLOT
+    assert is_prepared(tmp_path, plot=False)  # enough to serve while the PLOT is built beside the server
     store = PlotStore(tmp_path / "plots" / "art" / "root", meta=PlotMeta("art", 3, 8), readonly=False)
     store.put_record("build", {"done": 5, "total": 10, "complete": False})
     store.close()

@@ -11,7 +11,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from hmi.bootstrap import prepare_in_child
+from hmi.bootstrap import build_root_plot_in_background, prepare_in_child
 from hmi.dispatcher.app import make_app
 from hmi.dispatcher.launch import banner, create_demo_tenants, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
@@ -21,6 +21,7 @@ from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
+from hmi.plot.pending import serving_store
 from hmi.scheduler.decoder_runtime import HgptRuntime
 
 
@@ -31,6 +32,7 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_lau
     home = home or hmi_home()
     root = root or load_root(home=home)
     version = open_root_version(root, home)
+    version.store = serving_store(version.store, version.encoder)  # a build in progress: served as it will be
     lookup = PlotLookup([version], policy=cfg.miss_policy)
     return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher, registry)
 
@@ -53,9 +55,14 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
-    server = build_server(cfg, home, prepare_in_child(home, root, l_low))
+    prepared = prepare_in_child(home, root, l_low, plot=False)
+    builder = build_root_plot_in_background(home, prepared.artifact_id, root, l_low)
+    server = build_server(cfg, home, prepared)
     startup_report(home, server.root.meta, server.root.artifact_id, server.admin_token, server.admin_token_new,
                    server.recovered, server.resumed)
+    if builder is not None:
+        print("the root PLOT is being built in the background (GET /healthz says how far): until it is done, the "
+              "values it does not hold yet are computed on demand, and the answers are the ones it will give")
     if hgpt:
         enable_hgpt(server, home)
     if demo:

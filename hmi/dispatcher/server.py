@@ -25,6 +25,7 @@ from hmi.dispatcher.usage import Usage
 from hmi.dispatcher.workers import WorkerContext
 from hmi.model.root import SentencePooling, sentence_pooling, weights_fingerprint
 from hmi.plot.hot import attach_hot_tier
+from hmi.plot.pending import PendingStore, build_state
 from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.version_tree.tree import VersionTree
@@ -123,6 +124,9 @@ class Server:
         self.models = build_models(cfg)
         if cfg.plot_hot_mb > 0:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
+        self._closing = threading.Event()
+        if isinstance(lookup.chain[0].store, PendingStore):
+            threading.Thread(target=self._await_root_plot, name="root-plot", daemon=True).start()
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
@@ -193,6 +197,28 @@ class Server:
         log.info("root PLOT hot tier: %d entries, %.0f MB on %s, built in %.1f s", len(tier), tier.nbytes / 2**20,
                  self.device, time.monotonic() - started)
 
+    def _await_root_plot(self) -> None:
+        """While the root PLOT is built beside the server, its lookups compute what is not written
+        yet (``hmi.plot.pending``); once the build is complete, they read it alone."""
+        version = self.lookup.chain[0]
+        pending = version.store
+        while not build_state(pending.store).get("complete"):
+            if self._closing.wait(1.0):
+                return
+        version.store = pending.store
+        log.info("root PLOT complete: %d entries; %d values were computed on demand while it was built",
+                 len(pending.store), pending.computed)
+
+    def preparing(self) -> dict:
+        """The stages of preparation still running beside serving: ``{}`` when none, else e.g.
+        ``{"root_plot": {"done": n, "total": m, "computed_on_demand": k}}``."""
+        store = self.lookup.chain[0].store
+        if not isinstance(store, PendingStore):
+            return {}
+        state = build_state(store.store)
+        return {"root_plot": {"done": state.get("done", 0), "total": state.get("total"),
+                              "computed_on_demand": store.computed}}
+
     # -- domains ---------------------------------------------------------------------------------
     def lookup_for(self, domain: str):
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
@@ -214,6 +240,7 @@ class Server:
         self.jobs.ctx.gpt = runtime.worker_view()
 
     def shutdown(self) -> None:
+        self._closing.set()
         if self._executor is not None:
             self._executor.shutdown()
         self.decoders.shutdown()

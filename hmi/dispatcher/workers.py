@@ -26,6 +26,7 @@ from hmi.data import job_lines, job_rows, job_texts
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
 from hmi.training.finetune import FinetuneConfig, finetune
 from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
@@ -60,7 +61,7 @@ class WorkerContext:
         return Root(spec, self.bert, load_tokenizer(self.tokenizer_dir), self.windowed, self.artifact_id, {})
 
     def tree(self) -> VersionTree:
-        store = PlotStore(self.plot_path, readonly=True, expect=self.plot_meta)
+        store = serving_store(PlotStore(self.plot_path, readonly=True, expect=self.plot_meta), self.windowed)
         return VersionTree(self.root(), Path(self.home), root_version=PlotVersion("root", store, self.windowed))
 
     def lookup(self, domain: str) -> PlotLookup:

@@ -3,12 +3,14 @@
 The target list of keys is a pure function of the corpus, the selection and the tokenizer, in
 sorted key order; it is written in fixed chunks, each committed in the same LMDB transaction as
 the progress record, so a killed build resumes at the next chunk and ends with the same bytes
-as an uninterrupted one.  Rerunning a finished build does nothing.
+as an uninterrupted one.  Rerunning a finished build does nothing.  Before computing, a build
+publishes its plan, so that the PLOT can be served while it is built (``hmi.plot.pending``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,6 +20,7 @@ from tqdm import tqdm
 
 from hmi.model.hplm import WindowedEncoder, as_numpy_ids
 from hmi.plot.keys import bigram_backoff, causal_windows, encoder_windows, pack, unpack
+from hmi.plot.pending import PLAN_FILE, plan_path
 from hmi.plot.store import PlotStore
 
 CHUNK = 2048
@@ -113,6 +116,7 @@ def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_wi
     done = state.get("done", 0) if state.get("fingerprint") == fp else 0
     if done == 0 and len(store):
         store.clear()  # another plan was (partly) built here: start from an empty table
+    publish_plan(store, keys, fp, done)
     start = time.time()
     encoder.eval()
     bar = tqdm(total=len(keys), initial=done, desc=desc, unit="ngram", disable=not progress, smoothing=0.1)
@@ -127,12 +131,27 @@ def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_wi
         if on_progress is not None:
             on_progress(pos / max(1, len(keys)), {"entries": pos})
     bar.close()
+    plan_path(store.path, fp).unlink(missing_ok=True)
     seconds = time.time() - start
     stats = store.stats()
     store.put_record("stats", stats)
     return {"written": len(keys) - done, "entries": stats["entries"], "value_bytes": stats["value_bytes"],
             "file_bytes": stats["file_bytes"], "seconds": round(seconds, 2), "resumed_from": done,
             "ngrams_per_s": round((len(keys) - done) / max(seconds, 1e-9), 1), "up_to_date": False}
+
+
+def publish_plan(store: PlotStore, keys: np.ndarray, fingerprint: str, done: int) -> None:
+    """Before a build computes anything: its plan beside the store (written whole, then renamed)
+    and its record, so that readers can serve the PLOT as it will be (``hmi.plot.pending``)."""
+    for old in store.path.glob(PLAN_FILE.format(fingerprint="*")):
+        if old != plan_path(store.path, fingerprint):
+            old.unlink(missing_ok=True)
+    path = plan_path(store.path, fingerprint)
+    if not path.exists():
+        tmp = path.with_suffix(".tmp.npy")
+        np.save(tmp, np.asarray(keys, dtype=np.uint64))
+        os.replace(tmp, path)
+    store.put_record("build", {"fingerprint": fingerprint, "done": done, "total": len(keys), "complete": False})
 
 
 def tokenize_corpus(tokenizer, lines: list[str], max_len: int = 128, progress: bool = True) -> list[list[int]]:

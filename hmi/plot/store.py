@@ -90,7 +90,7 @@ class PlotStore:
 
     # -- records -------------------------------------------------------------------------------
     def get_record(self, name: str):
-        with self.env.begin(db=self._meta) as txn:
+        with self._begin(db=self._meta) as txn:
             raw = txn.get(name.encode())
         return None if raw is None else json.loads(bytes(raw))
 
@@ -141,7 +141,7 @@ class PlotStore:
         # found pairs, which come back in query order, easy to place.  A value's chunks are
         # written in one transaction: all of them are there, or none.
         uniq, inverse = np.unique(np.asarray(keys, dtype=np.uint64), return_inverse=True)
-        with self.env.begin(db=self._entries, buffers=True) as txn:
+        with self._begin(db=self._entries, buffers=True) as txn:
             pairs = txn.cursor().getmulti(codec.chunk_keys(uniq, m.chunks))
             vals_u = np.zeros((len(uniq), m.n, m.hidden_size), dtype=np.float16)
             found_u = np.zeros(len(uniq), dtype=bool)
@@ -163,13 +163,13 @@ class PlotStore:
         self._write(wipe)
 
     def __len__(self) -> int:
-        with self.env.begin(db=self._entries) as txn:
+        with self._begin(db=self._entries) as txn:
             return txn.stat(self._entries)["entries"] // self.meta.chunks
 
     def keys(self) -> np.ndarray:
         """All keys in order (uint64)."""
         c = self.meta.chunks
-        with self.env.begin(db=self._entries, buffers=True) as txn:
+        with self._begin(db=self._entries, buffers=True) as txn:
             keys = txn.cursor().iternext(keys=True, values=False)
             raw = b"".join(bytes(k[:8]) for i, k in enumerate(keys) if i % c == 0)
         return np.frombuffer(raw, dtype=">u8").astype(np.uint64)
@@ -186,6 +186,16 @@ class PlotStore:
         self.env.close()
 
     # -- internals -----------------------------------------------------------------------------
+    def _begin(self, **kw):
+        """A read transaction; when a writer in another process grew the file past this process's
+        map (a PLOT read while it is built), the map is first grown to the file (LMDB's
+        MDB_MAP_RESIZED)."""
+        try:
+            return self.env.begin(**kw)
+        except lmdb.MapResizedError:
+            self.env.set_mapsize(0)
+            return self.env.begin(**kw)
+
     def _grow_to_fit(self) -> None:
         used = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
         if used * 2 > self.env.info()["map_size"]:
