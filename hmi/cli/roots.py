@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hmi.adapters.shipped import as_shipped, shipped_for, weights_sha256, write_shipped
 from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default, quiet_transformers
 from hmi.cli.common import add_root_options, read_corpus_arg
 from hmi.data import held_out_texts
@@ -21,12 +22,13 @@ from hmi.model.artifact import (
     load_root,
 )
 from hmi.model.catalog import root_spec
-from hmi.model.root import full_forward, mean_pool
+from hmi.model.root import full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import Selection, build_from_corpus
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotStore
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
+from hmi.training.demo import DEMO_TENANTS, train_demo
 
 
 def cmd_calibrate_decoder(args) -> int:
@@ -163,9 +165,38 @@ def cmd_prepare(args) -> int:
     return 0
 
 
+def cmd_ship_demo(check: bool) -> int:
+    """``hmi demo --ship`` / ``--check-shipped``: the demo tenants' adapters trained as their jobs
+    train them, written into the package or compared with what it holds."""
+    root = prepare_default(hmi_home())
+    version = open_root_version(root)
+    lookup = PlotLookup([version], policy="backoff")
+    identity = {"root_artifact": root.artifact_id, "root_fingerprint": weights_fingerprint(root.bert),
+                "plot_fingerprint": version.store.get_record("build")["fingerprint"]}
+    same = True
+    for d in DEMO_TENANTS:
+        spec, weights, metrics = train_demo(d, root.bert, root.l_low, lookup, root.tokenizer)
+        digest = weights_sha256(as_shipped(weights))
+        if check:
+            shipped = shipped_for(d["name"], **identity)
+            ok = shipped is not None and shipped.meta["weights_sha256"] == digest
+            same &= ok
+            print(f"{d['name']}: shipped {shipped.meta['weights_sha256'][:16] if shipped else 'none for this root'}, "
+                  f"trained now {digest[:16]}: {'identical, bit for bit' if ok else 'different'}")
+            continue
+        summary = {k: metrics[k] for k in ("dev", "test", "epochs_run", "seconds")}
+        folder = write_shipped(d["name"], spec, weights, {**identity, "metrics": summary, "recipe": d,
+                                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                                          "cpu": torch.backends.cpu.get_cpu_capability()})
+        print(f"{d['name']}: test accuracy {metrics['test']['accuracy']:.3f}, written to {folder}")
+    return 0 if same else 1
+
+
 def cmd_demo(args) -> int:
     """Set-up of the embedded default and a look at what it computes."""
     quiet_transformers()
+    if args.ship or args.check_shipped:
+        return cmd_ship_demo(args.check_shipped)
 
 
     root = prepare_default(hmi_home())
@@ -238,6 +269,12 @@ def _prepare_args(parser) -> None:
 
 
 def _demo_args(parser) -> None:
+    parser.add_argument("--ship", action="store_true",
+                        help="train the demo tenants' adapters on the prepared default root and its root PLOT as "
+                             "their server jobs do, and write them into the package (hmi/adapters/shipped/)")
+    parser.add_argument("--check-shipped", action="store_true",
+                        help="train them again and compare with the shipped ones (same CPU kind, torch and thread "
+                             "count: identical bit for bit)")
     parser.set_defaults(func=cmd_demo)
 
 

@@ -10,49 +10,61 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from hmi.data import task_labels
+from hmi.adapters.shipped import ShippedAdapterError, shipped_for
 from hmi.io import atomic_write_text
 from hmi.model.artifact import calibration_shortfall
+from hmi.training.demo import DEMO_TENANTS, demo_body
 
-# Sentiment on PLOT representations reads the token mean better than [CLS] (docs/decisions.md).
-# 200 dev and test texts each (for early stopping and the job's metrics): the first start's demo
-# tenant serves sooner than with the default 500.  News articles and reviews run past the token
-# limit: the demo tenants cut them (in training and inference alike) rather than refuse them.
-DEMO_TENANTS = [
-    {"name": "demo-news", "dataset": "news-topic", "pooling": "cls", "max_train": 800, "max_eval": 200, "epochs": 3},
-    {"name": "demo-reviews", "dataset": "review-sentiment", "pooling": "mean", "max_train": 1500, "max_eval": 200,
-     "epochs": 3},
-]
 DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "model": "decoder", "corpus": "legal", "max_train": 160, "epochs": 1}]
 
 
 def demo_bodies(hgpt: bool = False) -> list[dict]:
     """The ``POST /v1/tenants`` bodies of the demo tenants (with ``hgpt``, the decoder one too)."""
-    out = [{"name": d["name"], "task": {"type": "classification", "labels": list(task_labels(d["dataset"])),
-                                        "pooling": d["pooling"]},
-            "dataset": d["dataset"], "max_train": d["max_train"], "max_eval": d["max_eval"], "epochs": d["epochs"],
-            "truncate": True} for d in DEMO_TENANTS]
-    return out + (list(DEMO_DECODER_TENANTS) if hgpt else [])
+    return [demo_body(d) for d in DEMO_TENANTS] + (list(DEMO_DECODER_TENANTS) if hgpt else [])
 
 
-def create_demo_tenants(home: Path, exists: Callable[[str], bool], create: Callable[[dict], str],
+def create_demo_tenants(home: Path, exists: Callable[[str], bool], create: Callable[[dict], dict],
                         hgpt: bool = False) -> dict[str, str]:
-    """Creates the demo tenants that do not exist yet with ``create(body)`` (which returns the new
-    tenant's token); keeps their tokens in ``<home>/demo_tokens.json`` (mode 0600) and says so."""
-    tokens = {b["name"]: create(b) for b in demo_bodies(hgpt) if not exists(b["name"])}
+    """Creates the demo tenants that do not exist yet with ``create(body)`` (which answers as
+    ``POST /v1/tenants`` does: the new tenant's ``token`` and its ``job``, None when it is ready
+    at once); keeps their tokens in ``<home>/demo_tokens.json`` (mode 0600) and says so."""
+    made = {b["name"]: create(b) for b in demo_bodies(hgpt) if not exists(b["name"])}
+    tokens = {name: out["token"] for name, out in made.items()}
     if tokens:
         demo_file = home / "demo_tokens.json"
         existing = json.loads(demo_file.read_text()) if demo_file.exists() else {}
         atomic_write_text(demo_file, json.dumps({**existing, **tokens}, indent=1), mode=0o600)
-        print(f"demo tenants training in the background: {', '.join(tokens)} (tokens in {demo_file})")
+        ready = [n for n, out in made.items() if out.get("job") is None]
+        training = [n for n in made if n not in ready]
+        if ready:
+            print(f"demo tenants ready (their adapters ship with hmi): {', '.join(ready)} (tokens in {demo_file})")
+        if training:
+            print(f"demo tenants training in the background: {', '.join(training)} (tokens in {demo_file})")
     return tokens
+
+
+def import_shipped_demo(server, name: str) -> dict | None:
+    """Serves demo tenant ``name`` from the adapter shipped with the package (``hmi.adapters.shipped``)
+    when it was trained on this server's root artifact, root and root PLOT; returns the answer
+    ``POST /v1/tenants`` would give (``job`` None: ready at once), or None."""
+    state = server.lookup.chain[0].store.get_record("build") or {}
+    try:
+        shipped = shipped_for(name, server.root.artifact_id, server.tenants.root_fingerprint, state.get("fingerprint"))
+    except ShippedAdapterError as exc:
+        print(f"warning: {exc}; its fine-tune job trains it instead")
+        return None
+    if shipped is None:
+        return None
+    token = server.transfer.import_adapter(name, "encoder", shipped.spec, shipped.weights, truncate=True,
+                                           metrics={**shipped.meta.get("metrics", {}), "shipped": True})
+    return {"tenant": name, "token": token, "job": None}
 
 
 def over_http(client) -> tuple[Callable[[str], bool], Callable[[dict], str]]:
     """(exists, create) for ``create_demo_tenants`` through a running server's API (``client``
     holds the admin token): how ``hmi serve --ray`` creates them once its replicas are up."""
     return (lambda name: any(t["name"] == name for t in client.tenants()),
-            lambda body: client.request("POST", "/v1/tenants", body)["token"])
+            lambda body: client.request("POST", "/v1/tenants", body))
 
 
 def startup_report(home: Path, root_meta: dict, artifact_id: str, admin_token: str, admin_token_new: bool,

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from hmi.bootstrap import build_root_plot_in_background, prepare_in_child
 from hmi.dispatcher.app import make_app
-from hmi.dispatcher.launch import banner, create_demo_tenants, startup_report
+from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
 from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
@@ -37,11 +37,12 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_lau
     return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher, registry)
 
 
-def in_process(server: Server) -> tuple[Callable[[str], bool], Callable[[dict], str]]:
+def in_process(server: Server) -> tuple[Callable[[str], bool], Callable[[dict], dict]]:
     """(exists, create) for ``create_demo_tenants`` through the route's own code, before the
-    server listens: how ``hmi serve`` creates them."""
+    server listens: how ``hmi serve`` creates them (from their shipped adapters where those fit
+    this server's root, else by their fine-tune jobs)."""
     return (lambda name: server.registry.get("tenants", name) is not None,
-            lambda body: asyncio.run(create_from_body(server, body))["token"])
+            lambda body: import_shipped_demo(server, body["name"]) or asyncio.run(create_from_body(server, body)))
 
 
 def enable_hgpt(server: Server, home: Path) -> None:

@@ -35,11 +35,13 @@ class AdapterTransfer:
         else:
             self.residency.check(TenantEntry("upload", spec), weights)
 
-    def import_adapter(self, name: str, model: str, spec: AdapterSpec, weights: dict) -> str | None:
+    def import_adapter(self, name: str, model: str, spec: AdapterSpec, weights: dict, truncate: bool = False,
+                       metrics: dict | None = None) -> str | None:
         """Serves an uploaded adapter: for a new tenant (returns its token, shown once) or as a new
         version of an existing tenant of the same kind (returns None).  The version is written
         before it is published, and the record says ``importing`` meanwhile: a crash leaves the
-        old version served (or, for a new tenant, a failed record), never a mix."""
+        old version served (or, for a new tenant, a failed record), never a mix.  A new tenant
+        cuts long texts with ``truncate``; ``metrics`` are recorded (default: imported)."""
         try:
             self.pool_check(spec, weights, model)
         except ValueError as exc:
@@ -47,7 +49,7 @@ class AdapterTransfer:
         rec = self.registry.get("tenants", name)
         if rec is None:
             token = self.tenants.register(name, {"state": "importing", "model": model, "domain": "root",
-                                                 "spec": spec.to_dict(), "truncate": False, "job": None,
+                                                 "spec": spec.to_dict(), "truncate": truncate, "job": None,
                                                  "import_of": "new"})
         else:
             token = None
@@ -63,7 +65,7 @@ class AdapterTransfer:
             raise
         rec = self.registry.get("tenants", name)
         rec = self.registry.update("tenants", name, state="ready", spec=spec.to_dict(), version=rec.get("version", 0) + 1,
-                                   metrics={"imported": True}, error=None, import_of=None)
+                                   metrics=metrics or {"imported": True}, error=None, import_of=None)
         self.tenants.serve_new_version(name, rec)
         return token
 

@@ -66,3 +66,46 @@ def test_the_startup_report_warns_of_a_calibration_cut_short_and_says_where_the_
     assert lines[1:3] == ["marked 1 interrupted job(s) as failed", "running 1 interrupted job(s) again from their start: j2"]
     assert lines[3].endswith(": tok") and capsys.readouterr().out.splitlines() == lines
     assert startup_report(tmp_path, {}, "a", "tok", False)[0].startswith("admin token: ")
+
+
+def test_demo_tenants_whose_adapters_ship_for_this_root_serve_at_once_and_the_others_train(tmp_path, monkeypatch,
+                                                                                           data, capsys):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from hmi.adapters.shipped import ShippedAdapterError, as_shipped, read_shipped, shipped_for, write_shipped
+    from hmi.training.demo import demo_spec
+    from hmi.training.finetune import initial_weights
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setattr("hmi.adapters.shipped.SHIPPED_DIR", tmp_path / "shipped")
+    server = tiny_server(tmp_path / "home", job_concurrency=0)
+    try:
+        news, reviews = DEMO_TENANTS
+        spec = demo_spec(news)
+        weights = initial_weights(server.root.bert.config, 2, spec, seed=1)
+        identity = {"root_artifact": server.root.artifact_id, "root_fingerprint": server.tenants.root_fingerprint,
+                    "plot_fingerprint": None}  # the tiny server's PLOT has no build
+        write_shipped(news["name"], spec, weights, {**identity, "metrics": {"test": {"accuracy": 0.9}}})
+        write_shipped(reviews["name"], demo_spec(reviews), initial_weights(server.root.bert.config, 2, demo_spec(reviews)),
+                      {**identity, "root_artifact": "another-artifact"})  # trained on another root: not served
+        tokens = create_demo_tenants(server.home, *in_process(server))
+        assert set(tokens) == {news["name"], reviews["name"]}
+        ready, training = server.registry.get("tenants", news["name"]), server.registry.get("tenants", reviews["name"])
+        assert (ready["state"], ready["job"], ready["truncate"], ready["metrics"]["shipped"]) == ("ready", None, True, True)
+        assert training["state"] == "training" and training["job"]
+        stored = server.store.load(news["name"])
+        assert all(torch.equal(stored[k], v) for k, v in as_shipped(weights).items())
+        (answer,) = server.scheduler.infer([(news["name"], "Shares rose after the bank beat forecasts.")])
+        assert answer["label"] in spec.labels
+        assert "ready (their adapters ship with hmi): demo-news" in capsys.readouterr().out
+    finally:
+        server.shutdown()
+    # A damaged file is refused by its sha256; another root's adapter is not found for this one.
+    path = tmp_path / "shipped" / news["name"] / "adapter.safetensors"
+    w = load_file(str(path))
+    w["head.b"] = w["head.b"] + 1
+    save_file(w, str(path))
+    with pytest.raises(ShippedAdapterError, match="damaged"):
+        read_shipped(news["name"])
+    assert shipped_for(reviews["name"], **identity) is None
