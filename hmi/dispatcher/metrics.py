@@ -17,7 +17,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64))
         self.queue_depth = Gauge("hmi_queue_depth", "batches waiting in the scheduler", registry=r)
         self.stage_seconds = Gauge("hmi_stage_seconds_total", "time spent per pipeline stage", ["stage"], registry=r)
-        self.plot_hits = Gauge("hmi_plot_hits_total", "distinct windows served per PLOT level", ["level"], registry=r)
+        self.plot_hits = Gauge("hmi_plot_hits_total", "distinct windows served per PLOT level (level:version) for the "
+                               "tenants of each domain", ["domain", "level"], registry=r)
         self.adapter_hits = Gauge("hmi_adapter_residency_total", "adapter lookups per tier", ["tier"], registry=r)
         self.jobs = Gauge("hmi_jobs", "jobs by state", ["state"], registry=r)
         self.tenant_infer = Counter("hmi_tenant_infer_total", "infer inputs per tenant (first tenants only)",

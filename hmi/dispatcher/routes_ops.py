@@ -57,8 +57,9 @@ async def metrics(request: web.Request) -> web.Response:
     m.queue_depth.set(s.scheduler.queue_depth())
     for stage, secs in s.scheduler.tracer.stage_seconds().items():
         m.stage_seconds.labels(stage).set(secs)
-    for level, n in dict(s.lookup.hits).items():
-        m.plot_hits.labels(level).set(n)
+    for domain, lookup in s.lookups().items():
+        for level, n in dict(lookup.hits).items():
+            m.plot_hits.labels(domain, level).set(n)
     res = s.scheduler.residency.stats()
     m.adapter_hits.labels("device").set(res["device_hits"])
     m.adapter_hits.labels("host").set(s.store.stats["host_hits"])

@@ -227,6 +227,10 @@ class Server:
             lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy)
         return lk
 
+    def lookups(self) -> dict:
+        """The PLOT lookups opened so far, by domain (the root's always)."""
+        return dict(self._lookups)
+
     def domain_changed(self, name: str) -> None:
         for d in list(self._lookups):
             if d != "root":

@@ -1,6 +1,6 @@
 """The web console in a real browser: headless Chromium (Debian's chromium and chromium-driver)
-driven through Selenium logs in with a token, opens every view, watches a domain job's progress and
-runs an inference; screenshots go to docs/console/."""
+driven through Selenium logs in with a token, opens every view, watches a domain job's progress,
+runs an inference and watches the server's charts move under load; screenshots go to docs/console/."""
 
 import os
 import shutil
@@ -127,6 +127,53 @@ def test_the_admin_sees_every_view_follows_a_job_and_runs_an_inference(live, bro
     out = wait_for(browser, "#try-output tbody tr")
     assert len(out) == 2 and all(("pos" in r or "neg" in r) for r in out)
     shot(browser, "try")
+
+
+def polylines(browser, chart) -> dict[str, list[tuple[float, float]]]:
+    """The points of each series drawn in a chart, by series name (read in one script: the charts
+    are redrawn every second)."""
+    lines = browser.execute_script(f"return [...document.querySelectorAll('#{chart} polyline')]"
+                                   ".map((p) => [p.dataset.series, p.getAttribute('points')])")
+    return {name: [tuple(map(float, p.split(","))) for p in (points or "").split()] for name, points in lines}
+
+
+def test_the_server_view_charts_requests_latency_plot_hits_residency_and_jobs_live(live, browser):
+    import threading
+
+    login(browser, live["url"], ADMIN)
+    wait_for(browser, "#who", "admin")
+    open_view(browser, "server")
+    job = live["admin"].update_tenant("reviews", training_data={"train": TRAIN * 400}, epochs=5)["job"]
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            live["admin"].infer("reviews", ["a great film", "a dull film, boring and long"])
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    try:
+        end, drawn = time.time() + 60, {}
+        while time.time() < end:
+            drawn = {c: polylines(browser, c) for c in ("chart-rps", "chart-latency", "chart-plot", "chart-tiers",
+                                                         "chart-jobs")}
+            above_zero = {c: any(y < 170 for pts in series.values() for _, y in pts) for c, series in drawn.items()}
+            if all(above_zero.values()):
+                break
+            time.sleep(0.5)
+        assert all(above_zero.values()), {c: list(series) for c, series in drawn.items()}
+        assert set(drawn["chart-latency"]) == {"p50", "p99"}
+        assert any(name.startswith("root ") for name in drawn["chart-plot"])
+        assert any("update reviews" in name for name in drawn["chart-jobs"])
+        browser.set_window_size(1280, 1000)  # every chart in the picture
+        time.sleep(1.5)
+        shot(browser, "server")
+        browser.set_window_size(1280, 720)
+    finally:
+        stop.set()
+        worker.join(30)
+        live["admin"].cancel_job(job)
+        live["admin"].wait_job(job, 120)
 
 
 def test_a_tenant_token_sees_only_its_own_tenant_and_a_bad_token_is_told(live, browser):

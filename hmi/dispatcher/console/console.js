@@ -101,7 +101,126 @@ async function loadJobs() {
   }));
 }
 
-const loaders = { tenants: loadTenants, domains: loadDomains, jobs: loadJobs, try: loadTenants };
+// -- the Server view: charts of the server's own metrics over time, drawn as SVG -------------------
+const HISTORY = 600; // samples kept (one a second: ten minutes)
+const INFERENCE = /^\/v1\/(tenants\/\{tenant\}\/(infer|generate)|embeddings|completions)$/;
+const COLORS = ["#295fa6", "#1b7f3b", "#b3261e", "#8a5a00", "#7b3fa6", "#00808a", "#c2571a", "#4a5563"];
+const samples = [];
+
+function parseMetrics(text) {
+  // Prometheus text format -> [{name, labels, value}]
+  const out = [];
+  for (const line of text.split("\n")) {
+    const m = /^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)/.exec(line);
+    if (!m || line.startsWith("#")) continue;
+    const labels = {};
+    for (const l of (m[2] || "").matchAll(/(\w+)="((?:[^"\\]|\\.)*)"/g)) labels[l[1]] = l[2];
+    out.push({ name: m[1], labels, value: Number(m[3]) });
+  }
+  return out;
+}
+
+function snapshot(metrics, jobs) {
+  // One sample: cumulative counts the charts turn into rates, and each running job's progress.
+  const s = { t: Date.now() / 1000, requests: 0, buckets: {}, plot: {}, tiers: {}, jobs: {} };
+  for (const { name, labels, value } of metrics) {
+    if (name === "hmi_http_requests_total" && INFERENCE.test(labels.route)) s.requests += value;
+    else if (name === "hmi_http_request_seconds_bucket" && INFERENCE.test(labels.route)) {
+      s.buckets[labels.le] = (s.buckets[labels.le] || 0) + value;
+    } else if (name === "hmi_plot_hits_total" && labels.level !== "hot") {
+      s.plot[`${labels.domain} ${labels.level.split(":")[0]}`] =
+        (s.plot[`${labels.domain} ${labels.level.split(":")[0]}`] || 0) + value;
+    } else if (name === "hmi_adapter_residency_total") s.tiers[labels.tier] = value;
+  }
+  for (const j of jobs) if (j.state === "running") s.jobs[`${j.kind} ${j.tenant || j.domain}`] = j.progress || 0;
+  return s;
+}
+
+function rate(a, b, key, sub) {
+  const dt = b.t - a.t;
+  const va = sub ? (a[key][sub] || 0) : a[key], vb = sub ? (b[key][sub] || 0) : b[key];
+  return dt > 0 ? Math.max(0, (vb - va) / dt) : 0; // a counter that restarted reads 0, not negative
+}
+
+function quantile(a, b, q) {
+  // The q-quantile (ms) of the requests between samples a and b, from their histogram buckets.
+  const keys = Object.keys(b.buckets).sort((x, y) => Number(x) - Number(y)); // "0.005" ... "10.0", "+Inf"
+  const les = keys.map(Number);
+  const counts = keys.map((k) => Math.max(0, (b.buckets[k] || 0) - (a.buckets[k] || 0)));
+  const total = counts[counts.length - 1] || 0;
+  if (!total) return null;
+  const target = q * total;
+  let prevLe = 0, prevCount = 0;
+  for (let i = 0; i < les.length; i++) {
+    if (counts[i] >= target) {
+      if (les[i] === Infinity) return prevLe * 1000;
+      const within = counts[i] - prevCount;
+      return 1000 * (prevLe + (les[i] - prevLe) * (within ? (target - prevCount) / within : 1));
+    }
+    prevLe = les[i];
+    prevCount = counts[i];
+  }
+  return null;
+}
+
+function svgEl(tag, attrs) {
+  const e = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  return e;
+}
+
+function draw(id, series, unit) {
+  // series: {name: [[t, value], ...]} -> lines over the sampled span, a y axis from 0, a legend.
+  const svg = $(id);
+  const W = 560, H = 190, L = 48, R = 150, T = 8, B = 22;
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  const points = Object.values(series).flat().filter((p) => p[1] != null);
+  const t1 = Date.now() / 1000, t0 = Math.min(t1 - 60, ...points.map((p) => p[0]));
+  const ymax = Math.max(unit === "%" ? 100 : 1e-9, ...points.map((p) => p[1])) * (unit === "%" ? 1 : 1.1);
+  const x = (t) => L + ((t - t0) / Math.max(1, t1 - t0)) * (W - L - R);
+  const y = (v) => T + (1 - v / ymax) * (H - T - B);
+  const kids = [];
+  for (const f of [0, 0.5, 1]) {
+    kids.push(svgEl("line", { x1: L, x2: W - R, y1: y(f * ymax), y2: y(f * ymax), class: "grid" }));
+    const label = svgEl("text", { x: L - 4, y: y(f * ymax) + 4, "text-anchor": "end" });
+    label.textContent = `${+(f * ymax).toPrecision(3)}${unit === "%" ? "%" : ""}`;
+    kids.push(label);
+  }
+  const span = svgEl("text", { x: L, y: H - 6 });
+  span.textContent = `last ${Math.round((t1 - t0) / 60 * 10) / 10} min`;
+  kids.push(span);
+  Object.entries(series).forEach(([name, pts], i) => {
+    const color = COLORS[i % COLORS.length];
+    const drawn = pts.filter((p) => p[1] != null);
+    if (drawn.length) {
+      kids.push(svgEl("polyline", { points: drawn.map((p) => `${x(p[0]).toFixed(1)},${y(p[1]).toFixed(1)}`).join(" "),
+                                    stroke: color, "data-series": name }));
+    }
+    const key = svgEl("text", { x: W - R + 10, y: T + 12 + 14 * i, fill: color, class: "legend" });
+    key.textContent = name;
+    kids.push(key);
+  });
+  svg.replaceChildren(...kids);
+}
+
+async function loadServer() {
+  const resp = await fetch("/metrics");
+  const [metrics, jobs] = [parseMetrics(await resp.text()), (await api("GET", "/v1/jobs")).jobs];
+  samples.push(snapshot(metrics, jobs));
+  if (samples.length > HISTORY) samples.shift();
+  const pairs = samples.slice(1).map((b, i) => [samples[i], b]);
+  const names = (key) => [...new Set(samples.flatMap((s) => Object.keys(s[key])))].sort();
+  const rates = (key) => Object.fromEntries(names(key).map((n) => [n, pairs.map(([a, b]) => [b.t, rate(a, b, key, n)])]));
+  draw("chart-rps", { "requests/s": pairs.map(([a, b]) => [b.t, rate(a, b, "requests")]) }, "");
+  const windowed = samples.map((b, i) => [samples[Math.max(0, i - 10)], b]).slice(1);
+  draw("chart-latency", { p50: windowed.map(([a, b]) => [b.t, quantile(a, b, 0.5)]),
+                          p99: windowed.map(([a, b]) => [b.t, quantile(a, b, 0.99)]) }, "ms");
+  draw("chart-plot", rates("plot"), "");
+  draw("chart-tiers", rates("tiers"), "");
+  draw("chart-jobs", Object.fromEntries(names("jobs").map((n) => [n, samples.map((s) => [s.t, n in s.jobs ? 100 * s.jobs[n] : null])])), "%");
+}
+
+const loaders = { tenants: loadTenants, domains: loadDomains, jobs: loadJobs, server: loadServer, try: loadTenants };
 
 async function refresh() {
   try {
