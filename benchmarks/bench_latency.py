@@ -43,7 +43,7 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, len(tenants) + 1)
     p = p / p.sum() if zipf else None
-    lat, errors, codes, affinity, replicas = [], 0, {}, {}, {}
+    lat, errors, codes, affinity, replicas, refused = [], 0, {}, {}, {}, []
     drawn, wrong, timeline = 0, 0, []
     if reference is not None:
         tenants = sorted(reference["outputs"])
@@ -81,6 +81,8 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
                             wrong += bad
                     else:
                         errors += 1
+                        if r.status == 429:
+                            refused.append(time.perf_counter() - t)
             except (aiohttp.ClientError, asyncio.TimeoutError):  # the connection closed, or no answer in time
                 errors += 1
                 codes["no answer"] = codes.get("no answer", 0) + 1
@@ -107,7 +109,7 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
             await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall, "affinity": affinity,
-            "replicas": replicas, "wrong": wrong, "timeline": timeline}
+            "replicas": replicas, "wrong": wrong, "timeline": timeline, "refused_s": refused}
 
 
 def same(got, want, tol: float = 1e-3) -> bool:

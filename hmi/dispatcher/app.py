@@ -35,6 +35,7 @@ from hmi.dispatcher.routes_tenants import (
     get_tenant,
     infer,
     list_tenants,
+    set_share,
     update_tenant,
     upload_adapter,
 )
@@ -89,6 +90,7 @@ ROUTES = [
     ("GET", "/v1/tenants", list_tenants),
     ("GET", "/v1/tenants/{tenant}", get_tenant),
     ("POST", "/v1/tenants/{tenant}/update", update_tenant),
+    ("POST", "/v1/tenants/{tenant}/share", set_share),
     ("DELETE", "/v1/tenants/{tenant}", delete_tenant),
     ("POST", "/v1/tenants/{tenant}/adapter", upload_adapter),
     ("GET", "/v1/tenants/{tenant}/adapter", download_adapter),

@@ -1,53 +1,199 @@
-"""Cross-tenant batching on the event loop, as the paper describes: a request joins the last open
-batch; a full batch closes; an open batch also closes after ``max_wait`` seconds."""
+"""Cross-tenant batching on the event loop, with a fair share of the batches for every tenant.
+
+Requests wait in their tenant's own queue.  A batch is formed when the scheduler can start one
+(fewer than ``in_flight`` batches submitted and unanswered) and either ``max_batch`` requests wait
+or the oldest has waited ``max_wait`` seconds, as the paper's batcher closes a batch.  It takes
+requests across the tenants' queues by start-time fair queuing (a relative of deficit round
+robin): each request gets the tag ``max(V, tag of the tenant's previous request) + 1 / weight``
+(V: the tag of the last request taken), and a batch takes the smallest tags.  A tenant that sends
+ten times its share therefore waits behind itself, not in front of the others.
+
+Admission keeps the wait short instead of queueing without end: the batcher holds about
+``queue_delay`` seconds of work (the answered requests per second, measured over the last
+seconds, times ``queue_delay``; at least a batch per place in flight).  Past that, a request is
+refused at once (429) when its tenant already has its weighted share of that bound waiting
+(``TenantQueueFullError``; the tenants within their share are still admitted), and in any case
+when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``QueueFullError``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
 from typing import Callable
 
-from hmi.scheduler.types import InferRequest
+from hmi.scheduler.types import InferRequest, QueueFullError
+
+RATE_WINDOW = 5.0  # seconds of answered batches that measure the rate the admission bound follows
+
+
+class TenantQueueFullError(QueueFullError):
+    """One tenant's queue is full: its own requests are refused, nobody else's."""
+
+    def __init__(self, tenant: str, waiting: int):
+        super().__init__(f"tenant {tenant!r} has {waiting} requests waiting, its queue's limit")
+        self.tenant, self.waiting = tenant, waiting
 
 
 class Batcher:
     def __init__(self, submit: Callable[[list[InferRequest]], None], max_batch: int = 32, max_wait: float = 0.005,
-                 on_close: Callable[[int], None] | None = None):
+                 on_close: Callable[[int], None] | None = None, in_flight: int = 2, tenant_queue: int = 256,
+                 max_pending: int = 8192, weight: Callable[[str], float] | None = None,
+                 queue_delay: float | None = 0.25):
         self.submit = submit
-        self.max_batch = max_batch
-        self.max_wait = max_wait
-        self.on_close = on_close
-        self._open: list[InferRequest] = []
+        self.max_batch, self.max_wait, self.on_close = max_batch, max_wait, on_close
+        self.in_flight, self.tenant_queue, self.max_pending = in_flight, tenant_queue, max_pending
+        self.queue_delay = queue_delay
+        self._answered: deque = deque()  # (time, requests) of the batches answered in the last RATE_WINDOW s
+        self.weight = weight or (lambda tenant: 1.0)
+        self._queues: dict[str, deque] = {}  # tenant -> deque of (tag, arrival, request)
+        self._last: dict[str, float] = {}  # tenant -> tag of its last queued request
+        self._heads: list[tuple[float, int, str]] = []  # (tag of a queue's first request, order, tenant)
+        self._order = itertools.count()
+        self._vtime = 0.0
+        self._pending = 0
+        self._running = 0  # batches submitted and not answered yet
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def waiting(self, tenant: str) -> int:
+        q = self._queues.get(tenant)
+        return len(q) if q else 0
 
     def add(self, requests: list[InferRequest]) -> None:
-        """Adds requests (all from one HTTP call) to the open batch, closing batches as they fill.
-        Raises what ``submit`` raises (e.g. QueueFullError) for a batch that cannot be queued."""
+        """Queues the requests of one HTTP call (one model) and forms what batches can start.
+        Raises TenantQueueFullError (that tenant's queue is full) or QueueFullError (the batcher
+        is full) before queueing any of them, or what ``submit`` raises for a batch formed now."""
+        if not requests:
+            return
+        self._loop = asyncio.get_running_loop()
+        tenant = requests[0].tenant or ""
+        self.admit(tenant, len(requests))
+        q = self._queues.setdefault(tenant, deque())
+        step = 1.0 / max(self.weight(tenant), 1e-6)
+        tag, now = max(self._vtime, self._last.get(tenant, 0.0)), time.monotonic()
+        was_empty = not q
         for r in requests:
-            self._open.append(r)
-            if len(self._open) >= self.max_batch:
-                self.close()
-        if self._open and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.max_wait, self._close_safe)
+            tag += step
+            q.append((tag, now, r))
+        self._last[tenant] = tag
+        if was_empty:
+            heapq.heappush(self._heads, (q[0][0], next(self._order), tenant))
+        self._pending += len(requests)
+        self._form(raise_errors=True)
 
-    def _close_safe(self) -> None:
-        try:
-            self.close()
-        except Exception as exc:  # noqa: BLE001 - the requests carry the error back to their callers
-            del exc
+    def admit(self, tenant: str, n: int = 1) -> None:
+        """Raises what ``add`` would raise for ``n`` more requests of ``tenant`` (``""``: the root's
+        own), so that a route can refuse before it reads a body."""
+        q = self._queues.get(tenant) or ()
+        if len(q) + n > self.tenant_queue:
+            raise TenantQueueFullError(tenant or "root", len(q))
+        if self._pending + n > self.max_pending:
+            raise QueueFullError(f"{self._pending} requests are waiting, the server's limit")
+        bound = self.bound()
+        if bound is not None and self._pending + n > bound:
+            if not any(t != tenant for t in self._queues):  # nobody else waits: the server is simply full
+                raise QueueFullError(f"{self._pending} requests are waiting: about {self.queue_delay:g} s of work")
+            if len(q) + n > max(self.max_batch, self.share(tenant, bound)):  # others wait; it has its share
+                raise TenantQueueFullError(tenant or "root", len(q))
+
+    def bound(self) -> int | None:
+        """Requests the batcher holds before refusing: ``queue_delay`` seconds at the answered rate
+        of the last RATE_WINDOW seconds (at least a batch per place in flight); None before any
+        answer, or without a ``queue_delay``."""
+        if self.queue_delay is None or len(self._answered) < 2:
+            return None
+        span = self._answered[-1][0] - self._answered[0][0]
+        if span <= 0:
+            return None
+        rate = sum(n for _, n in list(self._answered)[1:]) / span
+        return max(self.max_batch * self.in_flight, int(rate * self.queue_delay))
+
+    def share(self, tenant: str, bound: int) -> float:
+        """A tenant's weighted share of ``bound`` among the tenants with requests waiting (and it)."""
+        active = set(self._queues) | {tenant}
+        total = sum(self.weight(t) for t in active)
+        return bound * self.weight(tenant) / total
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        batch, self._open = self._open, []
-        if not batch:
-            return
+        """Forms a batch now from whatever waits (if the scheduler can take one)."""
+        self._form(raise_errors=True, force=True)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _form(self, raise_errors: bool = False, force: bool = False) -> None:
+        """Submits batches while the scheduler can take one and one is due; arms the timer for
+        the oldest request otherwise."""
+        while self._pending and self._running < self.in_flight:
+            if not (force or self._pending >= self.max_batch or self._oldest_wait() >= self.max_wait):
+                break
+            force = False
+            batch = self._take(min(self.max_batch, self._pending))
+            self._submit(batch, raise_errors)
+        self._arm()
+
+    def _take(self, n: int) -> list[InferRequest]:
+        batch = []
+        while len(batch) < n:
+            tag, _, tenant = heapq.heappop(self._heads)
+            q = self._queues[tenant]
+            _, _, r = q.popleft()
+            self._vtime = tag
+            batch.append(r)
+            if q:
+                heapq.heappush(self._heads, (q[0][0], next(self._order), tenant))
+            else:
+                del self._queues[tenant]
+        self._pending -= len(batch)
+        return batch
+
+    def _submit(self, batch: list[InferRequest], raise_errors: bool) -> None:
         if self.on_close:
             self.on_close(len(batch))
+        self._running += 1
+        left = [len(batch)]
+        loop = self._loop
+
+        def answered(_future) -> None:  # any thread: the scheduler's, or the loop's on failure
+            left[0] -= 1
+            if left[0] == 0:
+                loop.call_soon_threadsafe(self._finished, len(batch))
+
+        for r in batch:
+            r.future.add_done_callback(answered)
         try:
             self.submit(batch)
         except Exception as exc:
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(exc)
-            raise
+            if raise_errors:
+                raise
+
+    def _finished(self, n: int) -> None:
+        self._running -= 1
+        now = time.monotonic()
+        self._answered.append((now, n))
+        while self._answered and now - self._answered[0][0] > RATE_WINDOW:
+            self._answered.popleft()
+        self._form()
+
+    def _oldest_wait(self) -> float:
+        if not self._heads:
+            return 0.0
+        oldest = min(q[0][1] for q in self._queues.values())
+        return time.monotonic() - oldest
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._pending and self._running < self.in_flight and self._loop is not None:
+            delay = max(0.0, self.max_wait - self._oldest_wait())
+            self._timer = self._loop.call_later(delay, self._form)

@@ -35,6 +35,9 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
     ("POST", "/v1/tenants/{tenant}/update"): ("Continue training on more data: a job (owner or admin)",
                                               ("EncoderUpdate", "DecoderUpdate"), False),
     ("DELETE", "/v1/tenants/{tenant}"): ("Delete the hPLM and its adapters (owner or admin)", (), False),
+    ("POST", "/v1/tenants/{tenant}/share"): (
+        "Set the tenant's weight in the batches (admin): its share of the server relative to the others, 1 by default",
+        ("ShareBody",), False),
     ("POST", "/v1/tenants/{tenant}/adapter"): (
         "Bring your own adapter: a zip of the adapters library's saved folder (safetensors; encoder tenants) or of "
         "PEFT's LoRA folder (?model=decoder). A new name creates a ready tenant (admin, 201 with its token); the "
@@ -83,7 +86,8 @@ ERRORS = {
     "415": "the body is not JSON (or, for an adapter upload, not a zip)",
     "422": "well-formed but inconsistent (e.g. labels of the data missing from the task's labels, a corpus too small "
            "for a domain, an uploaded adapter the server cannot batch)",
-    "429": "at capacity: retry after the Retry-After header's seconds",
+    "429": "at capacity, or this tenant has its share of requests waiting (over_share: the others are still "
+           "served): retry after the Retry-After header's seconds",
     "5XX": "a server-side failure confined to this request (an unreadable adapter, a timeout, shutting down)",
 }
 

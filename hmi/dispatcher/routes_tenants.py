@@ -12,6 +12,7 @@ from hmi.adapters.portable import read_decoder, read_encoder, write_decoder, wri
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
+from hmi.dispatcher.batcher import TenantQueueFullError
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import ROOT_MODEL, api_error, parse
 from hmi.dispatcher.server import Server
@@ -29,7 +30,7 @@ def public_tenant(s: Server, name: str, rec: dict) -> dict:
     keep = ("state", "model", "domain", "spec", "metrics", "error", "created", "updated", "version", "job")
     out = {"name": name, **{k: rec.get(k) for k in keep if k in rec}, **s.usage.report(name, rec)}
     if rec.get("model", "encoder") == "encoder":
-        out.update(max_tokens=s.cfg.max_len, truncate=rec.get("truncate", False))
+        out.update(max_tokens=s.cfg.max_len, truncate=rec.get("truncate", False), weight=rec.get("weight", 1.0))
     return out
 
 
@@ -37,6 +38,7 @@ async def infer(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
     await s.auth.require_owner(request, tenant)
+    admit(s, tenant)  # a tenant over its share is refused before its body is read
     body = parse(s.models["InferBody"], await json_body(request))
     entry = await servable_entry(s, tenant)
     truncate = body.truncate if body.truncate is not None else entry.truncate
@@ -62,14 +64,26 @@ async def servable_entry(s: Server, tenant: str) -> TenantEntry:
             from None
 
 
+def admit(s: Server, tenant: str | None, n: int = 1) -> None:
+    """429 at once when the batcher would refuse ``n`` more requests of ``tenant`` (None: the root's)."""
+    try:
+        s.batcher.admit(tenant or "", n)
+    except TenantQueueFullError as exc:
+        raise ApiError(429, "over_share", f"{exc}: this tenant sends more than its share of the server; retry "
+                       "shortly (other tenants are served meanwhile)", {"Retry-After": "1"}) from None
+    except QueueFullError:
+        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+
+
 async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
     """Queues one HTTP call's requests (one model) in the cross-tenant batcher and awaits their
     answers; the scheduler's errors become the call's HTTP errors (429 at capacity, 503 when
     shutting down or past the server's inference timeout)."""
     tenant = reqs[0].tenant or "root"
+    admit(s, reqs[0].tenant, len(reqs))
     try:
         s.batcher.add(reqs)
-    except QueueFullError:
+    except QueueFullError:  # a batch formed now that the scheduler refused
         raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
     s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc(len(reqs))
     start = time.perf_counter()
@@ -228,6 +242,16 @@ async def update_tenant(request: web.Request) -> web.Response:
     job = s.tenants.update(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
                           max_len=s.cfg.max_len)
     return web.json_response({"tenant": tenant, "job": job}, status=202)
+
+
+async def set_share(request: web.Request) -> web.Response:
+    """``POST /v1/tenants/{tenant}/share``: the tenant's weight in the batches (admin)."""
+    s: Server = request.app[SERVER]
+    await s.auth.require_admin(request)
+    tenant = request.match_info["tenant"]
+    body = parse(s.models["ShareBody"], await json_body(request))
+    rec = s.tenants.set_weight(tenant, body.weight)
+    return web.json_response({"tenant": tenant, "weight": rec["weight"]})
 
 
 async def delete_tenant(request: web.Request) -> web.Response:

@@ -229,12 +229,17 @@ def build_models(limits) -> dict[str, type[BaseModel]]:
         truncate: bool = Absent(description="cut inputs over the token limit instead of refusing them (413); "
                                 "not in OpenAI's API; default: refuse (or the tenant's setting)")
 
+    class ShareBody(Body):
+        weight: float = Field(gt=0, le=1000, description="the tenant's share of the batches relative to the others "
+                              "(default 1: equal shares)")
+
     class PrivateTenant(Body):
         name: TenantName
         model: Literal["private"] = Field(description="a private tenant: its adapter stays on its own side "
                                           "(hmi.split); the server runs the root's frozen layers for it")
 
-    models = [InferBody, EmbeddingBody, DomainUpdate, DomainCreate, PrivateTenant, *_encoder_models(limits), *_decoder_models(limits)]
+    models = [InferBody, EmbeddingBody, ShareBody,
+              DomainUpdate, DomainCreate, PrivateTenant, *_encoder_models(limits), *_decoder_models(limits)]
     return {m.__name__: m for m in models}
 
 

@@ -47,6 +47,11 @@ class ServerConfig:
     host_cache_mb: float = 1024
     miss_policy: str = "backoff"
     max_pending: int = 256
+    # Fair shares (hmi.dispatcher.batcher): batches formed ahead of the scheduler, and the requests
+    # one tenant may have waiting before its own are refused (429) while the others' are served.
+    batches_in_flight: int = 2
+    tenant_queue: int = 256
+    queue_delay_s: float = 0.25  # the work the batcher holds before it refuses (0: no such bound)
     job_concurrency: int = 1
     max_queued_jobs: int = 64
     job_time_limit_s: float = 6 * 3600.0
@@ -120,7 +125,9 @@ class Server:
                                                    pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
                                                    max_labels=cfg.max_labels, device=str(self.device)), pooling)
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
-                               on_close=self.metrics.batch_size.observe)
+                               on_close=self.metrics.batch_size.observe, in_flight=cfg.batches_in_flight,
+                               tenant_queue=cfg.tenant_queue, weight=lambda tenant: self.tenants.weight(tenant),
+                               queue_delay=cfg.queue_delay_s or None)
         self.models = build_models(cfg)
         if cfg.plot_hot_mb > 0:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()

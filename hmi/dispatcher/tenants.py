@@ -3,6 +3,8 @@ version), creating, retraining and deleting them, and publishing what their jobs
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import TenantMissingError
 from hmi.dispatcher.jobs import new_job_id
@@ -23,7 +25,7 @@ def private_error(name: str, what: str) -> ApiError:
 def entry_of(name: str, rec: dict) -> TenantEntry:
     """The serving entry of an encoder tenant's registry record."""
     return TenantEntry(name, AdapterSpec.from_dict(rec["spec"]), rec.get("domain", "root"), rec.get("version", 0),
-                       rec.get("truncate", False))
+                       rec.get("truncate", False), rec.get("weight", 1.0))
 
 
 class Tenants:
@@ -84,6 +86,21 @@ class Tenants:
         """Whether a decoder tenant's LoRA is published and its generations are accepted."""
         return tenant in self._gpt_ready
 
+    def weight(self, tenant: str) -> float:
+        """A tenant's share of the batches relative to the others (1 unless the admin set it; the
+        root's own requests, ``""``, weigh 1)."""
+        e = self._entries.get(tenant)
+        return e.weight if e is not None else 1.0
+
+    def set_weight(self, tenant: str, weight: float) -> dict:
+        """Records and applies a tenant's weight (the admin's); 404 when there is no such tenant."""
+        rec = self.registry.update("tenants", tenant, weight=weight) if self.registry.get("tenants", tenant) else None
+        if rec is None:
+            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
+        if tenant in self._entries:
+            self._entries[tenant] = replace(self._entries[tenant], weight=weight)
+        return rec
+
     def servable_count(self) -> int:
         return len(self._entries)
 
@@ -124,6 +141,8 @@ class Tenants:
         if self._synced.get(name) != seen:
             self._synced[name] = seen
             self.serve_new_version(name, rec)
+        elif name in self._entries and self._entries[name].weight != rec.get("weight", 1.0):
+            self._entries[name] = replace(self._entries[name], weight=rec.get("weight", 1.0))
 
     def serve_new_version(self, name: str, rec: dict) -> None:
         """Drops every cached copy of a tenant whose published version changed, and serves it."""

@@ -34,6 +34,7 @@ class TenantEntry:
     domain: str = "root"
     version: int = 0  # bumped on update, so stale device copies are replaced
     truncate: bool = False  # the tenant's choice for texts over the limit (a request may override it)
+    weight: float = 1.0  # the tenant's share of the batches relative to others (hmi.dispatcher.batcher)
 
 
 ROOT = TenantEntry("", None)

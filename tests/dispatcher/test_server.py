@@ -341,3 +341,37 @@ def test_domain_commands_work_against_a_server(live, capsys):
     assert "root" in capsys.readouterr().out
     assert main(["tenant", "list", "--url", live["url"], "--token", ADMIN]) == 0
     assert "alpha" in capsys.readouterr().out
+
+
+def test_a_tenant_over_its_queue_is_refused_alone_while_another_is_served(live, monkeypatch):
+    import asyncio
+
+    import aiohttp
+
+    monkeypatch.setattr(live["server"].batcher, "tenant_queue", 4)
+
+    async def burst():
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async def one(tenant, i):
+                async with session.post(f"{live['url']}/v1/tenants/{tenant}/infer", json={"inputs": [f"a film {i}"]}) as r:
+                    return tenant, r.status, (await r.json())
+
+            return await asyncio.gather(*(one("alpha", i) for i in range(60)), *(one("beta", i) for i in range(3)))
+
+    results = asyncio.run(burst())
+    alpha = [(s, b) for t, s, b in results if t == "alpha"]
+    assert [s for t, s, _ in results if t == "beta"] == [200] * 3
+    refused = [b for s, b in alpha if s == 429]
+    assert refused and all(b["error"]["code"] == "over_share" for b in refused)
+    assert any(s == 200 for s, _ in alpha)
+
+
+def test_the_admin_sets_a_tenants_share_and_nobody_else_may(live):
+    got, out = raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 2.5})
+    assert (got, out["weight"]) == (200, 2.5)
+    assert live["admin"].tenant("alpha")["weight"] == 2.5 and live["server"].tenants.weight("alpha") == 2.5
+    assert raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 2}, token=live["alpha"].token)[0] == 403
+    assert raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 0})[0] == 400
+    assert raw(live["url"], "POST", "/v1/tenants/nobody/share", {"weight": 1})[0] == 404
+    raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 1})

@@ -1,0 +1,144 @@
+"""Fair shares in the batcher: a tenant that floods the server waits behind its own requests, not
+in front of the others'; weights divide the batches; a tenant over its queue's bound is refused
+alone; batches still close when full or after max_wait."""
+
+import asyncio
+
+import pytest
+
+from hmi.dispatcher.batcher import Batcher, TenantQueueFullError
+from hmi.scheduler.types import InferRequest, QueueFullError
+
+
+class Scheduler:
+    """Records the batches it is given; answers them when told (as the real one does, from its thread)."""
+
+    def __init__(self):
+        self.batches: list[list[InferRequest]] = []
+
+    def submit(self, batch):
+        self.batches.append(batch)
+
+    def answer(self, i: int = 0):
+        for r in self.batches[i]:
+            r.future.set_result({"ok": True})
+
+
+def reqs(tenant, n):
+    return [InferRequest(tenant, f"{tenant} {i}") for i in range(n)]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_tenant_that_floods_waits_behind_itself_and_the_others_are_served_next():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=8, max_wait=10, in_flight=1)
+        b.add(reqs("noisy", 100))  # a full batch starts at once
+        b.add(reqs("quiet", 4))
+        assert len(s.batches) == 1 and {r.tenant for r in s.batches[0]} == {"noisy"}
+        s.answer(0)
+        await asyncio.sleep(0.01)  # the answer reaches the loop; the next batch forms
+        second = [r.tenant for r in s.batches[1]]
+        assert second.count("quiet") == 4 and second.count("noisy") == 4  # shares, not arrival order
+        # The slow, obvious reference: one request of each waiting tenant in turn.
+        assert second == ["noisy", "quiet"] * 4
+
+    run(go())
+
+
+def test_weights_divide_the_batches():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=8, max_wait=10, in_flight=1, weight=lambda t: {"gold": 3.0}.get(t, 1.0))
+        b.add(reqs("blocker", 8))  # occupies the scheduler while both queue
+        b.add(reqs("gold", 40))
+        b.add(reqs("plain", 40))
+        for i in range(4):
+            s.answer(i)
+            await asyncio.sleep(0.01)
+        taken = [r.tenant for batch in s.batches[1:5] for r in batch]
+        assert taken.count("gold") == 3 * taken.count("plain") == 24
+
+    run(go())
+
+
+def test_a_tenant_over_its_queue_bound_is_refused_alone_and_nothing_of_its_call_is_queued():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=8, max_wait=10, in_flight=1, tenant_queue=10, max_pending=25)
+        b.add(reqs("blocker", 8))
+        b.add(reqs("noisy", 10))
+        with pytest.raises(TenantQueueFullError) as err:
+            b.add(reqs("noisy", 1))
+        assert err.value.tenant == "noisy" and b.waiting("noisy") == 10
+        b.add(reqs("quiet", 10))  # the others are still taken
+        with pytest.raises(QueueFullError):
+            b.add(reqs("third", 10))  # the batcher's own bound
+        assert b.pending == 20
+
+    run(go())
+
+
+def test_a_batch_closes_after_max_wait_and_at_most_in_flight_batches_run():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=8, max_wait=0.02, in_flight=2)
+        b.add(reqs("a", 3))
+        assert s.batches == []
+        await asyncio.sleep(0.06)
+        assert [len(x) for x in s.batches] == [3]
+        b.add(reqs("a", 20))  # two full batches may run; the rest waits for an answer
+        await asyncio.sleep(0.06)
+        assert [len(x) for x in s.batches] == [3, 8] and b.pending == 12
+        s.answer(0)
+        await asyncio.sleep(0.06)
+        assert [len(x) for x in s.batches] == [3, 8, 8] and b.pending == 4
+
+    run(go())
+
+
+def test_a_failed_submit_fails_that_batch_and_frees_its_place():
+    async def go():
+        calls = []
+
+        def submit(batch):
+            calls.append(batch)
+            if len(calls) == 1:
+                raise QueueFullError("scheduler full")
+
+        b = Batcher(submit, max_batch=4, max_wait=10, in_flight=1)
+        with pytest.raises(QueueFullError):
+            b.add(reqs("a", 4))
+        assert all(isinstance(r.future.exception(), QueueFullError) for r in calls[0])
+        await asyncio.sleep(0.01)
+        b.add(reqs("a", 4))
+        assert len(calls) == 2
+
+    run(go())
+
+
+def test_past_its_measured_bound_the_batcher_refuses_the_tenant_over_its_share_and_admits_the_others():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, queue_delay=0.05)
+        assert b.bound() is None  # nothing answered yet: no rate to hold a delay against
+        for _ in range(10):  # answered batches measure the rate
+            b.add(reqs("warm", 4))
+            s.answer(len(s.batches) - 1)
+            await asyncio.sleep(0.01)
+        bound = b.bound()
+        assert bound is not None and bound >= 4
+        b.add(reqs("noisy", 4))  # a batch in flight, unanswered: the rest waits
+        b.add(reqs("noisy", bound))
+        with pytest.raises(QueueFullError) as full:
+            b.add(reqs("noisy", 1))  # nobody else waits: the server is full
+        assert not isinstance(full.value, TenantQueueFullError)
+        b.add(reqs("quiet", 1))  # within its share: admitted past the bound
+        with pytest.raises(TenantQueueFullError):
+            b.add(reqs("noisy", 1))  # others wait, and it holds far more than its half
+        assert b.waiting("quiet") == 1 and b.waiting("noisy") == bound
+
+    run(go())
