@@ -164,6 +164,23 @@ def temp_home(tmp: Path, real: Path, n: int):
     return root, names
 
 
+def bench_home(prefix: str, n: int):
+    """(temporary home, admin token, root, tenant names): a home sharing the prepared root
+    artifact and root PLOT with ``n`` ready tenants; servers built in this process take the token."""
+    from hmi.home import hmi_home
+
+    real = hmi_home()
+    prepared_root(real)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["HMI_ADMIN_TOKEN"] = token = "bench-admin-token-" + os.urandom(8).hex()
+    try:
+        root, names = temp_home(tmp, real, n)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp, token, root, names
+
+
 def cdf_png(runs: dict, png: Path) -> None:
     import matplotlib
 
@@ -189,15 +206,9 @@ def main() -> None:
     from hmi.data import load_task
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
-    from hmi.home import hmi_home
-
-    real = hmi_home()
-    prepared_root(real)
     seconds = 10 if args.quick else 40
-    tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-latency-"))
-    os.environ["HMI_ADMIN_TOKEN"] = token = "bench-admin-token-" + os.urandom(8).hex()
+    tmp, token, root, names = bench_home("hmi-bench-latency-", TENANTS)
     try:
-        root, names = temp_home(tmp, real, TENANTS)
         tok = root.tokenizer
         texts = [r["text"] for r in load_task("news-topic", "test")]
         texts = [tok.decode(tok(t, truncation=True, max_length=128)["input_ids"][1:-1]) for t in texts]

@@ -20,18 +20,16 @@ sent on schedule whatever the answers), one real short text (a tweet) per reques
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_latency import run_load, temp_home  # noqa: E402
-from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
+from benchmarks.bench_latency import bench_home, run_load  # noqa: E402
+from benchmarks.common import finish, start, table  # noqa: E402
 
 TENANTS = 10
 NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at capacity by "
@@ -75,15 +73,9 @@ def main() -> None:
     from hmi.data import load_task
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
-    from hmi.home import hmi_home
-
-    real = hmi_home()
-    prepared_root(real)
     seconds = 10 if args.quick else 30
-    tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-overload-"))
-    os.environ["HMI_ADMIN_TOKEN"] = token = "bench-admin-token-" + os.urandom(8).hex()
+    tmp, token, root, names = bench_home("hmi-bench-overload-", TENANTS)
     try:
-        root, names = temp_home(tmp, real, TENANTS)
         noisy, others = names[0], names[1:]
         texts = [r["text"] for r in load_task("tweet-sentiment", "test")]
         server = build_server(ServerConfig(), home=tmp, root=root)

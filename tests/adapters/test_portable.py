@@ -102,6 +102,18 @@ def test_a_library_saved_adapter_is_served_as_the_library_computes_it(tmp_path, 
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+def loaded_in_the_library(files: dict[str, bytes], folder):
+    """A library model on the tiny root with a written adapter folder loaded (adapter and head); its name."""
+    folder.mkdir()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    again = BertAdapterModel(BERT.config)
+    again.bert.load_state_dict(BERT.state_dict(), strict=False)
+    name = again.load_adapter(str(folder), set_active=True, use_safetensors=True)
+    again.load_head(str(folder), use_safetensors=True)
+    return again.eval(), name
+
+
 @pytest.mark.parametrize("config", [
     LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"], leave_out=[0, 1]),
     LoRAConfig(r=4, alpha=8, attn_matrices=["q", "k", "v"], intermediate_lora=True, output_lora=True, leave_out=[0, 1]),
@@ -110,15 +122,7 @@ def test_written_adapters_load_in_the_library_and_compute_the_same(tmp_path, con
     model, folder = library_folder(tmp_path, config)
     spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
     files = write_encoder(spec, weights, SHAPE, "roundtrip")
-    out = tmp_path / "exported"
-    out.mkdir()
-    for name, data in files.items():
-        (out / name).write_bytes(data)
-    again = BertAdapterModel(BERT.config)
-    again.bert.load_state_dict(BERT.state_dict(), strict=False)
-    name = again.load_adapter(str(out), set_active=True, use_safetensors=True)
-    again.load_head(str(out), use_safetensors=True)
-    again.eval()
+    again, name = loaded_in_the_library(files, tmp_path / "exported")
     torch.manual_seed(4)
     hidden, mask = torch.randn(1, 5, H), torch.ones(1, 5, dtype=torch.long)
     with torch.no_grad():
@@ -142,15 +146,7 @@ def test_the_librarys_default_and_deeper_heads_are_served_as_the_library_compute
         got = served_logits(spec, weights, hidden, mask)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     files = write_encoder(spec, weights, SHAPE, "again")  # and back: the library loads the same head
-    out_dir = tmp_path / "exported"
-    out_dir.mkdir()
-    for name, data in files.items():
-        (out_dir / name).write_bytes(data)
-    again = BertAdapterModel(BERT.config)
-    again.bert.load_state_dict(BERT.state_dict(), strict=False)
-    again.load_adapter(str(out_dir), set_active=True, use_safetensors=True)
-    again.load_head(str(out_dir), use_safetensors=True)
-    again.eval()
+    again, _ = loaded_in_the_library(files, tmp_path / "exported")
     with torch.no_grad():
         torch.testing.assert_close(library_head(again, "again")(out if spec.head == "tagging" else out[:, 0]), ref)
     assert read_encoder(files, SHAPE)[0] == spec
