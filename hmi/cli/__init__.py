@@ -33,6 +33,8 @@ COMMANDS = {
     "domain": ("domains", "the version tree of domains (in HMI_HOME, or on a server with --url)"),
     "private": ("private", "a private tenant: its adapter here, the root's frozen layers on the server"),
     "info": ("roots", "home directory, root artifact and its quality figures"),
+    "backup": ("home", "a consistent copy of the home, also while a server runs"),
+    "restore": ("home", "check a backup and make it the home"),
 }
 
 
