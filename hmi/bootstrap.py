@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from hmi.allocator import tune_allocator
 from hmi.data import data_dir, held_out_texts, load_corpus
@@ -176,9 +177,7 @@ def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT
 
     if root_plot_state(home, artifact).get("complete"):
         return None
-    child = multiprocessing.get_context("spawn").Process(target=_build_plot_child, args=(str(home), root, l_low),
-                                                         name="hmi-plot-build", daemon=True)
-    child.start()
+    child = start_root_plot_build(home, root, l_low)
     deadline = time.monotonic() + timeout_s
     while not _plan_published(home, artifact):
         if not child.is_alive():
@@ -189,6 +188,36 @@ def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT
             raise SystemExit(f"hmi: the root PLOT's build published no plan in {timeout_s:g} s")
         time.sleep(0.2)
     return child
+
+
+def start_root_plot_build(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
+    """Starts (or resumes) the root PLOT's build in a child process and returns it at once; it
+    opens nothing here, so a serving process that reads the PLOT may call it."""
+    child = multiprocessing.get_context("spawn").Process(target=_build_plot_child, args=(str(home), root, l_low),
+                                                         name="hmi-plot-build", daemon=True)
+    child.start()
+    return child
+
+
+def keep_building(start: Callable[[], object], first, stopping: Callable[[], bool], attempts: int = 3,
+                  log=logging.getLogger("hmi.server")) -> int:
+    """Watches a background build (``first``, a started process) and starts it again with
+    ``start()`` when it stops unfinished, as the build resumes where it stopped, up to
+    ``attempts`` times, unless ``stopping()`` (the server is shutting down).  Returns the restarts
+    made.  Meanwhile serving goes on: the values the PLOT lacks are computed on demand."""
+    proc, restarts = first, 0
+    while True:
+        proc.join()
+        if proc.exitcode == 0 or stopping():
+            return restarts
+        if restarts == attempts:
+            log.error("the root PLOT's build stopped %d times (exit code %s); serving goes on, computing what it "
+                      "lacks; the next start resumes the build", restarts + 1, proc.exitcode)
+            return restarts
+        restarts += 1
+        log.warning("the root PLOT's build stopped (exit code %s); resuming it (%d of %d)", proc.exitcode, restarts,
+                    attempts)
+        proc = start()
 
 
 def _plan_published(home: Path, artifact: str) -> bool:

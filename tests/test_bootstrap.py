@@ -47,3 +47,31 @@ def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(
     assert (r1, mpnet.steps, mpnet.lr, mpnet.max_minutes) == ("mpnet-base", 800, 3e-4, 90.0)
     assert (mpnet_5.steps, mpnet_5.lr, mpnet_5.max_minutes) == (5, 3e-4, 90.0)
     assert (r3, minilm.steps, minilm.lr, minilm.max_minutes) == ("minilm-l6", 600, 5e-4, 30.0)
+
+
+class Exits:
+    """A started process that has exited with ``code``."""
+
+    def __init__(self, code):
+        self.exitcode = code
+
+    def join(self):
+        pass
+
+
+def test_a_background_build_that_stops_unfinished_is_resumed_a_bounded_number_of_times(caplog):
+    from hmi.bootstrap import keep_building
+
+    codes = iter([-9, 1, 0])
+    started = []
+
+    def start():
+        started.append(1)
+        return Exits(next(codes))
+
+    assert keep_building(start, Exits(1), stopping=lambda: False) == 3  # killed, failed, failed, then done
+    assert len(started) == 3
+    assert keep_building(lambda: Exits(1), Exits(1), stopping=lambda: False, attempts=2) == 2
+    assert "stopped 3 times" in caplog.text  # then serving goes on without it, and says so
+    assert keep_building(lambda: Exits(1), Exits(-15), stopping=lambda: True) == 0  # shutting down: not restarted
+    assert keep_building(lambda: Exits(1), Exits(0), stopping=lambda: False) == 0

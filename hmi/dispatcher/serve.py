@@ -11,7 +11,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from hmi.bootstrap import build_root_plot_in_background, prepare_in_child
+from hmi.bootstrap import build_root_plot_in_background, keep_building, prepare_in_child, start_root_plot_build
 from hmi.dispatcher.app import make_app
 from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
@@ -64,6 +64,9 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     if builder is not None:
         print("the root PLOT is being built in the background (GET /healthz says how far): until it is done, the "
               "values it does not hold yet are computed on demand, and the answers are the ones it will give")
+        restart = lambda: start_root_plot_build(home, root, l_low)  # noqa: E731
+        threading.Thread(target=keep_building, args=(restart, builder, server.closing), name="plot-build-watch",
+                         daemon=True).start()
     if hgpt:
         enable_hgpt(server, home)
     if demo:

@@ -216,6 +216,10 @@ class Server:
         log.info("root PLOT complete: %d entries; %d values were computed on demand while it was built",
                  len(pending.store), pending.computed)
 
+    def closing(self) -> bool:
+        """Whether the server is shutting down."""
+        return self._closing.is_set()
+
     def preparing(self) -> dict:
         """The stages of preparation still running beside serving: ``{}`` when none, else e.g.
         ``{"root_plot": {"done": n, "total": m, "computed_on_demand": k}}``."""
