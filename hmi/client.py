@@ -97,12 +97,14 @@ class Client:
             time.sleep(delays[attempt])
         raise AssertionError("unreachable")
 
-    def import_adapter(self, name: str, archive: bytes | str | Path, model: str = "encoder") -> dict:
+    def import_adapter(self, name: str, archive: bytes | str | Path, model: str = "encoder",
+                       truncate: bool = False) -> dict:
         """Uploads an adapter (a zip of the adapters library's saved folder, or of PEFT's LoRA
-        folder for ``model="decoder"``): creates the tenant (its token comes back once) or
-        replaces its adapter."""
+        folder for ``model="decoder"``): creates the tenant (its token comes back once; with
+        ``truncate`` it cuts texts over the token limit) or replaces its adapter."""
         data = archive if isinstance(archive, bytes) else Path(archive).read_bytes()
-        raw, _ = self._send("POST", f"/v1/tenants/{name}/adapter?model={model}", data, "application/zip")
+        query = f"model={model}" + ("&truncate=true" if truncate else "")
+        raw, _ = self._send("POST", f"/v1/tenants/{name}/adapter?{query}", data, "application/zip")
         return json.loads(raw)
 
     def export_adapter(self, name: str) -> bytes:

@@ -73,7 +73,7 @@ def cmd_tenant_create(args):
 def cmd_tenant_import(args):
     path = Path(args.archive)
     data = zip_folder(path) if path.is_dir() else path.read_bytes()
-    show(client(args).import_adapter(args.name, data, model=args.model))
+    show(client(args).import_adapter(args.name, data, model=args.model, truncate=args.truncate))
 
 
 @run_client
@@ -154,6 +154,8 @@ def _tenant_args(parser) -> None:
     ti.add_argument("name")
     ti.add_argument("archive", help="the saved folder, or a zip of it")
     ti.add_argument("--model", default="encoder", choices=["encoder", "decoder"], help="the kind of a new tenant")
+    ti.add_argument("--truncate", action="store_true",
+                    help="a new encoder tenant cuts texts over the server's token limit instead of refusing them")
     ti.set_defaults(func=cmd_tenant_import)
     te = client_args(ten.add_parser("export", help="download a tenant's adapter as a zip (same format)"))
     te.add_argument("name")

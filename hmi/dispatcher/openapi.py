@@ -120,8 +120,11 @@ def openapi_document(app, models: dict) -> dict:
             # fuzzer can send; the server takes application/zip as well.
             op["requestBody"] = {"required": True, "description": "a zip archive of the adapter's saved folder",
                                  "content": {"application/octet-stream": {"schema": BINARY}}}
-            op["parameters"] = op.get("parameters", []) + [{"name": "model", "in": "query", "required": False, "schema": {
-                "type": "string", "enum": ["encoder", "decoder"]}, "description": "the kind of a new tenant"}]
+            op["parameters"] = op.get("parameters", []) + [
+                {"name": "model", "in": "query", "required": False, "schema": {"type": "string", "enum": ["encoder", "decoder"]},
+                 "description": "the kind of a new tenant"},
+                {"name": "truncate", "in": "query", "required": False, "schema": {"type": "string", "enum": ["true", "false"]},
+                 "description": "a new encoder tenant cuts texts over the token limit instead of refusing them (default false)"}]
         if (method, path) in TENSOR_ROUTES:
             op["requestBody"] = {"required": True, "description": "tensors in hmi.split.wire's binary format",
                                  "content": {"application/octet-stream": {"schema": BINARY}}}

@@ -289,6 +289,9 @@ async def upload_adapter(request: web.Request) -> web.Response:
     asked = request.query.get("model")
     if asked not in (None, "encoder", "decoder"):
         raise ApiError(400, "invalid_model", f"model must be encoder or decoder, not {asked!r}")
+    truncate = request.query.get("truncate", "false")
+    if truncate not in ("true", "false"):
+        raise ApiError(400, "invalid_truncate", f"truncate must be true or false, not {truncate!r}")
     if rec is None:
         await s.auth.require_admin(request)
         if tenant == ROOT_MODEL:
@@ -318,7 +321,8 @@ async def upload_adapter(request: web.Request) -> web.Response:
     if model == "encoder" and spec.num_labels > s.cfg.max_labels:
         raise ApiError(422, "too_many_labels", f"the head has {spec.num_labels} labels; this server serves at most "
                        f"{s.cfg.max_labels}")
-    token = await asyncio.get_running_loop().run_in_executor(None, s.transfer.import_adapter, tenant, model, spec, weights)
+    token = await asyncio.get_running_loop().run_in_executor(
+        None, lambda: s.transfer.import_adapter(tenant, model, spec, weights, truncate=truncate == "true"))
     out = {"tenant": tenant, "model": model, "spec": spec.to_dict(), "state": "ready"}
     if token is None:
         return web.json_response(out)

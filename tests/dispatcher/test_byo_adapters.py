@@ -183,3 +183,18 @@ def test_the_command_line_imports_a_saved_folder_and_exports_a_zip(live, tmp_pat
     assert zipfile.is_zipfile(out)
     assert main(["tenant", "import", "from-cli", str(out), *common]) == 0  # the owner's new version
     assert live["admin"].tenant("from-cli")["version"] == 2
+
+
+def test_an_upload_may_ask_that_long_texts_be_cut_and_a_wrong_value_is_refused(live):
+    server, admin = live["server"], live["admin"]
+    _, folder = library_folder(live["tmp"] / "cut", BN, bert=server.root.bert, seed=5)
+    out = admin.import_adapter("cuts", zip_folder(folder), truncate=True)
+    assert admin.tenant("cuts")["truncate"] is True
+    (answer,) = Client(live["url"], out["token"]).infer("cuts", ["word " * 300])
+    assert answer["truncated"] is True
+    req = urllib.request.Request(live["url"] + "/v1/tenants/cuts2/adapter?truncate=yes", data=zip_folder(folder),
+                                 method="POST", headers={"Content-Type": "application/zip",
+                                                         "Authorization": f"Bearer {ADMIN}"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["code"] == "invalid_truncate"
