@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -102,23 +103,24 @@ def is_prepared(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, 
     their records alone (no tokenizing, no model loading)."""
     if l_low is None and default_l_low(root) is None:
         return False
-    artifact = current_artifact_id_of(home, root, l_low)
+    from hmi.model.artifact import current_artifact_id
+
+    artifact = current_artifact_id(home, pointer_name(source_of(root), l_low or default_l_low(root)))
     if artifact is None or not (data_dir() / "stats.json").exists():
         return False
     return not plot or root_plot_state(home, artifact).get("complete", False)
 
 
-def current_artifact_id_of(home: Path, root: str, l_low: int | None) -> str | None:
-    from hmi.model.artifact import current_artifact_id
-
-    return current_artifact_id(home, pointer_name(source_of(root), l_low or default_l_low(root)))
+def _root_plot_dir(home: Path, artifact: str) -> Path:
+    """Where an artifact's root PLOT lives (``hmi.plot.paths.root_plot_path``, without loading the root)."""
+    return Path(home) / "plots" / str(artifact) / "root"
 
 
 def root_plot_state(home: Path, artifact: str) -> dict:
     """The build record of an artifact's root PLOT (``{}`` when there is none yet)."""
     from hmi.plot.store import PlotStore
 
-    plot = Path(home) / "plots" / str(artifact) / "root"
+    plot = _root_plot_dir(home, artifact)
     if not (plot / "data.mdb").exists():
         return {}
     store = PlotStore(plot, readonly=True)
@@ -173,8 +175,6 @@ def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT
     """Starts the build of a calibrated root's PLOT in a child process unless it is complete, and
     returns it (None when there is nothing to build) once the build has published its plan, from
     when on the PLOT can be served as it will be (``hmi.plot.pending``)."""
-    import time
-
     if root_plot_state(home, artifact).get("complete"):
         return None
     child = start_root_plot_build(home, root, l_low)
@@ -224,5 +224,4 @@ def _plan_published(home: Path, artifact: str) -> bool:
     from hmi.plot.pending import plan_path
 
     state = root_plot_state(home, artifact)
-    path = Path(home) / "plots" / str(artifact) / "root"
-    return bool(state) and (state.get("complete") or plan_path(path, state["fingerprint"]).exists())
+    return bool(state) and (state.get("complete") or plan_path(_root_plot_dir(home, artifact), state["fingerprint"]).exists())

@@ -4,12 +4,11 @@ A shipped adapter is a folder ``shipped/<tenant>/`` with ``adapter.safetensors``
 weights as the adapter store keeps them, fp16) and ``meta.json``: its spec, the root artifact,
 root weights and root PLOT it was trained on (its features come from that PLOT), the sha256 of
 its weights and the metrics of its fine-tune.  It is served only where all three match and its
-sha256 holds; ``hmi ship-demo --check`` trains it again and compares, bit for bit.
+sha256 holds; ``hmi demo --check-shipped`` trains it again and compares, bit for bit.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hmi.adapters.spec import AdapterSpec
+from hmi.model.root import tensors_sha256
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
@@ -40,13 +40,8 @@ def as_shipped(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def weights_sha256(weights: dict[str, torch.Tensor]) -> str:
-    """sha256 (hex) over canonical weights: names in order, dtypes, shapes and bytes."""
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        t = weights[name].detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """sha256 (hex) over canonical weights in name order (``hmi.model.root.tensors_sha256``)."""
+    return tensors_sha256(sorted(weights.items()))
 
 
 def write_shipped(name: str, spec: AdapterSpec, weights: dict[str, torch.Tensor], meta: dict,

@@ -49,8 +49,8 @@ class Batcher:
         self.queue_delay = queue_delay
         self._answered: deque = deque()  # (time, requests) of the batches answered in the last RATE_WINDOW s
         self.weight = weight or (lambda tenant: 1.0)
-        self._queues: dict[str, deque] = {}  # tenant -> deque of (tag, arrival, request)
-        self._last: dict[str, float] = {}  # tenant -> tag of its last queued request
+        # tenant -> deque of (tag, arrival, request); a tenant without waiting requests has none
+        self._queues: dict[str, deque] = {}
         self._heads: list[tuple[float, int, str]] = []  # (tag of a queue's first request, order, tenant)
         self._order = itertools.count()
         self._vtime = 0.0
@@ -78,12 +78,12 @@ class Batcher:
         self.admit(tenant, len(requests))
         q = self._queues.setdefault(tenant, deque())
         step = 1.0 / max(self.weight(tenant), 1e-6)
-        tag, now = max(self._vtime, self._last.get(tenant, 0.0)), time.monotonic()
+        # Tags are taken in increasing order, so a tenant whose queue emptied has no tag above V.
+        tag, now = (q[-1][0] if q else self._vtime), time.monotonic()
         was_empty = not q
         for r in requests:
             tag += step
             q.append((tag, now, r))
-        self._last[tenant] = tag
         if was_empty:
             heapq.heappush(self._heads, (q[0][0], next(self._order), tenant))
         self._pending += len(requests)

@@ -68,11 +68,17 @@ def admit(s: Server, tenant: str | None, n: int = 1) -> None:
     """429 at once when the batcher would refuse ``n`` more requests of ``tenant`` (None: the root's)."""
     try:
         s.batcher.admit(tenant or "", n)
-    except TenantQueueFullError as exc:
-        raise ApiError(429, "over_share", f"{exc}: this tenant sends more than its share of the server; retry "
-                       "shortly (other tenants are served meanwhile)", {"Retry-After": "1"}) from None
-    except QueueFullError:
-        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    except QueueFullError as exc:
+        raise refused(exc) from None
+
+
+def refused(exc: QueueFullError) -> ApiError:
+    """The 429 of a refusal: ``over_share`` when the tenant holds its share while others are
+    served, ``overloaded`` when the server is full."""
+    if isinstance(exc, TenantQueueFullError):
+        return ApiError(429, "over_share", f"{exc}: this tenant sends more than its share of the server; retry "
+                        "shortly (other tenants are served meanwhile)", {"Retry-After": "1"})
+    return ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"})
 
 
 async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
@@ -80,11 +86,10 @@ async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
     answers; the scheduler's errors become the call's HTTP errors (429 at capacity, 503 when
     shutting down or past the server's inference timeout)."""
     tenant = reqs[0].tenant or "root"
-    admit(s, reqs[0].tenant, len(reqs))
     try:
-        s.batcher.add(reqs)
-    except QueueFullError:  # a batch formed now that the scheduler refused
-        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+        s.batcher.add(reqs)  # admits them (Batcher.admit) or refuses them all
+    except QueueFullError as exc:
+        raise refused(exc) from None
     s.metrics.tenant_infer.labels(s.metrics.tenant_label(tenant)).inc(len(reqs))
     start = time.perf_counter()
     try:
@@ -92,8 +97,8 @@ async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
                                          s.cfg.infer_timeout_s)
     except RequestError as exc:
         raise ApiError(exc.status, exc.code, exc.message) from None
-    except QueueFullError:
-        raise ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"}) from None
+    except QueueFullError as exc:  # a batch the scheduler refused
+        raise refused(exc) from None
     except SchedulerClosedError:
         raise ApiError(503, "shutting_down", "the server is shutting down") from None
     except asyncio.TimeoutError:

@@ -94,7 +94,7 @@ class Tenants:
 
     def set_weight(self, tenant: str, weight: float) -> dict:
         """Records and applies a tenant's weight (the admin's); 404 when there is no such tenant."""
-        rec = self.registry.update("tenants", tenant, weight=weight) if self.registry.get("tenants", tenant) else None
+        rec = self.registry.update("tenants", tenant, weight=weight)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
         if tenant in self._entries:

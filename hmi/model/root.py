@@ -94,15 +94,20 @@ def load_bert(model_dir: str) -> BertModel:
     return use_onednn_linear(model)
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 (hex) over a model's parameters and buffers as loaded (names, dtypes, shapes, bytes
-    in state-dict order): the identity of a root, recorded by everything derived from it."""
+def tensors_sha256(named) -> str:
+    """sha256 (hex) over named tensors in the given order: each one's name, dtype, shape and bytes."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in named:
         t = t.detach().cpu()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
         h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 (hex) over a model's parameters and buffers as loaded (names, dtypes, shapes, bytes
+    in state-dict order): the identity of a root, recorded by everything derived from it."""
+    return tensors_sha256(model.state_dict().items())
 
 
 def extended_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
