@@ -143,20 +143,18 @@ def main() -> None:
     from hmi.adapters.interop import attach, from_library, library_model
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
+    from hmi.bootstrap import prepare_decoder
     from hmi.data import held_out_texts
     from hmi.home import hmi_home
     from hmi.model.decoder import perplexity
     from hmi.plot.paths import ensure_root_plot, open_root_store
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
-    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
     home = hmi_home()
     model_files = args.model_files or (12 if args.quick else 100)
     counts = COUNTS[:-1] if args.quick else COUNTS  # --quick stops at 1,000 tenants
-    root = load_calibrated_decoder(home)
-    if root is None:
-        root, _ = calibrate_and_save(home, 2, DecoderCalibrationConfig())
+    root = prepare_decoder(home)
     res: dict = {"splits": {}}
     rows = []
     # -- the split ----------------------------------------------------------------------------------

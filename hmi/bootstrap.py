@@ -70,6 +70,18 @@ def check_shipped(l_low: int = DEFAULT_L_LOW) -> tuple[str | None, str]:
     return (shipped.name if shipped else None), artifact_id
 
 
+def check_shipped_decoder(l_low: int = 2) -> tuple[str | None, str]:
+    """``check_shipped`` for the decoder root: (the shipped windows' artifact folder or None, the
+    folder just calibrated with the defaults); the folder's name holds the weights' digest."""
+    from hmi.model.decoder import load_decoder
+    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, find_shipped_decoder
+
+    shipped = find_shipped_decoder(load_decoder(l_low=l_low))
+    with tempfile.TemporaryDirectory(prefix="hmi-check-") as tmp:
+        root, _ = calibrate_and_save(Path(tmp), l_low, DecoderCalibrationConfig())
+    return (shipped.name if shipped else None), root.artifact_id
+
+
 def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, plot: bool = True):
     """Data, calibrated root and (with ``plot``) root PLOT, each only when missing (with progress
     bars); the default root's shipped calibration is installed rather than recomputed where it fits."""
@@ -155,29 +167,36 @@ def prepare_in_child(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = N
     return load_root(home=home, spec=root_spec(root, l_low, home))
 
 
-def _build_plot_child(home: str, root: str, l_low: int | None) -> None:
+def _build_plot_child(home: str, root: str, l_low: int | None, decoder: bool = False) -> None:
     quiet_transformers()
     tune_allocator()
     try:
         os.nice(5)  # serving goes first: the build only makes answers faster
     except OSError:
         pass
-    from hmi.model.artifact import load_root
-    from hmi.model.catalog import root_spec
     from hmi.plot.paths import ensure_root_plot
 
-    ensure_root_plot(load_root(home=Path(home), spec=root_spec(root, l_low, Path(home))), home=Path(home),
-                     progress=False)
+    if decoder:
+        from hmi.training.calibrate_decoder import load_calibrated_decoder
+
+        target = load_calibrated_decoder(Path(home))
+    else:
+        from hmi.model.artifact import load_root
+        from hmi.model.catalog import root_spec
+
+        target = load_root(home=Path(home), spec=root_spec(root, l_low, Path(home)))
+    ensure_root_plot(target, home=Path(home), progress=False)
 
 
 def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT_ROOT, l_low: int | None = None,
-                                  timeout_s: float = 600.0):
-    """Starts the build of a calibrated root's PLOT in a child process unless it is complete, and
-    returns it (None when there is nothing to build) once the build has published its plan, from
-    when on the PLOT can be served as it will be (``hmi.plot.pending``)."""
+                                  timeout_s: float = 600.0, decoder: bool = False):
+    """Starts the build of a calibrated root's PLOT (``decoder``: the current calibrated decoder
+    root's causal PLOT) in a child process unless it is complete, and returns it (None when there
+    is nothing to build) once the build has published its plan, from when on the PLOT can be
+    served as it will be (``hmi.plot.pending``)."""
     if root_plot_state(home, artifact).get("complete"):
         return None
-    child = start_root_plot_build(home, root, l_low)
+    child = start_root_plot_build(home, root, l_low, decoder)
     deadline = time.monotonic() + timeout_s
     while not _plan_published(home, artifact):
         if not child.is_alive():
@@ -190,17 +209,56 @@ def build_root_plot_in_background(home: Path, artifact: str, root: str = DEFAULT
     return child
 
 
-def start_root_plot_build(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None):
-    """Starts (or resumes) the root PLOT's build in a child process and returns it at once; it
-    opens nothing here, so a serving process that reads the PLOT may call it."""
-    child = multiprocessing.get_context("spawn").Process(target=_build_plot_child, args=(str(home), root, l_low),
+def start_root_plot_build(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, decoder: bool = False):
+    """Starts (or resumes) the root PLOT's build (``decoder``: the decoder root's) in a child
+    process and returns it at once; it opens nothing here, so a serving process that reads the
+    PLOT may call it."""
+    child = multiprocessing.get_context("spawn").Process(target=_build_plot_child,
+                                                         args=(str(home), root, l_low, decoder),
                                                          name="hmi-plot-build", daemon=True)
     child.start()
     return child
 
 
+def _calibrate_decoder_child(home: str, l_low: int) -> None:
+    quiet_transformers()
+    tune_allocator()
+    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save
+
+    ensure_data()
+    calibrate_and_save(Path(home), l_low, DecoderCalibrationConfig())
+
+
+def prepare_decoder(home: Path, l_low: int = 2):
+    """The calibrated decoder root (SmolLM2-135M): the home's current one; else the calibrated
+    windows shipped with the package where they fit the installed decoder (checked by fingerprint
+    and sha256); else calibrated in a child process (its memory returns to the system when it
+    ends).  Its causal PLOT is left to ``build_root_plot_in_background(decoder=True)``."""
+    from hmi.model.decoder import load_decoder
+    from hmi.training.calibrate_decoder import install_shipped_decoder, load_calibrated_decoder
+
+    decoder = load_decoder(l_low=l_low)
+    root = load_calibrated_decoder(home, decoder)
+    if root is not None:
+        return root
+    name = install_shipped_decoder(home, decoder)
+    if name is not None:
+        print(f"decoder root {name}: the calibrated windows shipped with hmi, checked against the decoder")
+    else:
+        print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, 150 steps, "
+              "about a minute on 2 cores with AVX-512)")
+        child = multiprocessing.get_context("spawn").Process(target=_calibrate_decoder_child, args=(str(home), l_low),
+                                                             name="hmi-prepare-decoder")
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"hmi: calibrating the decoder failed (exit code {child.exitcode}); the messages above "
+                             "say why")
+    return load_calibrated_decoder(home, decoder)
+
+
 def keep_building(start: Callable[[], object], first, stopping: Callable[[], bool], attempts: int = 3,
-                  log=logging.getLogger("hmi.server")) -> int:
+                  log=logging.getLogger("hmi.server"), what: str = "the root PLOT") -> int:
     """Watches a background build (``first``, a started process) and starts it again with
     ``start()`` when it stops unfinished, as the build resumes where it stopped, up to
     ``attempts`` times, unless ``stopping()`` (the server is shutting down).  Returns the restarts
@@ -211,11 +269,11 @@ def keep_building(start: Callable[[], object], first, stopping: Callable[[], boo
         if proc.exitcode == 0 or stopping():
             return restarts
         if restarts == attempts:
-            log.error("the root PLOT's build stopped %d times (exit code %s); serving goes on, computing what it "
-                      "lacks; the next start resumes the build", restarts + 1, proc.exitcode)
+            log.error("%s's build stopped %d times (exit code %s); serving goes on, computing what it lacks; the "
+                      "next start resumes the build", what, restarts + 1, proc.exitcode)
             return restarts
         restarts += 1
-        log.warning("the root PLOT's build stopped (exit code %s); resuming it (%d of %d)", proc.exitcode, restarts,
+        log.warning("%s's build stopped (exit code %s); resuming it (%d of %d)", what, proc.exitcode, restarts,
                     attempts)
         proc = start()
 

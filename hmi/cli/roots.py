@@ -9,7 +9,14 @@ from pathlib import Path
 import torch
 
 from hmi.adapters.shipped import as_shipped, shipped_for, weights_sha256, write_shipped
-from hmi.bootstrap import calibrate_default, check_shipped, ensure_data, prepare_default, quiet_transformers
+from hmi.bootstrap import (
+    calibrate_default,
+    check_shipped,
+    check_shipped_decoder,
+    ensure_data,
+    prepare_default,
+    quiet_transformers,
+)
 from hmi.cli.common import add_root_options, read_corpus_arg
 from hmi.data import held_out_texts
 from hmi.home import hmi_home
@@ -32,6 +39,11 @@ from hmi.training.demo import DEMO_TENANTS, train_demo
 
 
 def cmd_calibrate_decoder(args) -> int:
+    if args.check_shipped:
+        if args.steps:
+            raise SystemExit("hmi calibrate --decoder --check-shipped: the shipped windows are reproduced with the "
+                             "defaults only")
+        return report_check(*check_shipped_decoder(args.l_low or 2))
     cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
     root, meta = calibrate_and_save(hmi_home(), args.l_low or 2, cfg)
     q = meta["quality"]
@@ -39,6 +51,13 @@ def cmd_calibrate_decoder(args) -> int:
           f"naive windows {q['ppl_naive_window']}, calibrated windows {q['ppl_calibrated']} "
           f"({meta['train_seconds']} s of training)")
     return 0
+
+
+def report_check(shipped: str | None, made: str) -> int:
+    """Prints and returns the verdict of ``--check-shipped`` (0: the shipped artifact is reproduced)."""
+    print(f"shipped: {shipped or 'none for this root and split'}\ncalibrated now: {made}")
+    print("identical, bit for bit" if shipped == made else "different")
+    return 0 if shipped == made else 1
 
 
 def cmd_calibrate(args) -> int:
@@ -57,10 +76,7 @@ def cmd_calibrate(args) -> int:
     if args.check_shipped:
         if given or args.seed or not args.backoff or args.eval_texts != 256 or args.root != DEFAULT_ROOT:
             raise SystemExit("hmi calibrate --check-shipped: the shipped artifact is reproduced with the defaults only")
-        shipped, made = check_shipped(args.l_low or DEFAULT_L_LOW)
-        print(f"shipped: {shipped or 'none for this root and split'}\ncalibrated now: {made}")
-        print("identical, bit for bit" if shipped == made else "different")
-        return 0 if shipped == made else 1
+        return report_check(*check_shipped(args.l_low or DEFAULT_L_LOW))
     artifact_id, meta = calibrate_default(args.l_low, args.seed, args.backoff, args.eval_texts, root=args.root, **given)
     print(f"root artifact {artifact_id}")
     print_quality(meta)
@@ -244,7 +260,8 @@ def _calibrate_args(cal) -> None:
                      help="train every window computed, not as the PLOT serves text (windows it misses back off)")
     cal.add_argument("--check-shipped", action="store_true",
                      help="calibrate with the defaults in a throw-away home and compare with the artifact shipped "
-                          "in the package (same CPU kind, torch and thread count: identical bit for bit)")
+                          "in the package (same CPU kind, torch and thread count: identical bit for bit); with "
+                          "--decoder, the decoder's shipped windows")
     cal.set_defaults(func=cmd_calibrate)
 
 

@@ -11,7 +11,13 @@ from typing import Callable
 
 from aiohttp import web
 
-from hmi.bootstrap import build_root_plot_in_background, keep_building, prepare_in_child, start_root_plot_build
+from hmi.bootstrap import (
+    build_root_plot_in_background,
+    keep_building,
+    prepare_decoder,
+    prepare_in_child,
+    start_root_plot_build,
+)
 from hmi.dispatcher.app import make_app
 from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
@@ -46,9 +52,20 @@ def in_process(server: Server) -> tuple[Callable[[str], bool], Callable[[dict], 
 
 
 def enable_hgpt(server: Server, home: Path) -> None:
-    """Loads the decoder root and its causal PLOT (built on first start) into the server."""
+    """Loads the decoder root (its calibrated windows shipped, installed or calibrated in a child
+    process) into the server, serving its causal PLOT at once: when the PLOT is not complete yet,
+    it is built in a child process beside the server, and what it lacks meanwhile is computed."""
     print("loading the decoder root (SmolLM2-135M) and its causal PLOT")
-    server.enable_hgpt(HgptRuntime.load_default(home, server.transfer.load_decoder_tenant, device=str(server.device)))
+    root = prepare_decoder(home)
+    builder = build_root_plot_in_background(home, root.artifact_id, decoder=True)
+    server.enable_hgpt(HgptRuntime.open(root, home, server.transfer.load_decoder_tenant, device=str(server.device)))
+    if builder is not None:
+        print("the decoder's causal PLOT is being built in the background (GET /healthz says how far): until it is "
+              "done, the values it does not hold yet are computed on demand, and the answers are the ones it will give")
+        restart = lambda: start_root_plot_build(home, decoder=True)  # noqa: E731
+        threading.Thread(target=keep_building, args=(restart, builder, server.closing),
+                         kwargs={"what": "the decoder's causal PLOT"}, name="decoder-plot-build-watch",
+                         daemon=True).start()
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False, root: str = DEFAULT_ROOT,

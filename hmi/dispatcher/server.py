@@ -133,7 +133,8 @@ class Server:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
         self._closing = threading.Event()
         if isinstance(lookup.chain[0].store, PendingStore):
-            threading.Thread(target=self._await_root_plot, name="root-plot", daemon=True).start()
+            threading.Thread(target=self._await_plot, args=(lookup.chain[0], "root PLOT"), name="root-plot",
+                             daemon=True).start()
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
@@ -204,16 +205,15 @@ class Server:
         log.info("root PLOT hot tier: %d entries, %.0f MB on %s, built in %.1f s", len(tier), tier.nbytes / 2**20,
                  self.device, time.monotonic() - started)
 
-    def _await_root_plot(self) -> None:
-        """While the root PLOT is built beside the server, its lookups compute what is not written
-        yet (``hmi.plot.pending``); once the build is complete, they read it alone."""
-        version = self.lookup.chain[0]
+    def _await_plot(self, version, what: str) -> None:
+        """While a root PLOT (``version``'s store) is built beside the server, its lookups compute
+        what is not written yet (``hmi.plot.pending``); once the build is complete, they read it alone."""
         pending = version.store
         while not build_state(pending.store).get("complete"):
             if self._closing.wait(1.0):
                 return
         version.store = pending.store
-        log.info("root PLOT complete: %d entries; %d values were computed on demand while it was built",
+        log.info("%s complete: %d entries; %d values were computed on demand while it was built", what,
                  len(pending.store), pending.computed)
 
     def closing(self) -> bool:
@@ -222,13 +222,19 @@ class Server:
 
     def preparing(self) -> dict:
         """The stages of preparation still running beside serving: ``{}`` when none, else e.g.
-        ``{"root_plot": {"done": n, "total": m, "computed_on_demand": k}}``."""
-        store = self.lookup.chain[0].store
-        if not isinstance(store, PendingStore):
-            return {}
-        state = build_state(store.store)
-        return {"root_plot": {"done": state.get("done", 0), "total": state.get("total"),
-                              "computed_on_demand": store.computed}}
+        ``{"root_plot": {"done": n, "total": m, "computed_on_demand": k}}`` (``decoder_plot``: the
+        decoder's causal PLOT)."""
+        stages = {"root_plot": self.lookup.chain[0]}
+        if self.decoders.runtime is not None:
+            stages["decoder_plot"] = self.decoders.runtime.lookup.chain[0]
+        out = {}
+        for stage, version in stages.items():
+            store = version.store
+            if isinstance(store, PendingStore):
+                state = build_state(store.store)
+                out[stage] = {"done": state.get("done", 0), "total": state.get("total"),
+                              "computed_on_demand": store.computed}
+        return out
 
     # -- domains ---------------------------------------------------------------------------------
     def lookup_for(self, domain: str):
@@ -253,6 +259,10 @@ class Server:
         """Serves decoder tenants with ``runtime`` (an HgptRuntime) and lets jobs train them."""
         self.decoders.enable(runtime)
         self.jobs.ctx.gpt = runtime.worker_view()
+        version = runtime.lookup.chain[0]
+        if isinstance(version.store, PendingStore):
+            threading.Thread(target=self._await_plot, args=(version, "the decoder's causal PLOT"),
+                             name="decoder-plot", daemon=True).start()
 
     def shutdown(self) -> None:
         self._closing.set()

@@ -205,18 +205,41 @@ def calibration_shortfall(meta: dict) -> str | None:
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
 
 
+def shipped_folder(pattern: str, config_file: str, weights_file: str, fits, shipped: Path = SHIPPED_DIR) -> Path | None:
+    """The first artifact folder shipped with the package whose name matches ``pattern`` and whose
+    metadata ``fits`` (root fingerprint, split), checked against its recorded sha256; None when
+    none fits.  Encoder and decoder roots ship their calibrated windows this way."""
+    for folder in sorted(shipped.glob(pattern)) if shipped.is_dir() else []:
+        config = json.loads((folder / config_file).read_text())
+        if not fits(config):
+            continue
+        if sha256_file(folder / weights_file) != config.get("weights_sha256"):
+            raise ArtifactMismatchError(f"the shipped root artifact {folder.name} is damaged (its sha256 differs)")
+        return folder
+    return None
+
+
+def install_folder(folder: Path, files: tuple[str, ...], base: Path, pointer: str) -> str:
+    """Copies a shipped artifact ``folder`` into ``base`` (atomically, as ``write_artifact`` places
+    one) and points ``pointer`` at it; returns its name."""
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
+    try:
+        for f in files:
+            shutil.copyfile(folder / f, tmp / f)
+        _place(tmp, base, folder.name, pointer)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return folder.name
+
+
 def find_shipped(bert: BertModel, l_low: int, shipped: Path = SHIPPED_DIR) -> Path | None:
     """The folder of the calibrated artifact shipped with the package for this root (by its
     fingerprint) and split, checked against its recorded sha256; None when none fits."""
     fingerprint = weights_fingerprint(bert)
-    for folder in sorted(shipped.glob("minilm-l*")) if shipped.is_dir() else []:
-        config = json.loads((folder / "config.json").read_text())
-        if config.get("l_low") != l_low or config.get("root_fingerprint") != fingerprint:
-            continue
-        if sha256_file(folder / "windowed.safetensors") != config.get("weights_sha256"):
-            raise ArtifactMismatchError(f"the shipped root artifact {folder.name} is damaged (its sha256 differs)")
-        return folder
-    return None
+    return shipped_folder("minilm-l*", "config.json", "windowed.safetensors",
+                          lambda c: c.get("l_low") == l_low and c.get("root_fingerprint") == fingerprint, shipped)
 
 
 def install_shipped(bert: BertModel, l_low: int, home: Path | None = None, shipped: Path = SHIPPED_DIR) -> str | None:
@@ -225,17 +248,7 @@ def install_shipped(bert: BertModel, l_low: int, home: Path | None = None, shipp
     folder = find_shipped(bert, l_low, shipped)
     if folder is None:
         return None
-    base = roots_dir(home)
-    base.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
-    try:
-        for f in ("windowed.safetensors", "config.json"):
-            shutil.copyfile(folder / f, tmp / f)
-        _place(tmp, base, folder.name, "current")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return folder.name
+    return install_folder(folder, ("windowed.safetensors", "config.json"), roots_dir(home), "current")
 
 
 def uncalibrated_root(spec: RootSpec | None = None) -> Root:

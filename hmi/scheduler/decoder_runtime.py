@@ -8,10 +8,10 @@ from pathlib import Path
 
 from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.plot.lookup import PlotLookup, PlotVersion
-from hmi.plot.paths import ensure_root_plot, open_root_store
+from hmi.plot.paths import open_root_store
+from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationService
-from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 
 DEFAULT_L_LOW = 2
 DEFAULT_RANK = 8
@@ -19,22 +19,25 @@ DEFAULT_RANK = 8
 
 @dataclass
 class WorkerDecoder:
-    """A fine-tune worker's view of the decoder: the model in shared memory and where its PLOT is."""
+    """A fine-tune worker's view of the decoder: the model and its calibrated windows in shared
+    memory, and where its PLOT is (read as the server reads it, also while it is built)."""
 
     model: object
     tokenizer: object
     l_low: int
+    windowed: object  # the calibrated window layers (nn.ModuleList)
+    name: str
     plot_path: str
     plot_meta: PlotMeta
     miss_policy: str
 
     def root(self) -> DecoderRoot:
-        return DecoderRoot(self.model, self.tokenizer, self.l_low)
+        return DecoderRoot(self.model, self.tokenizer, self.l_low, self.name, self.windowed)
 
     def lookup(self) -> PlotLookup:
-        root = self.root()
-        store = PlotStore(self.plot_path, readonly=True, expect=self.plot_meta)
-        return PlotLookup([PlotVersion("root", store, CausalLower(root))], policy=self.miss_policy)
+        lower = CausalLower(self.root())
+        store = serving_store(PlotStore(self.plot_path, readonly=True, expect=self.plot_meta), lower)
+        return PlotLookup([PlotVersion("root", store, lower)], policy=self.miss_policy)
 
 
 class HgptRuntime:
@@ -48,14 +51,10 @@ class HgptRuntime:
         self.service = GenerationService(self.engine)
 
     @classmethod
-    def load_default(cls, home: Path, load_tenant, l_low: int = DEFAULT_L_LOW, progress: bool = True,
-                     device: str = "cpu") -> "HgptRuntime":
-        root = load_calibrated_decoder(home)
-        if root is None:
-            print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, a few minutes)")
-            root, _ = calibrate_and_save(home, l_low, DecoderCalibrationConfig(), progress=progress)
-        ensure_root_plot(root, home=home, progress=progress)
-        store = open_root_store(root, home)
+    def open(cls, root: DecoderRoot, home: Path, load_tenant, device: str = "cpu") -> "HgptRuntime":
+        """The runtime of a calibrated decoder root (``hmi.bootstrap.prepare_decoder``) over its
+        causal root PLOT, complete or being built (then served as it will be, ``hmi.plot.pending``)."""
+        store = serving_store(open_root_store(root, home), CausalLower(root))
         return cls(root, store, load_tenant, cfg=EngineConfig(rank=DEFAULT_RANK, device=device))
 
     @property
@@ -64,8 +63,9 @@ class HgptRuntime:
 
     def worker_view(self) -> WorkerDecoder:
         self.root.model.share_memory()
-        return WorkerDecoder(self.root.model, self.root.tokenizer, self.root.l_low, str(self.store.path), self.store.meta,
-                             self.miss_policy)
+        self.root.window_layers.share_memory()
+        return WorkerDecoder(self.root.model, self.root.tokenizer, self.root.l_low, self.root.window_layers,
+                             self.root.name, str(self.store.path), self.store.meta, self.miss_policy)
 
     def forget(self, tenant: str) -> None:
         self.engine.pool.evict(tenant)

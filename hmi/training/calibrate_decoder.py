@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from hmi.data import held_out_texts, load_corpus
-from hmi.model.artifact import write_artifact
+from hmi.model.artifact import SHIPPED_DIR, install_folder, shipped_folder, write_artifact
 from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, window_states
+from hmi.model.root import weights_fingerprint
 from hmi.model.windows import causal_windows, unique_windows
 from hmi.training.fit import Fit
 
@@ -73,19 +74,39 @@ def save_decoder_artifact(root: DecoderRoot, lower: torch.nn.ModuleList, meta: d
     return folder.rsplit("-l", 1)[0]
 
 
-def load_calibrated_decoder(home: Path) -> DecoderRoot | None:
-    """The current calibrated decoder root, or None when there is none yet."""
+def load_calibrated_decoder(home: Path, root: DecoderRoot | None = None) -> DecoderRoot | None:
+    """The current calibrated decoder root (on ``root``, the packaged decoder as loaded, when
+    given), or None when there is none yet."""
     cur = decoder_roots_dir(home) / "current_decoder"
     if not cur.exists():
         return None
     folder = decoder_roots_dir(home) / cur.read_text().strip()
     meta = json.loads((folder / "meta.json").read_text())
-    root = load_decoder(l_low=meta["l_low"])
+    root = root if root is not None and root.l_low == meta["l_low"] else load_decoder(l_low=meta["l_low"])
     lower = copy.deepcopy(root.layers[:root.l_low])
     lower.load_state_dict(load_file(str(folder / "lower.safetensors")))
     root.windowed = lower.eval().requires_grad_(False)
     root.name = meta["name"]
     return root
+
+
+def find_shipped_decoder(root: DecoderRoot, shipped: Path = SHIPPED_DIR) -> Path | None:
+    """The calibrated windows shipped with the package for this decoder (by its fingerprint) and
+    split, checked against their sha256; None when none fits."""
+    fingerprint = weights_fingerprint(root.model)
+    return shipped_folder(f"{root.name}-cal*-l{root.l_low}", "meta.json", "lower.safetensors",
+                          lambda m: m.get("l_low") == root.l_low and m.get("root_fingerprint") == fingerprint, shipped)
+
+
+def install_shipped_decoder(home: Path, root: DecoderRoot, shipped: Path = SHIPPED_DIR) -> str | None:
+    """Installs the shipped calibrated windows that fit ``root`` as the current decoder artifact
+    (``hmi calibrate --decoder`` with its defaults reproduces them, ``--check-shipped``); returns
+    the decoder root's name, or None when none fits."""
+    folder = find_shipped_decoder(root, shipped)
+    if folder is None:
+        return None
+    return install_folder(folder, ("lower.safetensors", "meta.json"), decoder_roots_dir(home),
+                          "current_decoder").rsplit("-l", 1)[0]
 
 
 def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True) -> tuple[DecoderRoot, dict]:
@@ -100,7 +121,7 @@ def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, pr
         ppl_cal = perplexity(root, texts, "windowed", lower=lower)
     quality = {"ppl_full": round(ppl_full, 3), "ppl_naive_window": round(ppl_naive, 3),
                "ppl_calibrated": round(ppl_cal, 3), "eval_texts": len(texts)}
-    meta = {"config": asdict(cfg), "quality": quality, **info}
+    meta = {"config": asdict(cfg), "quality": quality, "root_fingerprint": weights_fingerprint(root.model), **info}
     root.name = save_decoder_artifact(root, lower, meta, home)
     root.windowed = lower
     return root, meta

@@ -110,3 +110,77 @@ def test_a_server_on_a_plot_being_built_says_so_and_reads_it_alone_once_built(tm
         assert health()["preparing"] == {} and version.store is not None and not isinstance(version.store, PendingStore)
     finally:
         stop()
+
+
+CAUSAL_CORPUS = [[5, 6, 7, 8, 9, 10, 11], [7, 8, 9, 10, 11, 12], [40, 41, 42, 43], [20, 21, 22, 23, 24, 25, 26, 27]]
+
+
+def partial_causal_build(path, root, chunks_written: int):
+    """A decoder's causal PLOT whose build stopped after ``chunks_written`` chunks of 16; (store, plan, lower)."""
+    from hmi.model.decoder import CausalLower
+
+    lower = CausalLower(root)
+    keys, counts = count_ngrams(CAUSAL_CORPUS, causal=True)
+    plan = plan_keys(keys, counts, Selection("all"), 90, causal=True)
+    store = PlotStore(path, meta=PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal"), readonly=False)
+    seen = {"n": 0}
+
+    def stop(fraction, info):
+        seen["n"] += 1
+        if seen["n"] == chunks_written:
+            raise KeyboardInterrupt("stopped")
+
+    with pytest.raises(KeyboardInterrupt):
+        build(store, lower, plan, batch_windows=16, progress=False, on_progress=stop)
+    return store, plan, lower
+
+
+def test_a_decoders_causal_plot_served_while_it_is_built_answers_as_the_finished_plot_bit_for_bit(tmp_path):
+    from tests.dispatcher.test_generate import tiny_decoder_root
+
+    store, plan, lower = partial_causal_build(tmp_path / "plot", tiny_decoder_root(), chunks_written=2)
+    assert 0 < len(store) < len(plan)
+    pending = serving_store(store, lower)
+    assert isinstance(pending, PendingStore)
+    ids = np.array([[7, 8, 9, 10, 11, 12, 13], [30, 8, 9, 60, 61, 0, 0]])
+    mask = (np.arange(7) < np.array([[7], [5]])).astype(np.int64)
+    during = PlotLookup([PlotVersion("root", pending, lower)], "backoff")
+    got = during.merged(ids, mask)
+    assert pending.computed > 0  # computed on demand; and outside the plan, backed off as after the build:
+    assert during.hits["bigram:root"] > 0 and during.hits["unigram:root"] > 0
+    build(store, lower, plan, batch_windows=16, progress=False)
+    assert torch.equal(got, PlotLookup([PlotVersion("root", store, lower)], "backoff").merged(ids, mask))
+
+
+def test_a_server_on_a_decoder_plot_being_built_says_so_and_reads_it_alone_once_built(tmp_path):
+    import os
+
+    from hmi.dispatcher.serve import run_in_thread
+    from hmi.scheduler.decoder_runtime import HgptRuntime
+    from hmi.scheduler.generation import EngineConfig
+    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.dispatcher.test_server import ADMIN, tiny_server
+
+    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
+    root = tiny_decoder_root()
+    store, plan, lower = partial_causal_build(tmp_path / "gpt-plot", root, chunks_written=2)
+    server = tiny_server(tmp_path / "home")
+    runtime = HgptRuntime(root, serving_store(store, lower), server.transfer.load_decoder_tenant,
+                          cfg=EngineConfig(rank=4, max_len=128, max_active=4))
+    server.enable_hgpt(runtime)
+    url, stop = run_in_thread(server)
+    try:
+        def health():
+            with urllib.request.urlopen(url + "/healthz", timeout=30) as r:
+                return json.loads(r.read())
+
+        during = health()["preparing"]
+        assert list(during) == ["decoder_plot"] and during["decoder_plot"]["total"] == len(plan)
+        assert 0 < during["decoder_plot"]["done"] < len(plan)
+        build(store, lower, plan, batch_windows=16, progress=False)
+        deadline = time.time() + 30
+        while health()["preparing"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert health()["preparing"] == {} and runtime.lookup.chain[0].store is store
+    finally:
+        stop()

@@ -1,0 +1,93 @@
+"""The decoder's calibrated windows ship with the package like the encoder's: installed only for
+the decoder they were calibrated on and only when intact, so that ``hmi serve --hgpt`` needs no
+calibration on a first start; and a fine-tune worker reads the calibrated windows too."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from hmi.model.artifact import ArtifactMismatchError
+from hmi.training.calibrate_decoder import (
+    find_shipped_decoder,
+    install_shipped_decoder,
+    load_calibrated_decoder,
+    save_decoder_artifact,
+)
+from tests.model.test_decoder import tiny_decoder
+
+
+def shipped_tiny(tmp_path, root):
+    """Calibrated-looking windows of ``root`` shipped in ``tmp_path/shipped``; their folder name."""
+    lower = copy.deepcopy(root.layers[:root.l_low])
+    with torch.no_grad():
+        lower[0].mlp.down_proj.weight.add_(0.5)
+    from hmi.model.root import weights_fingerprint
+
+    name = save_decoder_artifact(root, lower, {"root_fingerprint": weights_fingerprint(root.model)}, tmp_path / "build")
+    folder = f"{name}-l{root.l_low}"
+    shutil.copytree(tmp_path / "build" / "roots" / folder, tmp_path / "shipped" / folder)
+    return folder, lower
+
+
+def test_shipped_decoder_windows_are_installed_only_for_their_decoder_and_split_and_only_when_intact(tmp_path):
+    root = tiny_decoder()
+    folder, lower = shipped_tiny(tmp_path, root)
+    shipped = tmp_path / "shipped"
+    other = tiny_decoder()
+    with torch.no_grad():
+        other.model.model.embed_tokens.weight.add_(1.0)
+    assert install_shipped_decoder(tmp_path / "a", other, shipped) is None  # another decoder: nothing fits
+    assert install_shipped_decoder(tmp_path / "a", tiny_decoder(l_low=3), shipped) is None  # another split
+    assert not (tmp_path / "a" / "roots" / "current_decoder").exists()
+    assert install_shipped_decoder(tmp_path / "b", root, shipped) == folder.rsplit("-l", 1)[0]
+    loaded = load_calibrated_decoder(tmp_path / "b", tiny_decoder())
+    assert loaded.artifact_id == folder
+    assert all(torch.equal(a, b) for a, b in zip(loaded.window_layers.state_dict().values(), lower.state_dict().values()))
+    (shipped / folder / "lower.safetensors").write_bytes(b"damaged")
+    with pytest.raises(ArtifactMismatchError, match="damaged"):
+        install_shipped_decoder(tmp_path / "c", root, shipped)
+
+
+def test_the_packaged_decoder_finds_its_shipped_windows_and_prepare_installs_them_without_calibrating(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    from hmi.bootstrap import prepare_decoder
+    from hmi.model.decoder import DecoderNotFoundError, load_decoder
+
+    try:
+        decoder = load_decoder(l_low=2)
+    except DecoderNotFoundError as exc:
+        pytest.skip(str(exc))
+    folder = find_shipped_decoder(decoder)
+    assert folder is not None, "no shipped windows fit the installed decoder: run hmi calibrate --decoder and ship them"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["quality"]["ppl_calibrated"] < meta["quality"]["ppl_naive_window"]
+    root = prepare_decoder(tmp_path)
+    assert root.artifact_id == folder.name and "shipped with hmi" in capsys.readouterr().out
+    again = prepare_decoder(tmp_path)  # the second start finds it installed
+    assert again.artifact_id == folder.name and "shipped" not in capsys.readouterr().out
+
+
+def test_a_fine_tune_worker_reads_the_calibrated_windows_not_the_decoders_own_layers(tmp_path):
+    from hmi.model.decoder import CausalLower
+    from hmi.plot.store import PlotMeta, PlotStore
+    from hmi.scheduler.decoder_runtime import HgptRuntime
+    from tests.dispatcher.test_generate import tiny_decoder_root
+
+    root = tiny_decoder_root()
+    _, lower = shipped_tiny(tmp_path, root)
+    root.windowed = lower
+    meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
+    PlotStore(tmp_path / "plot", meta=meta, readonly=False).close()
+    runtime = HgptRuntime(root, PlotStore(tmp_path / "plot", readonly=True, expect=meta), None, miss_policy="compute")
+    try:
+        view = runtime.worker_view()
+        assert view.root().window_layers is lower and view.root().artifact_id == root.artifact_id
+        windows = torch.tensor([[5, 6, 7], [0, 8, 9]])
+        served = runtime.lookup.chain[0].encoder.lower(windows)
+        assert torch.equal(CausalLower(view.root()).lower(windows), served)
+        assert not torch.equal(CausalLower(tiny_decoder_root()).lower(windows), served)  # the decoder's own layers differ
+    finally:
+        runtime.shutdown()
