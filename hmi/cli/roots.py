@@ -14,6 +14,7 @@ from hmi.bootstrap import (
     check_shipped,
     check_shipped_decoder,
     ensure_data,
+    prepare_decoder,
     prepare_default,
     quiet_transformers,
 )
@@ -29,13 +30,15 @@ from hmi.model.artifact import (
     load_root,
 )
 from hmi.model.catalog import root_spec
+from hmi.model.decoder import CausalLower
 from hmi.model.root import full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import Selection, build_from_corpus
-from hmi.plot.lookup import PlotLookup
-from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.paths import ensure_root_plot, open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotStore
+from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
-from hmi.training.demo import DEMO_TENANTS, train_demo
+from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, train_demo, train_demo_decoder
 
 
 def cmd_calibrate_decoder(args) -> int:
@@ -181,17 +184,31 @@ def cmd_prepare(args) -> int:
     return 0
 
 
-def cmd_ship_demo(check: bool) -> int:
-    """``hmi demo --ship`` / ``--check-shipped``: the demo tenants' adapters trained as their jobs
-    train them, written into the package or compared with what it holds."""
-    root = prepare_default(hmi_home())
+def demo_trainings(home: Path, decoder: bool):
+    """(demo tenant, its fine-tune as a thunk, what it is trained on) for each encoder demo tenant,
+    or with ``decoder`` for the decoder's (its causal PLOT built first where it is not)."""
+    if decoder:
+        gpt = prepare_decoder(home)
+        ensure_root_plot(gpt, home=home)
+        store = open_root_store(gpt, home)
+        lookup = PlotLookup([PlotVersion("root", store, CausalLower(gpt))], policy="compute")  # as a server's
+        identity = {"root_artifact": gpt.artifact_id, "root_fingerprint": weights_fingerprint(gpt.model),
+                    "plot_fingerprint": store.get_record("build")["fingerprint"]}
+        return [(d, lambda d=d: train_demo_decoder(d, gpt, lookup, DEFAULT_RANK), identity) for d in DEMO_DECODER_TENANTS]
+    root = prepare_default(home)
     version = open_root_version(root)
     lookup = PlotLookup([version], policy="backoff")
     identity = {"root_artifact": root.artifact_id, "root_fingerprint": weights_fingerprint(root.bert),
                 "plot_fingerprint": version.store.get_record("build")["fingerprint"]}
+    return [(d, lambda d=d: train_demo(d, root.bert, root.l_low, lookup, root.tokenizer), identity) for d in DEMO_TENANTS]
+
+
+def cmd_ship_demo(check: bool, decoder: bool) -> int:
+    """``hmi demo --ship`` / ``--check-shipped``: the demo tenants' adapters trained as their jobs
+    train them, written into the package or compared with what it holds."""
     same = True
-    for d in DEMO_TENANTS:
-        spec, weights, metrics = train_demo(d, root.bert, root.l_low, lookup, root.tokenizer)
+    for d, train, identity in demo_trainings(hmi_home(), decoder):
+        spec, weights, metrics = train()
         digest = weights_sha256(as_shipped(weights))
         if check:
             shipped = shipped_for(d["name"], **identity)
@@ -200,11 +217,12 @@ def cmd_ship_demo(check: bool) -> int:
             print(f"{d['name']}: shipped {shipped.meta['weights_sha256'][:16] if shipped else 'none for this root'}, "
                   f"trained now {digest[:16]}: {'identical, bit for bit' if ok else 'different'}")
             continue
-        summary = {k: metrics[k] for k in ("dev", "test", "epochs_run", "seconds")}
+        summary = {k: metrics[k] for k in ("dev", "test", "epochs_run", "dev_ppl_before", "dev_ppl_after", "steps", "seconds")
+                   if k in metrics}
         folder = write_shipped(d["name"], spec, weights, {**identity, "metrics": summary, "recipe": d,
                                                           "torch": torch.__version__, "threads": torch.get_num_threads(),
                                                           "cpu": torch.backends.cpu.get_cpu_capability()})
-        print(f"{d['name']}: test accuracy {metrics['test']['accuracy']:.3f}, written to {folder}")
+        print(f"{d['name']}: {json.dumps(summary)}, written to {folder}")
     return 0 if same else 1
 
 
@@ -212,7 +230,7 @@ def cmd_demo(args) -> int:
     """Set-up of the embedded default and a look at what it computes."""
     quiet_transformers()
     if args.ship or args.check_shipped:
-        return cmd_ship_demo(args.check_shipped)
+        return cmd_ship_demo(args.check_shipped, args.hgpt)
 
 
     root = prepare_default(hmi_home())
@@ -292,6 +310,9 @@ def _demo_args(parser) -> None:
     parser.add_argument("--check-shipped", action="store_true",
                         help="train them again and compare with the shipped ones (same CPU kind, torch and thread "
                              "count: identical bit for bit)")
+    parser.add_argument("--hgpt", action="store_true",
+                        help="with --ship or --check-shipped: the decoder demo tenant instead (hmi serve --hgpt's; "
+                             "builds the decoder's causal PLOT first where it is not)")
     parser.set_defaults(func=cmd_demo)
 
 

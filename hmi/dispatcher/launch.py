@@ -13,9 +13,7 @@ from typing import Callable
 from hmi.adapters.shipped import ShippedAdapterError, shipped_for
 from hmi.io import atomic_write_text
 from hmi.model.artifact import calibration_shortfall
-from hmi.training.demo import DEMO_TENANTS, demo_body
-
-DEMO_DECODER_TENANTS = [{"name": "demo-legal-gpt", "model": "decoder", "corpus": "legal", "max_train": 160, "epochs": 1}]
+from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, demo_body
 
 
 def demo_bodies(hgpt: bool = False) -> list[dict]:
@@ -43,19 +41,36 @@ def create_demo_tenants(home: Path, exists: Callable[[str], bool], create: Calla
     return tokens
 
 
-def import_shipped_demo(server, name: str) -> dict | None:
-    """Serves demo tenant ``name`` from the adapter shipped with the package (``hmi.adapters.shipped``)
-    when it was trained on this server's root artifact, root and root PLOT; returns the answer
-    ``POST /v1/tenants`` would give (``job`` None: ready at once), or None."""
-    state = server.lookup.chain[0].store.get_record("build") or {}
+def shipped_identity(server, model: str = "encoder") -> dict | None:
+    """What a shipped adapter of a ``model`` tenant must have been trained on to serve here: the
+    root artifact, the root's weights and the root PLOT's build (``hmi.adapters.shipped``); None
+    for a decoder tenant on a server without decoder tenants."""
+    if model == "decoder":
+        runtime = server.decoders.runtime
+        if runtime is None:
+            return None
+        artifact, fingerprint, store = runtime.root.artifact_id, runtime.fingerprint, runtime.lookup.chain[0].store
+    else:
+        artifact, fingerprint, store = server.root.artifact_id, server.tenants.root_fingerprint, server.lookup.chain[0].store
+    state = store.get_record("build") or {}
+    return {"root_artifact": artifact, "root_fingerprint": fingerprint, "plot_fingerprint": state.get("fingerprint")}
+
+
+def import_shipped_demo(server, name: str, model: str = "encoder") -> dict | None:
+    """Serves demo tenant ``name`` (a ``model`` tenant) from the adapter shipped with the package
+    (``hmi.adapters.shipped``) when it was trained on this server's root artifact, root and root
+    PLOT; returns the answer ``POST /v1/tenants`` would give (``job`` None: ready at once), or None."""
+    identity = shipped_identity(server, model)
+    if identity is None:
+        return None
     try:
-        shipped = shipped_for(name, server.root.artifact_id, server.tenants.root_fingerprint, state.get("fingerprint"))
+        shipped = shipped_for(name, **identity)
     except ShippedAdapterError as exc:
         print(f"warning: {exc}; its fine-tune job trains it instead")
         return None
     if shipped is None:
         return None
-    token = server.transfer.import_adapter(name, "encoder", shipped.spec, shipped.weights, truncate=True,
+    token = server.transfer.import_adapter(name, model, shipped.spec, shipped.weights, truncate=model == "encoder",
                                            metrics={**shipped.meta.get("metrics", {}), "shipped": True})
     return {"tenant": name, "token": token, "job": None}
 

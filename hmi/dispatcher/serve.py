@@ -48,7 +48,8 @@ def in_process(server: Server) -> tuple[Callable[[str], bool], Callable[[dict], 
     server listens: how ``hmi serve`` creates them (from their shipped adapters where those fit
     this server's root, else by their fine-tune jobs)."""
     return (lambda name: server.registry.get("tenants", name) is not None,
-            lambda body: import_shipped_demo(server, body["name"]) or asyncio.run(create_from_body(server, body)))
+            lambda body: import_shipped_demo(server, body["name"], body.get("model", "encoder"))
+            or asyncio.run(create_from_body(server, body)))
 
 
 def enable_hgpt(server: Server, home: Path) -> None:

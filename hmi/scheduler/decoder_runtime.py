@@ -3,10 +3,12 @@ generation engine in its own thread, and what fine-tune workers need to train de
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from hmi.model.decoder import CausalLower, DecoderRoot
+from hmi.model.root import weights_fingerprint
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store
 from hmi.plot.pending import serving_store
@@ -56,6 +58,11 @@ class HgptRuntime:
         causal root PLOT, complete or being built (then served as it will be, ``hmi.plot.pending``)."""
         store = serving_store(open_root_store(root, home), CausalLower(root))
         return cls(root, store, load_tenant, cfg=EngineConfig(rank=DEFAULT_RANK, device=device))
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The decoder's weights fingerprint (``hmi.model.root.weights_fingerprint``; about a second)."""
+        return weights_fingerprint(self.root.model)
 
     @property
     def rank(self) -> int:

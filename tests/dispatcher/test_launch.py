@@ -109,3 +109,74 @@ def test_demo_tenants_whose_adapters_ship_for_this_root_serve_at_once_and_the_ot
     with pytest.raises(ShippedAdapterError, match="damaged"):
         read_shipped(news["name"])
     assert shipped_for(reviews["name"], **identity) is None
+
+
+def test_the_decoder_demo_tenant_whose_adapter_ships_for_this_decoder_and_its_plot_serves_at_once(tmp_path, monkeypatch,
+                                                                                                  data, capsys):
+    import torch
+
+    from hmi.adapters.shipped import as_shipped, write_shipped
+    from hmi.dispatcher.launch import shipped_identity
+    from hmi.plot.store import PlotMeta, PlotStore
+    from hmi.scheduler.decoder_runtime import HgptRuntime
+    from hmi.scheduler.generation import EngineConfig
+    from hmi.training.demo import DEMO_DECODER_TENANTS, train_demo_decoder
+    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.dispatcher.test_server import raw
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setattr("hmi.adapters.shipped.SHIPPED_DIR", tmp_path / "shipped")
+    server = tiny_server(tmp_path / "home", job_concurrency=0)  # a job would stay queued
+    root = tiny_decoder_root()
+    meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
+    PlotStore(tmp_path / "gpt-plot", meta=meta, readonly=False).close()
+    runtime = HgptRuntime(root, PlotStore(tmp_path / "gpt-plot", readonly=True, expect=meta),
+                          server.transfer.load_decoder_tenant, cfg=EngineConfig(rank=4, max_len=128, max_active=4))
+    server.enable_hgpt(runtime)
+    url, stop = run_in_thread(server)
+    try:
+        (d,) = DEMO_DECODER_TENANTS
+        spec, weights, metrics = train_demo_decoder({**d, "max_train": 24}, root, runtime.lookup, 4, progress=False)
+        assert metrics["dev_ppl_after"] <= metrics["dev_ppl_before"]
+        write_shipped(d["name"], spec, weights, {**shipped_identity(server, "decoder"), "metrics": {"steps": 3}})
+        tokens = create_demo_tenants(server.home, *in_process(server), hgpt=True)
+        rec = server.registry.get("tenants", d["name"])
+        assert d["name"] in tokens and (rec["state"], rec["job"], rec["model"], rec["metrics"]["shipped"]) == \
+            ("ready", None, "decoder", True)
+        stored = server.store.load(d["name"])
+        assert all(torch.equal(stored[k], v) for k, v in as_shipped(weights).items())
+        got, out = raw(url, "POST", f"/v1/tenants/{d['name']}/generate", {"prompt": "the lazy", "max_new_tokens": 4},
+                       token=tokens[d["name"]])
+        assert got == 200 and out["tokens"] == 4, out
+        assert "demo-legal-gpt" in capsys.readouterr().out.split("ready (their adapters ship with hmi):")[1].split("\n")[0]
+    finally:
+        stop()
+
+
+def test_a_decoder_demo_adapter_shipped_for_another_decoder_is_trained_by_its_job_instead(tmp_path, monkeypatch, data):
+    from hmi.adapters.shipped import write_shipped
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.dispatcher.launch import shipped_identity
+    from hmi.plot.store import PlotMeta, PlotStore
+    from hmi.scheduler.decoder_runtime import HgptRuntime
+    from hmi.scheduler.generation import EngineConfig
+    from hmi.training.demo import DEMO_DECODER_TENANTS
+    from tests.dispatcher.test_generate import tiny_decoder_root
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    monkeypatch.setattr("hmi.adapters.shipped.SHIPPED_DIR", tmp_path / "shipped")
+    server = tiny_server(tmp_path / "home", job_concurrency=0)
+    root = tiny_decoder_root()
+    meta = PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal")
+    PlotStore(tmp_path / "gpt-plot", meta=meta, readonly=False).close()
+    server.enable_hgpt(HgptRuntime(root, PlotStore(tmp_path / "gpt-plot", readonly=True, expect=meta),
+                                   server.transfer.load_decoder_tenant, cfg=EngineConfig(rank=4)))
+    try:
+        (d,) = DEMO_DECODER_TENANTS
+        write_shipped(d["name"], AdapterSpec.decoder(rank=4), {},
+                      {**shipped_identity(server, "decoder"), "root_artifact": "another-decoder"})
+        create_demo_tenants(server.home, *in_process(server), hgpt=True)
+        rec = server.registry.get("tenants", d["name"])
+        assert rec["state"] == "training" and rec["job"]
+    finally:
+        server.shutdown()
