@@ -30,3 +30,16 @@ def tune_allocator() -> bool:
         return False
     return all(mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 256 << 20)))
+
+
+def release_heap() -> bool:
+    """Returns the heap's free memory to the kernel now (glibc's ``malloc_trim(0)``): what loading
+    a root leaves behind (the decoder's dequantized weights, about 1 GB, once its parameters are
+    moved to shared memory) and what the retained memory of :func:`tune_allocator` holds between
+    busy periods. Returns whether it ran (False off glibc)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

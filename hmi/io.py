@@ -2,11 +2,53 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+
+import lmdb
+
+FULL_BELOW = 4 << 20  # bytes free under which a failed write is taken for a full disk
+
+
+class DiskFullError(OSError):
+    """A write met a full disk; nothing of it was kept (errno ENOSPC)."""
+
+
+def as_disk_full(path: Path | str, exc: BaseException) -> DiskFullError | None:
+    """``exc``, raised by a write under ``path``, as a DiskFullError when the disk is full (an
+    ENOSPC or EDQUOT, or an LMDB commit's I/O error on a disk with less than ``FULL_BELOW``
+    free: LMDB reports a full disk that way), else None."""
+    if not isinstance(exc, (OSError, lmdb.Error)):
+        return None
+    try:
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    if getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT) and (free is None or free >= FULL_BELOW):
+        return None
+    left = "" if free is None else f" ({free} bytes free)"
+    return DiskFullError(errno.ENOSPC, f"No space left on device: the disk holding {path} is full{left}; nothing "
+                                       "of this write was kept. Free space and try again")
+
+
+@contextmanager
+def disk_writes(path: Path | str):
+    """Turns a write's failure on a full disk (see :func:`as_disk_full`) into a DiskFullError."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except (OSError, lmdb.Error) as exc:
+        full = as_disk_full(path, exc)
+        if full is None:
+            raise
+        raise full from exc
 
 
 def fsync_dir(path: Path | str) -> None:

@@ -4,6 +4,7 @@ request logging around every route."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import time
@@ -67,6 +68,14 @@ async def errors_and_logs(request: web.Request, handler):
     except RegistryUnavailable as exc:
         log.warning("registry unavailable", extra={"request_id": rid}, exc_info=True)
         resp = error_response(503, "registry_unavailable", f"{exc}; try again", {"Retry-After": "1"})
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            log.exception("unhandled error", extra={"request_id": rid})
+            resp = error_response(500, "internal", f"internal error; request id {rid}")
+        else:  # nothing of the request was kept (atomic writes): the client may send it again once there is space
+            log.error("the disk is full: %s", exc, extra={"request_id": rid})
+            resp = error_response(507, "insufficient_storage", "the server's disk is full, so nothing of this request "
+                                  "was kept; try again once the operator has freed space")
     except Exception:  # noqa: BLE001 - logged; the client sees a 500 without internals
         log.exception("unhandled error", extra={"request_id": rid})
         resp = error_response(500, "internal", f"internal error; request id {rid}")

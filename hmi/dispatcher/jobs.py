@@ -134,7 +134,12 @@ class JobManager:
         if self.inputs is not None and kind in RESUMABLE:
             atomic_write_json(self._input(job_id), data)  # before the job exists: accepted means kept
             job["inputs_kept"] = True
-        self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
+        try:
+            self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
+        except BaseException:  # not accepted: its inputs are not kept either
+            if job.get("inputs_kept"):
+                self._input(job_id).unlink(missing_ok=True)
+            raise
         self._enqueue(job, data)
         return job_id
 

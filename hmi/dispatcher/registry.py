@@ -13,10 +13,13 @@ import json
 import os
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import lmdb
+
+from hmi.io import disk_writes
 
 TABLES = (b"tenants", b"domains", b"jobs", b"owners")
 UNFINISHED = ("queued", "running")  # the states of a job that some process still has to end
@@ -140,6 +143,12 @@ class Registry(RegistryOps):
         self.env = lmdb.open(str(self.path), map_size=1 << 30, max_dbs=len(TABLES) + 1, subdir=True)
         self._db = {t.decode(): self.env.open_db(t) for t in TABLES}
 
+    @contextmanager
+    def _writing(self, table: str):
+        """A write transaction on ``table``, committed on leaving; a full disk raises DiskFullError."""
+        with disk_writes(self.path), self.env.begin(write=True, db=self._db[table]) as txn:
+            yield txn
+
     def get(self, table: str, key: str) -> dict | None:
         with self.env.begin(db=self._db[table]) as txn:
             raw = txn.get(key.encode())
@@ -147,12 +156,12 @@ class Registry(RegistryOps):
 
     def put(self, table: str, key: str, value: dict) -> None:
         value = {**value, "updated": time.time()}
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             txn.put(key.encode(), json.dumps(value).encode())
 
     def update(self, table: str, key: str, **changes) -> dict | None:
         """Read-modify-write in one transaction; returns the new value (None if absent)."""
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             raw = txn.get(key.encode())
             if raw is None:
                 return None
@@ -163,7 +172,7 @@ class Registry(RegistryOps):
     def update_if(self, table: str, key: str, states: tuple[str, ...], **changes) -> dict | None:
         """Compare-and-set: applies ``changes`` only while the record's state is one of ``states``,
         in one transaction; returns the new value, or None (absent, or in another state)."""
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             raw = txn.get(key.encode())
             if raw is None or json.loads(raw).get("state") not in states:
                 return None
@@ -174,11 +183,11 @@ class Registry(RegistryOps):
     def create(self, table: str, key: str, value: dict) -> bool:
         """Inserts unless the key exists; returns whether it was inserted."""
         value = {**value, "created": time.time(), "updated": time.time()}
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             return txn.put(key.encode(), json.dumps(value).encode(), overwrite=False)
 
     def delete(self, table: str, key: str) -> bool:
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             return txn.delete(key.encode())
 
     def items(self, table: str) -> list[tuple[str, dict]]:
@@ -188,7 +197,7 @@ class Registry(RegistryOps):
     def claim(self, table: str, key: str, expect: dict, **changes) -> dict | None:
         """Compare-and-set on any fields: applies ``changes`` only while the record's fields equal
         ``expect``, in one transaction; returns the new value, or None (absent, or changed)."""
-        with self.env.begin(write=True, db=self._db[table]) as txn:
+        with self._writing(table) as txn:
             raw = txn.get(key.encode())
             if raw is None:
                 return None

@@ -11,6 +11,7 @@ from typing import Callable
 
 from aiohttp import web
 
+from hmi.allocator import release_heap
 from hmi.bootstrap import (
     build_root_plot_in_background,
     keep_building,
@@ -90,6 +91,7 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     if demo:
         create_demo_tenants(home, *in_process(server), hgpt=hgpt)
     print(banner(f"http://{host}:{port}", home, hgpt and demo), flush=True)
+    release_heap()  # what loading the roots left freed (the decoder's dequantized weights: about 1 GB)
     web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
     return 0
 

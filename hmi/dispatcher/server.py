@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hmi.adapters.store import AdapterStore
+from hmi.allocator import release_heap
 from hmi.data import load_corpus
 from hmi.dispatcher.auth import Auth, admin_token
 from hmi.dispatcher.batcher import Batcher
@@ -52,6 +53,7 @@ class ServerConfig:
     batches_in_flight: int = 2
     tenant_queue: int = 256
     queue_delay_s: float = 0.25  # the work the batcher holds before it refuses (0: no such bound)
+    heap_trim_s: float = 60.0  # how often the heap's free memory goes back to the kernel (0: never; hmi.allocator)
     job_concurrency: int = 1
     max_queued_jobs: int = 64
     job_time_limit_s: float = 6 * 3600.0
@@ -132,6 +134,8 @@ class Server:
         if cfg.plot_hot_mb > 0:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
         self._closing = threading.Event()
+        if cfg.heap_trim_s > 0:
+            threading.Thread(target=self._trim_heap, name="heap-trim", daemon=True).start()
         if isinstance(lookup.chain[0].store, PendingStore):
             threading.Thread(target=self._await_plot, args=(lookup.chain[0], "root PLOT"), name="root-plot",
                              daemon=True).start()
@@ -215,6 +219,12 @@ class Server:
         version.store = pending.store
         log.info("%s complete: %d entries; %d values were computed on demand while it was built", what,
                  len(pending.store), pending.computed)
+
+    def _trim_heap(self) -> None:
+        """Every ``heap_trim_s``: the memory freed since goes back to the kernel (the tuned
+        allocator would keep up to 1 GiB per arena; batches in between still reuse theirs)."""
+        while not self._closing.wait(self.cfg.heap_trim_s):
+            release_heap()
 
     def closing(self) -> bool:
         """Whether the server is shutting down."""

@@ -3,6 +3,7 @@ version), creating, retraining and deleting them, and publishing what their jobs
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from hmi.adapters.spec import AdapterSpec
@@ -10,6 +11,8 @@ from hmi.adapters.store import TenantMissingError
 from hmi.dispatcher.jobs import new_job_id
 from hmi.dispatcher.validation import ApiError
 from hmi.scheduler.types import RequestError, TenantEntry
+
+log = logging.getLogger("hmi.server")
 
 
 def is_private(rec: dict) -> bool:
@@ -172,7 +175,11 @@ class Tenants:
         self.jobs.require_room()
         jid = new_job_id()
         token = self.register(name, {**rec, "state": "training", "job": jid})
-        self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        try:
+            self.jobs.submit("create", name, rec["spec"], data, job_id=jid, **job)
+        except BaseException:  # not queued (a full disk, a full queue): the name stays free
+            self._undo(lambda: self.delete(name, self.registry.get("tenants", name) or {}), f"registering {name!r}")
+            raise
         return token, jid
 
     def register(self, name: str, rec: dict) -> str:
@@ -198,12 +205,27 @@ class Tenants:
             raise ApiError(409, "wrong_root", self.foreign_message(name))
         self.jobs.require_room()
         jid = new_job_id()
+        before = (self.registry.get("tenants", name) or {}).get("job")
         rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
         if rec is None:
             state = (self.registry.get("tenants", name) or {}).get("state", "deleted")
             raise ApiError(409, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
-        self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
+        try:
+            self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
+        except BaseException:  # not queued: the tenant is ready again, serving what it served
+            self._undo(lambda: self.registry.claim("tenants", name, {"job": jid, "state": "updating"}, state="ready",
+                                                   job=before), f"claiming {name!r} for an update")
+            raise
         return jid
+
+    @staticmethod
+    def _undo(fn, what: str) -> None:
+        """Takes back a registry change whose job could not be queued; when that fails too (the
+        disk still full), the next start's recovery does it."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - logged; the original error is the one the client hears
+            log.exception("taking back %s failed", what)
 
     def delete(self, tenant: str, rec: dict) -> None:
         """Stops serving the tenant at once, cancels its job, forgets its record, token, usage,

@@ -15,6 +15,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
+from hmi.io import disk_writes
 from hmi.plot import codec
 from hmi.plot.keys import from_bytes, ngram_order
 
@@ -206,7 +207,7 @@ class PlotStore:
             raise PermissionError(f"PLOT at {self.path} is open read-only")
         while True:
             try:
-                with self.env.begin(write=True) as txn:
+                with disk_writes(self.path), self.env.begin(write=True) as txn:
                     fn(txn)
                 return
             except lmdb.MapFullError:

@@ -28,11 +28,9 @@ QUERIES = ["Shares in the bank rose after the results.", "A dull film about the 
            "Completely unseen words: zebra quantum violin."]
 
 
-def partial_build(path, encoder, tok, chunks_written: int):
-    """A build interrupted after ``chunks_written`` chunks of 16 (as a killed build leaves it); its plan."""
-    keys, counts = count_ngrams(tokenize_corpus(tok, CORPUS, progress=False))
-    plan = plan_keys(keys, counts, Selection("all"), vocab_size=400)
-    store = PlotStore(path, meta=META, readonly=False)
+def interrupted_build(store, encoder, plan, chunks_written: int) -> None:
+    """Builds ``plan`` into ``store`` in chunks of 16 and stops after ``chunks_written`` of them,
+    as a killed build leaves it."""
     written = {"n": 0}
 
     def stop(fraction, info):
@@ -42,6 +40,14 @@ def partial_build(path, encoder, tok, chunks_written: int):
 
     with pytest.raises(KeyboardInterrupt):
         build(store, encoder, plan, batch_windows=16, progress=False, on_progress=stop)
+
+
+def partial_build(path, encoder, tok, chunks_written: int):
+    """An encoder PLOT whose build stopped after ``chunks_written`` chunks of 16; (store, plan)."""
+    keys, counts = count_ngrams(tokenize_corpus(tok, CORPUS, progress=False))
+    plan = plan_keys(keys, counts, Selection("all"), vocab_size=400)
+    store = PlotStore(path, meta=META, readonly=False)
+    interrupted_build(store, encoder, plan, chunks_written)
     return store, plan
 
 
@@ -123,15 +129,7 @@ def partial_causal_build(path, root, chunks_written: int):
     keys, counts = count_ngrams(CAUSAL_CORPUS, causal=True)
     plan = plan_keys(keys, counts, Selection("all"), 90, causal=True)
     store = PlotStore(path, meta=PlotMeta(root.artifact_id, 2, 32, n=1, kind="causal"), readonly=False)
-    seen = {"n": 0}
-
-    def stop(fraction, info):
-        seen["n"] += 1
-        if seen["n"] == chunks_written:
-            raise KeyboardInterrupt("stopped")
-
-    with pytest.raises(KeyboardInterrupt):
-        build(store, lower, plan, batch_windows=16, progress=False, on_progress=stop)
+    interrupted_build(store, lower, plan, chunks_written)
     return store, plan, lower
 
 

@@ -1,0 +1,27 @@
+"""Two minutes of the soak (benchmarks/soak.py --quick): the real server under the mixed workload
+(Zipf inference over 100 tenants, streams some of which the client drops, a fine-tune job, a
+domain job, tenant churn) answers without a server error, finishes its jobs, and stops cleanly on
+SIGTERM; the samples it takes are there to be read."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.xdist_group("soak")
+def test_two_minutes_of_the_soak_end_without_a_server_error_a_lost_job_or_an_unclean_stop(tmp_path):
+    pytest.importorskip("gguf")
+    env = {**os.environ, "HMI_BENCH_DOCS": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--minutes", "2"],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert proc.returncode == 0 and result["ok"], (result["failed"], proc.stderr[-3000:])
+    assert result["counts"]["infer"] > 0 and result["counts"]["streams_dropped"] > 0 and not result["errors"]
+    assert result["stop"] == {**result["stop"], "exit_code": 0, "children_left": 0}
+    assert (tmp_path / "soak_quick.md").exists() and (tmp_path / "soak_quick.png").exists()
