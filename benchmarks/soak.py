@@ -20,7 +20,8 @@ Meanwhile, from this process's threads, each with its own ``hmi.client.Client``:
 
 Every ``--sample`` seconds it records the server process's RSS, open file descriptors and
 threads, its live child processes, the LMDB reader slots in use (registry and both root PLOTs) and
-the number of series ``/metrics`` exposes.  After ``--warmup`` minutes, the median of the last
+the number of series ``/metrics`` exposes (and the adapters' host cache, which a first request
+for every tenant fills before the clock starts).  After ``--warmup`` minutes, the median of the last
 quarter of the samples is compared with the median of the first quarter after warm-up: RSS may
 grow by at most 10 %, file descriptors by at most 8 (sockets come and go), threads, child
 processes, reader slots and metric series not at all.  Any server error (5xx, a dropped
@@ -100,11 +101,14 @@ def lmdb_readers(paths: list[Path]) -> int:
     return total
 
 
-def metric_series(url: str) -> int:
+def metrics(url: str) -> dict:
+    """How many series ``/metrics`` exposes, and the adapters' host cache (MB)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        return sum(1 for line in r.read().decode().splitlines() if line and not line.startswith("#"))
+        lines = [line for line in r.read().decode().splitlines() if line and not line.startswith("#")]
+    cache = next((float(line.split()[-1]) for line in lines if line.startswith("hmi_adapter_host_cache_bytes")), 0.0)
+    return {"metric_series": len(lines), "host_cache_mb": round(cache / 2**20, 1)}
 
 
 # -- the workload ----------------------------------------------------------------------------------
@@ -240,6 +244,15 @@ def workload(url: str, token: str, names: list[str], texts: list[str], corpus: l
     return threads
 
 
+def warm(client, names: list[str], texts: list[str]) -> None:
+    """One request for every tenant before the clock starts: the adapters' host cache (bounded by
+    ``host_cache_mb``) is full from the first sample on, so what grows afterwards is not it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda name: client.infer(name, texts[:1], truncate=True), names))
+
+
 # -- verdict and report ----------------------------------------------------------------------------
 def verdict(samples: list[dict], warmup_s: float) -> dict:
     """Growth of each sampled quantity: the median of the last quarter of the samples after
@@ -271,7 +284,12 @@ def plot(samples: list[dict], warmup_s: float, png: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(13, 6), sharex=True)
     t = [s["t"] / 60 for s in samples]
     for ax, (k, label) in zip(axes.flat, keys):
-        ax.plot(t, [s[k] for s in samples], marker=".")
+        ax.plot(t, [s[k] for s in samples], marker=".", label="RSS" if k == "rss_mb" else None)
+        if k == "rss_mb":  # its parts: the private heap, mapped files (the PLOTs' pages), the adapters' host cache
+            for part, name in (("anon_mb", "private (anon)"), ("file_mb", "mapped files"),
+                               ("host_cache_mb", "adapter host cache")):
+                ax.plot(t, [s.get(part, 0) for s in samples], label=name)
+            ax.legend(fontsize=7)
         ax.axvline(warmup_s / 60, color="grey", linestyle=":")
         ax.set_title(label)
         ax.set_xlabel("minutes")
@@ -336,6 +354,7 @@ def main() -> None:
         texts = [t for t in held_out_texts(400) if len(t) <= 4000][:200]
         corpus = load_corpus("legal", 2000)
         plots = sorted((hmi_home() / "plots").glob("*/root"))
+        warm(client, names, texts)
         readers_of = [home / "registry", *plots]
         threads = workload(url, token, names + ["demo-news", "demo-reviews"], texts, corpus, buf.getvalue(), args,
                            stop, tally)
@@ -344,7 +363,7 @@ def main() -> None:
         while True:
             now = time.monotonic()
             s = {"t": round(now - t0, 1), **proc_status(proc.pid), "lmdb_readers": lmdb_readers(readers_of),
-                 "metric_series": metric_series(url), **{k: v for k, v in tally.counts.items()}}
+                 **metrics(url), **{k: v for k, v in tally.counts.items()}}
             samples.append(s)
             print(json.dumps(s), flush=True)
             if now >= end or proc.poll() is not None:
@@ -374,15 +393,16 @@ def main() -> None:
     name = "soak_quick" if quick else "soak"
     plot(samples, args.warmup * 60, DOCS / f"{name}.png")
     first = next((s for s in samples if s["t"] >= args.warmup * 60), samples[0])
-    rows = [(f"{s['t'] / 60:.1f}", s["rss_mb"], s["fds"], s["threads"], s["children"], s["lmdb_readers"],
-             s["metric_series"], s.get("infer", 0), s.get("streams", 0), s.get("jobs", 0))
+    rows = [(f"{s['t'] / 60:.1f}", s["rss_mb"], s["anon_mb"], s["file_mb"], s.get("host_cache_mb", "-"), s["fds"],
+             s["threads"], s["children"], s["lmdb_readers"], s["metric_series"], s.get("infer", 0), s.get("streams", 0),
+             s.get("jobs", 0))
             for s in samples[:: max(1, len(samples) // 24)] + [samples[-1]]]
     text = (f"{args.minutes:g} minutes, {args.tenants} tenants (+ the demo tenants), a sample every {args.sample:g} s, "
             f"warm-up {args.warmup:g} minutes; RSS at the end of warm-up {first['rss_mb']} MB.\n\n"
             f"Verdict: **{'passed' if ok else 'failed'}**" + ("" if ok else f": {'; '.join(failed)}") + "\n\n"
             f"Work done: {json.dumps(counts)}; server stop on SIGTERM: {json.dumps(stopped)}\n\n"
-            + table(rows, ("minute", "RSS MB", "fds", "threads", "children", "LMDB readers", "metric series",
-                           "infer", "streams", "jobs"))
+            + table(rows, ("minute", "RSS MB", "anon MB", "file MB", "host cache MB", "fds", "threads", "children",
+                           "LMDB readers", "metric series", "infer", "streams", "jobs"))
             + f"\n\n![soak]({name}.png)")
     result = {**v, "ok": ok, "failed": failed, "minutes": args.minutes, "tenants": args.tenants, "counts": counts,
               "stop": stopped, "errors": tally.errors}

@@ -3,10 +3,8 @@
 Requests wait in their tenant's own queue.  A batch is formed when the scheduler can start one
 (fewer than ``in_flight`` batches submitted and unanswered) and either ``max_batch`` requests wait
 or the oldest has waited ``max_wait`` seconds, as the paper's batcher closes a batch.  It takes
-requests across the tenants' queues by start-time fair queuing (a relative of deficit round
-robin): each request gets the tag ``max(V, tag of the tenant's previous request) + 1 / weight``
-(V: the tag of the last request taken), and a batch takes the smallest tags.  A tenant that sends
-ten times its share therefore waits behind itself, not in front of the others.
+requests across the tenants' queues by start-time fair queuing (``hmi.scheduler.fair``): a tenant
+that sends ten times its share waits behind itself, not in front of the others.
 
 Admission keeps the wait short instead of queueing without end: the batcher holds about
 ``queue_delay`` seconds of work (the answered requests per second, measured over the last
@@ -19,23 +17,14 @@ when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``Q
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import time
 from collections import deque
 from typing import Callable
 
+from hmi.scheduler.fair import FairQueue, TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
 RATE_WINDOW = 5.0  # seconds of answered batches that measure the rate the admission bound follows
-
-
-class TenantQueueFullError(QueueFullError):
-    """One tenant's queue is full: its own requests are refused, nobody else's."""
-
-    def __init__(self, tenant: str, waiting: int):
-        super().__init__(f"tenant {tenant!r} has {waiting} requests waiting, its queue's limit")
-        self.tenant, self.waiting = tenant, waiting
 
 
 class Batcher:
@@ -48,24 +37,17 @@ class Batcher:
         self.in_flight, self.tenant_queue, self.max_pending = in_flight, tenant_queue, max_pending
         self.queue_delay = queue_delay
         self._answered: deque = deque()  # (time, requests) of the batches answered in the last RATE_WINDOW s
-        self.weight = weight or (lambda tenant: 1.0)
-        # tenant -> deque of (tag, arrival, request); a tenant without waiting requests has none
-        self._queues: dict[str, deque] = {}
-        self._heads: list[tuple[float, int, str]] = []  # (tag of a queue's first request, order, tenant)
-        self._order = itertools.count()
-        self._vtime = 0.0
-        self._pending = 0
+        self._queue = FairQueue(weight)
         self._running = 0  # batches submitted and not answered yet
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return len(self._queue)
 
     def waiting(self, tenant: str) -> int:
-        q = self._queues.get(tenant)
-        return len(q) if q else 0
+        return self._queue.waiting(tenant)
 
     def add(self, requests: list[InferRequest]) -> None:
         """Queues the requests of one HTTP call (one model) and forms what batches can start.
@@ -76,33 +58,23 @@ class Batcher:
         self._loop = asyncio.get_running_loop()
         tenant = requests[0].tenant or ""
         self.admit(tenant, len(requests))
-        q = self._queues.setdefault(tenant, deque())
-        step = 1.0 / max(self.weight(tenant), 1e-6)
-        # Tags are taken in increasing order, so a tenant whose queue emptied has no tag above V.
-        tag, now = (q[-1][0] if q else self._vtime), time.monotonic()
-        was_empty = not q
-        for r in requests:
-            tag += step
-            q.append((tag, now, r))
-        if was_empty:
-            heapq.heappush(self._heads, (q[0][0], next(self._order), tenant))
-        self._pending += len(requests)
+        self._queue.push(tenant, requests)
         self._form(raise_errors=True)
 
     def admit(self, tenant: str, n: int = 1) -> None:
         """Raises what ``add`` would raise for ``n`` more requests of ``tenant`` (``""``: the root's
         own), so that a route can refuse before it reads a body."""
-        q = self._queues.get(tenant) or ()
-        if len(q) + n > self.tenant_queue:
-            raise TenantQueueFullError(tenant or "root", len(q))
-        if self._pending + n > self.max_pending:
-            raise QueueFullError(f"{self._pending} requests are waiting, the server's limit")
+        mine, pending = self._queue.waiting(tenant), len(self._queue)
+        if mine + n > self.tenant_queue:
+            raise TenantQueueFullError(tenant or "root", mine)
+        if pending + n > self.max_pending:
+            raise QueueFullError(f"{pending} requests are waiting, the server's limit")
         bound = self.bound()
-        if bound is not None and self._pending + n > bound:
-            if not any(t != tenant for t in self._queues):  # nobody else waits: the server is simply full
-                raise QueueFullError(f"{self._pending} requests are waiting: about {self.queue_delay:g} s of work")
-            if len(q) + n > max(self.max_batch, self.share(tenant, bound)):  # others wait; it has its share
-                raise TenantQueueFullError(tenant or "root", len(q))
+        if bound is not None and pending + n > bound:
+            if not self._queue.tenants() - {tenant}:  # nobody else waits: the server is simply full
+                raise QueueFullError(f"{pending} requests are waiting: about {self.queue_delay:g} s of work")
+            if mine + n > max(self.max_batch, self._queue.share(tenant, bound)):  # others wait; it has its share
+                raise TenantQueueFullError(tenant or "root", mine)
 
     def bound(self) -> int | None:
         """Requests the batcher holds before refusing: ``queue_delay`` seconds at the answered rate
@@ -116,12 +88,6 @@ class Batcher:
         rate = sum(n for _, n in list(self._answered)[1:]) / span
         return max(self.max_batch * self.in_flight, int(rate * self.queue_delay))
 
-    def share(self, tenant: str, bound: int) -> float:
-        """A tenant's weighted share of ``bound`` among the tenants with requests waiting (and it)."""
-        active = set(self._queues) | {tenant}
-        total = sum(self.weight(t) for t in active)
-        return bound * self.weight(tenant) / total
-
     def close(self) -> None:
         """Forms a batch now from whatever waits (if the scheduler can take one)."""
         self._form(raise_errors=True, force=True)
@@ -130,28 +96,13 @@ class Batcher:
     def _form(self, raise_errors: bool = False, force: bool = False) -> None:
         """Submits batches while the scheduler can take one and one is due; arms the timer for
         the oldest request otherwise."""
-        while self._pending and self._running < self.in_flight:
-            if not (force or self._pending >= self.max_batch or self._oldest_wait() >= self.max_wait):
+        while self._queue and self._running < self.in_flight:
+            if not (force or len(self._queue) >= self.max_batch or self._oldest_wait() >= self.max_wait):
                 break
             force = False
-            batch = self._take(min(self.max_batch, self._pending))
+            batch = [self._queue.pop() for _ in range(min(self.max_batch, len(self._queue)))]
             self._submit(batch, raise_errors)
         self._arm()
-
-    def _take(self, n: int) -> list[InferRequest]:
-        batch = []
-        while len(batch) < n:
-            tag, _, tenant = heapq.heappop(self._heads)
-            q = self._queues[tenant]
-            _, _, r = q.popleft()
-            self._vtime = tag
-            batch.append(r)
-            if q:
-                heapq.heappush(self._heads, (q[0][0], next(self._order), tenant))
-            else:
-                del self._queues[tenant]
-        self._pending -= len(batch)
-        return batch
 
     def _submit(self, batch: list[InferRequest], raise_errors: bool) -> None:
         if self.on_close:
@@ -185,15 +136,13 @@ class Batcher:
         self._form()
 
     def _oldest_wait(self) -> float:
-        if not self._heads:
-            return 0.0
-        oldest = min(q[0][1] for q in self._queues.values())
-        return time.monotonic() - oldest
+        oldest = self._queue.oldest_arrival()
+        return 0.0 if oldest is None else time.monotonic() - oldest
 
     def _arm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._pending and self._running < self.in_flight and self._loop is not None:
+        if self._queue and self._running < self.in_flight and self._loop is not None:
             delay = max(0.0, self.max_wait - self._oldest_wait())
             self._timer = self._loop.call_later(delay, self._form)

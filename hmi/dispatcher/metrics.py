@@ -20,6 +20,8 @@ class Metrics:
         self.plot_hits = Gauge("hmi_plot_hits_total", "distinct windows served per PLOT level (level:version) for the "
                                "tenants of each domain", ["domain", "level"], registry=r)
         self.adapter_hits = Gauge("hmi_adapter_residency_total", "adapter lookups per tier", ["tier"], registry=r)
+        self.host_cache = Gauge("hmi_adapter_host_cache_bytes", "adapter weights held in host memory (bounded by "
+                                "ServerConfig.host_cache_mb)", registry=r)
         self.jobs = Gauge("hmi_jobs", "jobs by state", ["state"], registry=r)
         self.tenant_infer = Counter("hmi_tenant_infer_total", "infer inputs per tenant (first tenants only)",
                                     ["tenant"], registry=r)

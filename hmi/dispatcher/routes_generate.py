@@ -14,7 +14,8 @@ from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import parse
-from hmi.dispatcher.validation import ApiError, json_body
+from hmi.dispatcher.validation import ApiError, json_body, refused
+from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.generation import GenerationError, GenRequest, ServiceClosedError
 
 
@@ -47,6 +48,8 @@ def _request(s, tenant: str, body, max_new_tokens: int, loop, sink):
         s.decoders.runtime.service.submit(req)
     except GenerationError as exc:
         raise ApiError(exc.status, exc.code, str(exc)) from None
+    except TenantQueueFullError as exc:
+        raise refused(exc) from None
     except queue.Full:
         raise ApiError(429, "overloaded", "the generation queue is full; retry shortly", {"Retry-After": "1"}) from None
     except ServiceClosedError:

@@ -64,6 +64,7 @@ async def metrics(request: web.Request) -> web.Response:
     m.adapter_hits.labels("device").set(res["device_hits"])
     m.adapter_hits.labels("host").set(s.store.stats["host_hits"])
     m.adapter_hits.labels("disk").set(s.store.stats["disk_loads"])
+    m.host_cache.set(s.store.host_bytes)
     counts = {st: 0 for st in ("queued", "running", "succeeded", "failed", "cancelled")}
     for _, j in await s.registry.aitems("jobs"):
         counts[j["state"]] = counts.get(j["state"], 0) + 1

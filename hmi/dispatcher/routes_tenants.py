@@ -12,12 +12,11 @@ from hmi.adapters.portable import read_decoder, read_encoder, write_decoder, wri
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
-from hmi.dispatcher.batcher import TenantQueueFullError
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import ROOT_MODEL, api_error, parse
 from hmi.dispatcher.server import Server
 from hmi.dispatcher.tenants import is_private, private_error
-from hmi.dispatcher.validation import ApiError, check_rows, json_body
+from hmi.dispatcher.validation import ApiError, check_rows, json_body, refused
 from hmi.names import is_valid_name
 from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
 from hmi.textlimit import TooLongError
@@ -70,15 +69,6 @@ def admit(s: Server, tenant: str | None, n: int = 1) -> None:
         s.batcher.admit(tenant or "", n)
     except QueueFullError as exc:
         raise refused(exc) from None
-
-
-def refused(exc: QueueFullError) -> ApiError:
-    """The 429 of a refusal: ``over_share`` when the tenant holds its share while others are
-    served, ``overloaded`` when the server is full."""
-    if isinstance(exc, TenantQueueFullError):
-        return ApiError(429, "over_share", f"{exc}: this tenant sends more than its share of the server; retry "
-                        "shortly (other tenants are served meanwhile)", {"Retry-After": "1"})
-    return ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"})
 
 
 async def run_requests(s: Server, reqs: list[InferRequest]) -> list:

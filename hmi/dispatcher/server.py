@@ -268,6 +268,7 @@ class Server:
     def enable_hgpt(self, runtime) -> None:
         """Serves decoder tenants with ``runtime`` (an HgptRuntime) and lets jobs train them."""
         self.decoders.enable(runtime)
+        runtime.service.set_weight(self.tenants.weight)  # the admin's shares hold for the decoder's rows too
         self.jobs.ctx.gpt = runtime.worker_view()
         version = runtime.lookup.chain[0]
         if isinstance(version.store, PendingStore):

@@ -47,7 +47,7 @@ class Tenants:
         self.shared_home = shared_home
         self._entries: dict[str, TenantEntry] = {}
         self._foreign: dict[str, str] = {}  # tenant -> fingerprint of the root it was trained on
-        self._gpt_ready: set[str] = set()  # decoder tenants that can generate
+        self._gpt_ready: dict[str, float] = {}  # decoder tenants that can generate -> their weight
         self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
         for name, rec in self.registry.items("tenants"):
             self.auth.remember(name, rec.get("token_hash", ""))
@@ -57,7 +57,7 @@ class Tenants:
                 self._foreign[name] = rec.get("root") or "the default root's"
             elif rec["state"] in ("ready", "updating") and not is_private(rec):
                 if rec.get("model") == "decoder":
-                    self._gpt_ready.add(name)
+                    self._gpt_ready[name] = rec.get("weight", 1.0)
                 else:
                     self._entries[name] = entry_of(name, rec)
 
@@ -90,10 +90,10 @@ class Tenants:
         return tenant in self._gpt_ready
 
     def weight(self, tenant: str) -> float:
-        """A tenant's share of the batches relative to the others (1 unless the admin set it; the
-        root's own requests, ``""``, weigh 1)."""
+        """A tenant's share of the batches (or of the decoder's rows) relative to the others (1
+        unless the admin set it; the root's own requests, ``""``, weigh 1)."""
         e = self._entries.get(tenant)
-        return e.weight if e is not None else 1.0
+        return e.weight if e is not None else self._gpt_ready.get(tenant, 1.0)
 
     def set_weight(self, tenant: str, weight: float) -> dict:
         """Records and applies a tenant's weight (the admin's); 404 when there is no such tenant."""
@@ -102,6 +102,8 @@ class Tenants:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
         if tenant in self._entries:
             self._entries[tenant] = replace(self._entries[tenant], weight=weight)
+        elif tenant in self._gpt_ready:
+            self._gpt_ready[tenant] = weight
         return rec
 
     def servable_count(self) -> int:
@@ -127,7 +129,7 @@ class Tenants:
         if rec is None:
             self._synced.pop(name, None)
             if self._entries.pop(name, None) is not None or name in self._gpt_ready:
-                self._gpt_ready.discard(name)
+                self._gpt_ready.pop(name, None)
                 self.scheduler.forget(name)
             return
         if rec.get("model") != "decoder" and not self._own_root(rec):
@@ -146,13 +148,15 @@ class Tenants:
             self.serve_new_version(name, rec)
         elif name in self._entries and self._entries[name].weight != rec.get("weight", 1.0):
             self._entries[name] = replace(self._entries[name], weight=rec.get("weight", 1.0))
+        elif name in self._gpt_ready:
+            self._gpt_ready[name] = rec.get("weight", 1.0)
 
     def serve_new_version(self, name: str, rec: dict) -> None:
         """Drops every cached copy of a tenant whose published version changed, and serves it."""
         self.store.invalidate(name)
         if rec.get("model") == "decoder":
             self.decoders.forget(name)
-            self._gpt_ready.add(name)
+            self._gpt_ready[name] = rec.get("weight", 1.0)
             return
         self.scheduler.forget(name)
         self._entries[name] = entry_of(name, rec)
@@ -231,7 +235,7 @@ class Tenants:
         """Stops serving the tenant at once, cancels its job, forgets its record, token, usage,
         resident copies and stored adapter."""
         self._entries.pop(tenant, None)
-        self._gpt_ready.discard(tenant)
+        self._gpt_ready.pop(tenant, None)
         self.decoders.forget(tenant)
         if rec.get("job"):
             self.jobs.cancel(rec["job"])

@@ -6,6 +6,9 @@ import json
 
 from aiohttp import web
 
+from hmi.scheduler.fair import TenantQueueFullError
+from hmi.scheduler.types import QueueFullError
+
 
 class ApiError(Exception):
     def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
@@ -50,3 +53,12 @@ def check_rows(rows: list[dict], tagging: bool, where: str) -> list[dict]:
                 raise ApiError(422, "invalid_example", f"{where}[{i}] needs 'text' and 'label' (the task is classification)")
             out.append({"text": r["text"], "label": r["label"]})
     return out
+
+
+def refused(exc: QueueFullError) -> ApiError:
+    """The 429 of a refusal: ``over_share`` when the tenant holds its share while others are
+    served, ``overloaded`` when the server is full."""
+    if isinstance(exc, TenantQueueFullError):
+        return ApiError(429, "over_share", f"{exc}: this tenant sends more than its share of the server; retry "
+                        "shortly (other tenants are served meanwhile)", {"Retry-After": "1"})
+    return ApiError(429, "overloaded", "the server is at capacity; retry shortly", {"Retry-After": "1"})

@@ -31,6 +31,7 @@ from hmi.model import decoder_layers
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.model.decoder_layers import KVCache, Step
 from hmi.plot.lookup import PlotLookup
+from hmi.scheduler.fair import FairQueue, TenantQueueFullError
 from hmi.scheduler.sampling import GREEDY_BELOW, next_token, streamable
 from hmi.textlimit import words_exceed
 
@@ -370,40 +371,60 @@ def _fail(req: GenRequest, exc: BaseException) -> None:
 
 
 class GenerationService:
-    """Runs a GenerationEngine in its own thread; requests from any thread join between steps."""
+    """Runs a GenerationEngine in its own thread; requests from any thread join between steps.
 
-    def __init__(self, engine: GenerationEngine, max_waiting: int = 256):
+    Requests wait in their tenant's queue and take the engine's free rows by start-time fair
+    queuing (``hmi.scheduler.fair``, ``weight(tenant)`` its share): a tenant that floods the
+    server waits behind itself.  Bounded: ``submit`` refuses past ``tenant_queue`` waiting for
+    the tenant (TenantQueueFullError) or ``max_waiting`` in all (queue.Full); the HTTP layer
+    answers 429."""
+
+    def __init__(self, engine: GenerationEngine, max_waiting: int = 256, tenant_queue: int = 64,
+                 weight: Callable[[str], float] | None = None):
         self.engine = engine
-        # Requests wait here, bounded: ``submit`` raises queue.Full past ``max_waiting`` (the HTTP
-        # layer answers 429).  The engine itself takes only as many as it has free rows.
-        self._in: queue.Queue = queue.Queue(maxsize=max_waiting)
+        self.max_waiting, self.tenant_queue = max_waiting, tenant_queue
+        self._fair = FairQueue(weight)
+        self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="hgpt", daemon=True)
         self._thread.start()
 
     def submit(self, req: GenRequest) -> Future:
-        """Validates and queues a request. Raises GenerationError (invalid), queue.Full (too many
-        waiting) or ServiceClosedError."""
+        """Validates and queues a request. Raises GenerationError (invalid), TenantQueueFullError
+        (its tenant has ``tenant_queue`` waiting), queue.Full (``max_waiting`` wait) or
+        ServiceClosedError."""
         if self._closed:
             raise ServiceClosedError("the generation service is shut down")
         self.engine.validate(req)
-        self._in.put_nowait(req)
+        with self._cv:
+            mine = self._fair.waiting(req.tenant)
+            if mine >= self.tenant_queue:
+                raise TenantQueueFullError(req.tenant, mine)
+            if len(self._fair) >= self.max_waiting:
+                raise queue.Full(f"{len(self._fair)} generation requests are waiting")
+            self._fair.push(req.tenant, [req])
+            self._cv.notify()
         return req.future
 
+    def set_weight(self, weight: Callable[[str], float]) -> None:
+        """``weight(tenant)``: a tenant's share of the rows relative to the others' (read when its
+        requests are queued)."""
+        with self._cv:
+            self._fair.weight = weight
+
     def waiting(self) -> int:
-        return self._in.qsize() + len(self.engine.waiting)
+        return len(self._fair) + len(self.engine.waiting)
 
     def _loop(self) -> None:
         e = self.engine
-        while not (self._closed and self._in.empty() and not e.waiting and not e.active):
-            try:
-                block = not (e.waiting or e.active)
-                item = self._in.get(timeout=0.1) if block else self._in.get_nowait()
-                e.waiting.append(item)
-                while len(e.waiting) < e.cfg.max_active - len(e.active):
-                    e.waiting.append(self._in.get_nowait())
-            except queue.Empty:
-                pass
+        while True:
+            with self._cv:
+                if self._closed and not self._fair and not e.waiting and not e.active:
+                    return
+                if not (self._fair or e.waiting or e.active):
+                    self._cv.wait(0.1)
+                while self._fair and len(e.waiting) < e.cfg.max_active - len(e.active):
+                    e.waiting.append(self._fair.pop())
             if e.waiting or e.active:
                 try:
                     e.step()

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from hmi.dispatcher.batcher import Batcher, TenantQueueFullError
+from hmi.dispatcher.batcher import Batcher
+from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
 

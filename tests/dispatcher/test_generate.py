@@ -227,19 +227,18 @@ def test_a_client_that_disconnects_mid_stream_frees_its_engine_slot(gpt, monkeyp
     assert got == 200 and out["tokens"] == 3
 
 
-def test_a_full_generation_queue_answers_429_with_retry_after(gpt, monkeypatch):
-    import queue
-
-    class Full(queue.Queue):
-        def put_nowait(self, item):
-            raise queue.Full
-
-    monkeypatch.setattr(gpt["server"].decoders.runtime.service, "_in", Full())
-    req = urllib.request.Request(gpt["url"] + "/v1/tenants/writer/generate", data=json.dumps({"prompt": "x"}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
-    with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(req, timeout=30)
-    assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+def test_a_full_generation_queue_answers_429_with_retry_after_and_a_tenant_over_its_share_is_told_so(gpt, monkeypatch):
+    service = gpt["server"].decoders.runtime.service
+    for setting, code in (("max_waiting", "overloaded"), ("tenant_queue", "over_share")):
+        with monkeypatch.context() as m:
+            m.setattr(service, setting, 0)
+            req = urllib.request.Request(gpt["url"] + "/v1/tenants/writer/generate", data=json.dumps({"prompt": "x"}).encode(),
+                                         method="POST", headers={"Content-Type": "application/json",
+                                                                 "Authorization": f"Bearer {ADMIN}"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=30)
+            assert e.value.code == 429 and e.value.headers["Retry-After"] == "1"
+            assert json.loads(e.value.read())["error"]["code"] == code
 
 
 def test_a_tenant_whose_stored_lora_does_not_fit_fails_alone_with_a_named_error(gpt, caplog):
@@ -293,3 +292,13 @@ def test_a_peft_lora_uploads_as_a_decoder_tenant_generates_like_the_trained_one_
         admin.import_adapter("wrong-rank", zip_files({**files, "adapter_config.json": json.dumps({**cfg, "r": 8}).encode()},
                                                      "f"), model="decoder")
     assert "rank 4" in str(err.value)
+
+
+def test_the_admin_sets_a_decoder_tenants_share_of_the_generation_rows(gpt):
+    s = gpt["server"]
+    try:
+        got, out = raw(gpt["url"], "POST", "/v1/tenants/poet/share", {"weight": 3})
+        assert got == 200 and out["weight"] == 3
+        assert s.decoders.runtime.service._fair.weight("poet") == 3.0 == s.tenants.weight("poet")
+    finally:
+        raw(gpt["url"], "POST", "/v1/tenants/poet/share", {"weight": 1})

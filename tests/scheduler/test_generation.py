@@ -192,3 +192,27 @@ def test_decoder_calibration_moves_window_states_toward_the_full_context_states(
     name = save_decoder_artifact(root, lower, info, tmp_path)
     assert (tmp_path / "roots" / "current_decoder").read_text() == f"{name}-l{root.l_low}"
     assert json.loads((tmp_path / "roots" / f"{name}-l{root.l_low}" / "meta.json").read_text())["l_low"] == root.l_low
+
+
+def test_a_tenant_that_floods_the_generation_service_waits_behind_itself_and_alone_is_refused(world):
+    from hmi.scheduler.fair import TenantQueueFullError
+    from hmi.scheduler.generation import GenerationService
+
+    service = GenerationService(engine(world, max_active=1), tenant_queue=12)
+    done: list[str] = []
+    try:
+        futures = []
+        for i, tenant in enumerate(["t0"] * 12 + ["t1"] * 2):
+            req = GenRequest(tenant, "hello world", max_new_tokens=4)
+            futures.append(service.submit(req))
+            futures[-1].add_done_callback(lambda _f, name=f"{tenant}:{i}": done.append(name))
+        with pytest.raises(TenantQueueFullError):  # t0 holds its queue's limit: only t0 is refused
+            for _ in range(13):
+                service.submit(GenRequest("t0", "hello world", max_new_tokens=4))
+        service.submit(GenRequest("t2", "abc", max_new_tokens=1))
+        for f in futures:
+            f.result(timeout=120)
+        quiet = [k for k, name in enumerate(done) if name.startswith("t1")]
+        assert len(quiet) == 2 and max(quiet) <= 5, done  # not after t0's twelve, as first come first served would
+    finally:
+        service.shutdown()
