@@ -25,9 +25,13 @@ def cmd_serve(args) -> int:
     if not args.plot_hot_mb >= 0:
         print(f"hmi serve: --plot-hot-mb must be 0 or more, got {args.plot_hot_mb}", file=sys.stderr)
         return 2
+    if args.jobs < 1 or not args.job_memory_mb >= 0:
+        print(f"hmi serve: --jobs must be at least 1 and --job-memory-mb 0 or more, got {args.jobs} and "
+              f"{args.job_memory_mb}", file=sys.stderr)
+        return 2
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
                        miss_policy=args.miss_policy, device=args.device, max_len=args.max_len,
-                       plot_hot_mb=args.plot_hot_mb)
+                       plot_hot_mb=args.plot_hot_mb, job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb)
     try:
         if args.ray:
             if args.hgpt:
@@ -90,6 +94,13 @@ def _ray_args(srv) -> None:
                      help="with --ray, for the local cluster it starts: Ray Serve's HAProxy ingress, straight to the "
                           "replicas with a tenant kept on one replica by a hash of its routing header (default), or "
                           "its Python HTTP proxy, routing by the replicas' multiplexed LRUs")
+    srv.add_argument("--jobs", type=int, default=1,
+                     help="fine-tune and domain jobs run at once, each in its own worker process (default 1)")
+    srv.add_argument("--job-memory-mb", type=float, default=0.0,
+                     help="memory the running jobs may take together: a job starts when its expected peak (the "
+                          "largest of the last jobs of its kind here; 1.5 GB for an encoder fine-tune, 4.5 GB for a "
+                          "decoder's, 9 GB for a domain before one ran) fits beside the running ones', and waits with "
+                          "the reason in GET /v1/jobs/{id} until then (default 0: no bound)")
     srv.add_argument("--job-cpus", type=float, default=1.0,
                      help="with --ray: CPUs a fine-tune or domain job's Ray task reserves; jobs run on whichever node "
                           "has them free (default 1)")

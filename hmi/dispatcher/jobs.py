@@ -82,6 +82,70 @@ def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+# What a job of each class holds at its peak before one has run here (worker VmHWM, MB, measured on
+# 2 cores: docs/design.md); afterwards the largest peak of the last jobs of its class is used.
+JOB_PEAK_MB = {"encoder": 1500.0, "decoder": 4500.0, "domain": 9000.0}
+PEAK_HISTORY = 5
+
+
+def job_class(job: dict) -> str:
+    """``domain``, ``decoder`` (a decoder tenant's fine-tune) or ``encoder`` (an encoder tenant's)."""
+    return "domain" if job["kind"].startswith("domain") else "decoder" if job.get("model") == "decoder" else "encoder"
+
+
+class MemoryBudget:
+    """Admits jobs against a memory budget (MB; 0: none): a job starts when the peaks expected of
+    the running jobs and its own fit, or when nothing else runs; until then it waits, with the
+    reason in its record (``waiting``).  A class's expected peak is the largest worker peak of
+    its last ``PEAK_HISTORY`` finished jobs here, else ``JOB_PEAK_MB``."""
+
+    def __init__(self, registry: Registry, budget_mb: float):
+        self.registry, self.budget_mb = registry, float(budget_mb or 0.0)
+        self._held: dict[str, float] = {}
+        self._cv = threading.Condition()
+
+    def expected_mb(self, job: dict) -> float:
+        cls = job_class(job)
+        done = sorted((j for _, j in self.registry.items("jobs")
+                       if j.get("state") == "succeeded" and job_class(j) == cls
+                       and ((j.get("metrics") or {}).get("worker_memory_kib") or {}).get("VmHWM")),
+                      key=lambda j: j.get("finished") or 0)[-PEAK_HISTORY:]
+        if not done:
+            return JOB_PEAK_MB[cls]
+        return max(j["metrics"]["worker_memory_kib"]["VmHWM"] for j in done) / 1024
+
+    def held_mb(self) -> float:
+        with self._cv:
+            return sum(self._held.values())
+
+    def reserve(self, job: dict, stop: Callable[[], bool]) -> bool:
+        """Waits until ``job`` fits (returns True, its expected peak held) or ``stop()`` (False)."""
+        if self.budget_mb <= 0:
+            return True
+        need = self.expected_mb(job)
+        said = False
+        with self._cv:
+            while self._held and sum(self._held.values()) + need > self.budget_mb:
+                if stop():
+                    return False
+                if not said:
+                    said = True
+                    self.registry.update("jobs", job["id"], waiting=(
+                        f"memory: this {job_class(job)} job is expected to take about {need:.0f} MB at its peak, and "
+                        f"{sum(self._held.values()):.0f} of the {self.budget_mb:.0f} MB jobs may take are held by "
+                        f"{len(self._held)} running job(s); it starts when they finish"))
+                self._cv.wait(0.5)
+            self._held[job["id"]] = need
+        if said:
+            self.registry.update("jobs", job["id"], waiting=None)
+        return True
+
+    def release(self, job_id: str) -> None:
+        with self._cv:
+            if self._held.pop(job_id, None) is not None:
+                self._cv.notify_all()
+
+
 class JobManager:
     """Runs jobs one (or ``concurrency``) at a time in workers started by ``launcher`` (default:
     spawned processes, ``ProcessLauncher``).
@@ -94,8 +158,9 @@ class JobManager:
 
     def __init__(self, registry: Registry, ctx: WorkerContext, on_finish: Callable[[dict, str, dict], None],
                  concurrency: int = 1, max_queued: int = 64, time_limit_s: float = 6 * 3600,
-                 inputs: Path | None = None, max_attempts: int = 3, launcher=None):
+                 inputs: Path | None = None, max_attempts: int = 3, launcher=None, memory_mb: float = 0.0):
         self.registry = registry
+        self.memory = MemoryBudget(registry, memory_mb)
         self.inputs = inputs
         self.max_attempts = max_attempts
         if inputs is not None:
@@ -223,7 +288,13 @@ class JobManager:
                     self._left_for_next_start(job)
                 continue
             try:
-                state, info = self._run_one(job, data)
+                if not self.memory.reserve(job, lambda: self._closed or self._cancel[job["id"]].is_set()):
+                    state, info = "cancelled", {}  # while it waited: by its owner, or by the shutdown
+                else:
+                    try:
+                        state, info = self._run_one(job, data)
+                    finally:
+                        self.memory.release(job["id"])
             except Exception as exc:  # noqa: BLE001 - supervised: the job fails, the thread goes on
                 log.exception("job %s: the job thread failed", job["id"])
                 state, info = "failed", {"error": f"internal error running the job: {type(exc).__name__}: {exc}"}

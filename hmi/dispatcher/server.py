@@ -55,6 +55,7 @@ class ServerConfig:
     queue_delay_s: float = 0.25  # the work the batcher holds before it refuses (0: no such bound)
     heap_trim_s: float = 60.0  # how often the heap's free memory goes back to the kernel (0: never; hmi.allocator)
     job_concurrency: int = 1
+    job_memory_mb: float = 0.0  # the memory jobs may take together (their expected peaks; 0: no bound)
     max_queued_jobs: int = 64
     job_time_limit_s: float = 6 * 3600.0
     infer_timeout_s: float = 60.0
@@ -145,7 +146,8 @@ class Server:
                             plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
                             source=root.spec.source)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
-                               cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher)
+                               cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher,
+                               memory_mb=cfg.job_memory_mb)
         self.usage = Usage(self.scheduler.residency, self.store, self.decoders)
         self.tenants = Tenants(self.registry, self.store, self.scheduler, self.jobs, self.auth, self.decoders,
                                self.usage, weights_fingerprint(root.bert), root.spec.name,

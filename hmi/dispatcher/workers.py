@@ -69,11 +69,12 @@ class WorkerContext:
 
 
 def rss_kib() -> dict[str, int]:
-    """This process's resident memory split into anonymous (private) and shared pages, KiB."""
+    """This process's resident memory split into anonymous (private) and shared pages, and its
+    peak (``VmHWM``), KiB."""
     out = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(("VmRSS", "RssAnon", "RssFile", "RssShmem")):
+            if line.startswith(("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")):
                 k, v = line.split(":")
                 out[k] = int(v.split()[0])
     except OSError:
