@@ -163,6 +163,8 @@ def main() -> None:
     def options(ap):
         ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)")
         ap.add_argument("--rounds", type=int, help="alternating single-process / Ray rounds (default 3; 1 with --quick)")
+        ap.add_argument("--kill-only", action="store_true",
+                        help="phase 4 alone (a replica killed under load), written to docs/bench_scale_kill.md")
 
     args = start(__doc__, options)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -232,6 +234,23 @@ def main() -> None:
             res[name] = {**summary(run_load({**base, "url": ray_url})), "cold_rps": cold}
             print(name, res[name], flush=True)
             stop()
+
+        if args.kill_only:
+            url, stop_single = run_in_thread(build_server(cfg, home=tmp, root=root))
+            single = Client(url, token)
+            reference.update({"inputs": texts[:2], "outputs": {t: single.infer(t, texts[:2]) for t in names[:40]}})
+            stop_single()
+            ray_url = start_ray(ReplicaServer(cfg, str(tmp)), port=port, replicas=2, env=env)
+            kill = replica_kill(ray_url, tmp, token, {**base, "reference": reference}, 40 if args.quick else 90)
+            stop()
+            failed = kill["errors_after_kill"]
+            text = (f"Two replicas (HAProxy ingress), {CLIENTS} closed-loop clients each asking two fixed texts for one "
+                    f"of 40 tenants (answers checked against the single process); three fine-tune jobs, and once one "
+                    f"runs, the replica running it is killed (SIGKILL).\n\n"
+                    + table([(k, v) for k, v in kill.items()], ("", "value")))
+            finish("bench_scale_kill", text, {"failed_requests_on_replica_kill": failed, **kill},
+                   "python benchmarks/bench_scale.py --kill-only" + (" --quick" if args.quick else ""))
+            return
 
         pairs = []
         for r in range(rounds):  # the single process and the Ray path alternate, each alone on the machine

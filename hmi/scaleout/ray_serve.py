@@ -58,6 +58,9 @@ from hmi.scaleout.ray_jobs import RayLauncher
 from hmi.scaleout.ray_registry import RemoteRegistry, start_registry_actor, stop_registry_actor
 
 INGRESSES = ("haproxy", "proxy")
+# HAProxy's layer-7 retries (ingress_env): what it sends again to another replica, and how often.
+HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 502 503 504"
+HAPROXY_RETRIES = 3
 # Where the replicas keep the registry: the home's LMDB (replicas on one host) or a Ray actor
 # owning it (replicas on any node of the cluster, the home on a shared file system).
 REGISTRIES = ("home", "actor")
@@ -70,13 +73,20 @@ def ingress_env(ingress: str) -> dict[str, str]:
     Ray's documented pairing): among others a replica then runs its requests on the event loop
     that receives them instead of handing each to a second thread's loop, which is what HMI's
     replica wants (its own application runs on that loop; the computing is in the scheduler's
-    threads).  ``benchmarks/bench_scale.py`` measured it at +7% requests/s for one replica."""
+    threads).  ``benchmarks/bench_scale.py`` measured it at +7% requests/s for one replica.
+
+    A request that a replica cannot answer because it died (the connection refused or closed
+    without an answer, or a gateway error) is sent again to another replica by HAProxy
+    (``HAPROXY_RETRY_ON``, up to ``HAPROXY_RETRIES`` times; a request whose answer had begun, a
+    stream's, is not).  Inference is idempotent; the requests that create or change state answer
+    a replay with what they find (``409 tenant_exists``, ``tenant_busy``), never doing it twice."""
     if ingress not in INGRESSES:
         raise ValueError(f"unknown ingress {ingress!r}; use one of {', '.join(INGRESSES)}")
     if ingress == "proxy":  # every variable named, so that a later local cluster does not inherit an earlier one's
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
-            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,
+            "RAY_SERVE_HAPROXY_RETRIES": str(HAPROXY_RETRIES)}
 
 
 # Hop-by-hop and framing headers: the proxy on each side sets its own.
