@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import DOCS, adapter_variants, finish, prepared_root, start, table  # noqa: E402
+from hmi.client import RETRY_DELAYS_S  # noqa: E402
 
 TENANTS = 1000
 
@@ -31,20 +32,22 @@ TENANTS = 1000
 # -- the load generator (runs as its own process) -------------------------------------------------
 async def _client(url: str, token: str, tenants: list[str], texts: list[str], mode: str, rate: float,
                   clients: int, seconds: float, max_requests: int, seed: int, zipf: bool = False,
-                  sequential: bool = False, inputs: int = 1, reference: dict | None = None) -> dict:
+                  sequential: bool = False, inputs: int = 1, reference: dict | None = None, retries: int = 0) -> dict:
     """Tenants are drawn uniformly, Zipf-skewed (``zipf``: p(rank k) ~ 1/k) or each once in order
     (``sequential``).  Also counts the answers' ``X-HMI-Affinity`` and ``X-HMI-Replica`` headers
     (hmi.scaleout).  A request carries ``inputs`` texts.  With ``reference`` (``{"inputs": texts,
     "outputs": {tenant: outputs}}``) every request sends those texts for one of those tenants, each
     answer is checked against them (``wrong`` counts those that differ) and ``timeline`` lists
-    ``[wall-clock time, status (0: no answer), wrong, replica]`` per request."""
+    ``[wall-clock time, status (0: no answer), wrong, replica]`` per request.  With ``retries``, a
+    request that got no answer or a gateway error is sent again (up to that many times, after
+    hmi.client's delays); ``retried`` counts those resends."""
     import aiohttp
 
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, len(tenants) + 1)
     p = p / p.sum() if zipf else None
     lat, errors, codes, affinity, replicas, refused = [], 0, {}, {}, {}, []
-    drawn, wrong, timeline = 0, 0, []
+    drawn, wrong, timeline, retried = 0, 0, [], 0
     if reference is not None:
         tenants = sorted(reference["outputs"])
         p = None
@@ -54,7 +57,7 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
     async with aiohttp.ClientSession(headers=headers, timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one() -> None:
-            nonlocal errors, drawn, wrong
+            nonlocal errors, drawn, wrong, retried
             if sequential:
                 tenant = tenants[drawn % len(tenants)]
             else:
@@ -64,28 +67,37 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
             if reference is not None:
                 body = {"inputs": reference["inputs"]}
             t, status, bad, replica = time.perf_counter(), 0, False, None
-            try:
-                # The routing header, as hmi.client sends it: Ray Serve routes by it, a single server ignores it.
-                async with session.post(f"{url}/v1/tenants/{tenant}/infer", json=body,
-                                        headers={"serve_multiplexed_model_id": tenant}) as r:
-                    raw = await r.read()
-                    status, replica = r.status, r.headers.get("X-HMI-Replica")
-                    codes[r.status] = codes.get(r.status, 0) + 1
-                    for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica")):
-                        if header in r.headers:
-                            counts[r.headers[header]] = counts.get(r.headers[header], 0) + 1
-                    if r.status == 200:
-                        lat.append(time.perf_counter() - t)
-                        if reference is not None:
-                            bad = not same(json.loads(raw)["outputs"], reference["outputs"][tenant])
-                            wrong += bad
-                    else:
-                        errors += 1
-                        if r.status == 429:
-                            refused.append(time.perf_counter() - t)
-            except (aiohttp.ClientError, asyncio.TimeoutError):  # the connection closed, or no answer in time
+            for attempt in range(retries + 1):  # as hmi.client resends an inference that got no answer
+                try:
+                    # The routing header, as hmi.client sends it: Ray Serve routes by it, a single server ignores it.
+                    async with session.post(f"{url}/v1/tenants/{tenant}/infer", json=body,
+                                            headers={"serve_multiplexed_model_id": tenant}) as r:
+                        raw = await r.read()
+                        status, replica = r.status, r.headers.get("X-HMI-Replica")
+                except (aiohttp.ClientError, asyncio.TimeoutError):  # the connection closed, or no answer in time
+                    status = 0
+                if attempt < retries and (status in (0, 502, 503, 504) or (status >= 500 and not hmi_error(raw))):
+                    retried += 1
+                    await asyncio.sleep(RETRY_DELAYS_S[min(attempt, len(RETRY_DELAYS_S) - 1)])
+                    continue
+                break
+            if status == 0:
                 errors += 1
                 codes["no answer"] = codes.get("no answer", 0) + 1
+            else:
+                codes[status] = codes.get(status, 0) + 1
+                for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica")):
+                    if header in r.headers:
+                        counts[r.headers[header]] = counts.get(r.headers[header], 0) + 1
+                if status == 200:
+                    lat.append(time.perf_counter() - t)
+                    if reference is not None:
+                        bad = not same(json.loads(raw)["outputs"], reference["outputs"][tenant])
+                        wrong += bad
+                else:
+                    errors += 1
+                    if status == 429:
+                        refused.append(time.perf_counter() - t)
             if reference is not None:
                 timeline.append([time.time(), status, bad, replica])
 
@@ -109,7 +121,16 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
             await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall, "affinity": affinity,
-            "replicas": replicas, "wrong": wrong, "timeline": timeline, "refused_s": refused}
+            "replicas": replicas, "wrong": wrong, "timeline": timeline, "refused_s": refused, "retried": retried}
+
+
+def hmi_error(raw: bytes) -> bool:
+    """Whether an error answer is HMI's own (JSON with an error code), not a proxy's on the way
+    (which hmi.client resends: ``hmi.client.lost_on_the_way``)."""
+    try:
+        return "code" in json.loads(raw)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def same(got, want, tol: float = 1e-3) -> bool:
