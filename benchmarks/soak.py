@@ -323,12 +323,13 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (0.5 if quick else 10.0)
     args.job_every = args.job_every or (45.0 if quick else 300.0)
     args.domain_every = args.domain_every or (60.0 if quick else 1200.0)
-    from hmi.bootstrap import prepare_decoder
+    from hmi.bootstrap import prepare_decoder, prepare_default
     from hmi.client import Client
     from hmi.data import held_out_texts, load_corpus
     from hmi.home import hmi_home
 
-    prepare_decoder(hmi_home())  # the decoder's calibrated windows in the shared roots/ (the shipped ones)
+    prepare_default(hmi_home())  # the default root (its shipped artifact) and its root PLOT, built where missing
+    prepare_decoder(hmi_home())  # the decoder's calibrated windows (the shipped ones); its PLOT the server builds
     home, token, root, names = bench_home("hmi-soak-", args.tenants)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
