@@ -114,10 +114,6 @@ class MemoryBudget:
             return JOB_PEAK_MB[cls]
         return max(j["metrics"]["worker_memory_kib"]["VmHWM"] for j in done) / 1024
 
-    def held_mb(self) -> float:
-        with self._cv:
-            return sum(self._held.values())
-
     def reserve(self, job: dict, stop: Callable[[], bool]) -> bool:
         """Waits until ``job`` fits (returns True, its expected peak held) or ``stop()`` (False)."""
         if self.budget_mb <= 0:
