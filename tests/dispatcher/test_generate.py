@@ -297,8 +297,8 @@ def test_a_peft_lora_uploads_as_a_decoder_tenant_generates_like_the_trained_one_
 def test_the_admin_sets_a_decoder_tenants_share_of_the_generation_rows(gpt):
     s = gpt["server"]
     try:
-        got, out = raw(gpt["url"], "POST", "/v1/tenants/poet/share", {"weight": 3})
+        got, out = raw(gpt["url"], "POST", "/v1/tenants/writer/share", {"weight": 3})
         assert got == 200 and out["weight"] == 3
-        assert s.decoders.runtime.service._fair.weight("poet") == 3.0 == s.tenants.weight("poet")
+        assert s.decoders.runtime.service._fair.weight("writer") == 3.0 == s.tenants.weight("writer")
     finally:
-        raw(gpt["url"], "POST", "/v1/tenants/poet/share", {"weight": 1})
+        raw(gpt["url"], "POST", "/v1/tenants/writer/share", {"weight": 1})
