@@ -5,9 +5,12 @@ full-context root) and hBERT (PLOT + adapters, as served; also with exact window
 PLOT miss computed, which separates the cost of windowing from the cost of PLOT back-off).
 
 Protocol: every scheme sees the same training examples for the same number of epochs (the best
-epoch on dev is kept), with the learning rate that suits what it trains: all weights 1e-4, a
-2-layer student 5e-4, adapters and heads 3e-3 (``--dedicated-lr 1e-4,2e-5`` lets dev choose full
-fine-tuning's rate per task: a base-size root needs a lower one on some tasks).  ``--quick`` trains on 224 examples per task
+epoch on dev is kept). Its learning rate is chosen per task on dev from a small grid (``GRIDS``,
+the paper's protocol; ``--grid``, the default of the full run): full fine-tuning 1e-4, 5e-5 and
+2e-5, adapters (on the full-context root and on the PLOT alike) 3e-3 and 1e-3, heads 3e-3, 1e-2
+and 1e-3, the 2-layer student 5e-4 and 1e-4; the choice is in the JSON (``tasks.*.lr``).  Without
+the grid (the default of ``--quick``) each scheme trains at the first rate of its grid
+(``--dedicated-lr 1e-4,2e-5`` sets full fine-tuning's own).  ``--quick`` trains on 224 examples per task
 (``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
 4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
@@ -23,6 +26,12 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+                                          [--grid|--no-grid] [--max-minutes M] [--fresh]
+
+Long runs: every training run (one per task, scheme, pooling and learning rate) is kept under
+``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
+ones back, so a stopped table continues where it stopped; ``--max-minutes M`` ends one invocation
+after M minutes (exit code 75, the finished tasks on the page), ``--fresh`` starts over.
 
 On another root than the default the results page is docs/eval_accuracy_<root>.md (and
 docs/eval_accuracy_partial_<root>.md); its JSON names the root.
@@ -40,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.cells import EXIT_UNFINISHED, Cells, OutOfTime  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     adapter_options,
     describe_adapter,
@@ -57,6 +67,13 @@ COMPRESS_LAYERS = 2
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
            ("hBERT-adapter", "adapter", 3e-3)]
 HBERT_LR = 3e-3
+# ``--grid``: each scheme's learning rates, the one with the best dev accuracy kept per task (the
+# paper's protocol); the first is the scheme's single rate without it. The adapters' grid is the
+# same on the full-context root and on the PLOT (hBERT-adapter, hBERT).
+GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compress": (5e-4, 1e-4),
+         "hBERT-adapter": (3e-3, 1e-3), "hBERT": (3e-3, 1e-3)}
+# Bumped when a cell's training changes, so that cells of earlier code are not read back.
+CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT]
@@ -93,12 +110,9 @@ def learning_rates(arg: str) -> tuple[float, ...]:
     return out
 
 
-def lr_text(lrs) -> str:
+def lr_text(lrs: tuple[float, ...]) -> str:
     """A scheme's learning rate for the page: one value, or several that dev chooses between."""
-    if isinstance(lrs, tuple):
-        return (" or ".join(f"{x:g}" for x in lrs) + ", whichever gives the better dev accuracy on the task "
-                "as res.tasks.*.lr says") if len(lrs) > 1 else f"{lrs[0]:g}"
-    return f"{lrs:g}"
+    return ("one of " + ", ".join(f"{x:g}" for x in lrs) + " chosen on dev") if len(lrs) > 1 else f"{lrs[0]:g}"
 
 
 def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0):
@@ -195,6 +209,8 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
 
 
 def main() -> None:
+    import argparse
+
     def options(ap):
         ap.add_argument("--exact", action="store_true", help="also hBERT with every PLOT miss computed (the full run always does)")
         ap.add_argument("--train", type=int, help="training examples per task (default 224 with --quick, up to 4,000 without)")
@@ -216,6 +232,16 @@ def main() -> None:
                         help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "
                              "is the usual one for a base-size root), or several: per task the one with the better "
                              "dev accuracy (e.g. 1e-4,2e-5); another than the default writes its own page")
+        ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=None,
+                        help="every scheme's learning rate chosen per task on dev from a small grid (the paper's "
+                             "protocol; the default without --quick): " + "; ".join(
+                                 f"{k} {', '.join(f'{x:g}' for x in v)}" for k, v in GRIDS.items()))
+        ap.add_argument("--max-minutes", type=float, metavar="M",
+                        help="stop this invocation once M minutes are spent (after the training run in progress); "
+                             "the same command run again continues where it stopped, reading back every finished "
+                             "run (one per task, scheme, pooling and learning rate, kept under "
+                             "$HMI_HOME/runs/eval_accuracy/); exit code 75 while runs are left")
+        ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -223,8 +249,11 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
+    grid = not args.quick if args.grid is None else args.grid
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
                or args.dedicated_lr is not None)
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import is_tagging, load_task, task_labels
@@ -251,11 +280,16 @@ def main() -> None:
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
-    lrs = {label: lr for label, _, lr in SCHEMES}
+    lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
-        lrs["dedicated"] = args.dedicated_lr if len(args.dedicated_lr) > 1 else args.dedicated_lr[0]
-    full_context = [(label, mode, lrs[label]) for label, mode, _ in SCHEMES if label in schemes]
-    columns = [name for name, _, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
+        lrs["dedicated"] = args.dedicated_lr
+    lrs[HBERT_EXACT] = lrs["hBERT"]
+    cells = Cells("eval_accuracy", {
+        "format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
+        "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
+        "epochs": epochs, "max_len": max_len, "adapter": adapter}, max_minutes=args.max_minutes, fresh=args.fresh)
+    full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
+    columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     def report(done: list[str]) -> None:
         """Writes the results page of the tasks ``done`` (a partial page until every task is done)."""
         res = {**results, "tasks": {t: results["tasks"][t] for t in done}}
@@ -290,15 +324,27 @@ def main() -> None:
                            "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
                     "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
                  f"weight of the root (lr {lr_text(lrs['dedicated'])}); shared: the head alone on the frozen root (lr "
-                 f"{lrs['shared']:g}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
-                 f"{lrs['compress']:g}); hBERT-adapter: {describe_adapter(adapter)} in all {n_layers} layers of the "
-                 f"full-context root (lr {lrs['hBERT-adapter']:g}); hBERT: the same adapters in the upper {n_layers - l_low} layers on "
-                 f"the merged PLOT representations, reading the root PLOT with back-off as served (lr {HBERT_LR:g})"
+                 f"{lr_text(lrs['shared'])}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
+                 f"{lr_text(lrs['compress'])}); hBERT-adapter: {describe_adapter(adapter)} in all {n_layers} layers of the "
+                 f"full-context root (lr {lr_text(lrs['hBERT-adapter'])}); hBERT: the same adapters in the upper "
+                 f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
+                 f"as served (lr {lr_text(lrs['hBERT'])})"
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                     "(`--miss-policy compute`)." if exact else "."))
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
-        res["lr"] = {label: list(v) if isinstance(v := lrs.get(label, HBERT_LR), tuple) else v for label in columns}
+        res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
+        res["lr_grid"] = grid
+        if "dedicated" in columns:
+            res["dedicated_lr_chosen_on_dev"] = len(lrs["dedicated"]) > 1
+        cal = root.meta.get("calibration", {})
+        if cal.get("steps_done"):
+            res["steps"] = cal["steps_done"]
+        if cal.get("steps_done") and cal.get("train_seconds"):
+            res["calibration_seconds_per_step"] = round(cal["train_seconds"] / cal["steps_done"], 2)
+            res["calibration_cpu"] = cal.get("cpu_capability")
+        if len(done) < len(tasks):
+            res["unfinished"] = f"{len(done)} of {len(tasks)} tasks; {cells.summary()}"
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
@@ -306,6 +352,8 @@ def main() -> None:
             page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
         if args.dedicated_lr is not None:
             page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
+        if grid == args.quick:  # not the default of this kind of run
+            page += "_grid" if grid else "_no-grid"
         finish(page, text, res,
                "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
                + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
@@ -313,7 +361,7 @@ def main() -> None:
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
-                  else "") + root_flags(args))
+                  else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "") + root_flags(args))
 
 
     for task in tasks:
@@ -328,21 +376,39 @@ def main() -> None:
         ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
         vals, secs, chosen, chosen_lr = {}, {}, {}, {}
-        runs = [(label, (HBERT_LR,), lambda spec, _lr, policy=policy: finetune(
-                    root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec, train, dev,
-                    test, FinetuneConfig(epochs=epochs, lr=HBERT_LR, max_len=max_len, patience=epochs),
-                    progress=False)[1]) for label, policy in hbert_runs]
-        runs += [(label, lr if isinstance(lr, tuple) else (lr,), lambda spec, lr, mode=mode: train_full_context(
-                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode, lr in full_context]
-        for label, options, run in runs:
+
+        def hbert(spec, lr, policy):
+            return finetune(root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec,
+                            train, dev, test, FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs),
+                            progress=False)[1]
+
+        runs = [(label, lambda spec, lr, policy=policy: hbert(spec, lr, policy)) for label, policy in hbert_runs]
+        runs += [(label, lambda spec, lr, mode=mode: train_full_context(
+                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode in full_context]
+
+        def cell(run, spec, lr) -> dict:
             t0 = time.time()
-            # every pooling and learning rate is trained; the one with the best dev accuracy is kept
-            tried = {(p, lr): run(specs[p], lr) for p in poolings for lr in options}
-            best = max(tried, key=lambda k: tried[k]["dev"]["accuracy"])
-            vals[label], secs[label] = tried[best]["test"]["accuracy"], time.time() - t0
-            chosen[label] = best[0]
-            if len(options) > 1:
-                chosen_lr[label] = best[1]
+            out = run(spec, lr)
+            return {"dev": out["dev"]["accuracy"], "test": out["test"]["accuracy"], "seconds": round(time.time() - t0, 1)}
+
+        try:
+            for label, run in runs:
+                # every pooling and learning rate is trained (or read back from an earlier run of the same
+                # command); the one with the best dev accuracy is kept
+                tried = {(p, lr): cells.run({"task": task, "train": len(train), "scheme": label, "pooling": p, "lr": lr},
+                                            lambda p=p, lr=lr, run=run: cell(run, specs[p], lr))
+                         for p in poolings for lr in lrs[label]}
+                best = max(tried, key=lambda k: tried[k]["dev"])
+                vals[label], secs[label] = tried[best]["test"], sum(r["seconds"] for r in tried.values())
+                chosen[label] = best[0]
+                if len(lrs[label]) > 1:
+                    chosen_lr[label] = best[1]
+        except OutOfTime as exc:
+            if rows:
+                report(tasks[:len(rows)])
+            print(f"stopped: {exc} ({len(rows)} of {len(tasks)} tasks done; {cells.summary()}); run the same command "
+                  "again to continue", flush=True)
+            sys.exit(EXIT_UNFINISHED)
         results["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
         if not tagging:
@@ -353,6 +419,7 @@ def main() -> None:
                      *(f"{100 * vals[c]:.1f}" for c in columns)))
         print(rows[-1], flush=True)
         report(tasks[:len(rows)])  # every finished task is on the page at once
+    print(cells.summary(), flush=True)
 
 if __name__ == "__main__":
     main()
