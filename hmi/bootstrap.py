@@ -18,7 +18,7 @@ from typing import Callable
 from hmi.allocator import tune_allocator
 from hmi.data import data_dir, held_out_texts, load_corpus
 from hmi.data.prepare import prepare
-from hmi.model.aliases import DEFAULT_L_LOW, DEFAULT_ROOT, calibration_recipe, default_l_low, pointer_name, source_of
+from hmi.model.aliases import DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, calibration_recipe, default_l_low, pointer_name, source_of
 
 
 def offline() -> None:
@@ -70,7 +70,7 @@ def check_shipped(l_low: int = DEFAULT_L_LOW) -> tuple[str | None, str]:
     return (shipped.name if shipped else None), artifact_id
 
 
-def check_shipped_decoder(l_low: int = 2) -> tuple[str | None, str]:
+def check_shipped_decoder(l_low: int = DECODER_L_LOW) -> tuple[str | None, str]:
     """``check_shipped`` for the decoder root: (the shipped windows' artifact folder or None, the
     folder just calibrated with the defaults); the folder's name holds the weights' digest."""
     from hmi.model.decoder import load_decoder
@@ -229,7 +229,7 @@ def _calibrate_decoder_child(home: str, l_low: int) -> None:
     calibrate_and_save(Path(home), l_low, DecoderCalibrationConfig())
 
 
-def prepare_decoder(home: Path, l_low: int = 2):
+def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW):
     """The calibrated decoder root (SmolLM2-135M): the home's current one; else the calibrated
     windows shipped with the package where they fit the installed decoder (checked by fingerprint
     and sha256); else calibrated in a child process (its memory returns to the system when it

@@ -70,6 +70,15 @@ def read_shipped(name: str, dest: Path | None = None) -> ShippedAdapter | None:
     return ShippedAdapter(name, AdapterSpec.from_dict(meta["spec"]), weights, meta)
 
 
+def trained_on(root_artifact: str, root_fingerprint: str, store) -> dict:
+    """What a shipped adapter records it was trained on, and what it must find to be served: the
+    root artifact, the root's weights fingerprint and the build fingerprint of the root PLOT
+    ``store`` its features come from (``shipped_for``'s keywords)."""
+    state = store.get_record("build") or {}
+    return {"root_artifact": root_artifact, "root_fingerprint": root_fingerprint,
+            "plot_fingerprint": state.get("fingerprint")}
+
+
 def shipped_for(name: str, root_artifact: str, root_fingerprint: str, plot_fingerprint: str | None,
                 dest: Path | None = None) -> ShippedAdapter | None:
     """The shipped adapter of ``name`` when it was trained on this root artifact, root and root

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hmi.adapters.shipped import as_shipped, shipped_for, weights_sha256, write_shipped
+from hmi.adapters.shipped import as_shipped, shipped_for, trained_on, weights_sha256, write_shipped
 from hmi.bootstrap import (
     calibrate_default,
     check_shipped,
@@ -21,7 +21,7 @@ from hmi.bootstrap import (
 from hmi.cli.common import add_root_options, read_corpus_arg
 from hmi.data import held_out_texts
 from hmi.home import hmi_home
-from hmi.model.aliases import ALIASES, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
+from hmi.model.aliases import ALIASES, DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
 from hmi.model.artifact import (
     ArtifactMissingError,
     artifact_config,
@@ -46,9 +46,9 @@ def cmd_calibrate_decoder(args) -> int:
         if args.steps:
             raise SystemExit("hmi calibrate --decoder --check-shipped: the shipped windows are reproduced with the "
                              "defaults only")
-        return report_check(*check_shipped_decoder(args.l_low or 2))
+        return report_check(*check_shipped_decoder(args.l_low or DECODER_L_LOW))
     cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
-    root, meta = calibrate_and_save(hmi_home(), args.l_low or 2, cfg)
+    root, meta = calibrate_and_save(hmi_home(), args.l_low or DECODER_L_LOW, cfg)
     q = meta["quality"]
     print(f"decoder root {root.artifact_id}: perplexity on {q['eval_texts']} held-out texts: full model {q['ppl_full']}, "
           f"naive windows {q['ppl_naive_window']}, calibrated windows {q['ppl_calibrated']} "
@@ -192,14 +192,12 @@ def demo_trainings(home: Path, decoder: bool):
         ensure_root_plot(gpt, home=home)
         store = open_root_store(gpt, home)
         lookup = PlotLookup([PlotVersion("root", store, CausalLower(gpt))], policy="compute")  # as a server's
-        identity = {"root_artifact": gpt.artifact_id, "root_fingerprint": weights_fingerprint(gpt.model),
-                    "plot_fingerprint": store.get_record("build")["fingerprint"]}
+        identity = trained_on(gpt.artifact_id, weights_fingerprint(gpt.model), store)
         return [(d, lambda d=d: train_demo_decoder(d, gpt, lookup, DEFAULT_RANK), identity) for d in DEMO_DECODER_TENANTS]
     root = prepare_default(home)
     version = open_root_version(root)
     lookup = PlotLookup([version], policy="backoff")
-    identity = {"root_artifact": root.artifact_id, "root_fingerprint": weights_fingerprint(root.bert),
-                "plot_fingerprint": version.store.get_record("build")["fingerprint"]}
+    identity = trained_on(root.artifact_id, weights_fingerprint(root.bert), version.store)
     return [(d, lambda d=d: train_demo(d, root.bert, root.l_low, lookup, root.tokenizer), identity) for d in DEMO_TENANTS]
 
 

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from hmi.adapters.shipped import ShippedAdapterError, shipped_for
+from hmi.adapters.shipped import ShippedAdapterError, shipped_for, trained_on
 from hmi.io import atomic_write_text
 from hmi.model.artifact import calibration_shortfall
 from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, demo_body
@@ -52,8 +52,7 @@ def shipped_identity(server, model: str = "encoder") -> dict | None:
         artifact, fingerprint, store = runtime.root.artifact_id, runtime.fingerprint, runtime.lookup.chain[0].store
     else:
         artifact, fingerprint, store = server.root.artifact_id, server.tenants.root_fingerprint, server.lookup.chain[0].store
-    state = store.get_record("build") or {}
-    return {"root_artifact": artifact, "root_fingerprint": fingerprint, "plot_fingerprint": state.get("fingerprint")}
+    return trained_on(artifact, fingerprint, store)
 
 
 def import_shipped_demo(server, name: str, model: str = "encoder") -> dict | None:

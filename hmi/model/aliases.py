@@ -29,6 +29,8 @@ MPNET = PackagedRoot("mpnet-base", 6,
 ALIASES = {r.alias: r for r in (MINILM, MPNET)}
 DEFAULT_ROOT = MINILM.alias
 DEFAULT_L_LOW = MINILM.l_low
+# The decoder (SmolLM2-135M, hGPT): its lower layers served from the causal PLOT by default, 2 of 30.
+DECODER_L_LOW = 2
 
 
 def default_l_low(name: str) -> int | None:

