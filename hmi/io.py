@@ -9,6 +9,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import lmdb
 
@@ -71,21 +72,33 @@ def write_durable(path: Path | str, data: bytes) -> None:
 
 def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -> None:
     """Replaces ``path`` in one rename: after a crash it holds the old content or the new one."""
+    atomic_write_with(path, lambda f: f.write(data), mode)
+
+
+def atomic_write_with(path: Path | str, write: Callable[[BinaryIO], object], mode: int | None = None) -> None:
+    """Replaces ``path`` in one rename with what ``write(f)`` writes to a new file (e.g.
+    ``torch.save(state, f)``); a failure leaves ``path`` as it was and no temporary file behind.
+    A writer that meets a full disk raises DiskFullError, also where it reports the full disk as
+    another error (torch's zip writer raises RuntimeError)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        full = as_disk_full(path.parent, exc if isinstance(exc, OSError) else OSError(errno.EIO, str(exc))) \
+            if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, DiskFullError) else None
+        if full is not None:
+            raise full from exc
         raise
 
 

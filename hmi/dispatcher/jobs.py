@@ -38,7 +38,9 @@ from hmi.io import atomic_write_json
 
 log = logging.getLogger("hmi.jobs")
 
-RESUMABLE = ("create", "update")  # tenant jobs: rerun from their start after a stop; domain jobs fail
+# Jobs run again after a stop (from their kept inputs): tenant jobs from their start, domain jobs
+# from their distillation's last checkpoint (``checkpoint_file``).
+RESUMABLE = ("create", "update", "domain-create", "domain-update")
 FINAL = ("succeeded", "failed", "cancelled")
 CANCEL_CHECK_S = 0.5  # how often a running job's owner looks for a cancel request recorded by another process
 
@@ -207,6 +209,18 @@ class JobManager:
     def _input(self, job_id: str) -> Path:
         return self.inputs / f"{job_id}.json"
 
+    def checkpoint_file(self, job_id: str) -> Path | None:
+        """Where a domain job's worker keeps its distillation checkpoint (beside the job's kept
+        inputs; removed when the job ends); None where inputs are not kept."""
+        return None if self.inputs is None else self.inputs / f"{job_id}.ckpt"
+
+    def _forget_files(self, job_id: str) -> None:
+        """The kept inputs and checkpoint of a job that ended (and a temporary file of either that
+        a killed writer left)."""
+        if self.inputs is not None:
+            for f in (self._input(job_id), self.checkpoint_file(job_id), *self.inputs.glob(f".{job_id}.*.tmp")):
+                f.unlink(missing_ok=True)
+
     def _enqueue(self, job: dict, data: dict) -> None:
         self._cancel[job["id"]] = self.launcher.event()
         self._queue.put((job, data))
@@ -251,9 +265,10 @@ class JobManager:
         if failed or resumed:
             log.warning("jobs of stopped servers: %d failed, %d run again", len(failed), len(resumed))
         if self.inputs is not None:
-            for f in self.inputs.glob("*.json"):
-                if (self.registry.get("jobs", f.stem) or {"state": "failed"})["state"] in FINAL:
-                    f.unlink(missing_ok=True)
+            for f in [*self.inputs.glob("*.json"), *self.inputs.glob("*.ckpt"), *self.inputs.glob(".*.tmp")]:
+                jid = f.name.lstrip(".").split(".")[0]
+                if (self.registry.get("jobs", jid) or {"state": "failed"})["state"] in FINAL:
+                    self._forget_files(jid)
         return failed, resumed
 
     def cancel(self, job_id: str) -> bool:
@@ -316,7 +331,10 @@ class JobManager:
         progress = self.launcher.queue()
         target = (domain_worker if job["kind"].startswith("domain") else
                   decoder_worker if job.get("model") == "decoder" else finetune_worker)
-        proc = self.launcher.start(target, self.ctx, {**job, "data": data}, progress, cancel)
+        work = {**job, "data": data}
+        if job["kind"].startswith("domain") and self.inputs is not None:
+            work["checkpoint"] = str(self.checkpoint_file(jid))
+        proc = self.launcher.start(target, self.ctx, work, progress, cancel)
         self._procs[jid] = proc
         self.registry.update("jobs", jid, state="running", started=started, worker_pid=proc.pid,
                              worker=self.launcher.where)
@@ -371,8 +389,7 @@ class JobManager:
             extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
             self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
                                  finished=time.time(), **extra)
-            if self.inputs is not None:
-                self._input(job["id"]).unlink(missing_ok=True)
+            self._forget_files(job["id"])
 
     def take_over_orphans(self, alive: Callable[[dict], bool]) -> tuple[list[str], list[str]]:
         """:meth:`recover` while this process runs: its own jobs are alive, whatever ``alive`` says

@@ -118,6 +118,7 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         lines = job_lines(job["data"])
         tree = ctx.tree()
         fpt = FPTConfig(steps=job.get("steps"), objective=job.get("objective", DEFAULT_OBJECTIVE))
+        checkpoint = Path(job["checkpoint"]) if job.get("checkpoint") else None  # a stopped job continues from it
         report(0.0, {"stage": "further pretraining"})
 
         def on_progress(fraction: float, info: dict) -> None:
@@ -128,10 +129,10 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
 
         if job["kind"] == "domain-create":
             node = tree.create(job["domain"], job["parent"], lines, job["alpha"], fpt, progress=False,
-                               should_stop=cancel.is_set, on_progress=on_progress)
+                               should_stop=cancel.is_set, on_progress=on_progress, checkpoint=checkpoint)
         else:
             node = tree.update(job["domain"], lines, fpt, progress=False, should_stop=cancel.is_set,
-                               on_progress=on_progress)
+                               on_progress=on_progress, checkpoint=checkpoint)
         return asdict(node)
 
     _run(job, progress, cancel, work)

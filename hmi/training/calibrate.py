@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from hmi.home import hmi_home
-from hmi.io import atomic_write_text
+from hmi.io import atomic_write_text, atomic_write_with
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
@@ -305,11 +305,10 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         log(f"before calibration: {before}")
 
     def checkpoint() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
-                    "before": json.dumps(before), "root": fingerprint, "planned_steps": plan.steps,
-                    "spent_seconds": plan.spent()}, tmp)
-        tmp.replace(ckpt_path)
+        state = {"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
+                 "before": json.dumps(before), "root": fingerprint, "planned_steps": plan.steps,
+                 "spent_seconds": plan.spent()}
+        atomic_write_with(ckpt_path, lambda f: torch.save(state, f))
 
     plan.start()
     with deterministic():

@@ -15,16 +15,21 @@ so every tenant's adapters keep working on top of a branch.  Two objectives:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers.models.bert.modeling_bert import BertOnlyMLMHead
 
+from hmi.io import atomic_write_with
 from hmi.model.artifact import Root
 from hmi.model.hplm import UpperLayers, WindowedEncoder
+from hmi.model.root import weights_fingerprint
 from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_fit, distill_steps, quality, token_lists
 from hmi.training.fit import Fit, deterministic
 from hmi.training.objectives import DEFAULT_BATCH, DEFAULT_LR, DEFAULT_OBJECTIVE, DEFAULT_STEPS, OBJECTIVES
@@ -45,6 +50,7 @@ class FPTConfig:
     eval_lines: int = 64
     head_warmup: float = 0.3  # share of steps that train the fresh MLM head alone, lower side frozen
     objective: str = DEFAULT_OBJECTIVE
+    checkpoint_every: int = 25  # distillation's checkpoints, when it is given a file for them
 
     def __post_init__(self):
         if self.objective not in OBJECTIVES:
@@ -108,17 +114,35 @@ def mlm_loss(encoder, upper, head, tokenizer, lines, cfg, seed: int = 1) -> floa
 
 def further_pretrain(root: Root, encoder: WindowedEncoder, lines: list[str], cfg: FPTConfig,
                      progress: bool = True, should_stop=None, keep_head: list | None = None,
-                     on_progress=None) -> dict:
+                     on_progress=None, checkpoint: Path | None = None) -> dict:
     """Trains ``encoder`` (a copy of the parent's lower side) in place with ``cfg.objective`` on
     ``lines`` but their last ``cfg.eval_lines``, which measure it; returns the measures before and
     after (``summary`` words them) and timings.  ``keep_head``, when a list, receives the trained
     MLM head (``mlm``, for evaluations through a PLOT); ``on_progress(fraction, info)`` hears every
-    fifth step; ``should_stop()`` cancels."""
+    fifth step; ``should_stop()`` cancels.  With ``checkpoint`` (a file), distillation saves its
+    state there every ``cfg.checkpoint_every`` steps and, called again with the same arguments
+    after a stop, continues from it (``distill_pretrain``)."""
     held, train = lines[-cfg.eval_lines:], lines[:-cfg.eval_lines] or lines
     if cfg.objective == "distill":
-        return distill_pretrain(root, encoder, held, train, cfg, progress, should_stop, on_progress)
+        return distill_pretrain(root, encoder, held, train, cfg, progress, should_stop, on_progress, checkpoint)
     return mlm_pretrain(root.bert, root.tokenizer, encoder, held, train, cfg, progress, should_stop, keep_head,
                         on_progress)
+
+
+def text_digest(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def load_checkpoint(path: Path | None, recipe: dict) -> dict | None:
+    """A distillation checkpoint at ``path`` made by the same ``recipe``; None when there is none,
+    it is unreadable or it belongs to another recipe (the run then starts from its beginning)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - a damaged checkpoint only costs the steps it held
+        return None
+    return saved if saved.get("recipe") == json.dumps(recipe, sort_keys=True) else None
 
 
 def summary(metrics: dict) -> str:
@@ -130,28 +154,53 @@ def summary(metrics: dict) -> str:
 
 
 def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], train: list[str], cfg: FPTConfig,
-                     progress: bool = True, should_stop=None, on_progress=None) -> dict:
+                     progress: bool = True, should_stop=None, on_progress=None, checkpoint: Path | None = None) -> dict:
     """Distillation from the full-context root on the domain's ``train`` lines (calibration's
     losses and back-off, ``hmi.training.calibrate``), starting from ``encoder``'s weights.
     Measured: the cosine of the merged lower output and of the pooled final output to the full
-    root's, on the ``held`` lines read as a PLOT of the training lines serves them."""
+    root's, on the ``held`` lines read as a PLOT of the training lines serves them.
+
+    With ``checkpoint``, the state (weights, optimizer and schedule, the random generator, the
+    measure before) is written there every ``cfg.checkpoint_every`` steps, atomically; a call
+    that finds a checkpoint of the same recipe (config, lines, starting weights) continues from
+    it, and ends with the weights an uninterrupted run gives (tested bit for bit)."""
     branch = dataclasses.replace(root, windowed=encoder)
     ccfg = CalibrationConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_len=cfg.max_len, lr=cfg.lr, seed=cfg.seed,
-                             warmup=max(1, min(20, cfg.steps // 10)), max_minutes=None)
+                             warmup=max(1, min(20, cfg.steps // 10)), max_minutes=None,
+                             checkpoint_every=cfg.checkpoint_every)
     lists = token_lists(root.tokenizer, train, cfg.max_len)
     backoff = HeldOutBackoff(lists)
-    encoder.eval()
-    before = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
-    torch.manual_seed(cfg.seed)
-    t0 = time.time()
+    recipe = {"config": asdict(cfg), "held": text_digest(held), "train": text_digest(train),
+              "start": weights_fingerprint(encoder)}
     fit = distill_fit(encoder, ccfg, "further pretraining (distillation)", progress=progress, should_stop=should_stop,
                       on_progress=on_progress, report_every=5)
+    saved = load_checkpoint(checkpoint, recipe)
+    encoder.eval()
+    if saved is None:
+        before = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
+        torch.manual_seed(cfg.seed)
+    else:
+        encoder.load_state_dict(saved["model"])
+        fit.load_state_dict(saved)
+        before = json.loads(saved["before"])
+        torch.set_rng_state(saved["rng"])
+    resumed_at = fit.step_count
+
+    def save() -> None:
+        if checkpoint is not None:
+            state = {"model": encoder.state_dict(), **fit.state_dict(), "rng": torch.get_rng_state(),
+                     "before": json.dumps(before), "recipe": json.dumps(recipe, sort_keys=True)}
+            atomic_write_with(checkpoint, lambda f: torch.save(state, f))
+
+    t0 = time.time()
     with deterministic():  # distill_steps enters ``fit``
-        distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], lambda: None, lambda _msg: None)
+        distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], save, lambda _msg: None)
     step = fit.step_count
     encoder.eval().requires_grad_(False)
     after = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
     out = {"objective": "distill", "steps": step, "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}
+    if resumed_at:
+        out["resumed_at_step"] = resumed_at
     for k in ("pooled_cosine", "lower_cosine"):
         out[f"{k}_before"], out[f"{k}_after"] = before[f"{k}_served"], after[f"{k}_served"]
     return out

@@ -181,7 +181,10 @@ class VersionTree:
 
     # -- changes -------------------------------------------------------------------------------
     def create(self, name: str, parent: str, lines: list[str], alpha: float = 0.5, fpt: FPTConfig | None = None,
-               progress: bool = True, should_stop=None, on_progress=None) -> DomainNode:
+               progress: bool = True, should_stop=None, on_progress=None, checkpoint: Path | None = None) -> DomainNode:
+        """A new branch under ``parent``: its lower side further pretrained on ``lines`` (continued
+        from ``checkpoint`` when an earlier, stopped call of the same job left one there), its PLOT
+        built, then published."""
         if not is_valid_name(name) or name == "root":
             raise DomainError(f"invalid domain name {name!r}: 1-63 characters a-z, 0-9, '_' or '-' (not 'root')")
         if name in self.nodes():
@@ -194,7 +197,7 @@ class VersionTree:
         try:
             encoder = copy.deepcopy(self.encoder(parent))
             node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop,
-                                   on_progress=on_progress)
+                               on_progress=on_progress, checkpoint=checkpoint)
             self._place(work, node)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -210,8 +213,9 @@ class VersionTree:
         return node
 
     def update(self, name: str, lines: list[str], fpt: FPTConfig | None = None, progress: bool = True,
-               should_stop=None, on_progress=None) -> DomainNode:
-        """Continues FPT on more corpus, re-counts over all of the domain's corpus, refreshes the PLOT."""
+               should_stop=None, on_progress=None, checkpoint: Path | None = None) -> DomainNode:
+        """Continues FPT on more corpus, re-counts over all of the domain's corpus, refreshes the PLOT
+        (``checkpoint`` as for ``create``)."""
         nodes = self.nodes()
         if name not in nodes:
             raise DomainError(f"unknown domain {name!r}")
@@ -221,7 +225,7 @@ class VersionTree:
         try:
             new = self._build(work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
                               fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines),
-                              on_progress=on_progress)
+                              on_progress=on_progress, checkpoint=checkpoint)
             new.created = node.created
             self._place(work, new)
         except BaseException:
@@ -289,7 +293,7 @@ class VersionTree:
 
     def _build(self, work: Path, name: str, parent: str, encoder: WindowedEncoder, lines: list[str], alpha: float,
                fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None,
-               on_progress=None) -> DomainNode:
+               on_progress=None, checkpoint: Path | None = None) -> DomainNode:
         """Further-pretrains ``encoder`` on the corpus and builds the branch's PLOT into ``work``;
         ``on_progress(fraction, info)`` hears the pretraining (``info["stage"]`` "further
         pretraining") and then the PLOT build ("building the branch's PLOT"), each from 0 to 1."""
@@ -302,7 +306,8 @@ class VersionTree:
         fpt_metrics = further_pretrain(self.root, encoder, fpt_lines or lines, fpt,
                                        progress=progress, should_stop=should_stop,
                                        on_progress=None if on_progress is None else
-                                       lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}))
+                                       lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}),
+                                       checkpoint=checkpoint)
         write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
         write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
         keys, counts = count_ngrams(token_lists)

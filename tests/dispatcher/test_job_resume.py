@@ -1,6 +1,7 @@
 """Nothing accepted is lost: a tenant job whose server stopped (killed, or shut down while it ran)
-is run again from its kept inputs by the next server on the home, and its tenant is served; a job
-out of attempts, or whose inputs were not kept, is failed with the reason."""
+is run again from its kept inputs by the next server on the home, and its tenant is served; a
+domain job continues from its distillation's last checkpoint; a job out of attempts, or whose
+inputs were not kept, is failed with the reason."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import time
 from hmi.client import Client
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
 
 CHILD = """
 import sys, time
@@ -59,6 +60,43 @@ def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tena
         assert Client(url, out["token"]).infer("survivor", ["a great film"])[0]["label"] in ("neg", "pos")
         assert admin.tenant("survivor")["state"] == "ready"
         assert not (tmp_path / "jobs" / f"{out['job']}.json").exists()
+    finally:
+        stop()
+
+
+def test_a_domain_job_whose_server_was_killed_continues_from_its_last_checkpoint_at_the_next_start(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    steps = 400
+    try:
+        url = child.stdout.readline().strip()
+        admin = Client(url, ADMIN)
+        job = admin.create_domain("legal", corpus=domain_corpus(), alpha=0.5, steps=steps)["job"]
+        deadline = time.time() + 300
+        while time.time() < deadline:  # past the first checkpoint (every 25 steps), well before the end
+            got = admin.job(job)
+            if got["state"] == "running" and got.get("progress", 0) >= 0.75 * 40 / steps:
+                break
+            time.sleep(0.1)
+        assert got["state"] == "running" and got["progress"] < 0.75 * 0.5, got
+        assert (tmp_path / "jobs" / f"{job}.ckpt").is_file()
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    finally:
+        child.kill()
+    server = tiny_server(tmp_path)
+    assert server.resumed == [job] and server.recovered == []
+    url, stop = run_in_thread(server)
+    try:
+        admin = Client(url, ADMIN)
+        done = admin.wait_job(job, 600)
+        assert done["state"] == "succeeded" and done["attempt"] == 2, done
+        fpt = done["metrics"]["fpt"]
+        assert fpt["steps"] == steps and fpt["resumed_at_step"] >= 25 and fpt["resumed_at_step"] % 25 == 0, fpt
+        assert "legal" in [d["name"] for d in admin.domains()]
+        assert sorted(p.name for p in (tmp_path / "jobs").iterdir()) == []  # inputs and checkpoint gone
     finally:
         stop()
 

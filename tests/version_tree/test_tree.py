@@ -225,3 +225,36 @@ def test_a_branch_serves_held_out_text_as_its_further_pretraining_read_it(root, 
     torch.testing.assert_close(got[m], want[m], atol=2e-2, rtol=0)
     assert lk.hits["trigram:legal"] > 0 and lk.hits["unigram:legal"] > 0
     assert not any(level.endswith(":root") for level, n in lk.hits.items() if n)
+
+
+def test_a_stopped_distillation_continues_from_its_checkpoint_to_the_weights_of_an_uninterrupted_run(root, tmp_path):
+    import copy
+
+    from hmi.training.fit import Cancelled
+
+    cfg = dataclasses.replace(FAST, steps=10, checkpoint_every=4)
+    lines = corpus(200, seed=3)
+    whole = copy.deepcopy(root.windowed)
+    uninterrupted = further_pretrain(root, whole, lines, cfg, progress=False)
+
+    ckpt = tmp_path / "job.ckpt"
+    checks = []
+
+    def stop_before_step_7() -> bool:
+        checks.append(1)
+        return len(checks) == 7
+
+    with pytest.raises(Cancelled):
+        further_pretrain(root, copy.deepcopy(root.windowed), lines, cfg, progress=False,
+                         should_stop=stop_before_step_7, checkpoint=ckpt)
+    assert ckpt.is_file()
+    again = copy.deepcopy(root.windowed)  # a new worker starts again from the parent's weights
+    resumed = further_pretrain(root, again, lines, cfg, progress=False, checkpoint=ckpt)
+    assert resumed["resumed_at_step"] == 4 and resumed["steps"] == 10
+    assert resumed["pooled_cosine_before"] == uninterrupted["pooled_cosine_before"]
+    want = whole.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in again.state_dict().items())
+
+    other = copy.deepcopy(root.windowed)  # another corpus: the checkpoint is not its own
+    fresh = further_pretrain(root, other, corpus(200, seed=4), cfg, progress=False, checkpoint=ckpt)
+    assert "resumed_at_step" not in fresh
