@@ -1,10 +1,13 @@
 """Noisy neighbours and overload through the real HTTP server: does one tenant's flood raise the
 others' latency, and what happens to admitted requests at twice the capacity?
 
-Usage: python benchmarks/bench_overload.py [--quick]
+Usage: python benchmarks/bench_overload.py [--quick] [--ray]
 
 The server runs in this process on the current root and root PLOT with ten ready tenants (A, then
-B..J), default configuration (fair shares: 2 batches in flight, 256 requests per tenant queue);
+B..J), default configuration (fair shares: 2 batches in flight, 256 requests per tenant queue), or
+with ``--ray`` as two Ray Serve replicas behind the HAProxy ingress (``hmi.scaleout.ray_serve``,
+tenant affinity: each replica runs the whole server with its own fair queue; results in
+docs/bench_overload_ray.md);
 load comes from separate client processes on localhost (the same 2 cores), open loop (requests
 sent on schedule whatever the answers), one real short text (a tweet) per request:
 
@@ -32,6 +35,11 @@ from benchmarks.bench_latency import bench_home, run_load  # noqa: E402
 from benchmarks.common import finish, start, table  # noqa: E402
 
 TENANTS = 10
+REPLICAS = 2
+RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair queue and admission); the ingress "
+            "routes a tenant's requests to the replica that holds it (tenant affinity), so the noisy tenant's flood "
+            "lands mostly on one replica, and all of it passes the HAProxy ingress and a replica's HTTP front on "
+            "the same two cores as the load generator.")
 NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at capacity by "
         "refusing at once what would wait past about 0.25 s; the fair queue puts a quiet tenant's request before "
         "a noisy tenant's backlog (tests/dispatcher/test_batcher.py). The noisy neighbour's flood still slows the "
@@ -68,19 +76,42 @@ def summary(r: dict) -> dict:
             "refused_p99_ms": pct(r["refused_s"], 99), "answered_per_s": round(len(lat) / r["wall_s"], 1)}
 
 
-def main() -> None:
-    args = start(__doc__)
-    from hmi.data import load_task
+def serving(ray: bool, tmp: Path, token: str, root):
+    """(url, the server's config, stop()): the server in this process, or two Ray Serve replicas
+    on the same home behind the HAProxy ingress."""
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
+
+    cfg = ServerConfig()
+    if not ray:
+        server = build_server(cfg, home=tmp, root=root)
+        url, stop = run_in_thread(server)
+
+        def close() -> None:
+            stop()
+            server.shutdown()
+        return url, cfg, close
+    from benchmarks.bench_scale import free_port
+    from hmi.scaleout.ray_serve import ReplicaServer, stop
+    from hmi.scaleout.ray_serve import start as start_ray
+
+    url = start_ray(ReplicaServer(cfg, str(tmp)), port=free_port(), replicas=REPLICAS,
+                    env={"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token})
+    return url, cfg, stop
+
+
+def main() -> None:
+    def options(ap):
+        ap.add_argument("--ray", action="store_true", help=f"through Ray Serve: {REPLICAS} replicas, HAProxy ingress")
+
+    args = start(__doc__, options)
+    from hmi.data import load_task
     seconds = 10 if args.quick else 30
     tmp, token, root, names = bench_home("hmi-bench-overload-", TENANTS)
     try:
         noisy, others = names[0], names[1:]
         texts = [r["text"] for r in load_task("tweet-sentiment", "test")]
-        server = build_server(ServerConfig(), home=tmp, root=root)
-        cfg = server.cfg
-        url, stop = run_in_thread(server)
+        url, cfg, close = serving(args.ray, tmp, token, root)
         base = {"url": url, "token": token, "texts": texts, "clients": 1, "seconds": seconds, "max_requests": 200_000,
                 "seed": 0, "mode": "rate", "rate": 1.0}
         run_load({**base, "tenants": names, "mode": "closed", "clients": 16, "seconds": 3})  # warm-up
@@ -98,8 +129,7 @@ def main() -> None:
         at_cap = summary(run_load({**base, "tenants": names, "rate": 1.0 * c}))
         over = summary(run_load({**base, "tenants": names, "rate": 2.0 * c}))
         print("capacity / overload", at_cap, over, flush=True)
-        stop()
-        server.shutdown()
+        close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -116,7 +146,8 @@ def main() -> None:
            "overload_p99_over_capacity_p99": round(over["p99_ms"] / at_cap["p99_ms"], 2),
            "overload_shed_share": round(over["codes"].get("429", 0) / max(1, sent(over)), 3),
            "config": {"batches_in_flight": cfg.batches_in_flight, "tenant_queue": cfg.tenant_queue,
-                      "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms}, "seconds": seconds}
+                      "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms}, "seconds": seconds,
+           "serving": f"Ray Serve, {REPLICAS} replicas, HAProxy ingress" if args.ray else "one process"}
     rows = [("capacity: 64 closed-loop clients, all tenants", sent(cap), cap["answered"], cap["codes"].get("429", 0),
              cap["p50_ms"], cap["p99_ms"]),
             (f"baseline: B..J at 0.7 C ({0.7 * c:.0f}/s)", sent(baseline), baseline["answered"],
@@ -140,8 +171,10 @@ def main() -> None:
              f"(429 over_share): {res['noisy_429_share']:.1%}; requests of B..J refused: {res['others_refused']}. "
              f"`overload_p99_over_capacity_p99`: **{res['overload_p99_over_capacity_p99']}** (target <= 2), "
              f"{res['overload_shed_share']:.1%} shed with 429, a refusal's p99 {over['refused_p99_ms']} ms. "
-             f"{seconds} s per scenario; server config: {res['config']}.\n\n" + NOTE)
-    finish("bench_overload", text, res, "python benchmarks/bench_overload.py" + (" --quick" if args.quick else ""))
+             f"{seconds} s per scenario; server config: {res['config']}; serving: {res['serving']}.\n\n"
+             + (RAY_NOTE if args.ray else NOTE))
+    finish("bench_overload_ray" if args.ray else "bench_overload", text, res, "python benchmarks/bench_overload.py"
+           + (" --quick" if args.quick else "") + (" --ray" if args.ray else ""))
 
 
 if __name__ == "__main__":

@@ -237,7 +237,10 @@ class ReplicaCore:
         if self.url is None:
             await self._serve_here()
         if self._session is None:
-            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+            # No connection limit: every request Ray hands the replica reaches the server's own
+            # admission (fair shares, 429 at once), never a first-come queue in front of it.
+            self._session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None),
+                                                  connector=aiohttp.TCPConnector(limit=0))
         async with self._session.request(req.method, self.url + req.target, headers=kept_headers(req.headers),
                                          data=req.body, allow_redirects=False) as r:
             body = await r.read()
@@ -267,11 +270,18 @@ class ReplicaCore:
             done.result(120)
 
 
+# Requests a replica takes at once: above what its server admits (ServerConfig.max_pending waiting
+# plus the batches in flight, and other routes), so that its fair queue decides who waits and who
+# is refused (429 at once), not a first-come queue in front of it (bench_overload.py --ray).
+MAX_ONGOING_REQUESTS = 1024
+
+
 def build_app(factory: Callable[[], Server], replicas: int = 2, tenants_per_replica: int = 1000,
-              max_ongoing_requests: int = 256, threads: int | None = None):
+              max_ongoing_requests: int = MAX_ONGOING_REQUESTS, threads: int | None = None):
     """The Ray Serve application: an ingress and ``replicas`` HMI replicas (each holding up to
-    ``tenants_per_replica`` tenants in its multiplexed LRU, computing with ``threads`` threads;
-    default: this machine's cores shared among the replicas)."""
+    ``tenants_per_replica`` tenants in its multiplexed LRU, taking up to ``max_ongoing_requests``
+    at once, computing with ``threads`` threads; default: this machine's cores shared among the
+    replicas)."""
     threads = threads or max(1, (os.cpu_count() or 1) // replicas)
     from ray import serve
     from starlette.requests import Request
