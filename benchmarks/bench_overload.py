@@ -36,10 +36,11 @@ from benchmarks.common import finish, start, table  # noqa: E402
 
 TENANTS = 10
 REPLICAS = 2
-RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair queue and admission); the ingress "
-            "routes a tenant's requests to the replica that holds it (tenant affinity), so the noisy tenant's flood "
-            "lands mostly on one replica, and all of it passes the HAProxy ingress and a replica's HTTP front on "
-            "the same two cores as the load generator.")
+RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair queue and admission, which every "
+            "request the replica takes reaches); HAProxy routes a tenant's requests to one replica by the routing "
+            "header's hash. Every request passes HAProxy, Ray Serve's replica front and the replica's forward to its "
+            "server, on the same two cores as the load generator: a flood faster than those Python fronts can "
+            "refuse waits in front of them, first come, first served, and everyone's latency grows with it.")
 NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at capacity by "
         "refusing at once what would wait past about 0.25 s; the fair queue puts a quiet tenant's request before "
         "a noisy tenant's backlog (tests/dispatcher/test_batcher.py). The noisy neighbour's flood still slows the "
