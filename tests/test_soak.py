@@ -20,7 +20,9 @@ def test_two_minutes_of_the_soak_end_without_a_server_error_a_lost_job_or_an_unc
     env = {**os.environ, "HMI_BENCH_DOCS": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--minutes", "2"],
                           env=env, capture_output=True, text=True, timeout=1500)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    assert last.startswith("{"), f"the soak ended without its result (exit code {proc.returncode}):\n{proc.stderr[-3000:]}"
+    result = json.loads(last)
     assert proc.returncode == 0 and result["ok"], (result["failed"], proc.stderr[-3000:])
     assert result["counts"]["infer"] > 0 and result["counts"]["streams_dropped"] > 0 and not result["errors"]
     assert result["stop"] == {**result["stop"], "exit_code": 0, "children_left": 0}
