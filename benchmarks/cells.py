@@ -23,13 +23,7 @@ from typing import Callable
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_json
-
-# Exit code of a benchmark that stopped at its time limit with cells left (EX_TEMPFAIL: run it again).
-EXIT_UNFINISHED = 75
-
-
-class OutOfTime(Exception):
-    """The invocation's ``max_minutes`` are spent; cells are left for the next invocation."""
+from hmi.timelimit import OutOfTime, TimeLimit
 
 
 def digest(obj) -> str:
@@ -46,8 +40,7 @@ class Cells:
         if fresh:
             for f in self.folder.glob("cell-*.json"):
                 f.unlink()
-        self.max_minutes = max_minutes
-        self.started = time.monotonic()
+        self.limit = TimeLimit(max_minutes)
         self.reused = self.ran = 0
 
     def _path(self, key: dict) -> Path:
@@ -68,8 +61,8 @@ class Cells:
         if result is not None:
             self.reused += 1
             return result
-        if self.max_minutes is not None and self.ran and time.monotonic() - self.started >= 60 * self.max_minutes:
-            raise OutOfTime(f"{self.max_minutes:g} minutes spent")
+        if self.ran and self.limit.spent():
+            raise OutOfTime(f"{self.limit.minutes:g} minutes spent")
         t0 = time.monotonic()
         result = fn()
         self.ran += 1

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.cells import EXIT_UNFINISHED, Cells, OutOfTime  # noqa: E402
+from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     adapter_options,
     describe_adapter,
@@ -61,6 +61,7 @@ from benchmarks.common import (  # noqa: E402
     start,
     table,
 )
+from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2

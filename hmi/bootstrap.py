@@ -44,10 +44,12 @@ def ensure_data() -> None:
 
 
 def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = True, eval_texts: int = 256,
-                      home: Path | None = None, root: str = DEFAULT_ROOT, **config) -> tuple[str, dict]:
+                      home: Path | None = None, root: str = DEFAULT_ROOT, max_minutes: float | None = None,
+                      **config) -> tuple[str, dict]:
     """Calibrates a root's windowed lower layers (by default the packaged MiniLM-L6's, split 3+3)
     on the general corpus (resumable) with the root's recipe (``calibration_recipe``); ``config``
-    overrides it. Returns (artifact id, its metadata)."""
+    overrides it. ``max_minutes`` limits this call (``hmi.training.calibrate.calibrate``).
+    Returns (artifact id, its metadata)."""
     from hmi.model.artifact import uncalibrated_root
     from hmi.model.catalog import root_spec
     from hmi.training.calibrate import CalibrationConfig, calibrate
@@ -55,7 +57,8 @@ def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = T
     ensure_data()
     cfg = CalibrationConfig(seed=seed, backoff=backoff, **{**calibration_recipe(root), **config})
     spec = root_spec(root, l_low, home)
-    return calibrate(uncalibrated_root(spec), load_corpus("general"), held_out_texts(eval_texts), cfg, home=home)
+    return calibrate(uncalibrated_root(spec), load_corpus("general"), held_out_texts(eval_texts), cfg, home=home,
+                     max_minutes=max_minutes)
 
 
 def check_shipped(l_low: int = DEFAULT_L_LOW) -> tuple[str | None, str]:
@@ -98,9 +101,10 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
         if shipped is not None:
             print(f"root artifact {shipped}: the calibrated lower layers shipped with hmi, checked against the root")
         else:
-            budget = CalibrationConfig(**calibration_recipe(root)).max_minutes
-            print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only; at most {budget:g} "
-                  "minutes, about 10 on 2 cores for MiniLM-L6; resumable)")
+            steps = CalibrationConfig(**calibration_recipe(root)).steps
+            print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only: {steps} steps, about "
+                  "10 minutes on 2 cores for MiniLM-L6, 1.5 to 3.5 hours for mpnet-base; stopped, it continues "
+                  "from its last checkpoint)")
             calibrate_default(spec.l_low, home=home, root=root)
     root = load_root(home=home, spec=spec)
     if plot:

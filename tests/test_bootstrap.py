@@ -28,7 +28,8 @@ def test_a_home_is_prepared_only_with_a_current_root_and_its_complete_root_plot(
 
 def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(monkeypatch):
     """`hmi calibrate --root mpnet-base` and a first start on it calibrate with the 12-layer root's
-    recipe (800 steps at 3e-4 within 90 minutes), not the six-layer default root's."""
+    recipe (800 steps at 3e-4), not the six-layer default root's; a time limit goes to the call,
+    not into the recipe."""
     import hmi.bootstrap as bootstrap
     from hmi.bootstrap import calibrate_default
 
@@ -39,14 +40,15 @@ def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(
     monkeypatch.setattr("hmi.model.catalog.root_spec", lambda root, l_low, home: root)
     monkeypatch.setattr("hmi.model.artifact.uncalibrated_root", lambda spec: spec)
     monkeypatch.setattr("hmi.training.calibrate.calibrate",
-                        lambda root, train, held, cfg, home=None: seen.append((root, cfg)) or ("id", {}))
-    calibrate_default(root="mpnet-base")
+                        lambda root, train, held, cfg, home=None, max_minutes=None:
+                        seen.append((root, cfg, max_minutes)) or ("id", {}))
+    calibrate_default(root="mpnet-base", max_minutes=60)
     calibrate_default(root="mpnet-base", steps=5)
     calibrate_default()
-    (r1, mpnet), (_, mpnet_5), (r3, minilm) = seen
-    assert (r1, mpnet.steps, mpnet.lr, mpnet.max_minutes) == ("mpnet-base", 800, 3e-4, 90.0)
-    assert (mpnet_5.steps, mpnet_5.lr, mpnet_5.max_minutes) == (5, 3e-4, 90.0)
-    assert (r3, minilm.steps, minilm.lr, minilm.max_minutes) == ("minilm-l6", 600, 5e-4, 30.0)
+    (r1, mpnet, limit), (_, mpnet_5, _), (r3, minilm, no_limit) = seen
+    assert (r1, mpnet.steps, mpnet.lr, limit) == ("mpnet-base", 800, 3e-4, 60)
+    assert (mpnet_5.steps, mpnet_5.lr) == (5, 3e-4)
+    assert (r3, minilm.steps, minilm.lr, no_limit) == ("minilm-l6", 600, 5e-4, None)
 
 
 class Exits:

@@ -4,7 +4,8 @@ finished cell, and another configuration never reads this one's cells."""
 
 import pytest
 
-from benchmarks.cells import Cells, OutOfTime
+from benchmarks.cells import Cells
+from hmi.timelimit import OutOfTime
 
 CONFIG = {"root_artifact": "a", "epochs": 4}
 

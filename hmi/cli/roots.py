@@ -4,6 +4,7 @@ layers and its PLOTs (the model side: this module is imported only when one of t
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import ensure_root_plot, open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotStore
 from hmi.scheduler.decoder_runtime import DEFAULT_RANK
+from hmi.timelimit import EXIT_UNFINISHED
+from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
 from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, train_demo, train_demo_decoder
 
@@ -65,9 +68,9 @@ def report_check(shipped: str | None, made: str) -> int:
 
 def cmd_calibrate(args) -> int:
     # Options left out keep CalibrationConfig's defaults, stated there only.
-    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "max_minutes") if getattr(args, k) is not None}
-    for k, v in given.items():
-        if not v > 0:
+    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr") if getattr(args, k) is not None}
+    for k, v in {**given, "max_minutes": args.max_minutes}.items():
+        if v is not None and not v > 0:
             raise SystemExit(f"hmi calibrate: --{k.replace('_', '-')} must be positive, got {v}")
     quiet_transformers()
 
@@ -80,7 +83,12 @@ def cmd_calibrate(args) -> int:
         if given or args.seed or not args.backoff or args.eval_texts != 256 or args.root != DEFAULT_ROOT:
             raise SystemExit("hmi calibrate --check-shipped: the shipped artifact is reproduced with the defaults only")
         return report_check(*check_shipped(args.l_low or DEFAULT_L_LOW))
-    artifact_id, meta = calibrate_default(args.l_low, args.seed, args.backoff, args.eval_texts, root=args.root, **given)
+    try:
+        artifact_id, meta = calibrate_default(args.l_low, args.seed, args.backoff, args.eval_texts, root=args.root,
+                                              max_minutes=args.max_minutes, **given)
+    except CalibrationUnfinished as exc:
+        print(f"{exc}: run the same command again to continue", file=sys.stderr)
+        return EXIT_UNFINISHED
     print(f"root artifact {artifact_id}")
     print_quality(meta)
     return 0
@@ -267,9 +275,9 @@ def _calibrate_args(cal) -> None:
     cal.add_argument("--l-low", type=int, default=None,
                      help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
     cal.add_argument("--max-minutes", type=float, default=None,
-                     help="the encoder calibration's time budget, resumed runs included (default 30; 90 for "
-                          "mpnet-base); the learning rate decays over the budget when the steps would not fit. "
-                          "Re-run with a larger budget, a calibration continues from its checkpoint")
+                     help="limit this invocation (default: none): past it, the encoder calibration stops at a "
+                          "checkpoint and exits with status 75; the same command continues it. The recipe (steps, "
+                          "schedule) is the same however many invocations it takes")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

@@ -182,24 +182,22 @@ def load_root(artifact_id: str | None = None, home: Path | None = None, spec: Ro
 
 
 def calibration_shortfall(meta: dict) -> str | None:
-    """What an artifact's calibration left out, for an operator: None when it ran every configured
-    step; else how many its time budget held, what that costs, and the command (with a budget that
-    holds every step at the pace this machine measured) that calibrates the whole recipe."""
+    """What an artifact's calibration left out, for an operator: None when it ran every step of
+    its recipe (every calibration since the recipe's steps no longer depend on a time budget);
+    for an artifact of a budget that held fewer, how many, what that costs and the command that
+    runs the whole recipe (continuing from the run's checkpoint where it is kept)."""
     cal = meta.get("calibration", {})
     done, steps = cal.get("steps_done"), cal.get("steps")
     if done is None or not steps or done >= steps:
         return None
     source, l_low = meta.get("root_source"), meta.get("l_low")
     flags = ("" if source is None else f" --root {source}") + (f" --l-low {l_low}" if l_low is not None else "")
-    if "steps_planned" not in cal:  # calibrations before the plan: cut where the schedule stood
-        return (f"the time budget ({cal.get('max_minutes')} min) held {done} of the {steps} steps on this machine: "
-                f"the run stopped there; the same command resumes it (`hmi calibrate{flags}`)")
-    seconds = cal.get("train_seconds") or cal.get("train_seconds_this_run")
-    minutes = "" if not seconds else f" --max-minutes {10 * (int(seconds / done * steps * 1.1 / 600) + 1)}"
-    return (f"the time budget ({cal.get('max_minutes')} min) held {done} of the {steps} steps on this machine: the "
-            f"learning rate decayed over those. A shortened calibration costs accuracy (mpnet-base 6+6 at 325 of 800 "
-            f"steps: 4 to 10 points on classification tasks, docs/roots.md). The whole recipe at this machine's pace "
-            f"(continuing from the run's checkpoint where it is kept): `hmi calibrate{flags}{minutes}`")
+    held = f"the time budget ({cal.get('max_minutes')} min) held {done} of the {steps} steps on this machine"
+    cost = ("" if "steps_planned" not in cal else  # planned runs decayed their learning rate over the steps held
+            ": the learning rate decayed over those. A shortened calibration costs accuracy (mpnet-base 6+6 at 325 "
+            "of 800 steps: 4 to 10 points on classification tasks, docs/roots.md)")
+    return (f"{held}{cost}. The whole recipe (continuing from the run's checkpoint where it is kept; "
+            f"`--max-minutes M` takes it in slices): `hmi calibrate{flags}`")
 
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"

@@ -5,15 +5,12 @@ the frozen full-context root on real text: its layer-``L_low`` hidden states (MS
 of every shared upper layer (MSE) and one minus the cosine of the mean-pooled final output.
 Checkpoints let a killed run resume where it stopped.
 
-Time budget (``CalibrationConfig.max_minutes``): the whole calibration's, resumed runs included.
-The budget is not part of what a checkpoint must match: a run resumed with a larger budget
-continues where it stopped and plans again at once, so a recipe cut short by one budget can be
-finished later (its learning rate rises again to where the longer plan's schedule stands: a warm
-restart, not the uninterrupted schedule).  At each checkpoint the steps are planned again from the pace so far (``StepPlan``): when
-``cfg.steps`` would not fit, the run is shortened to the steps that do and the learning rate
-decays to its end over them, so a slow machine ends with a finished schedule rather than a run
-cut at a high learning rate.  Where the steps fit, the plan stays at ``cfg.steps`` and runs
-repeat bit for bit.
+The recipe (``CalibrationConfig``) fixes the steps and their learning-rate schedule, whatever the
+machine: a slow machine takes longer, it does not calibrate less.  A run of hours may take several
+invocations: ``calibrate(..., max_minutes=M)`` stops after the first step past M minutes of this
+invocation, writes a checkpoint there and raises :class:`CalibrationUnfinished`
+(``hmi.timelimit.OutOfTime``); the same call again continues from it.  A run resumed from a
+checkpoint ends with the weights of the uninterrupted run (same CPU kind, torch and threads).
 
 Back-off (``CalibrationConfig.backoff``, the default): serving reads a window from the PLOT only
 when the corpus held it, and most windows of new text are not there (they back off to a bi-gram
@@ -26,8 +23,7 @@ from __future__ import annotations
 
 import json
 import random
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +37,7 @@ from hmi.model.hplm import HPLM
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
+from hmi.timelimit import OutOfTime, TimeLimit
 from hmi.training.fit import Fit, deterministic
 
 
@@ -57,7 +54,6 @@ class CalibrationConfig:
     seed: int = 0
     eval_texts: int = 256
     checkpoint_every: int = 25
-    max_minutes: float | None = 30.0
     backoff: bool = True
     length_grouped: bool = True  # batches of texts of similar length: little padding in the full-context passes
     # The word embeddings stay the root's: the windowed layers learn around them, and the artifact
@@ -145,52 +141,14 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     return loss, {"lower": l_lower.item(), "out": l_out.item(), "pool": l_pool.item()}
 
 
-def _now() -> float:
-    """The clock a time budget reads (monotonic seconds)."""
-    return time.monotonic()
+class CalibrationUnfinished(OutOfTime):
+    """A calibration stopped at its invocation's time limit; its checkpoint holds the steps done."""
 
 
-@dataclass
-class StepPlan:
-    """How many steps a calibration runs: ``steps`` (``cfg.steps`` to begin with), fewer when
-    the time budget will not hold them at the pace measured so far.  Time counts from
-    ``start()`` plus ``spent_before_s``, the training seconds of earlier runs (the checkpoint's)."""
-
-    steps: int
-    budget_s: float | None = None
-    spent_before_s: float = 0.0
-    started: float = field(default_factory=_now)
-
-    def __post_init__(self):
-        self.cap = self.steps  # a plan never asks for more than the configured steps
-
-    def start(self) -> None:
-        self.started = _now()
-
-    def spent(self) -> float:
-        return self.spent_before_s + _now() - self.started
-
-    def replan(self, done: int, spent_s: float | None = None) -> int:
-        """The planned total after ``done`` steps took ``spent_s`` seconds in all (default: so
-        far): the configured steps while they fit the budget at that pace, else ``done`` plus the
-        steps that fit (``done`` once the budget is spent)."""
-        spent_s = self.spent() if spent_s is None else spent_s
-        if self.budget_s is None or done <= 0:
-            return self.steps
-        fit = done + int(max(0.0, self.budget_s - spent_s) / (spent_s / done))
-        self.steps = max(done, min(self.cap, fit))
-        return self.steps
-
-    def over_budget(self) -> bool:
-        return self.budget_s is not None and self.spent() >= self.budget_s
-
-
-def schedule(cfg: CalibrationConfig, plan: StepPlan | None = None):
+def schedule(cfg: CalibrationConfig):
     """The learning-rate factor of step ``s``: linear warm-up over ``cfg.warmup`` steps, then a
-    linear decay to 5% at the planned total (``plan.steps`` as it stands when the factor is
-    asked for; ``cfg.steps`` without a plan)."""
-    total = (lambda: plan.steps) if plan is not None else (lambda: cfg.steps)
-    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.05, 1 - s / max(1, total()))
+    linear decay to 5% at ``cfg.steps``."""
+    return lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)) * max(0.05, 1 - s / max(1, cfg.steps))
 
 
 def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.random.Generator,
@@ -208,23 +166,24 @@ def length_grouped(order: np.ndarray, lengths: list[int], batch: int, rng: np.ra
     return np.array(out, dtype=np.int64)
 
 
-def distill_fit(windowed, cfg: CalibrationConfig, desc: str, plan: StepPlan | None = None, **fit_options) -> Fit:
+def distill_fit(windowed, cfg: CalibrationConfig, desc: str, **fit_options) -> Fit:
     """Makes every parameter of the windowed lower side trainable but the word embeddings (unless
     ``cfg.train_word_embeddings``: they stay the root's, shared with it) and returns the ``Fit``
-    that trains them with calibration's optimizer settings and ``schedule(cfg, plan)``."""
+    that trains them with calibration's optimizer settings and ``schedule(cfg)``."""
     for p in windowed.parameters():
         p.requires_grad_(True)
     windowed.lower.embeddings.word_embeddings.weight.requires_grad_(cfg.train_word_embeddings)
     return Fit([p for p in windowed.parameters() if p.requires_grad], cfg.steps, lr=cfg.lr, weight_decay=0.01,
-               clip=1.0, desc=desc, schedule=schedule(cfg, plan), **fit_options)
+               clip=1.0, desc=desc, schedule=schedule(cfg), **fit_options)
 
 
 def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
-                  lengths: list[int], checkpoint, log, plan: StepPlan | None = None) -> None:
+                  lengths: list[int], checkpoint, log, limit: TimeLimit | None = None) -> bool:
     """The calibration steps from ``fit.step_count`` to the end, calling ``checkpoint()`` every
-    ``cfg.checkpoint_every`` steps and at the end; with a ``plan``, the end is planned again at
-    each checkpoint (``StepPlan.replan``, the time budget).  With back-off, a step's texts come
-    from one half (alternating), read as the other half's PLOT serves them."""
+    ``cfg.checkpoint_every`` steps and at the end.  With a ``limit``, the steps stop after the
+    first one run once it is spent (at least one step per call), with a checkpoint there.
+    Returns whether the steps reached the end.  With back-off, a step's texts come from one half
+    (alternating), read as the other half's PLOT serves them."""
     rng = np.random.default_rng(cfg.seed)
     folds = [np.arange(f, len(train_texts), 2) for f in range(2)] if backoff else [np.arange(len(train_texts))]
     orders = [rng.permutation(f) for f in folds]
@@ -234,9 +193,6 @@ def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fi
     root.windowed.train()
     with fit:
         while not fit.done:
-            if plan is not None and plan.over_budget():
-                log(f"time budget of {cfg.max_minutes} min spent at step {fit.step_count}")
-                break
             fit.check()
             fold = fit.step_count % len(orders)
             order, turn = orders[fold], fit.step_count // len(orders)
@@ -244,15 +200,12 @@ def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fi
             ids, mask = tokenize(root.tokenizer, [train_texts[i] for i in idx], cfg.max_len)
             loss, parts = calibration_loss(root, hplm, ids, mask, cfg, backoff.serve(fold) if backoff else None)
             fit.step(loss, **{k: f"{v:.4f}" for k, v in parts.items()})
-            if fit.step_count % cfg.checkpoint_every == 0 and plan is not None:
-                total = plan.replan(fit.step_count)
-                if total < cfg.steps and fit.total == cfg.steps:
-                    log(f"the time budget holds about {total} of {cfg.steps} steps at this pace: the learning rate "
-                        "decays to its end over the steps that fit")
-                if total != fit.total:
-                    fit.set_total(total)
-            if fit.step_count % cfg.checkpoint_every == 0 or fit.done:
+            stop = not fit.done and limit is not None and limit.spent()
+            if fit.step_count % cfg.checkpoint_every == 0 or fit.done or stop:
                 checkpoint()
+            if stop:
+                return False
+    return True
 
 
 def seed_everything(seed: int) -> None:
@@ -262,15 +215,33 @@ def seed_everything(seed: int) -> None:
 
 
 def same_recipe(saved: dict, config: dict) -> bool:
-    """Whether a checkpoint's configuration is this one's, the time budget aside (a budget limits
-    how long the recipe may take, not what it is)."""
-    return {k: v for k, v in saved.items() if k != "max_minutes"} == \
-        {k: v for k, v in config.items() if k != "max_minutes"}
+    """Whether a checkpoint's configuration is this one's.  Checkpoints written while a time
+    budget was part of the recipe (``max_minutes``) match on the rest: a budget never changed
+    what a step computes, and their runs continue to the recipe's end."""
+    return {k: v for k, v in saved.items() if k != "max_minutes"} == config
+
+
+def resume(ckpt_path: Path, cfg: CalibrationConfig, fingerprint: str, windowed, fit: Fit, log) -> tuple[dict | None, float]:
+    """Loads a checkpoint of this recipe on this root into ``windowed`` and ``fit``; returns (the
+    quality before calibration it recorded, its training seconds), (None, 0.0) when there is none."""
+    if not ckpt_path.exists():
+        return None, 0.0
+    ck = torch.load(ckpt_path, weights_only=True)
+    if not same_recipe(ck["config"], asdict(cfg)) or ck.get("root") != fingerprint:
+        return None, 0.0
+    windowed.load_state_dict(ck["model"])
+    fit.load_state_dict(ck)
+    log(f"resuming calibration at step {fit.step_count}/{cfg.steps}")
+    return json.loads(ck["before"]), ck.get("spent_seconds", 0.0)
 
 
 def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
-              work_dir: Path | None = None, home: Path | None = None, log=print) -> tuple[str, dict]:
-    """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata)."""
+              work_dir: Path | None = None, home: Path | None = None, log=print,
+              max_minutes: float | None = None) -> tuple[str, dict]:
+    """Runs (or resumes) calibration, saves the artifact and returns (artifact id, its metadata).
+    ``max_minutes`` limits this invocation: past it, the run stops at a checkpoint and raises
+    :class:`CalibrationUnfinished`; the same call again continues."""
+    limit = TimeLimit(max_minutes)
     run = f"l{root.spec.l_low}" if root.spec.source is None else root.spec.pointer.removeprefix("current-")
     work_dir = work_dir or (home or hmi_home()) / "calibration" / f"{run}-seed{cfg.seed}"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -279,48 +250,43 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     seed_everything(cfg.seed)
 
     windowed = root.windowed
-    plan = StepPlan(cfg.steps, None if cfg.max_minutes is None else cfg.max_minutes * 60)
-    fit = distill_fit(windowed, cfg, "calibrate", plan)
+    fit = distill_fit(windowed, cfg, "calibrate")
 
     # Quality is always also measured as the corpus's PLOT serves it; training reads it so with ``backoff``.
     lists = token_lists(root.tokenizer, train_texts, cfg.max_len)
     held = HeldOutBackoff(lists)
     backoff = held if cfg.backoff else None
     serve_whole = held.serve(None)
-    before = None
-    if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=True)
-        if same_recipe(ck["config"], asdict(cfg)) and ck.get("root") == fingerprint:
-            windowed.load_state_dict(ck["model"])
-            plan.steps, plan.spent_before_s = ck.get("planned_steps", cfg.steps), ck.get("spent_seconds", 0.0)
-            fit.load_state_dict(ck)
-            if ck["config"].get("max_minutes") != cfg.max_minutes:  # a new budget: the steps it holds now
-                plan.steps = plan.replan(fit.step_count, plan.spent_before_s) if plan.budget_s else cfg.steps
-            fit.set_total(plan.steps)
-            before = json.loads(ck["before"])
-            log(f"resuming calibration at step {fit.step_count}/{plan.steps}")
+    before, spent_before = resume(ckpt_path, cfg, fingerprint, windowed, fit, log)
     if before is None:
         windowed.eval()
         before = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
         log(f"before calibration: {before}")
 
+    started = limit.elapsed()
+
+    def spent() -> float:
+        return spent_before + limit.elapsed() - started
+
     def checkpoint() -> None:
         state = {"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
-                 "before": json.dumps(before), "root": fingerprint, "planned_steps": plan.steps,
-                 "spent_seconds": plan.spent()}
+                 "before": json.dumps(before), "root": fingerprint, "spent_seconds": spent()}
         atomic_write_with(ckpt_path, lambda f: torch.save(state, f))
 
-    plan.start()
     with deterministic():
-        distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, plan)
-    step, spent = fit.step_count, plan.spent()
-    seconds = spent - plan.spent_before_s
+        finished = distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, limit)
+    step, seconds = fit.step_count, spent()
+    if not finished:
+        pace = seconds / max(1, step)
+        raise CalibrationUnfinished(
+            f"{max_minutes:g} minutes spent: calibration stopped at step {step} of {cfg.steps} ({pace:.1f} s a step, "
+            f"about {pace * (cfg.steps - step) / 60:.0f} minutes left), its checkpoint in {work_dir}")
     windowed.eval().requires_grad_(False)
     after = quality(root, eval_texts, cfg.max_len, serve=serve_whole)
     log(f"after calibration: {after}")
-    meta = {"calibration": {**asdict(cfg), "steps_done": step, "steps_planned": plan.steps,
-                            "train_seconds_this_run": round(seconds, 1),
-                            "train_seconds": round(spent, 1),
+    meta = {"calibration": {**asdict(cfg), "steps_done": step,
+                            "train_seconds_this_run": round(seconds - spent_before, 1),
+                            "train_seconds": round(seconds, 1),
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                             "cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}

@@ -166,7 +166,7 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
     it, and ends with the weights an uninterrupted run gives (tested bit for bit)."""
     branch = dataclasses.replace(root, windowed=encoder)
     ccfg = CalibrationConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_len=cfg.max_len, lr=cfg.lr, seed=cfg.seed,
-                             warmup=max(1, min(20, cfg.steps // 10)), max_minutes=None,
+                             warmup=max(1, min(20, cfg.steps // 10)),
                              checkpoint_every=cfg.checkpoint_every)
     lists = token_lists(root.tokenizer, train, cfg.max_len)
     backoff = HeldOutBackoff(lists)

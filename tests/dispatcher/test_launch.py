@@ -62,7 +62,7 @@ def test_the_startup_report_warns_of_a_calibration_cut_short_and_says_where_the_
                             "train_seconds": 5400.0}, "root_source": "mpnet-base", "l_low": 6}
     lines = startup_report(tmp_path, meta, "mpnet-l6-x", "tok", True, recovered=["j1"], resumed=["j2"])
     assert lines[0].startswith("warning: root artifact mpnet-l6-x: the time budget (90.0 min) held 325 of the 800")
-    assert "--root mpnet-base --l-low 6" in lines[0]
+    assert "`hmi calibrate --root mpnet-base --l-low 6`" in lines[0]
     assert lines[1:3] == ["marked 1 interrupted job(s) as failed", "running 1 interrupted job(s) again from their start: j2"]
     assert lines[3].endswith(": tok") and capsys.readouterr().out.splitlines() == lines
     assert startup_report(tmp_path, {}, "a", "tok", False)[0].startswith("admin token: ")

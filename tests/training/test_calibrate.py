@@ -55,7 +55,7 @@ def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path, monke
     # Interrupted run: stop during step 4, after the step-3 checkpoint, then resume with a fresh
     # process state.
     b = tiny_root()
-    short = CalibrationConfig(**{**cfg.__dict__, "max_minutes": None})
+    short = cfg
     calls = {"n": 0}
     orig = cal.calibration_loss
 
@@ -217,39 +217,15 @@ def test_calibration_reports_and_improves_quality_as_the_plot_serves_held_out_te
     assert q[True]["after"]["lower_cosine_served"] > q[True]["before"]["lower_cosine_served"] + 0.05
 
 
-def test_step_plan_keeps_the_steps_that_fit_the_budget_at_the_pace_so_far():
-    from hmi.training.calibrate import StepPlan
-
-    plan = StepPlan(800, budget_s=100.0)
-    assert plan.replan(25, spent_s=2.0) == 800  # 0.08 s a step: 64 s for all of them
-    assert plan.replan(25, spent_s=10.0) == 250  # 0.4 s a step: 25 done + 225 in the 90 s left
-    assert plan.replan(50, spent_s=12.0) == 416  # faster since: 50 + 88 s at 0.24 s a step
-    assert plan.replan(100, spent_s=10.0) == 800  # all of them fit again, and never more
-    assert plan.replan(200, spent_s=101.0) == 200  # the budget is spent: stop here
-    assert StepPlan(800).replan(25, spent_s=1e9) == 800  # no budget
-
-
-def test_schedule_decays_to_its_end_at_the_planned_total_not_the_configured_steps():
-    from hmi.training.calibrate import StepPlan, schedule
-
-    cfg = CalibrationConfig(steps=800, warmup=20)
-    plan = StepPlan(800, budget_s=100.0)
-    factor = schedule(cfg, plan)
-    assert factor(199) == schedule(cfg)(199)  # identical while the plan holds
-    plan.replan(25, spent_s=10.0)  # 250 steps planned
-    assert factor(249) == 0.05
-    assert schedule(cfg)(249) > 0.6  # a run cut there without a plan stops at a high learning rate
-
-
-# 40 steps within 12 seconds of the budget's clock: on ``slow_machine`` the budget holds 12 of them.
-BUDGETED = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2,
-                             max_minutes=0.2)
+# 40 steps of a recipe; on ``slow_machine`` each takes 1 s of the time limit's clock.
+RECIPE = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=25)
 
 
 @pytest.fixture
 def slow_machine(monkeypatch) -> dict:
-    """A slow machine: each calibration step takes 1 s of the budget's clock.  Returns the count of
-    steps run (``["n"]``)."""
+    """A slow machine: each calibration step takes 1 s of the time limit's clock.  Returns the
+    count of steps run (``["n"]``)."""
+    import hmi.timelimit
     import hmi.training.calibrate as cal
 
     clock, steps = {"now": 0.0}, {"n": 0}
@@ -260,32 +236,51 @@ def slow_machine(monkeypatch) -> dict:
         steps["n"] += 1
         return orig(*args, **kw)
 
-    monkeypatch.setattr(cal, "_now", lambda: clock["now"])
+    monkeypatch.setattr(hmi.timelimit, "_now", lambda: clock["now"])
     monkeypatch.setattr(cal, "calibration_loss", slow_step)
     return steps
 
 
-def test_calibration_over_budget_ends_early_with_its_learning_rate_decayed(tmp_path, slow_machine):
-    cfg = BUDGETED
-    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "cal", home=tmp_path,
-                        log=lambda *_: None)
-    c = meta["calibration"]
-    assert (c["steps_done"], c["steps_planned"], c["train_seconds"]) == (12, 12, 12.0)  # 12 s hold 12 steps
-    lr_end = torch.load(tmp_path / "cal" / "checkpoint.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
-    assert lr_end == pytest.approx(0.05 * cfg.lr)  # at its 5% floor after step 12, not cut at 70% of the peak
+def test_a_time_limit_stops_one_invocation_at_a_checkpoint_and_the_same_call_finishes_the_recipe_bit_for_bit(
+        tmp_path, slow_machine):
+    """``max_minutes`` limits an invocation, not the recipe: each call with 12 s runs 12 steps and
+    stops at a checkpoint of its own (25 is not a multiple of 12), the next continues, and the
+    fourth ends the 40 steps with the weights and the learning rate of an uninterrupted run."""
+    from hmi.training.calibrate import CalibrationUnfinished
+
+    whole = tiny_root()
+    aid, meta = calibrate(whole, TEXTS, TEXTS[:2], RECIPE, work_dir=tmp_path / "whole", home=tmp_path / "hw",
+                          log=lambda *_: None)
+    assert (meta["calibration"]["steps_done"], meta["calibration"]["train_seconds"]) == (40, 40.0)
+    slow_machine["n"] = 0
+    run = {"work_dir": tmp_path / "cal", "home": tmp_path / "hs", "log": lambda *_: None, "max_minutes": 0.2}
+    for stop_at in (12, 24, 36):
+        with pytest.raises(CalibrationUnfinished, match=f"stopped at step {stop_at} of 40"):
+            calibrate(tiny_root(), TEXTS, TEXTS[:2], RECIPE, **run)
+        assert torch.load(tmp_path / "cal" / "checkpoint.pt", weights_only=True)["step"] == stop_at
+    assert current_artifact_id(tmp_path / "hs") is None  # nothing half-calibrated is served
+    sliced = tiny_root()
+    aid_sliced, meta = calibrate(sliced, TEXTS, TEXTS[:2], RECIPE, **run)
+    assert slow_machine["n"] == 40  # every step once: each call went on from the last
+    assert (meta["calibration"]["steps_done"], meta["calibration"]["train_seconds"]) == (40, 40.0)
+    assert aid_sliced == aid  # the artifact id is the weights' digest: equal bit for bit
+    lr = [torch.load(d / "checkpoint.pt", weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+          for d in (tmp_path / "whole", tmp_path / "cal")]
+    assert lr[0] == lr[1] == pytest.approx(0.05 * RECIPE.lr)  # the recipe's schedule ran to its end
 
 
-def test_a_calibration_cut_short_by_its_budget_resumes_under_a_larger_one_and_finishes_the_recipe(tmp_path,
-                                                                                                    slow_machine):
-    """A budget limits how long the recipe may take, not what it is: re-run with a larger budget,
-    a calibration continues from its checkpoint (it does not start again) and runs to the
-    recipe's end."""
-    import dataclasses
+def test_a_checkpoint_of_a_budget_that_shortened_the_schedule_continues_to_the_recipes_end(tmp_path, slow_machine):
+    """A checkpoint written when a time budget was part of the recipe (``max_minutes``,
+    ``planned_steps``) is this recipe's: the run goes on from it to the configured steps."""
+    from hmi.training.calibrate import CalibrationUnfinished
 
     run = {"work_dir": tmp_path / "cal", "home": tmp_path, "log": lambda *_: None}
-    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], BUDGETED, **run)
-    assert meta["calibration"]["steps_done"] == 12  # 12 s hold 12 of the 40 steps
+    with pytest.raises(CalibrationUnfinished):
+        calibrate(tiny_root(), TEXTS, TEXTS[:2], RECIPE, max_minutes=0.2, **run)
+    path = tmp_path / "cal" / "checkpoint.pt"
+    ck = torch.load(path, weights_only=True)
+    ck["config"]["max_minutes"], ck["planned_steps"] = 0.2, 12
+    torch.save(ck, path)
     slow_machine["n"] = 0
-    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], dataclasses.replace(BUDGETED, max_minutes=1.0), **run)
-    assert meta["calibration"]["steps_done"] == meta["calibration"]["steps_planned"] == 40
-    assert slow_machine["n"] == 28  # it went on from step 12
+    _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], RECIPE, **run)
+    assert (slow_machine["n"], meta["calibration"]["steps_done"]) == (28, 40)
