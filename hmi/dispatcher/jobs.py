@@ -214,6 +214,12 @@ class JobManager:
         inputs; removed when the job ends); None where inputs are not kept."""
         return None if self.inputs is None else self.inputs / f"{job_id}.ckpt"
 
+    @staticmethod
+    def job_of(path: Path) -> str:
+        """The job a kept file belongs to: ``<id>.json``, ``<id>.ckpt`` and a killed writer's
+        ``.<id>.<name>.<random>.tmp`` (job ids are hex, without a dot)."""
+        return path.name.lstrip(".").split(".", 1)[0]
+
     def _forget_files(self, job_id: str) -> None:
         """The kept inputs and checkpoint of a job that ended (and a temporary file of either that
         a killed writer left)."""
@@ -266,7 +272,7 @@ class JobManager:
             log.warning("jobs of stopped servers: %d failed, %d run again", len(failed), len(resumed))
         if self.inputs is not None:
             for f in [*self.inputs.glob("*.json"), *self.inputs.glob("*.ckpt"), *self.inputs.glob(".*.tmp")]:
-                jid = f.name.lstrip(".").split(".")[0]
+                jid = self.job_of(f)
                 if (self.registry.get("jobs", jid) or {"state": "failed"})["state"] in FINAL:
                     self._forget_files(jid)
         return failed, resumed

@@ -208,3 +208,18 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
         assert done["state"] == "succeeded" and done["attempt"] == 1
     finally:
         stop()
+
+
+def test_every_file_kept_for_a_job_is_traced_to_that_job_including_a_killed_writers_temporary(tmp_path):
+    """Start-up recovery removes the files of jobs that ended by their job id: the kept inputs,
+    the checkpoint and a temporary file a killed atomic write left (``hmi.io``'s naming)."""
+    import tempfile
+    from pathlib import Path
+
+    from hmi.dispatcher.jobs import JobManager, new_job_id
+
+    jid = new_job_id()
+    fd, tmp = tempfile.mkstemp(dir=tmp_path, prefix=f".{jid}.ckpt.", suffix=".tmp")
+    os.close(fd)
+    for f in (tmp_path / f"{jid}.json", tmp_path / f"{jid}.ckpt", Path(tmp)):
+        assert JobManager.job_of(f) == jid, f.name
