@@ -8,11 +8,20 @@ Results equal MKL's to fp32 rounding (about 2e-6 on these layers). The backward 
 same kernel on the transposed operands, so fine-tune jobs and calibration gain as much as serving.
 
 Other devices and dtypes run ``F.linear``; ``HMI_ONEDNN_LINEAR=0`` turns the reroute off.
+
+Inside ``with bf16_matmuls():`` on a CPU that computes bf16 natively (``NATIVE_BF16``: AVX512_BF16
+or AMX), the same layers multiply in bf16 with fp32 accumulation (oneDNN), forward and backward,
+and return fp32: about twice the fp32 rate (``benchmarks/bench_calibration_step.py``).  Parameters,
+optimizer state, the bias and everything outside the GEMMs stay fp32 (mixed precision, as
+``torch.autocast`` does it).  Elsewhere the block changes nothing: bf16 emulated in fp32 units is
+slower than fp32.
 """
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -40,40 +49,76 @@ def _onednn_available() -> bool:
 ONEDNN_LINEAR = _onednn_available()
 
 
+def _native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return ONEDNN_LINEAR and ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+NATIVE_BF16 = _native_bf16()
+_BF16 = ContextVar("hmi_bf16_matmuls", default=False)
+
+
+@contextmanager
+def bf16_matmuls(enabled: bool = True):
+    """Within the block (this thread), fp32 linear layers multiply in bf16 where ``NATIVE_BF16``.
+    Yields whether they do."""
+    token = _BF16.set(enabled and NATIVE_BF16)
+    try:
+        yield _BF16.get()
+    finally:
+        _BF16.reset(token)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16: bool) -> torch.Tensor:
+    """x @ weight.T + bias in fp32, or with the GEMM in bf16 (fp32 accumulation, fp32 result, the
+    bias added in fp32). Shapes: x (..., in); weight (out, in) -> (..., out)."""
+    if not bf16:
+        return _inner_product(x, weight, bias)
+    y = _inner_product(x.to(torch.bfloat16), weight.to(torch.bfloat16), None).float()
+    return y if bias is None else y.add_(bias)
+
+
 class _OneDnnLinearFn(torch.autograd.Function):
     """y = x @ W.T + b with both passes on oneDNN: dx = dy @ W, dW = dy.T @ x, db = sum of dy."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, bf16):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _inner_product(x, weight, bias)
+        ctx.has_bias, ctx.bf16 = bias is not None, bf16
+        return _product(x, weight, bias, bf16)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _inner_product(dy, weight.t(), None)
+            dx = _product(dy, weight.t(), None, ctx.bf16)
         dy2 = dy.reshape(-1, dy.shape[-1])
         if ctx.needs_input_grad[1]:
-            dw = _inner_product(dy2.t(), x.reshape(-1, x.shape[-1]).t(), None)
+            dw = _product(dy2.t(), x.reshape(-1, x.shape[-1]).t(), None, ctx.bf16)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0)
-        return dx, dw, db
+        return dx, dw, db, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` with fp32 CPU tensors through oneDNN (differentiable once).
+    """``F.linear`` with fp32 CPU tensors through oneDNN (differentiable once; in bf16 inside
+    ``bf16_matmuls()`` where the CPU has it).
 
     Semantics: y = x @ weight.T + bias.
     Shapes: x (..., in); weight (out, in); bias (out,) or None -> (..., out).
     """
     if ONEDNN_LINEAR and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu":
+        bf16 = _BF16.get()
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
-            return _OneDnnLinearFn.apply(x, weight, bias)
-        return _inner_product(x, weight, bias)
+            return _OneDnnLinearFn.apply(x, weight, bias, bf16)
+        return _product(x, weight, bias, bf16)
     return F.linear(x, weight, bias)
 
 

@@ -34,6 +34,7 @@ from hmi.home import hmi_home
 from hmi.io import atomic_write_text, atomic_write_with
 from hmi.model.artifact import Root, save_artifact
 from hmi.model.hplm import HPLM
+from hmi.model.kernels import bf16_matmuls
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
@@ -56,6 +57,9 @@ class CalibrationConfig:
     checkpoint_every: int = 25
     backoff: bool = True
     length_grouped: bool = True  # batches of texts of similar length: little padding in the full-context passes
+    # The training steps' GEMMs in bf16 (fp32 accumulation) where the CPU multiplies bf16 natively
+    # (hmi.model.kernels.bf16_matmuls), fp32 elsewhere; the quality measures always run in fp32.
+    bf16: bool = False
     # The word embeddings stay the root's: the windowed layers learn around them, and the artifact
     # then stores no copy of the largest tensor (hmi.model.artifact stores what differs from the root).
     train_word_embeddings: bool = False
@@ -218,7 +222,8 @@ def same_recipe(saved: dict, config: dict) -> bool:
     """Whether a checkpoint's configuration is this one's.  Checkpoints written while a time
     budget was part of the recipe (``max_minutes``) match on the rest: a budget never changed
     what a step computes, and their runs continue to the recipe's end."""
-    return {k: v for k, v in saved.items() if k != "max_minutes"} == config
+    defaults = asdict(CalibrationConfig())  # settings added since: their defaults are the earlier behaviour
+    return {**defaults, **{k: v for k, v in saved.items() if k != "max_minutes"}} == {**defaults, **config}
 
 
 def resume(ckpt_path: Path, cfg: CalibrationConfig, fingerprint: str, windowed, fit: Fit, log) -> tuple[dict | None, float]:
@@ -273,7 +278,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
                  "before": json.dumps(before), "root": fingerprint, "spent_seconds": spent()}
         atomic_write_with(ckpt_path, lambda f: torch.save(state, f))
 
-    with deterministic():
+    with deterministic(), bf16_matmuls(cfg.bf16) as bf16:
         finished = distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, limit)
     step, seconds = fit.step_count, spent()
     if not finished:
@@ -287,6 +292,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     meta = {"calibration": {**asdict(cfg), "steps_done": step,
                             "train_seconds_this_run": round(seconds - spent_before, 1),
                             "train_seconds": round(seconds, 1),
+                            "bf16_matmuls": bf16,
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                             "cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}

@@ -79,3 +79,47 @@ def test_switching_the_kernel_off_gives_aten_results(monkeypatch):
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(linear(x, w, None), torch.nn.functional.linear(x, w, None))
+
+
+def _bf16_reference(x, w, b):
+    """The slow reference of a bf16 GEMM: the operands rounded to bf16, multiplied in fp64, the
+    product rounded to bf16 (oneDNN's output type), the bias added in fp32."""
+    y = (x.bfloat16().double() @ w.bfloat16().double().t()).bfloat16().float()
+    return y if b is None else y + b
+
+
+@pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16: bf16_matmuls() changes nothing")
+def test_bf16_matmuls_equal_the_rounded_reference_forward_and_backward():
+    g = torch.Generator().manual_seed(2)
+    x0 = torch.randn(4, 9, 96, generator=g)
+    w0, b0 = torch.randn(40, 96, generator=g) / 10, torch.randn(40, generator=g)
+    dy = torch.randn(4, 9, 40, generator=g)
+    x, w, b = (t.clone().requires_grad_(True) for t in (x0, w0, b0))
+    with kernels.bf16_matmuls() as on:
+        y = linear(x, w, b)
+        assert on and y.dtype == torch.float32
+        with torch.no_grad():
+            assert torch.equal(linear(x0, w0, b0), y.detach())  # the inference path multiplies the same way
+    y.backward(dy)
+    scale = lambda t: {"atol": 4e-3 * float(t.abs().max()), "rtol": 0}  # one bf16 rounding of the largest value
+    ref = _bf16_reference(x0, w0, b0)
+    torch.testing.assert_close(y.detach(), ref, **scale(ref))
+    assert not torch.equal(y.detach(), torch.nn.functional.linear(x0, w0, b0))  # bf16, not fp32
+    gx = _bf16_reference(dy, w0.t(), None)
+    gw = _bf16_reference(dy.reshape(-1, 40).t(), x0.reshape(-1, 96).t(), None)
+    torch.testing.assert_close(x.grad, gx, **scale(gx))
+    torch.testing.assert_close(w.grad, gw, **scale(gw))
+    torch.testing.assert_close(b.grad, dy.reshape(-1, 40).sum(0), atol=1e-5, rtol=1e-5)  # the bias stays fp32
+
+
+def test_outside_bf16_matmuls_or_without_native_bf16_the_linear_is_fp32_bit_for_bit(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(6, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    with torch.no_grad():
+        fp32 = linear(x, w, b)
+        with kernels.bf16_matmuls(enabled=False):
+            assert torch.equal(linear(x, w, b), fp32)
+        monkeypatch.setattr(kernels, "NATIVE_BF16", False)
+        with kernels.bf16_matmuls() as on:
+            assert not on and torch.equal(linear(x, w, b), fp32)
+    torch.testing.assert_close(fp32, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
