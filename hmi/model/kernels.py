@@ -79,15 +79,19 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
     bias added in fp32). Shapes: x (..., in); weight (out, in) -> (..., out)."""
     if not bf16:
         return _inner_product(x, weight, bias)
-    y = _inner_product(x.to(torch.bfloat16), weight.to(torch.bfloat16), None).float()
+    y = _inner_product(x.to(torch.bfloat16), weight.to(torch.bfloat16), None).float()  # no copy if bf16 already
     return y if bias is None else y.add_(bias)
 
 
 class _OneDnnLinearFn(torch.autograd.Function):
-    """y = x @ W.T + b with both passes on oneDNN: dx = dy @ W, dW = dy.T @ x, db = sum of dy."""
+    """y = x @ W.T + b with both passes on oneDNN: dx = dy @ W, dW = dy.T @ x, db = sum of dy.
+    With ``bf16``, x and W are rounded to bf16 once, in the forward pass, and kept so for the
+    backward one (half the memory, no second rounding); dy is rounded once."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, bf16):
+        if bf16:
+            x, weight = x.to(torch.bfloat16), weight.to(torch.bfloat16)
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.bf16 = bias is not None, bf16
         return _product(x, weight, bias, bf16)
@@ -96,13 +100,14 @@ class _OneDnnLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dw = db = None
+        g = dy.to(torch.bfloat16) if ctx.bf16 else dy
         if ctx.needs_input_grad[0]:
-            dx = _product(dy, weight.t(), None, ctx.bf16)
-        dy2 = dy.reshape(-1, dy.shape[-1])
+            dx = _product(g, weight.t(), None, ctx.bf16)
+        g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
-            dw = _product(dy2.t(), x.reshape(-1, x.shape[-1]).t(), None, ctx.bf16)
+            dw = _product(g2.t(), x.reshape(-1, x.shape[-1]).t(), None, ctx.bf16)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2.sum(0)
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
         return dx, dw, db, None
 
 

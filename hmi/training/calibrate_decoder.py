@@ -1,7 +1,11 @@
 """Calibration of a decoder root: copies of the lower layers learn to produce, from a causal
-window alone, the full-context model's hidden state at the split (MSE on real text).  The
-calibrated copies become a versioned artifact under ``HMI_HOME/roots``; the full model's own
-layers stay untouched (the upper layers are shared and frozen)."""
+window alone, the full-context model's hidden state at the split (MSE on real text).  With
+``weight_logits`` the frozen upper layers also run on the windowed states and the next-token
+distributions are matched to the full model's (KL divergence, the gradient flowing back through
+the upper layers into the windows): what perplexity measures, for deeper splits where the state
+at the split cannot be matched closely from three tokens.  The calibrated copies become a
+versioned artifact under ``HMI_HOME/roots``; the full model's own layers stay untouched (the
+upper layers are shared and frozen)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from safetensors.torch import load_file
 
 from hmi.data import held_out_texts, load_corpus
 from hmi.model.artifact import SHIPPED_DIR, install_folder, shipped_folder, write_artifact
-from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, window_states
+from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, upper_logits, window_states
 from hmi.model.root import weights_fingerprint
 from hmi.model.windows import causal_windows, unique_windows
 from hmi.training.fit import Fit
@@ -31,6 +35,7 @@ class DecoderCalibrationConfig:
     max_len: int = 128
     seed: int = 0
     eval_texts: int = 32
+    weight_logits: float = 0.0  # 0: the state at the split only (the shipped 2-layer recipe)
 
 
 def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrationConfig,
@@ -53,11 +58,27 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
             uniq, inv = unique_windows(causal_windows(ids.numpy(), mask.numpy()), mask.numpy())
             pred = window_states(root, torch.from_numpy(uniq), lower)[torch.from_numpy(inv[m])]
             step = fit.step_count
-            fit.step(((pred - target[torch.from_numpy(m)]) ** 2).mean())
+            loss = ((pred - target[torch.from_numpy(m)]) ** 2).mean()
+            if cfg.weight_logits:
+                loss = loss + cfg.weight_logits * logit_kl(root, pred, target, mask)
+            fit.step(loss)
             if step % 10 == 0 or step == cfg.steps - 1:
                 history.append((step, round(fit.last_loss, 5)))
     lower.eval().requires_grad_(False)
     return lower, {"history": history, "train_seconds": round(time.time() - t0, 1)}
+
+
+def logit_kl(root: DecoderRoot, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over real tokens of KL(full model || windowed) of the next-token distributions, the
+    upper layers run on the target states with the real tokens' ones replaced by ``pred``.
+    Shapes: pred (N, H) for the N real tokens in row-major order; target (B, T, H); mask (B, T)."""
+    m = mask.bool()
+    h = target.clone()
+    h[m] = pred
+    with torch.no_grad():
+        teacher = torch.log_softmax(upper_logits(root, target, mask)[m].float(), -1)
+    student = torch.log_softmax(upper_logits(root, h, mask)[m].float(), -1)
+    return torch.nn.functional.kl_div(student, teacher, log_target=True, reduction="batchmean")
 
 
 def decoder_roots_dir(home: Path) -> Path:

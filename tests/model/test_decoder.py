@@ -155,3 +155,31 @@ def test_the_kept_fp32_copy_of_the_decoder_loads_the_same_weights_and_tokenizer_
     assert again.tokenizer.eos_token == "<|im_end|>" and again.tokenizer.pad_token == first.tokenizer.pad_token
     ids = first.tokenizer(texts[0], return_tensors="pt")["input_ids"]
     assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+
+
+def test_the_logit_distillation_loss_is_the_kl_of_the_library_models_next_token_distributions():
+    """``logit_kl`` against a slow reference: the library model run on the split states with and
+    without the replaced ones, KL summed token by token; zero when the windows reproduce the
+    states, and its gradient reaches only the windowed states."""
+    from hmi.training.calibrate_decoder import logit_kl
+
+    root = tiny_decoder()
+    ids = torch.tensor([[5, 6, 7, 8, 9], [11, 12, 13, 0, 0]])
+    mask = (ids != 0).long()
+    target = full_hidden(root, ids, mask, root.l_low)
+    m = mask.bool()
+    assert float(logit_kl(root, target[m].clone(), target, mask)) == pytest.approx(0.0, abs=1e-6)
+    pred = (target[m] + 0.3 * torch.randn(int(m.sum()), 32, generator=torch.Generator().manual_seed(0)))
+    pred.requires_grad_(True)
+    got = logit_kl(root, pred, target, mask)
+    h = target.clone()
+    h[m] = pred.detach()
+    kl = 0.0
+    for b, t in m.nonzero().tolist():  # one real token at a time
+        p = torch.log_softmax(upper_logits(root, target, mask)[b, t], -1)
+        q = torch.log_softmax(upper_logits(root, h, mask)[b, t], -1)
+        kl += float((p.exp() * (p - q)).sum())
+    assert float(got) == pytest.approx(kl / int(m.sum()), rel=1e-4) and float(got) > 0
+    got.backward()
+    assert pred.grad is not None and pred.grad.abs().sum() > 0
+    assert all(p.grad is None for p in root.model.parameters())  # the upper layers stay frozen

@@ -1,0 +1,103 @@
+"""The time of one calibration step, fp32 against bf16 GEMMs, side by side.
+
+Usage: python benchmarks/bench_calibration_step.py [--quick] [--root mpnet-base] [--steps N]
+
+A step as ``hmi calibrate`` runs it (``hmi.training.calibrate.calibration_loss`` on length-grouped
+batches of 32 lines of the general corpus, read as the other half's PLOT serves them, then the
+optimizer step), on the root's uncalibrated windowed layers; the variants take turns on the same
+batches (``round_robin``), so a drift of the machine hits them alike:
+
+- **fp32**: the recipe's default;
+- **bf16**: inside ``hmi.model.kernels.bf16_matmuls()`` (``hmi calibrate --bf16``), where the CPU
+  has native bf16; elsewhere the row says it ran fp32.
+
+Also timed: the teacher's forward alone (the full-context root, no gradient), the part of a step
+that does not depend on what is trained. Writes docs/bench_calibration_step[_<root>].md.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import finish, result_name, root_flags, root_options, round_robin, start, table  # noqa: E402
+
+
+def main() -> None:
+    args = start(__doc__, lambda ap: (root_options(ap), ap.add_argument("--steps", type=int, default=None)))
+    import torch
+
+    from hmi.bootstrap import calibration_recipe
+    from hmi.data import load_corpus
+    from hmi.model.aliases import DEFAULT_ROOT
+    from hmi.model.artifact import uncalibrated_root
+    from hmi.model.catalog import root_spec
+    from hmi.model.hplm import HPLM
+    from hmi.model.kernels import NATIVE_BF16, bf16_matmuls
+    from hmi.model.root import full_forward
+    from hmi.training.calibrate import (
+        CalibrationConfig,
+        HeldOutBackoff,
+        calibration_loss,
+        distill_fit,
+        length_grouped,
+        token_lists,
+        tokenize,
+    )
+
+    name = args.root or DEFAULT_ROOT
+    rounds = args.steps or (3 if args.quick else 8)
+    cfg = CalibrationConfig(**calibration_recipe(name))
+    root = uncalibrated_root(root_spec(name, args.l_low, None))
+    texts = load_corpus("general")[: 2000 if args.quick else 8000]
+    lists = token_lists(root.tokenizer, texts, cfg.max_len)
+    held = HeldOutBackoff(lists)
+    rng = np.random.default_rng(0)
+    order = length_grouped(np.arange(0, len(texts), 2), [len(x) for x in lists], cfg.batch_size, rng)
+    batches = [tokenize(root.tokenizer, [texts[i] for i in order[b * cfg.batch_size:(b + 1) * cfg.batch_size]],
+                        cfg.max_len) for b in range(rounds + 1)]
+    hplm = HPLM(root.bert, root.windowed)
+    fit = distill_fit(root.windowed, cfg, "bench", progress=False)
+    root.windowed.train()
+    turn = {"i": 0}
+
+    def batch():
+        turn["i"] += 1
+        return batches[turn["i"] % len(batches)]
+
+    def step(bf16: bool):
+        def run():
+            ids, mask = batch()
+            with bf16_matmuls(bf16):
+                loss, _ = calibration_loss(root, hplm, ids, mask, cfg, held.serve(0))
+                fit.step(loss)
+        return run
+
+    def teacher():
+        ids, mask = batch()
+        with torch.no_grad():
+            full_forward(root.bert, ids, mask)
+
+    secs = round_robin({"fp32": step(False), "bf16": step(True), "teacher": teacher}, rounds)
+    tokens = sum(int(m.sum()) for _, m in batches) / len(batches)
+    rows = [("fp32 (the recipe's default)", f"{secs['fp32']:.2f}", "1.00", f"{tokens / secs['fp32']:.0f}"),
+            (f"bf16 GEMMs{'' if NATIVE_BF16 else ' (no native bf16 here: ran fp32)'}", f"{secs['bf16']:.2f}",
+             f"{secs['bf16'] / secs['fp32']:.2f}", f"{tokens / secs['bf16']:.0f}"),
+            ("teacher forward alone (fp32, no gradient)", f"{secs['teacher']:.2f}",
+             f"{secs['teacher'] / secs['fp32']:.2f}", f"{tokens / secs['teacher']:.0f}")]
+    text = (f"Root {name} split at L_low={root.spec.l_low}; batches of {cfg.batch_size} lines, "
+            f"{tokens:.0f} real tokens on average; median of {rounds} rounds.\n\n"
+            + table(rows, ("step", "seconds", "of fp32", "tokens/s")))
+    result = {"root": name, "l_low": root.spec.l_low, "native_bf16": NATIVE_BF16, "rounds": rounds,
+              "tokens_per_batch": round(tokens), **{f"{k}_s": round(v, 3) for k, v in secs.items()},
+              "bf16_over_fp32": round(secs["bf16"] / secs["fp32"], 3)}
+    quick = " --quick" if args.quick else ""
+    finish(result_name("bench_calibration_step", args), text, result,
+           f"python benchmarks/bench_calibration_step.py{quick}{root_flags(args)}")
+
+
+if __name__ == "__main__":
+    main()
