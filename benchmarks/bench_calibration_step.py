@@ -1,15 +1,18 @@
-"""The time of one calibration step, fp32 against bf16 GEMMs, side by side.
+"""The time of one calibration step: before and after the changes that made it cheaper, side by side.
 
 Usage: python benchmarks/bench_calibration_step.py [--quick] [--root mpnet-base] [--steps N]
 
 A step as ``hmi calibrate`` runs it (``hmi.training.calibrate.calibration_loss`` on length-grouped
 batches of 32 lines of the general corpus, read as the other half's PLOT serves them, then the
-optimizer step), on the root's uncalibrated windowed layers; the variants take turns on the same
-batches (``round_robin``), so a drift of the machine hits them alike:
+optimizer step, inside ``hmi.training.fit.deterministic()`` as the recipe runs it), on the root's
+uncalibrated windowed layers; the variants take turns on the same batches (``round_robin``), so a
+drift of the machine hits them alike:
 
-- **fp32**: the recipe's default;
-- **bf16**: inside ``hmi.model.kernels.bf16_matmuls()`` (``hmi calibrate --bf16``), where the CPU
-  has native bf16; elsewhere the row says it ran fp32.
+- **before**: fp32, with torch's deterministic mode filling every new tensor with NaN (its
+  default, ``torch.utils.deterministic.fill_uninitialized_memory``);
+- **fp32**: deterministic without that fill (``deterministic()`` today: the same bits);
+- **bf16**: and the GEMMs inside ``hmi.model.kernels.bf16_matmuls()`` (``hmi calibrate --bf16``),
+  where the CPU has native bf16; elsewhere the row says it ran fp32.
 
 Also timed: the teacher's forward alone (the full-context root, no gradient), the part of a step
 that does not depend on what is trained. Writes docs/bench_calibration_step[_<root>].md.
@@ -47,6 +50,7 @@ def main() -> None:
         token_lists,
         tokenize,
     )
+    from hmi.training.fit import deterministic
 
     name = args.root or DEFAULT_ROOT
     rounds = args.steps or (3 if args.quick else 8)
@@ -68,10 +72,11 @@ def main() -> None:
         turn["i"] += 1
         return batches[turn["i"] % len(batches)]
 
-    def step(bf16: bool):
+    def step(bf16: bool, fill: bool = False):
         def run():
             ids, mask = batch()
-            with bf16_matmuls(bf16):
+            with deterministic(), bf16_matmuls(bf16):
+                torch.utils.deterministic.fill_uninitialized_memory = fill  # deterministic() restores it
                 loss, _ = calibration_loss(root, hplm, ids, mask, cfg, held.serve(0))
                 fit.step(loss)
         return run
@@ -81,19 +86,21 @@ def main() -> None:
         with torch.no_grad():
             full_forward(root.bert, ids, mask)
 
-    secs = round_robin({"fp32": step(False), "bf16": step(True), "teacher": teacher}, rounds)
+    secs = round_robin({"before": step(False, fill=True), "fp32": step(False), "bf16": step(True),
+                        "teacher": teacher}, rounds)
     tokens = sum(int(m.sum()) for _, m in batches) / len(batches)
-    rows = [("fp32 (the recipe's default)", f"{secs['fp32']:.2f}", "1.00", f"{tokens / secs['fp32']:.0f}"),
-            (f"bf16 GEMMs{'' if NATIVE_BF16 else ' (no native bf16 here: ran fp32)'}", f"{secs['bf16']:.2f}",
-             f"{secs['bf16'] / secs['fp32']:.2f}", f"{tokens / secs['bf16']:.0f}"),
-            ("teacher forward alone (fp32, no gradient)", f"{secs['teacher']:.2f}",
-             f"{secs['teacher'] / secs['fp32']:.2f}", f"{tokens / secs['teacher']:.0f}")]
+    labels = {"before": "fp32, deterministic mode's NaN fill on (before)",
+              "fp32": "fp32, the fill off (the same bits)",
+              "bf16": f"bf16 GEMMs, the fill off{'' if NATIVE_BF16 else ' (no native bf16 here: ran fp32)'}",
+              "teacher": "teacher forward alone (fp32, no gradient)"}
+    rows = [(labels[k], f"{secs[k]:.2f}", f"{secs[k] / secs['before']:.2f}", f"{tokens / secs[k]:.0f}") for k in labels]
     text = (f"Root {name} split at L_low={root.spec.l_low}; batches of {cfg.batch_size} lines, "
             f"{tokens:.0f} real tokens on average; median of {rounds} rounds.\n\n"
-            + table(rows, ("step", "seconds", "of fp32", "tokens/s")))
+            + table(rows, ("step", "seconds", "of before", "tokens/s")))
     result = {"root": name, "l_low": root.spec.l_low, "native_bf16": NATIVE_BF16, "rounds": rounds,
               "tokens_per_batch": round(tokens), **{f"{k}_s": round(v, 3) for k, v in secs.items()},
-              "bf16_over_fp32": round(secs["bf16"] / secs["fp32"], 3)}
+              "fp32_over_before": round(secs["fp32"] / secs["before"], 3),
+              "bf16_over_before": round(secs["bf16"] / secs["before"], 3)}
     quick = " --quick" if args.quick else ""
     finish(result_name("bench_calibration_step", args), text, result,
            f"python benchmarks/bench_calibration_step.py{quick}{root_flags(args)}")

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterable
 
 import torch
+import torch.utils.deterministic
 from tqdm import tqdm
 
 
@@ -21,13 +22,21 @@ from tqdm import tqdm
 def deterministic():
     """Training that repeats bit for bit on one machine (same CPU kind, torch build and thread
     count): torch's kernels that accumulate in arrival order (the backward of index gathers,
-    ``index_put_`` with accumulate) take their ordered variants inside the block."""
-    was = torch.are_deterministic_algorithms_enabled()
+    ``index_put_`` with accumulate) take their ordered variants inside the block.
+
+    Deterministic mode also fills every new tensor's memory with NaN by default
+    (``torch.utils.deterministic.fill_uninitialized_memory``), a safeguard against kernels that
+    read memory they did not write; here that fill took a quarter of a 12-layer calibration
+    step. It is off inside the block: the kernels write what they return, so the results are
+    the same bits (the shipped root artifact is reproduced, ``hmi calibrate --check-shipped``)."""
+    was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 class Cancelled(RuntimeError):

@@ -284,3 +284,36 @@ def test_a_checkpoint_of_a_budget_that_shortened_the_schedule_continues_to_the_r
     slow_machine["n"] = 0
     _, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], RECIPE, **run)
     assert (slow_machine["n"], meta["calibration"]["steps_done"]) == (28, 40)
+
+
+def test_deterministic_training_skips_the_nan_fill_and_calibrates_the_same_bits_as_with_it(tmp_path, monkeypatch):
+    """Deterministic mode's NaN fill of new tensors costs time and changes no result: inside
+    ``deterministic()`` it is off (and restored after), and a calibration gives the same weights,
+    bit for bit, as one run with the fill on."""
+    from contextlib import contextmanager
+
+    import torch.utils.deterministic
+
+    import hmi.training.calibrate as cal
+    from hmi.training.fit import deterministic
+
+    before = torch.utils.deterministic.fill_uninitialized_memory
+    with deterministic():
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
+    assert torch.utils.deterministic.fill_uninitialized_memory == before
+    cfg = CalibrationConfig(steps=6, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2)
+    without = tiny_root()
+    calibrate(without, TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "a", home=tmp_path / "ha", log=lambda *_: None)
+
+    @contextmanager
+    def with_fill():
+        with deterministic():
+            torch.utils.deterministic.fill_uninitialized_memory = True
+            yield
+
+    monkeypatch.setattr(cal, "deterministic", with_fill)
+    filled = tiny_root()
+    calibrate(filled, TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
+    for (k, x), (_, y) in zip(without.windowed.state_dict().items(), filled.windowed.state_dict().items()):
+        assert torch.equal(x, y), k
