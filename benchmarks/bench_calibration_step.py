@@ -56,11 +56,11 @@ def main() -> None:
     rounds = args.steps or (3 if args.quick else 8)
     cfg = CalibrationConfig(**calibration_recipe(name))
     root = uncalibrated_root(root_spec(name, args.l_low, None))
-    texts = load_corpus("general")[: 2000 if args.quick else 8000]
+    texts = load_corpus("general")  # the whole corpus, as the recipe reads it: its batches' lengths
     lists = token_lists(root.tokenizer, texts, cfg.max_len)
     held = HeldOutBackoff(lists)
     rng = np.random.default_rng(0)
-    order = length_grouped(np.arange(0, len(texts), 2), [len(x) for x in lists], cfg.batch_size, rng)
+    order = length_grouped(rng.permutation(np.arange(0, len(texts), 2)), [len(x) for x in lists], cfg.batch_size, rng)
     batches = [tokenize(root.tokenizer, [texts[i] for i in order[b * cfg.batch_size:(b + 1) * cfg.batch_size]],
                         cfg.max_len) for b in range(rounds + 1)]
     hplm = HPLM(root.bert, root.windowed)

@@ -103,7 +103,7 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
         else:
             steps = CalibrationConfig(**calibration_recipe(root)).steps
             print(f"calibrating the root {spec.name} at L_low={spec.l_low} (first start only: {steps} steps, about "
-                  "10 minutes on 2 cores for MiniLM-L6, 1.5 to 3.5 hours for mpnet-base; stopped, it continues "
+                  "10 minutes on 2 cores for MiniLM-L6, 1 to 3.5 hours for mpnet-base; stopped, it continues "
                   "from its last checkpoint)")
             calibrate_default(spec.l_low, home=home, root=root)
     root = load_root(home=home, spec=spec)

@@ -3,6 +3,7 @@ layers and its PLOTs (the model side: this module is imported only when one of t
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -72,8 +73,8 @@ def cmd_calibrate(args) -> int:
     for k, v in {**given, "max_minutes": args.max_minutes}.items():
         if v is not None and not v > 0:
             raise SystemExit(f"hmi calibrate: --{k.replace('_', '-')} must be positive, got {v}")
-    if args.bf16:
-        given["bf16"] = True
+    if args.bf16 is not None:
+        given["bf16"] = args.bf16
     quiet_transformers()
 
     if args.threads:
@@ -280,9 +281,9 @@ def _calibrate_args(cal) -> None:
                      help="limit this invocation (default: none): past it, the encoder calibration stops at a "
                           "checkpoint and exits with status 75; the same command continues it. The recipe (steps, "
                           "schedule) is the same however many invocations it takes")
-    cal.add_argument("--bf16", action="store_true",
+    cal.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                      help="the training steps' matrix products in bf16 where the CPU computes bf16 natively "
-                          "(AVX512_BF16, AMX; about twice the fp32 rate), fp32 elsewhere")
+                          "(AVX512_BF16, AMX), fp32 elsewhere (default: the root's recipe, on for mpnet-base)")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",
