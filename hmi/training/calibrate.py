@@ -182,7 +182,7 @@ def distill_fit(windowed, cfg: CalibrationConfig, desc: str, **fit_options) -> F
 
 
 def distill_steps(root: Root, train_texts: list[str], cfg: CalibrationConfig, fit: Fit, backoff: HeldOutBackoff | None,
-                  lengths: list[int], checkpoint, log, limit: TimeLimit | None = None) -> bool:
+                  lengths: list[int], checkpoint, limit: TimeLimit | None = None) -> bool:
     """The calibration steps from ``fit.step_count`` to the end, calling ``checkpoint()`` every
     ``cfg.checkpoint_every`` steps and at the end.  With a ``limit``, the steps stop after the
     first one run once it is spent (at least one step per call), with a checkpoint there.
@@ -279,7 +279,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         atomic_write_with(ckpt_path, lambda f: torch.save(state, f))
 
     with deterministic(), bf16_matmuls(cfg.bf16) as bf16:
-        finished = distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, log, limit)
+        finished = distill_steps(root, train_texts, cfg, fit, backoff, [len(x) for x in lists], checkpoint, limit)
     step, seconds = fit.step_count, spent()
     if not finished:
         pace = seconds / max(1, step)

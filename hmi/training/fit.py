@@ -27,8 +27,9 @@ def deterministic():
     Deterministic mode also fills every new tensor's memory with NaN by default
     (``torch.utils.deterministic.fill_uninitialized_memory``), a safeguard against kernels that
     read memory they did not write; without it a 12-layer calibration step takes 0.91 of the
-    time (``benchmarks/bench_calibration_step.py``). It is off inside the block: the kernels write what they return, so the results are
-    the same bits (the shipped root artifact is reproduced, ``hmi calibrate --check-shipped``)."""
+    time (``benchmarks/bench_calibration_step.py``). It is off inside the block: the kernels
+    write what they return, so the results are the same bits (the shipped root artifact is
+    reproduced, ``hmi calibrate --check-shipped``)."""
     was, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
     torch.utils.deterministic.fill_uninitialized_memory = False
@@ -61,12 +62,6 @@ class Fit:
     @property
     def done(self) -> bool:
         return self.step_count >= self.total
-
-    def set_total(self, total: int) -> None:
-        """A new planned number of steps (a time budget that will not hold the first plan)."""
-        self.total = total
-        self.bar.total = total
-        self.bar.refresh()
 
     def check(self) -> None:
         """Raises :class:`Cancelled` when the run was asked to stop."""

@@ -194,7 +194,7 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
 
     t0 = time.time()
     with deterministic():  # distill_steps enters ``fit``
-        distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], save, lambda _msg: None)
+        distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], save)
     step = fit.step_count
     encoder.eval().requires_grad_(False)
     after = quality(branch, held, cfg.max_len, cfg.batch_size, serve=backoff.serve(None))
