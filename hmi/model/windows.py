@@ -59,3 +59,17 @@ def unique_windows(win: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.nd
     inverse = np.full(mask.shape, -1, dtype=np.int64)
     inverse[mask] = inv.reshape(-1)
     return uniq.astype(np.int64), inverse
+
+
+def present_groups(present: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Windows grouped by which of their three tokens are present, for computing each window on
+    its present tokens alone.
+
+    Semantics: one group per distinct row of ``present``, in order of that row read as a binary
+    number: (the windows with that row, the columns where it is True).
+    Shapes: present (N, 3) bool -> [(rows (n,) int64, cols (k,) int64), ...].
+    """
+    present = np.asarray(present).astype(bool)
+    code = present.astype(np.int64) @ np.array([4, 2, 1])
+    return [(np.flatnonzero(code == c), np.flatnonzero([c >> 2 & 1, c >> 1 & 1, c & 1]))
+            for c in np.unique(code)]

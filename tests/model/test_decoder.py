@@ -179,7 +179,7 @@ def test_the_logit_distillation_loss_is_the_kl_of_the_library_models_next_token_
         p = torch.log_softmax(upper_logits(root, target, mask)[b, t], -1)
         q = torch.log_softmax(upper_logits(root, h, mask)[b, t], -1)
         kl += float((p.exp() * (p - q)).sum())
-    assert float(got) == pytest.approx(kl / int(m.sum()), rel=1e-4) and float(got) > 0
+    assert got.item() == pytest.approx(kl / int(m.sum()), rel=1e-4) and got.item() > 0
     got.backward()
     assert pred.grad is not None and pred.grad.abs().sum() > 0
     assert all(p.grad is None for p in root.model.parameters())  # the upper layers stay frozen

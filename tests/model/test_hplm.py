@@ -1,8 +1,10 @@
 import numpy as np
+import pytest
 import torch
 
 from hmi.model.hplm import HPLM, Merge, WindowedEncoder, WindowedLower
 from hmi.model.root import extended_mask
+from tests.conftest import tiny_bert
 
 
 def test_windowed_lower_runs_each_window_as_its_own_sequence(bert):
@@ -21,6 +23,56 @@ def test_windowed_lower_runs_each_window_as_its_own_sequence(bert):
         g = h * torch.sigmoid(lower.gate(h)) * m[..., None]
         torch.testing.assert_close(rep[n], g[0], atol=1e-5, rtol=1e-5)
     assert (rep[0, 0] == 0).all() and (rep[2, 2] == 0).all() and (rep[3, 0] == 0).all()
+
+
+def mixed_windows(vocab: int, n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` windows of every shape a PLOT holds, shuffled: tri-grams, bi-grams (0, c, r), text
+    edges (l, c, 0) and uni-grams (0, c, 0). Shapes: -> (n, 3) int64."""
+    g = np.random.default_rng(seed)
+    win = g.integers(2, vocab, size=(n, 3))
+    shape = g.integers(0, 4, size=n)
+    win[(shape == 1) | (shape == 3), 0] = 0
+    win[(shape == 2) | (shape == 3), 2] = 0
+    return torch.from_numpy(win)
+
+
+def masked_reference(lower: WindowedLower, windows: torch.Tensor) -> torch.Tensor:
+    """Every window as a masked length-3 sequence, gated, +0.0 at absent tokens."""
+    h = lower.masked_states(windows)
+    return torch.where(lower.window_mask(windows).unsqueeze(-1), h * torch.sigmoid(lower.gate(h)), 0.0)
+
+
+@pytest.mark.parametrize("family", ["bert", "mpnet", "minilm-l6"])
+def test_windows_computed_on_their_present_tokens_alone_equal_the_masked_sequences_bit_for_bit(
+        family, tmp_path, real_root):
+    """Without gradients a window runs on its present tokens alone (the PLOT build's fast path):
+    the same bits as running it masked at length 3, for BERT, MPNet's relative position bias and
+    the real MiniLM-L6, at a build's chunk size and at an odd one."""
+    if family == "mpnet":
+        from hmi.model.convert import convert_checkpoint
+        from hmi.model.root import load_bert
+        from tests.model.test_convert import tiny_checkpoint
+
+        convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "bert")
+        model = load_bert(str(tmp_path / "bert"))
+    else:
+        model = tiny_bert() if family == "bert" else real_root.bert
+    lower = WindowedLower(model, 3 if family == "minilm-l6" else 2).eval()
+    torch.nn.init.normal_(lower.gate.weight, std=0.1)  # a gate that varies by row
+    for n in (2048, 333):
+        windows = mixed_windows(model.config.vocab_size, n, seed=n)
+        with torch.no_grad():
+            fast = lower(windows)
+        ref = masked_reference(lower, windows).detach()
+        assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+
+
+def test_windows_computed_with_gradients_run_masked_as_calibration_trained_them(bert):
+    lower = WindowedLower(bert, 2)
+    windows = mixed_windows(bert.config.vocab_size, 64)
+    rep = lower(windows)
+    assert rep.requires_grad
+    assert torch.equal(rep.detach().view(torch.int32), masked_reference(lower, windows).detach().view(torch.int32))
 
 
 def test_gate_scales_rows_by_sigmoid_of_linear(bert):

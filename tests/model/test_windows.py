@@ -1,6 +1,6 @@
 import numpy as np
 
-from hmi.model.windows import causal_windows, encoder_windows, unique_windows
+from hmi.model.windows import causal_windows, encoder_windows, present_groups, unique_windows
 
 
 def ref_encoder_windows(ids, mask):
@@ -54,3 +54,14 @@ def test_unique_windows_inverse_reconstructs_batch():
     assert len(uniq) < mask.sum()
     np.testing.assert_array_equal(uniq[inv[mask.astype(bool)]], win[mask.astype(bool)])
     assert (inv[~mask.astype(bool)] == -1).all()
+
+
+def test_present_groups_partition_the_windows_by_their_present_tokens():
+    present = np.array([[1, 1, 1], [0, 1, 1], [1, 1, 0], [0, 1, 0], [0, 1, 1], [1, 1, 1]], dtype=bool)
+    groups = present_groups(present)
+    assert sorted(np.concatenate([rows for rows, _ in groups]).tolist()) == list(range(len(present)))
+    for rows, cols in groups:
+        for r in rows:
+            assert np.flatnonzero(present[r]).tolist() == cols.tolist()
+    assert [(rows.tolist(), cols.tolist()) for rows, cols in groups] == [
+        ([3], [1]), ([1, 4], [1, 2]), ([2], [0, 1]), ([0, 5], [0, 1, 2])]
