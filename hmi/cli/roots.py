@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ from hmi.plot.store import PlotStore
 from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.timelimit import EXIT_UNFINISHED
 from hmi.training.calibrate import CalibrationUnfinished
-from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, load_calibrated_decoder
+from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe, load_calibrated_decoder
 from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, train_demo, train_demo_decoder
 
 
@@ -51,8 +52,15 @@ def cmd_calibrate_decoder(args) -> int:
             raise SystemExit("hmi calibrate --decoder --check-shipped: the shipped windows are reproduced with the "
                              "defaults only")
         return report_check(*check_shipped_decoder(args.l_low or DECODER_L_LOW))
-    cfg = DecoderCalibrationConfig(steps=args.steps or DecoderCalibrationConfig.steps)
-    root, meta = calibrate_and_save(hmi_home(), args.l_low or DECODER_L_LOW, cfg)
+    l_low = args.l_low or DECODER_L_LOW
+    cfg = decoder_recipe(l_low)
+    if args.steps:
+        cfg = replace(cfg, steps=args.steps)
+    try:
+        root, meta = calibrate_and_save(hmi_home(), l_low, cfg, max_minutes=args.max_minutes)
+    except CalibrationUnfinished as exc:
+        print(f"{exc}: run the same command again to continue", file=sys.stderr)
+        return EXIT_UNFINISHED
     q = meta["quality"]
     print(f"decoder root {root.artifact_id}: perplexity on {q['eval_texts']} held-out texts: full model {q['ppl_full']}, "
           f"naive windows {q['ppl_naive_window']}, calibrated windows {q['ppl_calibrated']} "
@@ -269,7 +277,8 @@ def arguments(command: str, parser) -> None:
 
 def _calibrate_args(cal) -> None:
     cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
-    cal.add_argument("--steps", type=int, default=None, help="default 600 (encoder; 800 for mpnet-base), 150 (decoder)")
+    cal.add_argument("--steps", type=int, default=None,
+                     help="default 600 (encoder; 800 for mpnet-base), 150 (decoder; 300 deeper than 2 layers)")
     cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
     cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder; 3e-4 for mpnet-base)")
     cal.add_argument("--seed", type=int, default=0)
@@ -278,7 +287,7 @@ def _calibrate_args(cal) -> None:
     cal.add_argument("--l-low", type=int, default=None,
                      help="lower layers: default half the root's (3 of 6, 6 of 12); decoder: 2 of 30")
     cal.add_argument("--max-minutes", type=float, default=None,
-                     help="limit this invocation (default: none): past it, the encoder calibration stops at a "
+                     help="limit this invocation (default: none): past it, the calibration stops at a "
                           "checkpoint and exits with status 75; the same command continues it. The recipe (steps, "
                           "schedule) is the same however many invocations it takes")
     cal.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,11 +19,17 @@ import torch
 from safetensors.torch import load_file
 
 from hmi.data import held_out_texts, load_corpus
+from hmi.io import atomic_write_with
+from hmi.model.aliases import DECODER_L_LOW
 from hmi.model.artifact import SHIPPED_DIR, install_folder, shipped_folder, write_artifact
 from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, upper_logits, window_states
 from hmi.model.root import weights_fingerprint
 from hmi.model.windows import causal_windows, unique_windows
+from hmi.timelimit import TimeLimit
+from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.fit import Fit
+
+CHECKPOINT_EVERY = 25  # steps between checkpoints (and one at an invocation's time limit)
 
 
 @dataclass
@@ -38,15 +43,49 @@ class DecoderCalibrationConfig:
     weight_logits: float = 0.0  # 0: the state at the split only (the shipped 2-layer recipe)
 
 
-def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrationConfig,
-                      progress: bool = True) -> tuple[torch.nn.ModuleList, dict]:
-    """Trains copies of the lower layers; returns them and the loss history."""
+def decoder_recipe(l_low: int) -> DecoderCalibrationConfig:
+    """The calibration recipe of a split: up to the shipped split (``DECODER_L_LOW``) the state at
+    the split alone; deeper, where three tokens cannot reproduce that state closely, the logit
+    distillation too (weight 1.0) over 300 steps (``docs/roots.md``, hGPT with 8 windowed layers)."""
+    if l_low <= DECODER_L_LOW:
+        return DecoderCalibrationConfig()
+    return DecoderCalibrationConfig(steps=300, weight_logits=1.0)
+
+
+def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrationConfig, progress: bool = True,
+                      checkpoint: Path | None = None, limit: TimeLimit | None = None) -> tuple[torch.nn.ModuleList, dict]:
+    """Trains copies of the lower layers; returns them and the loss history.
+
+    With ``checkpoint`` (a file) the run writes its state there every ``CHECKPOINT_EVERY`` steps
+    and continues from it when it holds this recipe on this decoder: the same weights as an
+    uninterrupted run.  With ``limit`` it stops after the first step once the limit is spent,
+    with a checkpoint there, and raises :class:`CalibrationUnfinished`.
+    """
     torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
     lower = copy.deepcopy(root.layers[:root.l_low]).requires_grad_(True).train()
-    tok, history, t0 = root.tokenizer, [], time.time()
-    with Fit(lower.parameters(), cfg.steps, lr=cfg.lr, weight_decay=0.0, desc="calibrate decoder",
-             progress=progress) as fit:
+    tok, clock = root.tokenizer, TimeLimit(None)
+    fit = Fit(lower.parameters(), cfg.steps, lr=cfg.lr, weight_decay=0.0, desc="calibrate decoder", progress=progress)
+    recipe = {"config": asdict(cfg), "l_low": root.l_low, "root": weights_fingerprint(root.model)}
+    history, spent_before = [], 0.0
+    if checkpoint is not None and checkpoint.exists():
+        ck = torch.load(checkpoint, weights_only=True)
+        if all(ck.get(k) == v for k, v in recipe.items()):
+            lower.load_state_dict(ck["lower"])
+            fit.load_state_dict(ck)
+            history, spent_before = ck["history"], ck["spent_seconds"]
+    for _ in range(fit.step_count):  # the batches of the steps already taken
+        rng.integers(0, len(lines), cfg.batch_size)
+
+    def spent() -> float:
+        return spent_before + clock.elapsed()
+
+    def save() -> None:
+        state = {"lower": lower.state_dict(), **fit.state_dict(), **recipe, "history": history,
+                 "spent_seconds": spent()}
+        atomic_write_with(checkpoint, lambda f: torch.save(state, f))
+
+    with fit:
         while not fit.done:
             batch = [lines[i] for i in rng.integers(0, len(lines), cfg.batch_size)]
             enc = tok(batch, truncation=True, max_length=cfg.max_len, padding=True, return_tensors="pt",
@@ -63,9 +102,18 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
                 loss = loss + cfg.weight_logits * logit_kl(root, pred, target, mask)
             fit.step(loss)
             if step % 10 == 0 or step == cfg.steps - 1:
-                history.append((step, round(fit.last_loss, 5)))
+                history.append([step, round(fit.last_loss, 5)])
+            stop = not fit.done and limit is not None and limit.spent()
+            if checkpoint is not None and (fit.step_count % CHECKPOINT_EVERY == 0 or stop):
+                save()
+            if stop:
+                pace = spent() / fit.step_count
+                raise CalibrationUnfinished(
+                    f"{limit.minutes:g} minutes spent: decoder calibration stopped at step {fit.step_count} of "
+                    f"{cfg.steps} ({pace:.1f} s a step, about {pace * (cfg.steps - fit.step_count) / 60:.0f} minutes "
+                    f"left), its checkpoint in {checkpoint}")
     lower.eval().requires_grad_(False)
-    return lower, {"history": history, "train_seconds": round(time.time() - t0, 1)}
+    return lower, {"history": history, "train_seconds": round(spent(), 1)}
 
 
 def logit_kl(root: DecoderRoot, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -130,14 +178,19 @@ def install_shipped_decoder(home: Path, root: DecoderRoot, shipped: Path = SHIPP
                           "current_decoder").rsplit("-l", 1)[0]
 
 
-def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True) -> tuple[DecoderRoot, dict]:
-    """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save."""
+def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True,
+                       max_minutes: float | None = None) -> tuple[DecoderRoot, dict]:
+    """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save.
+    Resumes from (and, past ``max_minutes``, stops at) its checkpoint under ``HMI_HOME/calibration``."""
+    limit = TimeLimit(max_minutes)
     root = load_decoder(l_low=l_low)
     texts = held_out_texts(cfg.eval_texts)
     with torch.no_grad():
         ppl_full = perplexity(root, texts, "full")
         ppl_naive = perplexity(root, texts, "windowed")
-    lower, info = calibrate_decoder(root, load_corpus("general"), cfg, progress)
+    work = Path(home) / "calibration" / f"decoder-l{l_low}-seed{cfg.seed}"
+    work.mkdir(parents=True, exist_ok=True)
+    lower, info = calibrate_decoder(root, load_corpus("general"), cfg, progress, work / "checkpoint.pt", limit)
     with torch.no_grad():
         ppl_cal = perplexity(root, texts, "windowed", lower=lower)
     quality = {"ppl_full": round(ppl_full, 3), "ppl_naive_window": round(ppl_naive, 3),
@@ -145,4 +198,5 @@ def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, pr
     meta = {"config": asdict(cfg), "quality": quality, "root_fingerprint": weights_fingerprint(root.model), **info}
     root.name = save_decoder_artifact(root, lower, meta, home)
     root.windowed = lower
+    (work / "checkpoint.pt").unlink(missing_ok=True)  # done: the artifact holds it
     return root, meta

@@ -1,0 +1,74 @@
+"""A decoder calibration survives interruption: ``max_minutes`` limits one invocation, which
+stops at a checkpoint of its own, and the same call continues to the weights of an uninterrupted
+run; deeper splits take the logit-distillation recipe."""
+
+import pytest
+import torch
+
+import hmi.timelimit
+import hmi.training.calibrate_decoder as cd
+from hmi.training.calibrate import CalibrationUnfinished
+from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_decoder, decoder_recipe
+from tests.model.test_decoder import tiny_decoder
+from tests.scheduler.test_generation import CharTokenizer
+
+LINES = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day",
+         "stocks fell sharply today", "licenses permit copying"] * 4
+# 30 steps with the logit distillation; on ``slow_machine`` each takes 1 s of the time limit's clock.
+RECIPE = DecoderCalibrationConfig(steps=30, batch_size=3, lr=3e-3, weight_logits=1.0)
+
+
+def tiny_root():
+    root = tiny_decoder()
+    root.tokenizer = CharTokenizer()
+    return root
+
+
+@pytest.fixture
+def slow_machine(monkeypatch) -> dict:
+    """Each calibration step takes 1 s of the time limit's clock; returns the count of steps run."""
+    clock, steps = {"now": 0.0}, {"n": 0}
+    orig = cd.full_hidden
+
+    def slow_step(*args, **kw):
+        clock["now"] += 1.0
+        steps["n"] += 1
+        return orig(*args, **kw)
+
+    monkeypatch.setattr(hmi.timelimit, "_now", lambda: clock["now"])
+    monkeypatch.setattr(cd, "full_hidden", slow_step)
+    return steps
+
+
+def test_a_time_limit_stops_a_decoder_calibration_at_a_checkpoint_and_the_same_call_ends_bit_for_bit(
+        tmp_path, slow_machine):
+    whole, info = calibrate_decoder(tiny_root(), LINES, RECIPE, progress=False, checkpoint=tmp_path / "whole.pt")
+    assert info["train_seconds"] == 30.0
+    slow_machine["n"] = 0
+    run = {"progress": False, "checkpoint": tmp_path / "sliced.pt", "limit": None}
+    for stop_at in (12, 24):
+        run["limit"] = hmi.timelimit.TimeLimit(0.2)
+        with pytest.raises(CalibrationUnfinished, match=f"stopped at step {stop_at} of 30"):
+            calibrate_decoder(tiny_root(), LINES, RECIPE, **run)
+        assert torch.load(tmp_path / "sliced.pt", weights_only=True)["step"] == stop_at
+    run["limit"] = hmi.timelimit.TimeLimit(0.2)
+    sliced, info = calibrate_decoder(tiny_root(), LINES, RECIPE, **run)
+    assert slow_machine["n"] == 30  # every step once: each call went on from the last
+    assert info["train_seconds"] == 30.0
+    for (name, a), b in zip(whole.state_dict().items(), sliced.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_decoder_checkpoint_of_another_recipe_is_not_continued(tmp_path, slow_machine):
+    run = {"progress": False, "checkpoint": tmp_path / "c.pt"}
+    with pytest.raises(CalibrationUnfinished):
+        calibrate_decoder(tiny_root(), LINES, RECIPE, limit=hmi.timelimit.TimeLimit(0.2), **run)
+    slow_machine["n"] = 0
+    other = DecoderCalibrationConfig(**{**RECIPE.__dict__, "lr": 1e-3})
+    calibrate_decoder(tiny_root(), LINES, other, **run)
+    assert slow_machine["n"] == 30  # started over
+
+
+def test_deeper_decoder_splits_take_the_logit_distillation_recipe():
+    assert decoder_recipe(2) == DecoderCalibrationConfig()
+    assert (decoder_recipe(8).weight_logits, decoder_recipe(8).steps) == (1.0, 300)
