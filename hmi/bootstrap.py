@@ -77,11 +77,11 @@ def check_shipped_decoder(l_low: int = DECODER_L_LOW) -> tuple[str | None, str]:
     """``check_shipped`` for the decoder root: (the shipped windows' artifact folder or None, the
     folder just calibrated with the defaults); the folder's name holds the weights' digest."""
     from hmi.model.decoder import load_decoder
-    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save, find_shipped_decoder
+    from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe, find_shipped_decoder
 
     shipped = find_shipped_decoder(load_decoder(l_low=l_low))
     with tempfile.TemporaryDirectory(prefix="hmi-check-") as tmp:
-        root, _ = calibrate_and_save(Path(tmp), l_low, DecoderCalibrationConfig())
+        root, _ = calibrate_and_save(Path(tmp), l_low, decoder_recipe(l_low))
     return (shipped.name if shipped else None), root.artifact_id
 
 
@@ -227,10 +227,10 @@ def start_root_plot_build(home: Path, root: str = DEFAULT_ROOT, l_low: int | Non
 def _calibrate_decoder_child(home: str, l_low: int) -> None:
     quiet_transformers()
     tune_allocator()
-    from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_and_save
+    from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe
 
     ensure_data()
-    calibrate_and_save(Path(home), l_low, DecoderCalibrationConfig())
+    calibrate_and_save(Path(home), l_low, decoder_recipe(l_low))
 
 
 def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW):
@@ -239,7 +239,7 @@ def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW):
     and sha256); else calibrated in a child process (its memory returns to the system when it
     ends).  Its causal PLOT is left to ``build_root_plot_in_background(decoder=True)``."""
     from hmi.model.decoder import load_decoder
-    from hmi.training.calibrate_decoder import install_shipped_decoder, load_calibrated_decoder
+    from hmi.training.calibrate_decoder import decoder_recipe, install_shipped_decoder, load_calibrated_decoder
 
     decoder = load_decoder(l_low=l_low)
     root = load_calibrated_decoder(home, decoder)
@@ -249,8 +249,8 @@ def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW):
     if name is not None:
         print(f"decoder root {name}: the calibrated windows shipped with hmi, checked against the decoder")
     else:
-        print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, 150 steps, "
-              "about a minute on 2 cores with AVX-512)")
+        print(f"calibrating the decoder's windowed lower layers (L_low = {l_low}; first start only, "
+              f"{decoder_recipe(l_low).steps} steps)")
         child = multiprocessing.get_context("spawn").Process(target=_calibrate_decoder_child, args=(str(home), l_low),
                                                              name="hmi-prepare-decoder")
         child.start()

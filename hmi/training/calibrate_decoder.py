@@ -149,7 +149,12 @@ def load_calibrated_decoder(home: Path, root: DecoderRoot | None = None) -> Deco
     cur = decoder_roots_dir(home) / "current_decoder"
     if not cur.exists():
         return None
-    folder = decoder_roots_dir(home) / cur.read_text().strip()
+    return load_decoder_folder(decoder_roots_dir(home) / cur.read_text().strip(), root)
+
+
+def load_decoder_folder(folder: Path, root: DecoderRoot | None = None) -> DecoderRoot:
+    """The decoder root with the calibrated windows of artifact ``folder`` (on ``root`` when its
+    split is the artifact's)."""
     meta = json.loads((folder / "meta.json").read_text())
     root = root if root is not None and root.l_low == meta["l_low"] else load_decoder(l_low=meta["l_low"])
     lower = copy.deepcopy(root.layers[:root.l_low])
@@ -157,6 +162,12 @@ def load_calibrated_decoder(home: Path, root: DecoderRoot | None = None) -> Deco
     root.windowed = lower.eval().requires_grad_(False)
     root.name = meta["name"]
     return root
+
+
+def decoder_folders(home: Path, l_low: int) -> list[Path]:
+    """The calibrated decoder artifacts of split ``l_low`` in ``home``, newest first."""
+    found = [f for f in decoder_roots_dir(home).glob(f"*-l{l_low}") if (f / "meta.json").exists()]
+    return sorted(found, key=lambda f: (f / "meta.json").stat().st_mtime, reverse=True)
 
 
 def find_shipped_decoder(root: DecoderRoot, shipped: Path = SHIPPED_DIR) -> Path | None:

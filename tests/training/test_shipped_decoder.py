@@ -91,3 +91,26 @@ def test_a_fine_tune_worker_reads_the_calibrated_windows_not_the_decoders_own_la
         assert not torch.equal(CausalLower(tiny_decoder_root()).lower(windows), served)  # the decoder's own layers differ
     finally:
         runtime.shutdown()
+
+
+def test_a_homes_calibrated_decoders_are_found_by_split_newest_first_and_load_with_their_windows(tmp_path):
+    import os
+
+    from hmi.training.calibrate_decoder import decoder_folders, load_decoder_folder
+
+    two, four = tiny_decoder(), tiny_decoder(l_low=3)
+    made = {}
+    for i, root in enumerate((two, two, four)):
+        lower = copy.deepcopy(root.layers[:root.l_low])
+        with torch.no_grad():
+            lower[0].mlp.down_proj.weight.add_(0.1 * (i + 1))
+        name = save_decoder_artifact(root, lower, {}, tmp_path)
+        folder = tmp_path / "roots" / f"{name}-l{root.l_low}"
+        os.utime(folder / "meta.json", (1000 + i, 1000 + i))
+        made[i] = (folder, lower)
+    assert decoder_folders(tmp_path, 2) == [made[1][0], made[0][0]]
+    assert decoder_folders(tmp_path, 3) == [made[2][0]] and decoder_folders(tmp_path, 8) == []
+    loaded = load_decoder_folder(made[0][0], tiny_decoder())
+    assert loaded.l_low == 2 and loaded.artifact_id == made[0][0].name
+    assert all(torch.equal(a, b) for a, b in zip(loaded.window_layers.state_dict().values(),
+                                                 made[0][1].state_dict().values()))
