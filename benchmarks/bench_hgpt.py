@@ -40,6 +40,18 @@ def prompts(tok, n: int, length: int = 32) -> list[str]:
     return (out * (n // max(1, len(out)) + 1))[:n]
 
 
+def lora_base(root):
+    """The decoder adapter of the benchmarks (rank-8 LoRA, alpha 16, on q and v of every layer
+    above the split) as the library initializes it: (spec, canonical weights)."""
+    from hmi.adapters.interop import attach, from_library, library_model
+    from hmi.adapters.spec import AdapterSpec
+
+    spec = AdapterSpec.decoder(rank=8, alpha=16)
+    lib = library_model(root.model)
+    attach(lib, "t", spec, root.l_low)
+    return spec, from_library(lib, "t", spec, root.l_low)
+
+
 def random_lora(base: dict, g: torch.Generator) -> dict:
     return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in base.items()}
 
@@ -140,8 +152,6 @@ def plot_tokens(res: dict, png: Path) -> None:
 def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--model-files", type=int, default=None,
                                                      help="real dedicated model files (default 100; 12 with --quick)"))
-    from hmi.adapters.interop import attach, from_library, library_model
-    from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore, weights_bytes
     from hmi.bootstrap import prepare_decoder
     from hmi.data import held_out_texts
@@ -185,11 +195,7 @@ def main() -> None:
     reqs_text = prompts(tok, n_req)
     tput: dict = {"hGPT": {}, "dedicated": {}}
     try:
-        spec = AdapterSpec.decoder(rank=8, alpha=16)
-        lib = library_model(root.model)
-        attach(lib, "t", spec, root.l_low)
-        base = from_library(lib, "t", spec, root.l_low)
-        del lib
+        spec, base = lora_base(root)
         g = torch.Generator().manual_seed(0)
         variants = [random_lora(base, g) for _ in range(16)]
         lora_bytes = weights_bytes({k: v.half() for k, v in base.items()})

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_hgpt import prompts, random_lora  # noqa: E402
+from benchmarks.bench_hgpt import lora_base, prompts, random_lora  # noqa: E402
 from benchmarks.common import finish, start, table  # noqa: E402
 
 SHALLOW = 2
@@ -51,8 +51,6 @@ def split_roots(home: Path, deep: int) -> dict:
 def runtime(root, home: Path, tmp: Path):
     """The generation engine of ``root`` over its causal PLOT (the full model: an empty store whose
     every lookup computes the token's embedding), with ``TENANTS`` random rank-8 LoRA tenants."""
-    from hmi.adapters.interop import attach, from_library, library_model
-    from hmi.adapters.spec import AdapterSpec
     from hmi.plot.paths import ensure_root_plot, open_root_store
     from hmi.plot.store import PlotMeta, PlotStore
     from hmi.scheduler.decoder_runtime import HgptRuntime
@@ -64,11 +62,7 @@ def runtime(root, home: Path, tmp: Path):
     else:
         ensure_root_plot(root, home=home)
         store = open_root_store(root, home)
-    spec = AdapterSpec.decoder(rank=8, alpha=16)
-    lib = library_model(root.model)
-    attach(lib, "t", spec, root.l_low)
-    base = from_library(lib, "t", spec, root.l_low)
-    del lib
+    spec, base = lora_base(root)
     g = torch.Generator().manual_seed(0)
     tenants = {f"t{i}": random_lora(base, g) for i in range(TENANTS)}
     rt = HgptRuntime(root, store, lambda t: (spec, tenants[t]), miss_policy="compute",

@@ -6,6 +6,7 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec
 from hmi.training.calibrate import CalibrationConfig, calibrate, quality
 from tests.conftest import tiny_bert
+from tests.training.slow import slow_steps
 
 
 class CharTokenizer:
@@ -225,20 +226,9 @@ RECIPE = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1
 def slow_machine(monkeypatch) -> dict:
     """A slow machine: each calibration step takes 1 s of the time limit's clock.  Returns the
     count of steps run (``["n"]``)."""
-    import hmi.timelimit
     import hmi.training.calibrate as cal
 
-    clock, steps = {"now": 0.0}, {"n": 0}
-    orig = cal.calibration_loss
-
-    def slow_step(*args, **kw):
-        clock["now"] += 1.0
-        steps["n"] += 1
-        return orig(*args, **kw)
-
-    monkeypatch.setattr(hmi.timelimit, "_now", lambda: clock["now"])
-    monkeypatch.setattr(cal, "calibration_loss", slow_step)
-    return steps
+    return slow_steps(monkeypatch, cal, "calibration_loss")
 
 
 def test_a_time_limit_stops_one_invocation_at_a_checkpoint_and_the_same_call_finishes_the_recipe_bit_for_bit(

@@ -11,6 +11,7 @@ from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_decoder, decoder_recipe
 from tests.model.test_decoder import tiny_decoder
 from tests.scheduler.test_generation import CharTokenizer
+from tests.training.slow import slow_steps
 
 LINES = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day",
          "stocks fell sharply today", "licenses permit copying"] * 4
@@ -27,17 +28,7 @@ def tiny_root():
 @pytest.fixture
 def slow_machine(monkeypatch) -> dict:
     """Each calibration step takes 1 s of the time limit's clock; returns the count of steps run."""
-    clock, steps = {"now": 0.0}, {"n": 0}
-    orig = cd.full_hidden
-
-    def slow_step(*args, **kw):
-        clock["now"] += 1.0
-        steps["n"] += 1
-        return orig(*args, **kw)
-
-    monkeypatch.setattr(hmi.timelimit, "_now", lambda: clock["now"])
-    monkeypatch.setattr(cd, "full_hidden", slow_step)
-    return steps
+    return slow_steps(monkeypatch, cd, "full_hidden")
 
 
 def test_a_time_limit_stops_a_decoder_calibration_at_a_checkpoint_and_the_same_call_ends_bit_for_bit(
