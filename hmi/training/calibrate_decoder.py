@@ -66,14 +66,10 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
     lower = copy.deepcopy(root.layers[:root.l_low]).requires_grad_(True).train()
     tok, clock = root.tokenizer, TimeLimit(None)
     fit = Fit(lower.parameters(), cfg.steps, lr=cfg.lr, weight_decay=0.0, desc="calibrate decoder", progress=progress)
-    recipe = {"config": asdict(cfg), "l_low": root.l_low, "root": weights_fingerprint(root.model)}
-    history, spent_before = [], 0.0
-    if checkpoint is not None and checkpoint.exists():
-        ck = torch.load(checkpoint, weights_only=True)
-        if all(ck.get(k) == v for k, v in recipe.items()):
-            lower.load_state_dict(ck["lower"])
-            fit.load_state_dict(ck)
-            history, spent_before = ck["history"], ck["spent_seconds"]
+    recipe, history, spent_before = {}, [], 0.0
+    if checkpoint is not None:
+        recipe = {"config": asdict(cfg), "l_low": root.l_low, "root": weights_fingerprint(root.model)}
+        history, spent_before = _resume(checkpoint, recipe, lower, fit)
     for _ in range(fit.step_count):  # the batches of the steps already taken
         rng.integers(0, len(lines), cfg.batch_size)
 
@@ -114,6 +110,19 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
                     f"left), its checkpoint in {checkpoint}")
     lower.eval().requires_grad_(False)
     return lower, {"history": history, "train_seconds": round(spent(), 1)}
+
+
+def _resume(checkpoint: Path, recipe: dict, lower: torch.nn.ModuleList, fit: Fit) -> tuple[list, float]:
+    """Loads ``checkpoint`` into ``lower`` and ``fit`` when it holds ``recipe`` (configuration,
+    split, decoder); returns (its loss history, its training seconds), ([], 0.0) otherwise."""
+    if not checkpoint.exists():
+        return [], 0.0
+    ck = torch.load(checkpoint, weights_only=True)
+    if not all(ck.get(k) == v for k, v in recipe.items()):
+        return [], 0.0
+    lower.load_state_dict(ck["lower"])
+    fit.load_state_dict(ck)
+    return ck["history"], ck["spent_seconds"]
 
 
 def logit_kl(root: DecoderRoot, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
