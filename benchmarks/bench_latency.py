@@ -46,7 +46,7 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
     rng = np.random.default_rng(seed)
     p = 1.0 / np.arange(1, len(tenants) + 1)
     p = p / p.sum() if zipf else None
-    lat, errors, codes, affinity, replicas, refused = [], 0, {}, {}, {}, []
+    lat, errors, codes, affinity, replicas, refused, refused_by = [], 0, {}, {}, {}, [], {}
     drawn, wrong, timeline, retried = 0, 0, [], 0
     if reference is not None:
         tenants = sorted(reference["outputs"])
@@ -86,7 +86,8 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
                 codes["no answer"] = codes.get("no answer", 0) + 1
             else:
                 codes[status] = codes.get(status, 0) + 1
-                for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica")):
+                for counts, header in ((affinity, "X-HMI-Affinity"), (replicas, "X-HMI-Replica"),
+                                       (refused_by, "X-HMI-Refused-By")):
                     if header in r.headers:
                         counts[r.headers[header]] = counts.get(r.headers[header], 0) + 1
                 if status == 200:
@@ -121,7 +122,8 @@ async def _client(url: str, token: str, tenants: list[str], texts: list[str], mo
             await asyncio.gather(*(worker() for _ in range(clients)))
         wall = time.perf_counter() - t0
     return {"latencies_s": lat, "errors": errors, "codes": codes, "wall_s": wall, "affinity": affinity,
-            "replicas": replicas, "wrong": wrong, "timeline": timeline, "refused_s": refused, "retried": retried}
+            "replicas": replicas, "wrong": wrong, "timeline": timeline, "refused_s": refused, "retried": retried,
+            "refused_by": refused_by}
 
 
 def hmi_error(raw: bytes) -> bool:

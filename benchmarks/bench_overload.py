@@ -16,6 +16,12 @@ sent on schedule whatever the answers), one real short text (a tweet) per reques
 3. **noisy neighbour**: the same, and A at 10 C (and again at 3 C). ``neighbour_p99_ratio`` =
    B..J's p99 here over their p99 in the baseline; A's share of 429s; whether anyone but A was
    refused.
+   Then the same through the gate (``hmi serve --gate``, ``hmi.dispatcher.gate``): HAProxy in
+   front of the server refuses a tenant the server refused over its share for the next second
+   (``HOLD_S``, the ``Retry-After`` it answers), so most of the flood never reaches Python
+   (``neighbour_p99_ratio_gated``: B..J's p99 beside A over their p99 without A, both through the
+   gate; skipped where no ``haproxy`` binary is installed: the ray extra ships one).
+   Every row states the CPU its load generators used (cores, from their rusage).
 4. **at capacity** and **overload**: all ten at 1.0 C, then at 2.0 C:
    ``overload_p99_over_capacity_p99`` = p99 of the answered requests at 2 C over that at 1 C, the
    share shed (429), and how fast a refusal comes back.
@@ -23,16 +29,20 @@ sent on schedule whatever the answers), one real short text (a tweet) per reques
 
 from __future__ import annotations
 
+import resource
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import bench_home, run_load  # noqa: E402
+from benchmarks.bench_scale import free_port  # noqa: E402
 from benchmarks.common import finish, start, table  # noqa: E402
+from hmi.dispatcher.gate import HOLD_S, Gate, haproxy_binary  # noqa: E402
 
 TENANTS = 10
 REPLICAS = 2
@@ -74,12 +84,23 @@ def together(specs: list[dict]) -> list[dict]:
 def summary(r: dict) -> dict:
     lat = r["latencies_s"]
     return {"answered": len(lat), "codes": r["codes"], "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
-            "refused_p99_ms": pct(r["refused_s"], 99), "answered_per_s": round(len(lat) / r["wall_s"], 1)}
+            "refused_p99_ms": pct(r["refused_s"], 99), "answered_per_s": round(len(lat) / r["wall_s"], 1),
+            "refused_by_gate": r["refused_by"].get("gate", 0)}
+
+
+def loads(specs: list[dict]) -> tuple[list[dict], float]:
+    """The summaries of load generators run together, and the CPU they used in cores (user +
+    system seconds of the finished child processes over the wall time)."""
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    out = together(specs)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return [summary(r) for r in out], round(cpu / wall, 2)
 
 
 def serving(ray: bool, tmp: Path, token: str, root):
-    """(url, the server's config, stop()): the server in this process, or two Ray Serve replicas
-    on the same home behind the HAProxy ingress."""
+    """(url, the server's config, stop(), the server or None): the server in this process, or two
+    Ray Serve replicas on the same home behind the HAProxy ingress."""
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
 
@@ -91,14 +112,13 @@ def serving(ray: bool, tmp: Path, token: str, root):
         def close() -> None:
             stop()
             server.shutdown()
-        return url, cfg, close
-    from benchmarks.bench_scale import free_port
+        return url, cfg, close, server
     from hmi.scaleout.ray_serve import ReplicaServer, stop
     from hmi.scaleout.ray_serve import start as start_ray
 
     url = start_ray(ReplicaServer(cfg, str(tmp)), port=free_port(), replicas=REPLICAS,
                     env={"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token})
-    return url, cfg, stop
+    return url, cfg, stop, None
 
 
 def main() -> None:
@@ -112,23 +132,39 @@ def main() -> None:
     try:
         noisy, others = names[0], names[1:]
         texts = [r["text"] for r in load_task("tweet-sentiment", "test")]
-        url, cfg, close = serving(args.ray, tmp, token, root)
+        url, cfg, close, server = serving(args.ray, tmp, token, root)
         base = {"url": url, "token": token, "texts": texts, "clients": 1, "seconds": seconds, "max_requests": 200_000,
                 "seed": 0, "mode": "rate", "rate": 1.0}
         run_load({**base, "tenants": names, "mode": "closed", "clients": 16, "seconds": 3})  # warm-up
-        cap = summary(run_load({**base, "tenants": names, "mode": "closed", "clients": 64}))
+        (cap,), cpu_cap = loads([{**base, "tenants": names, "mode": "closed", "clients": 64}])
         c = cap["answered_per_s"]
         print("capacity", cap, flush=True)
-        baseline = summary(run_load({**base, "tenants": others, "rate": 0.7 * c}))
+        (baseline,), cpu_base = loads([{**base, "tenants": others, "rate": 0.7 * c}])
         print("baseline", baseline, flush=True)
-        quiet, loud = (summary(r) for r in together([{**base, "tenants": others, "rate": 0.7 * c},
-                                                     {**base, "tenants": [noisy], "rate": 10 * c, "seed": 1}]))
+
+        def beside(rate: float, at: str = url) -> tuple[list[dict], float]:
+            return loads([{**base, "url": at, "tenants": others, "rate": 0.7 * c},
+                          {**base, "url": at, "tenants": [noisy], "rate": rate * c, "seed": 1}])
+
+        (quiet, loud), cpu_noisy = beside(10)
         print("noisy", quiet, loud, flush=True)
-        quiet3, loud3 = (summary(r) for r in together([{**base, "tenants": others, "rate": 0.7 * c},
-                                                       {**base, "tenants": [noisy], "rate": 3 * c, "seed": 1}]))
+        (quiet3, loud3), cpu_noisy3 = beside(3)
         print("noisy at 3 C", quiet3, loud3, flush=True)
-        at_cap = summary(run_load({**base, "tenants": names, "rate": 1.0 * c}))
-        over = summary(run_load({**base, "tenants": names, "rate": 2.0 * c}))
+        gated = None
+        if server is not None and haproxy_binary():
+            server.gate = gate = Gate.start("127.0.0.1", free_port(), url.rsplit("//", 1)[1])
+            try:
+                (baseline_g,), cpu_base_g = loads([{**base, "url": gate.url, "tenants": others, "rate": 0.7 * c}])
+                (quiet_g, loud_g), cpu_g = beside(10, gate.url)
+                (quiet3_g, loud3_g), cpu3_g = beside(3, gate.url)
+            finally:
+                server.gate = None
+                gate.close()
+            gated = {"baseline": baseline_g, "others": quiet_g, "noisy": loud_g, "others_at_3c": quiet3_g,
+                     "noisy_at_3c": loud3_g, "cpu": {"baseline": cpu_base_g, "noisy": cpu_g, "noisy_at_3c": cpu3_g}}
+            print("through the gate", gated, flush=True)
+        (at_cap,), cpu_at = loads([{**base, "tenants": names, "rate": 1.0 * c}])
+        (over,), cpu_over = loads([{**base, "tenants": names, "rate": 2.0 * c}])
         print("capacity / overload", at_cap, over, flush=True)
         close()
     finally:
@@ -139,9 +175,17 @@ def main() -> None:
 
     res = {"capacity_per_s": c, "capacity": cap, "baseline": baseline, "noisy_others": quiet, "noisy_tenant": loud,
            "at_capacity": at_cap, "overload": over,
-           "noisy3_others": quiet3, "noisy3_tenant": loud3,
+           "noisy3_others": quiet3, "noisy3_tenant": loud3, "gated": gated,
+           "generators_cpu_cores": {"capacity": cpu_cap, "baseline": cpu_base, "noisy": cpu_noisy,
+                                    "noisy_at_3c": cpu_noisy3, "at_capacity": cpu_at, "overload": cpu_over},
            "neighbour_p99_ratio": round(quiet["p99_ms"] / baseline["p99_ms"], 2),
            "neighbour_p99_ratio_at_3c": round(quiet3["p99_ms"] / baseline["p99_ms"], 2),
+           "neighbour_p99_ratio_gated": (round(gated["others"]["p99_ms"] / gated["baseline"]["p99_ms"], 2)
+                                         if gated else None),
+           "neighbour_p99_ratio_gated_at_3c": (round(gated["others_at_3c"]["p99_ms"] / gated["baseline"]["p99_ms"], 2)
+                                               if gated else None),
+           "noisy_refused_by_gate_share": (round(gated["noisy"]["refused_by_gate"] / max(1, sent(gated["noisy"])), 3)
+                                           if gated else None),
            "noisy_429_share": round(loud["codes"].get("429", 0) / max(1, sent(loud)), 3),
            "others_refused": sent(quiet) - quiet["answered"],
            "overload_p99_over_capacity_p99": round(over["p99_ms"] / at_cap["p99_ms"], 2),
@@ -149,30 +193,39 @@ def main() -> None:
            "config": {"batches_in_flight": cfg.batches_in_flight, "tenant_queue": cfg.tenant_queue,
                       "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms}, "seconds": seconds,
            "serving": f"Ray Serve, {REPLICAS} replicas, HAProxy ingress" if args.ray else "one process"}
-    rows = [("capacity: 64 closed-loop clients, all tenants", sent(cap), cap["answered"], cap["codes"].get("429", 0),
-             cap["p50_ms"], cap["p99_ms"]),
-            (f"baseline: B..J at 0.7 C ({0.7 * c:.0f}/s)", sent(baseline), baseline["answered"],
-             baseline["codes"].get("429", 0), baseline["p50_ms"], baseline["p99_ms"]),
-            ("noisy: B..J at 0.7 C, beside A", sent(quiet), quiet["answered"], quiet["codes"].get("429", 0),
-             quiet["p50_ms"], quiet["p99_ms"]),
-            (f"noisy: A at 10 C ({10 * c:.0f}/s)", sent(loud), loud["answered"], loud["codes"].get("429", 0),
-             loud["p50_ms"], loud["p99_ms"]),
-            ("noisy: B..J at 0.7 C, beside A at 3 C", sent(quiet3), quiet3["answered"], quiet3["codes"].get("429", 0),
-             quiet3["p50_ms"], quiet3["p99_ms"]),
-            (f"noisy: A at 3 C ({3 * c:.0f}/s)", sent(loud3), loud3["answered"], loud3["codes"].get("429", 0),
-             loud3["p50_ms"], loud3["p99_ms"]),
-            (f"all tenants at 1.0 C ({c:.0f}/s)", sent(at_cap), at_cap["answered"], at_cap["codes"].get("429", 0),
-             at_cap["p50_ms"], at_cap["p99_ms"]),
-            (f"all tenants at 2.0 C ({2 * c:.0f}/s)", sent(over), over["answered"], over["codes"].get("429", 0),
-             over["p50_ms"], over["p99_ms"])]
-    text = table(rows, ("load", "sent", "answered", "429", "p50 ms (answered)", "p99 ms (answered)"))
+    def row(label: str, r: dict, cpu: float | str) -> tuple:
+        return (label, sent(r), r["answered"], r["codes"].get("429", 0), r["p50_ms"], r["p99_ms"], cpu)
+
+    rows = [row("capacity: 64 closed-loop clients, all tenants", cap, cpu_cap),
+            row(f"baseline: B..J at 0.7 C ({0.7 * c:.0f}/s)", baseline, cpu_base),
+            row("noisy: B..J at 0.7 C, beside A", quiet, cpu_noisy),
+            row(f"noisy: A at 10 C ({10 * c:.0f}/s)", loud, "(with the row above)"),
+            row("noisy: B..J at 0.7 C, beside A at 3 C", quiet3, cpu_noisy3),
+            row(f"noisy: A at 3 C ({3 * c:.0f}/s)", loud3, "(with the row above)")]
+    if gated:
+        rows += [row("gate: baseline, B..J at 0.7 C", gated["baseline"], gated["cpu"]["baseline"]),
+                 row("gate: B..J at 0.7 C, beside A", gated["others"], gated["cpu"]["noisy"]),
+                 row("gate: A at 10 C", gated["noisy"], "(with the row above)"),
+                 row("gate: B..J at 0.7 C, beside A at 3 C", gated["others_at_3c"], gated["cpu"]["noisy_at_3c"]),
+                 row("gate: A at 3 C", gated["noisy_at_3c"], "(with the row above)")]
+    rows += [row(f"all tenants at 1.0 C ({c:.0f}/s)", at_cap, cpu_at),
+             row(f"all tenants at 2.0 C ({2 * c:.0f}/s)", over, cpu_over)]
+    text = table(rows, ("load", "sent", "answered", "429", "p50 ms (answered)", "p99 ms (answered)",
+                        "load generators' CPU (cores)"))
     text += (f"\n\nCapacity C = {c} answered requests/s. `neighbour_p99_ratio` (B..J's p99 beside the noisy tenant over "
              f"without it): **{res['neighbour_p99_ratio']}** (target <= 1.5; with A at 3 C: "
              f"{res['neighbour_p99_ratio_at_3c']}); the noisy tenant's requests refused "
              f"(429 over_share): {res['noisy_429_share']:.1%}; requests of B..J refused: {res['others_refused']}. "
              f"`overload_p99_over_capacity_p99`: **{res['overload_p99_over_capacity_p99']}** (target <= 2), "
              f"{res['overload_shed_share']:.1%} shed with 429, a refusal's p99 {over['refused_p99_ms']} ms. "
-             f"{seconds} s per scenario; server config: {res['config']}; serving: {res['serving']}.\n\n"
+             + (f"Through the gate (`hmi serve --gate`: HAProxy refuses a tenant the server refused over its share "
+                f"for the next {HOLD_S:g} s): `neighbour_p99_ratio_gated` "
+                f"**{res['neighbour_p99_ratio_gated']}** (with A at 3 C: {res['neighbour_p99_ratio_gated_at_3c']}), "
+                f"B..J's p99 {gated['others']['p99_ms']} ms against {gated['baseline']['p99_ms']} without A through "
+                f"the same gate; {res['noisy_refused_by_gate_share']:.1%} of A's requests refused by the gate itself; "
+                f"requests of B..J refused: {sent(gated['others']) - gated['others']['answered']}. "
+                if gated else "")
+             + f"{seconds} s per scenario; server config: {res['config']}; serving: {res['serving']}.\n\n"
              + (RAY_NOTE if args.ray else NOTE))
     finish("bench_overload_ray" if args.ray else "bench_overload", text, res, "python benchmarks/bench_overload.py"
            + (" --quick" if args.quick else "") + (" --ray" if args.ray else ""))

@@ -6,6 +6,7 @@ import sys
 
 from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options
+from hmi.dispatcher.gate import GateError
 from hmi.dispatcher.serve import serve
 from hmi.dispatcher.server import ServerConfig, ServerConfigError
 from hmi.scaleout.ray_serve import serve as serve_ray
@@ -34,6 +35,10 @@ def cmd_serve(args) -> int:
                        plot_hot_mb=args.plot_hot_mb, job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb)
     try:
         if args.ray:
+            if args.gate:
+                print("hmi serve: --gate is for one process; through --ray the HAProxy ingress is in front",
+                      file=sys.stderr)
+                return 2
             if args.hgpt:
                 print("hmi serve: --hgpt is not served through --ray yet", file=sys.stderr)
                 return 2
@@ -50,8 +55,9 @@ def cmd_serve(args) -> int:
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
                              root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus,
                              registry=args.registry, registry_cache_s=args.registry_cache_s)
-        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low)
-    except ServerConfigError as exc:
+        return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low,
+                     gate=args.gate)
+    except (ServerConfigError, GateError) as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
 
@@ -78,6 +84,11 @@ def arguments(command: str, srv) -> None:
                      help="MB of the root PLOT's most read entries held as tensors on the serving device, in front of "
                           "LMDB (built in the background after start; 0, the default: LMDB alone, which on a CPU with "
                           "a warm page cache is as fast: docs/bench_plot.md)")
+    srv.add_argument("--gate", action="store_true",
+                     help="put HAProxy in front of the server: a tenant refused over its share is then refused by "
+                          "HAProxy for the next second, before its requests reach Python, so the flood's refusals "
+                          "cost the server nothing (needs the haproxy of the ray extra or on the PATH; "
+                          "docs/bench_overload.md)")
     _ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 

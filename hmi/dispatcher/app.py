@@ -55,6 +55,8 @@ async def errors_and_logs(request: web.Request, handler):
         resp = await handler(request)
     except ApiError as exc:
         resp = error_response(exc.status, exc.code, exc.message, exc.headers)
+        if exc.code == "over_share":  # the gate in front, if any, refuses this tenant's next requests itself
+            gate_refuses(request)
     except web.HTTPRequestEntityTooLarge as exc:
         resp = error_response(413, "body_too_large", f"the body exceeds the limit: {exc.text}")
     except web.HTTPNotFound:
@@ -87,6 +89,14 @@ async def errors_and_logs(request: web.Request, handler):
     log.info(json.dumps({"request_id": rid, "method": request.method, "path": request.path, "route": route,
                          "status": resp.status, "ms": round((time.perf_counter() - start) * 1000, 2)}))
     return resp
+
+
+def gate_refuses(request: web.Request) -> None:
+    """Marks the tenant of a request refused over its share at the server's gate (hmi.dispatcher.gate)."""
+    s = request.app.get(SERVER)
+    tenant = request.match_info.get("tenant")
+    if s is not None and s.gate is not None and tenant:
+        s.gate.refuse(tenant)
 
 
 ROUTES = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ from hmi.bootstrap import (
     start_root_plot_build,
 )
 from hmi.dispatcher.app import make_app
+from hmi.dispatcher.gate import HOLD_S, Gate
 from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
 from hmi.dispatcher.server import Server, ServerConfig
@@ -71,7 +73,7 @@ def enable_hgpt(server: Server, home: Path) -> None:
 
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = False, root: str = DEFAULT_ROOT,
-          l_low: int | None = None) -> int:
+          l_low: int | None = None, gate: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     home = hmi_home()
@@ -92,7 +94,24 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
         create_demo_tenants(home, *in_process(server), hgpt=hgpt)
     print(banner(f"http://{host}:{port}", home, hgpt and demo), flush=True)
     release_heap()  # what loading the roots left freed (the decoder's dequantized weights: about 1 GB)
-    web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
+    if not gate:
+        web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)
+        return 0
+    return run_behind_gate(server, host, port)
+
+
+def run_behind_gate(server: Server, host: str, port: int, hold_s: float = HOLD_S) -> int:
+    """Serves the app on a free loopback port behind the gate on ``host:port``
+    (hmi.dispatcher.gate); the gate stops with the server."""
+    inner = socket.socket()
+    inner.bind(("127.0.0.1", 0))
+    server.gate = Gate.start(host, port, f"127.0.0.1:{inner.getsockname()[1]}", hold_s=hold_s)
+    print(f"the gate (HAProxy) listens on {host}:{port}: a tenant the server refuses over its share is refused there "
+          f"for {hold_s:g} s before its requests reach the server", flush=True)
+    try:
+        web.run_app(make_app(server), sock=inner, print=None, handle_signals=True)
+    finally:
+        server.gate.close()
     return 0
 
 

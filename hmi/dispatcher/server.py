@@ -131,6 +131,7 @@ class Server:
                                on_close=self.metrics.batch_size.observe, in_flight=cfg.batches_in_flight,
                                tenant_queue=cfg.tenant_queue, weight=lambda tenant: self.tenants.weight(tenant),
                                queue_delay=cfg.queue_delay_s or None)
+        self.gate = None  # the HAProxy gate in front of this server (hmi.dispatcher.gate), when it runs behind one
         self.models = build_models(cfg)
         if cfg.plot_hot_mb > 0:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()

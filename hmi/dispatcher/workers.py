@@ -8,9 +8,7 @@ server publishes it.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -24,6 +22,7 @@ from hmi.adapters.store import AdapterStore
 from hmi.allocator import release_heap, tune_allocator
 from hmi.bootstrap import quiet_transformers
 from hmi.data import job_lines, job_rows, job_texts
+from hmi.lifetime import die_with_parent
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
@@ -36,7 +35,6 @@ from hmi.training.further_pretrain import FPTConfig
 from hmi.training.objectives import DEFAULT_OBJECTIVE
 from hmi.version_tree.tree import VersionTree
 
-PR_SET_PDEATHSIG = 1
 FPT_SHARE = 0.75  # of a domain job's progress bar: further pretraining; the branch's PLOT build follows
 # How often a worker returns its heap's free memory to the kernel (at a progress report). The tuned
 # allocator keeps what a training step frees for the next one; over hundreds of steps of varying
@@ -87,17 +85,6 @@ def rss_kib() -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Asks the kernel to SIGKILL this process when its parent dies (Linux), and exits now if the
-    parent is already gone (it died between spawning us and this call)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the server still terminates its workers on shutdown
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], None]], dict]) -> None:

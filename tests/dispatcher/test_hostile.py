@@ -322,3 +322,63 @@ def test_a_registry_that_cannot_be_reached_answers_503_with_retry_after(live, mo
     body = json.loads(e.value.read())
     assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
     assert body["error"]["code"] == "registry_unavailable" and "try again" in body["error"]["message"], body
+
+
+def _infer(url: str, tenant: str, texts: list[str]) -> tuple[int, dict, dict]:
+    return send_raw(url, "POST", f"/v1/tenants/{tenant}/infer",
+                    {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"},
+                    json.dumps({"inputs": texts}).encode())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_tenant_refused_over_its_share_is_then_refused_by_the_gate_alone_until_its_hold_ends(live):
+    from hmi.dispatcher.gate import REFUSED_BY, Gate, haproxy_binary
+
+    if haproxy_binary() is None:
+        pytest.skip("no haproxy here (the ray extra ships one)")
+    server = live["server"]
+    gate = Gate.start("127.0.0.1", _free_port(), live["url"].rsplit("//", 1)[1], hold_s=1.5)
+    server.gate, queue = gate, server.batcher.tenant_queue
+    try:
+        assert _infer(gate.url, "alpha", ["through the gate"])[0] == 200
+        server.batcher.tenant_queue = 1  # two texts at once are more than alpha's queue holds
+        status, headers, body = _infer(gate.url, "alpha", ["one", "two"])
+        assert status == 429 and body["error"]["code"] == "over_share"  # the server's own refusal
+        assert REFUSED_BY.lower() not in {k.lower() for k in headers}
+        deadline, refused = time.monotonic() + 1.0, None
+        while time.monotonic() < deadline:  # the mark reaches HAProxy over its admin socket
+            status, headers, body = _infer(gate.url, "alpha", ["one"])
+            if {k.lower(): v for k, v in headers.items()}.get(REFUSED_BY.lower()) == "gate":
+                refused = time.monotonic()
+                break
+        assert refused is not None and status == 429 and body["error"]["code"] == "over_share"
+        assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
+        assert _infer(gate.url, "beta", ["the others pass"])[0] == 200
+        time.sleep(max(0.0, refused + 1.6 - time.monotonic()))
+        assert _infer(gate.url, "alpha", ["the hold is over"])[0] == 200
+    finally:
+        server.batcher.tenant_queue, server.gate = queue, None
+        gate.close()
+    assert not gate.workdir.exists() and gate.proc.poll() is not None
+
+
+def test_a_gate_that_cannot_bind_its_port_says_why():
+    import socket
+
+    from hmi.dispatcher.gate import Gate, GateError, haproxy_binary
+
+    if haproxy_binary() is None:
+        pytest.skip("no haproxy here (the ray extra ships one)")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(GateError, match="did not start"):
+            Gate.start("127.0.0.1", port, "127.0.0.1:9", timeout_s=5)

