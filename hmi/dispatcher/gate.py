@@ -5,8 +5,9 @@ Refusing in the server is cheap only up to a point: every refused request is sti
 authenticated and answered by the event loop, which shares the interpreter lock and the cores
 with the scheduler's threads, so a flood of refusals slows every tenant's inference
 (docs/bench_overload.md).  With the gate the server listens on a loopback port and HAProxy on the
-public one.  When the server refuses a tenant ``over_share`` (it holds its share while others are
-served), it marks that tenant in HAProxy's table of refused tenants over HAProxy's admin socket
+public one.  When the server has refused a tenant ``over_share`` (it holds its share while others
+are served) ``MARK_AFTER`` times within a hold (a flood, not a quiet tenant's momentary excess),
+it marks that tenant in HAProxy's table of refused tenants over HAProxy's admin socket
 (``Gate.refuse``, at most twice per hold); for ``hold_s`` seconds (``HOLD_S``: the second its
 ``Retry-After`` asks the client to wait) HAProxy then answers that tenant's requests
 ``429 over_share`` itself, with ``Retry-After`` and ``X-HMI-Refused-By: gate``, and forwards
@@ -35,6 +36,7 @@ from hmi.lifetime import die_with_parent
 log = logging.getLogger("hmi.gate")
 
 HOLD_S = 1.0  # seconds a tenant the server refused over its share is refused at the gate
+MARK_AFTER = 8  # over_share refusals of a tenant within a hold before the gate refuses it
 TABLE = "refused"  # HAProxy's stick table of refused tenants (the tenant -> gpt0 = 1, expiring after the hold)
 REFUSED_BY = "X-HMI-Refused-By"
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -95,6 +97,7 @@ class Gate:
         self.proc, self.workdir, self.url, self.hold_s = proc, workdir, url, hold_s
         self.admin_socket = workdir / "admin.sock"
         self._marked: dict[str, float] = {}  # tenant -> when it was last marked (monotonic), oldest first
+        self._refusals: dict[str, tuple[float, int]] = {}  # tenant -> (start of its count, refusals since), oldest first
         self._marks: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_marks, name="gate-marks", daemon=True)
         self._sender.start()
@@ -127,22 +130,28 @@ class Gate:
         return cls(proc, workdir, f"http://{host}:{port}", hold_s)
 
     def refuse(self, tenant: str) -> None:
-        """Marks ``tenant`` refused at the gate for the hold (event loop; never blocks): at most
-        twice per hold, by the sender thread."""
+        """Counts an over_share refusal of ``tenant`` by the server; at the ``MARK_AFTER``-th within
+        a hold, marks it refused at the gate for the hold (event loop; never blocks): at most twice
+        per hold, by the sender thread."""
         if not SAFE_NAME.fullmatch(tenant):
             return
         now = time.monotonic()
+        since, count = self._refusals.pop(tenant, (now, 0))
+        since, count = (since, count + 1) if now - since <= self.hold_s else (now, 1)
+        self._refusals[tenant] = (since, count)
         last = self._marked.pop(tenant, None)
-        if last is not None and now - last < self.hold_s / 2:
-            self._marked[tenant] = last
-            return
-        self._marked[tenant] = now
-        while self._marked:  # forget marks older than the hold (oldest first)
-            first, at = next(iter(self._marked.items()))
-            if now - at <= self.hold_s:
-                break
-            del self._marked[first]
-        self._marks.put(tenant)
+        if count < MARK_AFTER or (last is not None and now - last < self.hold_s / 2):
+            if last is not None:
+                self._marked[tenant] = last
+        else:
+            self._marked[tenant] = now
+            self._marks.put(tenant)
+        for times in (self._marked, self._refusals):  # forget what is older than a hold (oldest first)
+            while times:
+                first, value = next(iter(times.items()))
+                if now - (value if isinstance(value, float) else value[0]) <= self.hold_s:
+                    break
+                del times[first]
 
     def close(self) -> None:
         self._marks.put(None)

@@ -338,21 +338,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_tenant_refused_over_its_share_is_then_refused_by_the_gate_alone_until_its_hold_ends(live):
-    from hmi.dispatcher.gate import REFUSED_BY, Gate, haproxy_binary
+def test_a_tenant_refused_over_its_share_again_and_again_is_then_refused_by_the_gate_alone_until_its_hold_ends(live):
+    from hmi.dispatcher.gate import MARK_AFTER, REFUSED_BY, Gate, haproxy_binary
 
     if haproxy_binary() is None:
         pytest.skip("no haproxy here (the ray extra ships one)")
     server = live["server"]
-    gate = Gate.start("127.0.0.1", _free_port(), live["url"].rsplit("//", 1)[1], hold_s=1.5)
+    gate = Gate.start("127.0.0.1", _free_port(), live["url"].rsplit("//", 1)[1], hold_s=3.0)
     server.gate, queue = gate, server.batcher.tenant_queue
     try:
         assert _infer(gate.url, "alpha", ["through the gate"])[0] == 200
         server.batcher.tenant_queue = 1  # two texts at once are more than alpha's queue holds
-        status, headers, body = _infer(gate.url, "alpha", ["one", "two"])
-        assert status == 429 and body["error"]["code"] == "over_share"  # the server's own refusal
-        assert REFUSED_BY.lower() not in {k.lower() for k in headers}
+        for _ in range(MARK_AFTER - 1):  # a few refusals are the server's alone
+            status, headers, body = _infer(gate.url, "alpha", ["one", "two"])
+            assert status == 429 and body["error"]["code"] == "over_share"
+            assert REFUSED_BY.lower() not in {k.lower() for k in headers}
+        assert _infer(gate.url, "alpha", ["one"])[0] == 200  # not gated yet
         deadline, refused = time.monotonic() + 1.0, None
+        assert _infer(gate.url, "alpha", ["one", "two"])[0] == 429  # the MARK_AFTER-th within the hold
         while time.monotonic() < deadline:  # the mark reaches HAProxy over its admin socket
             status, headers, body = _infer(gate.url, "alpha", ["one"])
             if {k.lower(): v for k, v in headers.items()}.get(REFUSED_BY.lower()) == "gate":
@@ -361,7 +364,7 @@ def test_a_tenant_refused_over_its_share_is_then_refused_by_the_gate_alone_until
         assert refused is not None and status == 429 and body["error"]["code"] == "over_share"
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
         assert _infer(gate.url, "beta", ["the others pass"])[0] == 200
-        time.sleep(max(0.0, refused + 1.6 - time.monotonic()))
+        time.sleep(max(0.0, refused + 3.1 - time.monotonic()))
         assert _infer(gate.url, "alpha", ["the hold is over"])[0] == 200
     finally:
         server.batcher.tenant_queue, server.gate = queue, None
