@@ -48,9 +48,10 @@ def split_roots(home: Path, deep: int) -> dict:
             f"hGPT, {deep} windowed layers": load_decoder_folder(deep_folders[0])}
 
 
-def runtime(root, home: Path, tmp: Path):
+def runtime(root, home: Path, tmp: Path, miss_policy: str = "compute"):
     """The generation engine of ``root`` over its causal PLOT (the full model: an empty store whose
-    every lookup computes the token's embedding), with ``TENANTS`` random rank-8 LoRA tenants."""
+    every lookup computes the token's embedding), with ``TENANTS`` random rank-8 LoRA tenants;
+    ``miss_policy`` ``backoff``: a tri-gram the PLOT lacks is served from its bi-/uni-gram."""
     from hmi.plot.paths import ensure_root_plot, open_root_store
     from hmi.plot.store import PlotMeta, PlotStore
     from hmi.scheduler.decoder_runtime import HgptRuntime
@@ -65,7 +66,7 @@ def runtime(root, home: Path, tmp: Path):
     spec, base = lora_base(root)
     g = torch.Generator().manual_seed(0)
     tenants = {f"t{i}": random_lora(base, g) for i in range(TENANTS)}
-    rt = HgptRuntime(root, store, lambda t: (spec, tenants[t]), miss_policy="compute",
+    rt = HgptRuntime(root, store, lambda t: (spec, tenants[t]), miss_policy=miss_policy,
                      cfg=EngineConfig(rank=8, max_active=64, max_len=256, lora_slots=TENANTS))
     rt.service.shutdown()  # driven directly here
     return rt
@@ -93,18 +94,25 @@ def main() -> None:
     roots = split_roots(home, args.deep)
     texts = held_out_texts(32 if args.quick else 128)
     res: dict = {"variants": {}}
-    with torch.no_grad():
-        ppl_full = perplexity(roots["full model (no windows)"], texts, "full")
-        for name, root in roots.items():
-            ppl = ppl_full if root.l_low == 0 else perplexity(root, texts, "windowed")
-            res["variants"][name] = {"windowed_layers": root.l_low, "artifact": root.artifact_id,
-                                     "ppl": round(ppl, 3), "ppl_ratio": round(ppl / ppl_full, 3)}
-    n_req, new_tokens, rounds = (32, 16, 2) if args.quick else (64, 24, 3)
-    reqs_text = prompts(roots["full model (no windows)"].tokenizer, n_req)
-    prompt_tokens = 32 * n_req
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-hgpt-split-"))
+    deep_backoff = f"hGPT, {args.deep} windowed layers, misses backed off"
     try:
         runtimes = {name: runtime(root, home, tmp) for name, root in roots.items()}
+        runtimes[deep_backoff] = runtime(roots[f"hGPT, {args.deep} windowed layers"], home, tmp, "backoff")
+        roots[deep_backoff] = roots[f"hGPT, {args.deep} windowed layers"]
+        with torch.no_grad():
+            ppl_full = perplexity(roots["full model (no windows)"], texts, "full")
+            for name, root in roots.items():
+                # As served: through the engine's own lookup (its PLOT, and its miss policy).
+                ppl = ppl_full if root.l_low == 0 else perplexity(root, texts, "served", served=runtimes[name].lookup.merged)
+                res["variants"][name] = {"windowed_layers": root.l_low, "artifact": root.artifact_id,
+                                         "miss_policy": runtimes[name].miss_policy if root.l_low else None,
+                                         "ppl": round(ppl, 3), "ppl_ratio": round(ppl / ppl_full, 3)}
+        for rt in runtimes.values():
+            rt.lookup.hits.clear()  # the speed runs' hit rates, not the perplexity texts'
+        n_req, new_tokens, rounds = (32, 16, 2) if args.quick else (64, 24, 3)
+        reqs_text = prompts(roots["full model (no windows)"].tokenizer, n_req)
+        prompt_tokens = 32 * n_req
         for rt in runtimes.values():
             generate(rt, reqs_text[:4], 4, 0)  # warm-up
         times = {name: {"prefill": [], "generate": []} for name in runtimes}
@@ -120,7 +128,9 @@ def main() -> None:
                 "prefill_tokens_per_s": round(prompt_tokens / min(times[name]["prefill"]), 1),
                 "tokens_per_s": round(1 / min(times[name]["generate"]), 2),
                 "trigram_hit_rate": round(served / max(1, sum(hits.values())), 4) if roots[name].l_low else None})
-        for name, rt in runtimes.items():  # the demo decoder tenant's fine-tune job on each
+        for name, rt in runtimes.items():  # the demo decoder tenant's fine-tune job on each split
+            if name == deep_backoff:  # trains what the computing lookup trains (misses matter when serving)
+                continue
             t0 = time.perf_counter()
             _, _, metrics = train_demo_decoder(DEMO_DECODER_TENANTS[0], roots[name], rt.lookup, 8, progress=False)
             res["variants"][name]["finetune"] = {**{k: metrics[k] for k in ("dev_ppl_before", "dev_ppl_after")},
@@ -137,10 +147,13 @@ def main() -> None:
                      f"{v['prefill_tokens_per_s']:,.0f}", f"{v['prefill_over_full']:.2f}",
                      f"{v['tokens_per_s']:.1f}", f"{v['tokens_per_s_over_full']:.2f}",
                      f"{v['finetune']['dev_ppl_before']:.2f} -> {v['finetune']['dev_ppl_after']:.2f} "
-                     f"({v['finetune']['seconds']:.0f} s)"))
+                     f"({v['finetune']['seconds']:.0f} s)" if "finetune" in v else "(the row above's)"))
     deep = res["variants"][f"hGPT, {args.deep} windowed layers"]
+    backed = res["variants"][deep_backoff]
     res.update({"ppl_full": round(ppl_full, 3), "windowed_layers": args.deep, "ppl_ratio_calibrated": deep["ppl_ratio"],
                 "tokens_per_s_over_full": deep["tokens_per_s_over_full"], "prefill_over_full": deep["prefill_over_full"],
+                "backoff_ppl_ratio": backed["ppl_ratio"], "backoff_tokens_per_s_over_full": backed["tokens_per_s_over_full"],
+                "backoff_prefill_over_full": backed["prefill_over_full"],
                 "requests": n_req, "prompt_tokens": 32, "new_tokens": new_tokens, "tenants": TENANTS,
                 "eval_texts": len(texts)})
     text = table(rows, ("engine", "windowed layers (of 30)", "perplexity", "of the full model's",
@@ -151,7 +164,9 @@ def main() -> None:
              f"every layer above the split), all decoded together by the generation engine; prompt tokens/s from "
              f"runs that generate one token, generated tokens/s from runs of {new_tokens} new tokens (greedy), best "
              f"of {rounds} interleaved rounds. The windowed variants read their causal PLOT (built from the general "
-             f"corpus), computing what it lacks; the full model runs every layer. The fine-tune is "
+             f"corpus), computing what it lacks, or (misses backed off) serving a tri-gram it lacks from its bi- or "
+             f"uni-gram; perplexity is measured as served, through each engine's own lookup. The full model runs every "
+             f"layer. The fine-tune is "
              f"`demo-legal-gpt`'s job (rank-8 LoRA on legal text, "
              f"{DEMO_DECODER_TENANTS[0]['max_train']} lines, {DEMO_DECODER_TENANTS[0]['epochs']} epoch) on each engine's "
              f"lower side: its dev perplexity before and after, and its time.")

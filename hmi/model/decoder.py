@@ -256,9 +256,11 @@ def token_nll(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tu
 
 @torch.no_grad()
 def perplexity(root: DecoderRoot, texts: list[str], mode: str, max_len: int = 128, batch: int = 8,
-               lower: nn.ModuleList | None = None) -> float:
-    """Perplexity of held-out texts: ``full`` (the whole model with full context) or ``windowed``
-    (the lower layers on causal windows, then the upper layers)."""
+               lower: nn.ModuleList | None = None, served=None) -> float:
+    """Perplexity of held-out texts: ``full`` (the whole model with full context), ``windowed``
+    (the lower layers on causal windows, then the upper layers) or ``served`` (the lower states as
+    ``served(ids, mask)`` gives them, a causal PLOT's ``PlotLookup.merged`` with its miss policy,
+    then the upper layers)."""
     total, count = 0.0, 0
     for s in range(0, len(texts), batch):
         enc = root.tokenizer(texts[s:s + batch], truncation=True, max_length=max_len, padding=True, return_tensors="pt")
@@ -269,6 +271,8 @@ def perplexity(root: DecoderRoot, texts: list[str], mode: str, max_len: int = 12
             h = full_hidden(root, ids, mask, root.l_low)
         elif mode == "windowed":
             h = windowed_hidden(root, ids.numpy(), mask.numpy(), lower)
+        elif mode == "served":
+            h = served(ids.numpy(), mask.numpy()).float()
         else:
             raise ValueError(f"unknown mode {mode!r}")
         nll, n = token_nll(upper_logits(root, h, mask), ids, mask)

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hmi.model.decoder import DecoderRoot, full_hidden, upper_logits, window_states, windowed_hidden
+from hmi.model.decoder import DecoderRoot, full_hidden, perplexity, upper_logits, window_states, windowed_hidden
 
 
 def tiny_decoder(l_low: int = 2) -> DecoderRoot:
@@ -73,7 +73,6 @@ def smollm():
 
 
 def test_real_decoder_split_forward_matches_the_library_and_windows_match_per_window_runs(smollm):
-    from hmi.model.decoder import perplexity
 
     text = "The committee approved the budget on Tuesday after a long debate."
     enc = smollm.tokenizer([text], return_tensors="pt")
@@ -183,3 +182,20 @@ def test_the_logit_distillation_loss_is_the_kl_of_the_library_models_next_token_
     got.backward()
     assert pred.grad is not None and pred.grad.abs().sum() > 0
     assert all(p.grad is None for p in root.model.parameters())  # the upper layers stay frozen
+
+
+def test_perplexity_as_served_through_a_computing_lookup_equals_the_windowed_one_and_back_off_differs(smollm, tmp_path):
+    from hmi.model.decoder import CausalLower
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.plot.store import PlotMeta, PlotStore
+
+    texts = ["The court held that the contract was void because one party had not signed it.",
+             "Shares of the bank rose sharply after it reported record profits for the third quarter."]
+    store = PlotStore(tmp_path / "causal", meta=PlotMeta("test", smollm.l_low, smollm.hidden_size, kind="causal"),
+                      readonly=False)  # empty: every tri-gram is a miss
+    windowed = perplexity(smollm, texts, "windowed")
+    served = {policy: perplexity(smollm, texts, "served",
+                                 served=PlotLookup([PlotVersion("root", store, CausalLower(smollm))], policy).merged)
+              for policy in ("compute", "backoff")}
+    assert served["compute"] == pytest.approx(windowed, rel=1e-4)
+    assert abs(served["backoff"] - windowed) > 1e-2 * windowed
