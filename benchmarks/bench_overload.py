@@ -51,15 +51,20 @@ RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair 
             "header's hash. Every request passes HAProxy, Ray Serve's replica front and the replica's forward to its "
             "server, on the same two cores as the load generator: a flood faster than those Python fronts can "
             "refuse waits in front of them, first come, first served, and everyone's latency grows with it.")
-NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at capacity by "
-        "refusing at once what would wait past about 0.25 s; the fair queue puts a quiet tenant's request before "
-        "a noisy tenant's backlog (tests/dispatcher/test_batcher.py). The noisy neighbour's flood still slows the "
-        "others, and not through the batcher: every refused request is parsed, authenticated and answered by the "
-        "server's Python event loop, which shares the interpreter lock with the scheduler's threads, while the load "
-        "generator runs on the same two cores; with A at 3 C (about 600 refusals a second) B..J's throughput stayed "
-        "but their latency rose twentyfold, and at 10 C the server also refused some of theirs (their queues grew "
-        "past their share while the scheduler was starved). Keeping a flood off the serving process (a rate limit "
-        "in front of it, or the HTTP front in its own process) is what the target needs here.")
+NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at "
+        "capacity by refusing at once what would wait past about 0.25 s; the fair queue puts a quiet tenant's "
+        "request before a noisy tenant's backlog (tests/dispatcher/test_batcher.py). In one process every "
+        "refusal of a flood is parsed, authenticated and answered by the server's Python event loop, which "
+        "shares the interpreter lock and the two cores with the scheduler's threads: beside a flood at 10 C "
+        "the others' latency rose tens of times and some of their requests were refused too (their queues "
+        "grew past their share while the scheduler was starved). Through the gate (`hmi serve --gate`) "
+        "HAProxy answers almost all of the flood itself and nobody else is refused, and the others' p99 rises "
+        "several times instead of tens. What is left: each time the hold ends the server admits the flooding "
+        "tenant's share again, and its requests fill whole batches, which are not preempted, so a quiet "
+        "request waits for up to two full batches; and on these 2 cores the load generators themselves take "
+        "about half a core at 10 C (last column). Holding a flooding tenant's requests out of full batches "
+        "(tried: they only filled the batches the others closed) made its admitted requests wait about 11 s "
+        "and gave an overload shared by everyone a 10 s p99 tail, so it was not kept.")
 
 
 def pct(lat: list[float], q: float) -> float:
