@@ -48,16 +48,19 @@ def split_roots(home: Path, deep: int) -> dict:
             f"hGPT, {deep} windowed layers": load_decoder_folder(deep_folders[0])}
 
 
-def runtime(root, home: Path, tmp: Path, miss_policy: str = "compute"):
+def runtime(root, home: Path, tmp: Path, miss_policy: str = "compute", store=None):
     """The generation engine of ``root`` over its causal PLOT (the full model: an empty store whose
     every lookup computes the token's embedding), with ``TENANTS`` random rank-8 LoRA tenants;
-    ``miss_policy`` ``backoff``: a tri-gram the PLOT lacks is served from its bi-/uni-gram."""
+    ``miss_policy`` ``backoff``: a tri-gram the PLOT lacks is served from its bi-/uni-gram; ``store``:
+    an engine's already open (LMDB opens an environment once per process)."""
     from hmi.plot.paths import ensure_root_plot, open_root_store
     from hmi.plot.store import PlotMeta, PlotStore
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
 
-    if root.l_low == 0:
+    if store is not None:
+        pass
+    elif root.l_low == 0:
         store = PlotStore(tmp / "no-windows", meta=PlotMeta(root.artifact_id, 0, root.hidden_size, n=1, kind="causal"),
                           readonly=False)
     else:
@@ -98,7 +101,8 @@ def main() -> None:
     deep_backoff = f"hGPT, {args.deep} windowed layers, misses backed off"
     try:
         runtimes = {name: runtime(root, home, tmp) for name, root in roots.items()}
-        runtimes[deep_backoff] = runtime(roots[f"hGPT, {args.deep} windowed layers"], home, tmp, "backoff")
+        runtimes[deep_backoff] = runtime(roots[f"hGPT, {args.deep} windowed layers"], home, tmp, "backoff",
+                                         runtimes[f"hGPT, {args.deep} windowed layers"].store)
         roots[deep_backoff] = roots[f"hGPT, {args.deep} windowed layers"]
         with torch.no_grad():
             ppl_full = perplexity(roots["full model (no windows)"], texts, "full")
