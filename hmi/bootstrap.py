@@ -133,13 +133,19 @@ def _root_plot_dir(home: Path, artifact: str) -> Path:
 
 
 def root_plot_state(home: Path, artifact: str) -> dict:
-    """The build record of an artifact's root PLOT (``{}`` when there is none yet)."""
-    from hmi.plot.store import PlotStore
+    """The build record of an artifact's root PLOT (``{}`` when there is none yet, or when the
+    building child has created the store but not written its metadata yet)."""
+    import lmdb
+
+    from hmi.plot.store import PlotMissingError, PlotStore
 
     plot = _root_plot_dir(home, artifact)
     if not (plot / "data.mdb").exists():
         return {}
-    store = PlotStore(plot, readonly=True)
+    try:
+        store = PlotStore(plot, readonly=True)
+    except (PlotMissingError, lmdb.NotFoundError):  # its tables or metadata not written yet
+        return {}
     try:
         return store.get_record("build") or {}
     finally:

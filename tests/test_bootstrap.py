@@ -77,3 +77,17 @@ def test_a_background_build_that_stops_unfinished_is_resumed_a_bounded_number_of
     assert "stopped 3 times" in caplog.text  # then serving goes on without it, and says so
     assert keep_building(lambda: Exits(1), Exits(-15), stopping=lambda: True) == 0  # shutting down: not restarted
     assert keep_building(lambda: Exits(1), Exits(0), stopping=lambda: False) == 0
+
+
+def test_a_root_plot_its_builder_has_only_begun_to_create_reads_as_not_built_yet(tmp_path):
+    import lmdb
+
+    from hmi.bootstrap import root_plot_state
+    from hmi.plot.store import PlotMeta, PlotStore
+
+    plot = tmp_path / "plots" / "art" / "root"
+    plot.mkdir(parents=True)
+    lmdb.open(str(plot), max_dbs=4).close()  # the environment, before its tables
+    assert root_plot_state(tmp_path, "art") == {}
+    PlotStore(plot, meta=PlotMeta("art", 2, 8), readonly=False).close()  # its tables and metadata
+    assert root_plot_state(tmp_path, "art") == {}  # and no build record yet
