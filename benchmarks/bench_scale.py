@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import run_load, temp_home  # noqa: E402
-from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
+from benchmarks.common import finish, free_port, prepared_root, start, table  # noqa: E402
 
 TENANTS = 1000
 CLIENTS = 32
@@ -54,12 +53,6 @@ INGRESS_NAMES = {"proxy": "Python proxy", "haproxy": "HAProxy ingress"}
 CACHE_S = 0.5  # --registry-cache-s of the cached registry actor's run
 ACTOR = "Ray Serve, 1 replica, HAProxy ingress, registry actor"
 ACTOR_CACHED = f"Ray Serve, 1 replica, HAProxy ingress, registry actor, records cached {CACHE_S} s"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summary(r: dict) -> dict:

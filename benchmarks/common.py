@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
@@ -197,3 +198,10 @@ def describe_adapter(opts: dict) -> str:
         sites = {"q": "query", "k": "key", "v": "value", "ffn_in": "FFN in", "ffn_out": "FFN out"}
         return f"LoRA adapters (rank {opts['rank']}, {', '.join(sites[t] for t in opts['targets'])})"
     return "IA3 adapters"
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

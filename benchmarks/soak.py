@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import bench_home  # noqa: E402
-from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from benchmarks.common import DOCS, finish, free_port, start, table  # noqa: E402
 
 RSS_GROWTH = 0.10
 FD_SLACK = 8
@@ -66,12 +65,6 @@ def options(ap) -> None:
     ap.add_argument("--warmup", type=float, default=None, help="minutes before growth counts (default 10; 0.5 quick)")
     ap.add_argument("--job-every", type=float, default=None, help="seconds between fine-tune jobs (default 300; 45)")
     ap.add_argument("--domain-every", type=float, default=None, help="seconds between domain jobs (default 1200; 60)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the server's process, as the soak sees it ------------------------------------------------------

@@ -85,10 +85,11 @@ def arguments(command: str, srv) -> None:
                           "LMDB (built in the background after start; 0, the default: LMDB alone, which on a CPU with "
                           "a warm page cache is as fast: docs/bench_plot.md)")
     srv.add_argument("--gate", action="store_true",
-                     help="put HAProxy in front of the server: a tenant refused over its share is then refused by "
-                          "HAProxy for the next second, before its requests reach Python, so the flood's refusals "
-                          "cost the server nothing (needs the haproxy of the ray extra or on the PATH; "
-                          "docs/bench_overload.md)")
+                     help="put HAProxy in front of the server: a tenant the server keeps refusing over its share "
+                          "is then held to its fair rate (its share of the answered requests per second) by HAProxy, "
+                          "which refuses the rest before it reaches Python, so the flood's refusals cost the server "
+                          "nothing and what is admitted comes evenly (needs the haproxy of the ray extra or on the "
+                          "PATH; docs/bench_overload.md)")
     _ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 

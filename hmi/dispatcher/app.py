@@ -92,11 +92,13 @@ async def errors_and_logs(request: web.Request, handler):
 
 
 def gate_refuses(request: web.Request) -> None:
-    """Marks the tenant of a request refused over its share at the server's gate (hmi.dispatcher.gate)."""
+    """Marks the tenant of a request refused over its share at the server's gate with its fair rate
+    of inference (hmi.dispatcher.gate; a decoder tenant refused generation: the gate's least, one
+    request a second)."""
     s = request.app.get(SERVER)
     tenant = request.match_info.get("tenant")
     if s is not None and s.gate is not None and tenant:
-        s.gate.refuse(tenant)
+        s.gate.refuse(tenant, s.batcher.fair_rate(tenant) if request.path.endswith("/infer") else 1.0)
 
 
 ROUTES = [

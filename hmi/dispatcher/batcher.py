@@ -36,7 +36,8 @@ class Batcher:
         self.max_batch, self.max_wait, self.on_close = max_batch, max_wait, on_close
         self.in_flight, self.tenant_queue, self.max_pending = in_flight, tenant_queue, max_pending
         self.queue_delay = queue_delay
-        self._answered: deque = deque()  # (time, requests) of the batches answered in the last RATE_WINDOW s
+        # (time, requests, their tenants) of the batches answered in the last RATE_WINDOW s
+        self._answered: deque = deque()
         self._queue = FairQueue(weight)
         self._running = 0  # batches submitted and not answered yet
         self._timer: asyncio.TimerHandle | None = None
@@ -45,6 +46,11 @@ class Batcher:
     @property
     def pending(self) -> int:
         return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        """No request waits and no batch is in flight."""
+        return not self._queue and self._running == 0
 
     def waiting(self, tenant: str) -> int:
         return self._queue.waiting(tenant)
@@ -80,13 +86,26 @@ class Batcher:
         """Requests the batcher holds before refusing: ``queue_delay`` seconds at the answered rate
         of the last RATE_WINDOW seconds (at least a batch per place in flight); None before any
         answer, or without a ``queue_delay``."""
-        if self.queue_delay is None or len(self._answered) < 2:
+        rate = self.rate()
+        if self.queue_delay is None or rate is None:
+            return None
+        return max(self.max_batch * self.in_flight, int(rate * self.queue_delay))
+
+    def rate(self) -> float | None:
+        """Requests answered per second over the last RATE_WINDOW seconds (None before two batches)."""
+        if len(self._answered) < 2:
             return None
         span = self._answered[-1][0] - self._answered[0][0]
-        if span <= 0:
-            return None
-        rate = sum(n for _, n in list(self._answered)[1:]) / span
-        return max(self.max_batch * self.in_flight, int(rate * self.queue_delay))
+        return sum(n for _, n, _ in list(self._answered)[1:]) / span if span > 0 else None
+
+    def fair_rate(self, tenant: str) -> float:
+        """The requests per second that are ``tenant``'s weighted share of the answered rate among
+        the tenants answered in the last RATE_WINDOW seconds or waiting now (and it); 0 before a rate."""
+        active = {tenant} | self._queue.tenants()
+        for _, _, tenants in self._answered:
+            active |= tenants
+        weight = self._queue.weight
+        return (self.rate() or 0.0) * weight(tenant) / sum(weight(t) for t in active)
 
     def close(self) -> None:
         """Forms a batch now from whatever waits (if the scheduler can take one)."""
@@ -114,7 +133,7 @@ class Batcher:
         def answered(_future) -> None:  # any thread: the scheduler's, or the loop's on failure
             left[0] -= 1
             if left[0] == 0:
-                loop.call_soon_threadsafe(self._finished, len(batch))
+                loop.call_soon_threadsafe(self._finished, len(batch), frozenset(r.tenant or "" for r in batch))
 
         for r in batch:
             r.future.add_done_callback(answered)
@@ -127,10 +146,10 @@ class Batcher:
             if raise_errors:
                 raise
 
-    def _finished(self, n: int) -> None:
+    def _finished(self, n: int, tenants: frozenset) -> None:
         self._running -= 1
         now = time.monotonic()
-        self._answered.append((now, n))
+        self._answered.append((now, n, tenants))
         while self._answered and now - self._answered[0][0] > RATE_WINDOW:
             self._answered.popleft()
         self._form()

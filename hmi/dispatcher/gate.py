@@ -1,5 +1,5 @@
-"""The gate (``hmi serve --gate``): HAProxy in front of the server refuses a flooding tenant's
-requests before Python sees them.
+"""The gate (``hmi serve --gate``): HAProxy in front of the server holds a flooding tenant to its
+fair share of the server before Python sees the rest of its requests.
 
 Refusing in the server is cheap only up to a point: every refused request is still parsed,
 authenticated and answered by the event loop, which shares the interpreter lock and the cores
@@ -7,12 +7,14 @@ with the scheduler's threads, so a flood of refusals slows every tenant's infere
 (docs/bench_overload.md).  With the gate the server listens on a loopback port and HAProxy on the
 public one.  When the server has refused a tenant ``over_share`` (it holds its share while others
 are served) ``MARK_AFTER`` times within a hold (a flood, not a quiet tenant's momentary excess),
-it marks that tenant in HAProxy's table of refused tenants over HAProxy's admin socket
-(``Gate.refuse``, at most twice per hold); for ``hold_s`` seconds (``HOLD_S``: the second its
-``Retry-After`` asks the client to wait) HAProxy then answers that tenant's requests
-``429 over_share`` itself, with ``Retry-After`` and ``X-HMI-Refused-By: gate``, and forwards
-everything else.  When the hold ends the tenant's requests reach the server again,
-which marks it again while it is still over its share.  Only the routes that name their tenant
+it marks that tenant in HAProxy's table ``TABLE`` over HAProxy's admin socket (``Gate.refuse``,
+at most twice per hold) with its fair rate: its weighted share of the requests the server
+answered per second lately (``Batcher.fair_rate``).  HAProxy then lets that many of the tenant's
+requests through per second (counted in the table ``ADMITTED``) and answers the rest
+``429 over_share`` itself, with ``Retry-After`` and ``X-HMI-Refused-By: gate``: the tenant is
+served at its share, evenly, instead of in bursts that fill whole batches each time a hold ends.
+Each refusal at the gate renews the mark, so it lasts while the tenant sends past its rate and
+ends ``hold_s`` seconds (``HOLD_S``) after it stopped.  Only the routes that name their tenant
 in the path (``/v1/tenants/{tenant}/...``) are gated; everything else passes unchanged.
 """
 
@@ -37,7 +39,8 @@ log = logging.getLogger("hmi.gate")
 
 HOLD_S = 1.0  # seconds a tenant the server refused over its share is refused at the gate
 MARK_AFTER = 8  # over_share refusals of a tenant within a hold before the gate refuses it
-TABLE = "refused"  # HAProxy's stick table of refused tenants (the tenant -> gpt0 = 1, expiring after the hold)
+TABLE = "refused"  # HAProxy's table of marked tenants: tenant -> gpt0 = its rate (requests/s), expiring after the hold
+ADMITTED = "admitted"  # HAProxy's table of a marked tenant's requests let through: tenant -> gpc0 and its rate over 1 s
 REFUSED_BY = "X-HMI-Refused-By"
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -61,7 +64,9 @@ def haproxy_binary() -> str | None:
 
 def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket: Path) -> str:
     """HAProxy's configuration: ``host:port`` forwarded to the server at ``upstream``
-    (``host:port``), with the tenants in the table ``TABLE`` refused for ``hold_s`` seconds."""
+    (``host:port``), with each tenant marked in ``TABLE`` let through at the rate it was marked
+    with and refused past it, the mark renewed by each refusal and expiring ``hold_s`` seconds
+    after the last."""
     body = ('{\\"error\\":{\\"code\\":\\"over_share\\",\\"message\\":\\"this tenant sends more than its share of '
             'the server; retry shortly (other tenants are served meanwhile)\\"}}')
     return "\n".join([
@@ -80,11 +85,19 @@ def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket
         "frontend hmi",
         f"  bind {host}:{port}",
         "  http-request set-var(txn.tenant) path,field(4,/) if { path_beg /v1/tenants/ }",
+        f"  http-request set-var(txn.rate) var(txn.tenant),table_gpt0({TABLE}) if {{ var(txn.tenant) -m found }}",
+        "  acl marked var(txn.rate) -m int gt 0",
+        f"  http-request track-sc0 var(txn.tenant) table {ADMITTED} if marked",
+        "  acl past_rate sc_gpc0_rate(0),sub(txn.rate) ge 0",  # as many let through in the last second as its rate
+        f"  http-request track-sc1 var(txn.tenant) table {TABLE} if marked past_rate",  # renews the mark
         f'  http-request return status 429 content-type application/json string "{body}" hdr Retry-After 1 '
-        f"hdr {REFUSED_BY} gate if {{ var(txn.tenant),table_gpt0({TABLE}) gt 0 }}",
+        f"hdr {REFUSED_BY} gate if marked past_rate",
+        "  http-request sc-inc-gpc0(0) if marked",
         "  default_backend server",
         f"backend {TABLE}",
         f"  stick-table type string len 128 size 1m expire {max(1, int(hold_s * 1000))}ms store gpt0",
+        f"backend {ADMITTED}",
+        "  stick-table type string len 128 size 1m expire 10s store gpc0,gpc0_rate(1s)",
         "backend server",
         f"  server hmi {upstream}",
         ""])
@@ -129,10 +142,10 @@ class Gate:
             time.sleep(0.05)
         return cls(proc, workdir, f"http://{host}:{port}", hold_s)
 
-    def refuse(self, tenant: str) -> None:
+    def refuse(self, tenant: str, rate: float) -> None:
         """Counts an over_share refusal of ``tenant`` by the server; at the ``MARK_AFTER``-th within
-        a hold, marks it refused at the gate for the hold (event loop; never blocks): at most twice
-        per hold, by the sender thread."""
+        a hold, marks it at the gate with ``rate`` (its fair share, requests/s; at least 1) for the
+        hold (event loop; never blocks): at most twice per hold, by the sender thread."""
         if not SAFE_NAME.fullmatch(tenant):
             return
         now = time.monotonic()
@@ -145,13 +158,12 @@ class Gate:
                 self._marked[tenant] = last
         else:
             self._marked[tenant] = now
-            self._marks.put(tenant)
-        for times in (self._marked, self._refusals):  # forget what is older than a hold (oldest first)
-            while times:
-                first, value = next(iter(times.items()))
-                if now - (value if isinstance(value, float) else value[0]) <= self.hold_s:
-                    break
-                del times[first]
+            self._marks.put((tenant, max(1, round(rate))))
+        # Forget what is older than a hold (both dicts hold their oldest first).
+        while self._marked and now - next(iter(self._marked.values())) > self.hold_s:
+            del self._marked[next(iter(self._marked))]
+        while self._refusals and now - next(iter(self._refusals.values()))[0] > self.hold_s:
+            del self._refusals[next(iter(self._refusals))]
 
     def close(self) -> None:
         self._marks.put(None)
@@ -167,10 +179,11 @@ class Gate:
 
     def _send_marks(self) -> None:
         while True:
-            tenant = self._marks.get()
-            if tenant is None:
+            mark = self._marks.get()
+            if mark is None:
                 return
-            answer = _command(self.admin_socket, f"set table {TABLE} key {tenant} data.gpt0 1")
+            tenant, rate = mark
+            answer = _command(self.admin_socket, f"set table {TABLE} key {tenant} data.gpt0 {rate}")
             if answer.strip():  # the server still refuses the tenant itself
                 log.warning("the gate could not mark tenant %s refused: %s", tenant, answer.strip()[:200])
 

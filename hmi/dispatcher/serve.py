@@ -106,8 +106,8 @@ def run_behind_gate(server: Server, host: str, port: int, hold_s: float = HOLD_S
     inner = socket.socket()
     inner.bind(("127.0.0.1", 0))
     server.gate = Gate.start(host, port, f"127.0.0.1:{inner.getsockname()[1]}", hold_s=hold_s)
-    print(f"the gate (HAProxy) listens on {host}:{port}: a tenant the server refuses over its share is refused there "
-          f"for {hold_s:g} s before its requests reach the server", flush=True)
+    print(f"the gate (HAProxy) listens on {host}:{port}: a tenant the server keeps refusing over its share is held "
+          f"there to its fair rate until it has sent within that rate for {hold_s:g} s", flush=True)
     try:
         web.run_app(make_app(server), sock=inner, print=None, handle_signals=True)
     finally:

@@ -325,7 +325,7 @@ class Scheduler:
 
     def compute(self, p: Prepared) -> None:
         """Stages A and C for one prepared batch, split when it holds more tenants than slots."""
-        for rows in self._split(p):
+        for rows in split_by_pools(p.entries, self.hidden, self.cfg.pool_slots):
             if self.cfg.batched_adapters:
                 self._compute_rows(p, rows)
             else:
@@ -336,23 +336,6 @@ class Scheduler:
                     self._compute_rows(p, tenant_rows)
         self.stats["batches"] += 1
         self.stats["requests"] += len(p.requests)
-
-    def _split(self, p: Prepared) -> list[list[int]]:
-        """Row subsets whose distinct tenants per adapter signature fit the pools."""
-        parts, current, seen = [], [], defaultdict(set)
-        for r, e in enumerate(p.entries):
-            if e.spec is None:  # the root: no slot
-                current.append(r)
-                continue
-            sig = e.spec.pool_key(self.hidden)
-            if e.name not in seen[sig] and len(seen[sig]) >= self.cfg.pool_slots:
-                parts.append(current)
-                current, seen = [], defaultdict(set)
-            seen[sig].add(e.name)
-            current.append(r)
-        if current:
-            parts.append(current)
-        return parts
 
     def _compute_rows(self, p: Prepared, rows: list[int]) -> None:
         entries = [p.entries[r] for r in rows]
@@ -394,6 +377,25 @@ class Scheduler:
                 _embedded(req, vectors[j], int(n_tokens[j]), p.truncated[r])
             else:
                 _resolve(req, entries[j], logits[j], p.word_starts[r], p.truncated[r])
+
+
+def split_by_pools(entries: list[TenantEntry], hidden: int, pool_slots: int) -> list[list[int]]:
+    """The rows of a batch (one entry each) in consecutive subsets whose distinct tenants per
+    adapter signature fit ``pool_slots``."""
+    parts, current, seen = [], [], defaultdict(set)
+    for r, e in enumerate(entries):
+        if e.spec is None:  # the root: no slot
+            current.append(r)
+            continue
+        sig = e.spec.pool_key(hidden)
+        if e.name not in seen[sig] and len(seen[sig]) >= pool_slots:
+            parts.append(current)
+            current, seen = [], defaultdict(set)
+        seen[sig].add(e.name)
+        current.append(r)
+    if current:
+        parts.append(current)
+    return parts
 
 
 def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts, truncated: bool) -> None:

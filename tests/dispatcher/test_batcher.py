@@ -143,3 +143,25 @@ def test_past_its_measured_bound_the_batcher_refuses_the_tenant_over_its_share_a
         assert b.waiting("quiet") == 1 and b.waiting("noisy") == bound
 
     run(go())
+
+
+def test_a_tenants_fair_rate_is_its_weighted_share_of_the_answered_rate_among_the_tenants_served_lately():
+    async def go():
+        s = Scheduler()
+        weights = {"heavy": 2.0}
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, weight=lambda t: weights.get(t, 1.0))
+        assert b.rate() is None and b.fair_rate("a") == 0.0  # nothing answered yet
+        started = None
+        for tenant in ("a", "b", "heavy") * 3:  # nine batches of four, answered one after the other
+            b.add(reqs(tenant, 4))
+            s.answer(len(s.batches) - 1)
+            await asyncio.sleep(0.01)
+            started = started or asyncio.get_running_loop().time()
+        elapsed = asyncio.get_running_loop().time() - started
+        rate = b.rate()
+        assert rate == pytest.approx(8 * 4 / elapsed, rel=0.3)  # the first batch starts the clock
+        assert b.fair_rate("a") == pytest.approx(rate / 4)  # weights a 1, b 1, heavy 2
+        assert b.fair_rate("heavy") == pytest.approx(rate / 2)
+        assert b.fair_rate("newcomer") == pytest.approx(rate / 5)  # it counts itself among the active
+
+    run(go())

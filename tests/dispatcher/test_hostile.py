@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import free_port
 from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, live, raw  # noqa: F401 - fixture
 
 LABELS = {"type": "classification", "labels": ["neg", "pos"]}
@@ -330,43 +331,51 @@ def _infer(url: str, tenant: str, texts: list[str]) -> tuple[int, dict, dict]:
                     json.dumps({"inputs": texts}).encode())
 
 
-def _free_port() -> int:
-    import socket
+def _refused_by_gate(headers: dict) -> bool:
+    from hmi.dispatcher.gate import REFUSED_BY
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {k.lower(): v for k, v in headers.items()}.get(REFUSED_BY.lower()) == "gate"
 
 
-def test_a_tenant_refused_over_its_share_again_and_again_is_then_refused_by_the_gate_alone_until_its_hold_ends(live):
-    from hmi.dispatcher.gate import MARK_AFTER, REFUSED_BY, Gate, haproxy_binary
+def test_a_tenant_refused_over_its_share_again_and_again_is_then_held_to_its_fair_rate_by_the_gate_until_it_stops(live):
+    from hmi.dispatcher.gate import MARK_AFTER, Gate, haproxy_binary
 
     if haproxy_binary() is None:
         pytest.skip("no haproxy here (the ray extra ships one)")
-    server = live["server"]
-    gate = Gate.start("127.0.0.1", _free_port(), live["url"].rsplit("//", 1)[1], hold_s=3.0)
+    server, hold, rate = live["server"], 3.0, 2
+    gate = Gate.start("127.0.0.1", free_port(), live["url"].rsplit("//", 1)[1], hold_s=hold)
     server.gate, queue = gate, server.batcher.tenant_queue
+    server.batcher.fair_rate = lambda tenant: float(rate)  # its share of the answered rate (tests/dispatcher/test_batcher.py)
     try:
         assert _infer(gate.url, "alpha", ["through the gate"])[0] == 200
         server.batcher.tenant_queue = 1  # two texts at once are more than alpha's queue holds
         for _ in range(MARK_AFTER - 1):  # a few refusals are the server's alone
             status, headers, body = _infer(gate.url, "alpha", ["one", "two"])
-            assert status == 429 and body["error"]["code"] == "over_share"
-            assert REFUSED_BY.lower() not in {k.lower() for k in headers}
+            assert status == 429 and body["error"]["code"] == "over_share" and not _refused_by_gate(headers)
         assert _infer(gate.url, "alpha", ["one"])[0] == 200  # not gated yet
-        deadline, refused = time.monotonic() + 1.0, None
         assert _infer(gate.url, "alpha", ["one", "two"])[0] == 429  # the MARK_AFTER-th within the hold
+        marked, deadline, refused = time.monotonic(), time.monotonic() + 2.0, None
         while time.monotonic() < deadline:  # the mark reaches HAProxy over its admin socket
             status, headers, body = _infer(gate.url, "alpha", ["one"])
-            if {k.lower(): v for k, v in headers.items()}.get(REFUSED_BY.lower()) == "gate":
+            if _refused_by_gate(headers):
                 refused = time.monotonic()
                 break
         assert refused is not None and status == 429 and body["error"]["code"] == "over_share"
         assert {k.lower(): v for k, v in headers.items()}["retry-after"] == "1"
         assert _infer(gate.url, "beta", ["the others pass"])[0] == 200
-        time.sleep(max(0.0, refused + 3.1 - time.monotonic()))
+        # Sent on past its rate for longer than a hold: still held, at its rate, not shut out.
+        codes, last_refusal, until = [], None, time.monotonic() + hold + 1.5
+        while time.monotonic() < until:
+            status, headers, _ = _infer(gate.url, "alpha", ["one"])
+            codes.append(200 if status == 200 else "gate" if _refused_by_gate(headers) else status)
+            last_refusal = time.monotonic() if codes[-1] == "gate" else last_refusal
+        assert set(codes) == {200, "gate"}, codes
+        assert last_refusal - marked > hold + 0.5  # each refusal renewed the mark
+        assert rate * (hold + 1.5 - 1) <= codes.count(200) <= rate * (hold + 1.5 + 2), codes
+        time.sleep(hold + 0.2)  # it stops: the mark ends one hold later
         assert _infer(gate.url, "alpha", ["the hold is over"])[0] == 200
     finally:
+        del server.batcher.fair_rate
         server.batcher.tenant_queue, server.gate = queue, None
         gate.close()
     assert not gate.workdir.exists() and gate.proc.poll() is not None

@@ -7,7 +7,6 @@ registry actor (replicas on any node), Ray Serve's proxy with the home's own reg
 import http.client
 import json
 import os
-import socket
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common import free_port
 from hmi.client import ROUTING_HEADER, Client
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
@@ -39,12 +39,6 @@ class TinyReplica:
 
         return tiny_server(Path(self.home), shared_home=True, job_launcher=RayLauncher(),
                            registry=RemoteRegistry() if self.registry == "actor" else None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def call(url: str, method: str, path: str, body=None, token=ADMIN, headers=None) -> tuple[int, object, dict]:
