@@ -24,6 +24,7 @@ import logging
 import os
 import queue
 import re
+import resource
 import shutil
 import socket
 import subprocess
@@ -62,6 +63,16 @@ def haproxy_binary() -> str | None:
     return str(binary) if binary.exists() else None
 
 
+def max_connections(ceiling: int = 4096) -> int:
+    """The connections HAProxy may hold at once: ``ceiling``, or fewer where the process's hard
+    limit on open files is lower (HAProxy needs two descriptors a connection, and some of its own;
+    a maxconn past the limit would keep it from starting)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return ceiling
+    return max(64, min(ceiling, (hard - 100) // 2))
+
+
 def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket: Path) -> str:
     """HAProxy's configuration: ``host:port`` forwarded to the server at ``upstream``
     (``host:port``), with each tenant marked in ``TABLE`` let through at the rate it was marked
@@ -71,7 +82,7 @@ def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket
             'the server; retry shortly (other tenants are served meanwhile)\\"}}')
     return "\n".join([
         "global",
-        "  maxconn 4096",
+        f"  maxconn {max_connections()}",
         "  nbthread 1",
         f"  stats socket {admin_socket} mode 600 level admin",
         "defaults",

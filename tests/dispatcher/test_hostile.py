@@ -394,3 +394,34 @@ def test_a_gate_that_cannot_bind_its_port_says_why():
         port = busy.getsockname()[1]
         with pytest.raises(GateError, match="did not start"):
             Gate.start("127.0.0.1", port, "127.0.0.1:9", timeout_s=5)
+
+
+
+GATE_UNDER_LIMIT = """
+import json, sys, urllib.request
+from hmi.dispatcher.gate import Gate, max_connections
+gate = Gate.start("127.0.0.1", int(sys.argv[2]), sys.argv[1])
+try:
+    req = urllib.request.Request(gate.url + "/v1/tenants/alpha/infer", json.dumps({"inputs": ["through"]}).encode(),
+                                 {"Content-Type": "application/json", "Authorization": "Bearer " + sys.argv[3]})
+    print(max_connections(), urllib.request.urlopen(req, timeout=60).status)
+finally:
+    gate.close()
+"""
+
+
+def test_a_gate_under_a_low_open_files_limit_still_starts_and_forwards(live):
+    import resource
+
+    from hmi.dispatcher.gate import haproxy_binary
+
+    if haproxy_binary() is None:
+        pytest.skip("no haproxy here (the ray extra ships one)")
+
+    def low_limit():  # 1,024 open files, as many hosts have by default: HAProxy inherits it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    out = subprocess.run([sys.executable, "-c", GATE_UNDER_LIMIT, live["url"].rsplit("//", 1)[1], str(free_port()), ADMIN],
+                         preexec_fn=low_limit, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["462", "200"]  # (1,024 - 100) / 2 connections at most, and it forwards
