@@ -38,8 +38,8 @@ from hmi.lifetime import die_with_parent
 
 log = logging.getLogger("hmi.gate")
 
-HOLD_S = 1.0  # seconds a tenant the server refused over its share is refused at the gate
-MARK_AFTER = 8  # over_share refusals of a tenant within a hold before the gate refuses it
+HOLD_S = 1.0  # seconds a marked tenant stays held at its rate after it last sent past it
+MARK_AFTER = 8  # over_share refusals of a tenant within a hold before the gate holds it to its rate
 TABLE = "refused"  # HAProxy's table of marked tenants: tenant -> gpt0 = its rate (requests/s), expiring after the hold
 ADMITTED = "admitted"  # HAProxy's table of a marked tenant's requests let through: tenant -> gpc0 and its rate over 1 s
 REFUSED_BY = "X-HMI-Refused-By"
