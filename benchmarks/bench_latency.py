@@ -153,9 +153,11 @@ def client_main() -> None:
     print(json.dumps(out))
 
 
-def run_load(spec: dict) -> dict:
+def run_load(spec: dict, cpus: set[int] | None = None) -> dict:
+    """One load generator's results, run in its own process (on ``cpus`` when given)."""
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.run([sys.executable, __file__, "--client"], input=json.dumps(spec), capture_output=True,
-                          text=True, timeout=spec["seconds"] + 300)
+                          text=True, timeout=spec["seconds"] + 300, preexec_fn=pin)
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

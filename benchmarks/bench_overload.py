@@ -1,15 +1,18 @@
 """Noisy neighbours and overload through the real HTTP server: does one tenant's flood raise the
 others' latency, and what happens to admitted requests at twice the capacity?
 
-Usage: python benchmarks/bench_overload.py [--quick] [--ray]
+Usage: python benchmarks/bench_overload.py [--quick] [--ray] [--apart]
 
 The server runs in this process on the current root and root PLOT with ten ready tenants (A, then
 B..J), default configuration (fair shares: 2 batches in flight, 256 requests per tenant queue), or
 with ``--ray`` as two Ray Serve replicas behind the HAProxy ingress (``hmi.scaleout.ray_serve``,
 tenant affinity: each replica runs the whole server with its own fair queue; results in
 docs/bench_overload_ray.md);
-load comes from separate client processes on localhost (the same 2 cores), open loop (requests
-sent on schedule whatever the answers), one real short text (a tweet) per request:
+load comes from separate client processes on localhost (the same 2 cores; with ``--apart`` on the
+last core alone, the server and its gate on the others, results in docs/bench_overload_apart.md),
+open loop (requests sent on schedule whatever the answers), one real short text (a tweet) per
+request. The scenarios after the capacity run in interleaved rounds (three of 10 s; one with
+``--quick``), so that the machine's drift falls on all of them alike:
 
 1. **capacity**: 64 closed-loop clients over all ten tenants: answered requests per second, C.
 2. **baseline**: B..J together at 0.7 C (their fair shares), A silent.
@@ -22,6 +25,9 @@ sent on schedule whatever the answers), one real short text (a tweet) per reques
    flood never reaches Python and what is admitted comes evenly (``neighbour_p99_ratio_gated``:
    B..J's p99 beside A over their p99 without A, both through the gate; skipped where no
    ``haproxy`` binary is installed: the ray extra ships one).
+   **fair**: B..J at 0.7 C beside A sending only its share (0.1 C), no flood, directly and through
+   the gate (``neighbour_p99_ratio_fair``, ``..._gated_fair``): what any admission that serves A
+   its share can reach.
    Every row states the CPU its load generators used (cores, from their rusage).
 4. **at capacity** and **overload**: all ten at 1.0 C, then at 2.0 C:
    ``overload_p99_over_capacity_p99`` = p99 of the answered requests at 2 C over that at 1 C, the
@@ -30,6 +36,7 @@ sent on schedule whatever the answers), one real short text (a tweet) per reques
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import sys
@@ -45,31 +52,45 @@ from benchmarks.common import finish, free_port, start, table  # noqa: E402
 from hmi.dispatcher.gate import HOLD_S, Gate, haproxy_binary  # noqa: E402
 
 TENANTS = 10
+CLIENT_CPUS: set[int] | None = None  # --apart: the load generators' cores
 REPLICAS = 2
 RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair queue and admission, which every "
             "request the replica takes reaches); HAProxy routes a tenant's requests to one replica by the routing "
             "header's hash. Every request passes HAProxy, Ray Serve's replica front and the replica's forward to its "
             "server, on the same two cores as the load generator: a flood faster than those Python fronts can "
             "refuse waits in front of them, first come, first served, and everyone's latency grows with it.")
-NOTE = ("What these figures say on 2 cores: admission holds the overload's answered p99 near the p99 at "
-        "capacity by refusing at once what would wait past about 0.25 s; the fair queue puts a quiet tenant's "
-        "request before a noisy tenant's backlog (tests/dispatcher/test_batcher.py). In one process every "
-        "refusal of a flood is parsed, authenticated and answered by the server's Python event loop, which "
-        "shares the interpreter lock and the two cores with the scheduler's threads: beside a flood at 10 C "
-        "the others' latency rose tens of times and some of their requests were refused too (their queues "
-        "grew past their share while the scheduler was starved). Through the gate (`hmi serve --gate`) "
-        "HAProxy answers almost all of the flood itself, the flooding tenant is served evenly at its fair rate "
-        "(about a tenth of the answered requests here), and nobody else is refused; the others' p99 still rises "
-        "several times. What is left is the cores: with the flooding tenant admitted at its share the server "
-        "answers about 0.76 C, near what it can answer while the load generators take half a core (last "
-        "column) and HAProxy refuses about 1,500 requests a second, and the others' requests queue behind "
-        "batches that are not preempted. With every request of the flooding tenant refused by HAProxy "
-        "(a static rule, measured separately in 10 s runs) the ratio was 1.4 to 3.0: the bound of what "
-        "admission can do on these two shared cores. Holding a flooding tenant's requests out of full "
-        "batches (tried: they only filled the batches the others closed) made its admitted requests wait "
-        "about 11 s and gave an overload shared by everyone a 10 s p99 tail, so it was not kept; so was "
-        "refusing the gate's tenant for a whole second at a time (the ratio was 7.2: each time the hold "
-        "ended, its queued burst filled whole batches).")
+NOTE = ("What these figures say on 2 cores. Admission holds the overload's answered p99 near the p99 at "
+        "capacity by refusing at once what would wait past about 0.25 s, and the fair queue puts a quiet tenant's "
+        "request before a noisy tenant's backlog (tests/dispatcher/test_batcher.py). A tenant sending more than "
+        "four times its fair rate is refused past its share of that bound among the tenants served lately, though "
+        "the batcher is far from full: before, it could queue the whole bound (64 requests, about 0.6 s of work "
+        "here) before any refusal, and those rows filled whole batches, which are not preempted. Directly, every "
+        "refusal of a flood is parsed, authenticated and answered by the server's Python event loop, on the "
+        "cores the scheduler needs: the others' latency rises many times and some of their requests are refused. "
+        "Through the gate (`hmi serve --gate`) HAProxy answers almost all of the flood itself and admits the "
+        "flooding tenant evenly at its fair rate. The 'fair' rows are the bound of any admission that serves "
+        "the flooding tenant its share: the same tenant sending only that share, with no flood; the load is "
+        "then about 0.8 C instead of 0.7 C, and the others' latency rises with it. On this machine every p99 "
+        "carries stalls of 0.3 to 1 s that come and go (the baselines' own p99 varied from 77 to 452 ms between "
+        "runs of the same command), so a p99 ratio moves by several times from run to run; the p50 column and "
+        "the rows beside each other in one run (three interleaved rounds) are what to compare. With --apart the "
+        "load generators run on their own core, as clients on other machines would, and the server and its gate "
+        "on the other: the flood's generator then costs the server nothing.")
+
+
+def apart() -> None:
+    """Moves every thread of this process (the server's) off the last core and keeps that core
+    for the load generators, as if the clients ran on other machines."""
+    global CLIENT_CPUS
+    import torch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--apart needs at least 2 cores")
+    CLIENT_CPUS, server = {cpus[-1]}, set(cpus[:-1])
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), server)
+    torch.set_num_threads(len(server))
 
 
 def pct(lat: list[float], q: float) -> float:
@@ -77,11 +98,12 @@ def pct(lat: list[float], q: float) -> float:
 
 
 def together(specs: list[dict]) -> list[dict]:
-    """Runs load generators at the same time (each its own process); their results in order."""
+    """Runs load generators at the same time (each its own process, on ``CLIENT_CPUS`` when
+    set); their results in order."""
     out = [None] * len(specs)
 
     def go(i):
-        out[i] = run_load(specs[i])
+        out[i] = run_load(specs[i], CLIENT_CPUS)
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(len(specs))]
     for t in threads:
@@ -99,15 +121,40 @@ def summary(r: dict) -> dict:
 
 
 def loads(specs: list[dict], server=None) -> tuple[list[dict], float]:
-    """The summaries of load generators run together, and the CPU they used in cores (user +
-    system seconds of the finished child processes over the wall time); first the server (when in
-    this process) works off what an earlier scenario left queued."""
+    """The results of load generators run together, and the CPU they used in cores (user + system
+    seconds of the finished child processes over the wall time); first the server (when in this
+    process) works off what an earlier scenario left queued."""
     settle(server)
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     out = together(specs)
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-    return [summary(r) for r in out], round(cpu / wall, 2)
+    return out, round(cpu / wall, 2)
+
+
+def interleaved(scenarios: dict[str, list[dict]], rounds: int, server=None) -> dict[str, tuple[list[dict], float]]:
+    """Runs every scenario (its load generators together) ``rounds`` times, round robin, each time
+    for 1/rounds of its seconds, so that a drift of the machine's speed falls on all of them alike.
+    Per scenario: its generators' summaries over all rounds, and the CPU they used (cores)."""
+    runs: dict[str, list[tuple[list[dict], float]]] = {name: [] for name in scenarios}
+    for _ in range(rounds):
+        for name, specs in scenarios.items():
+            runs[name].append(loads([{**spec, "seconds": spec["seconds"] / rounds} for spec in specs], server))
+    return {name: ([summary(merged([out[i] for out, _ in runs[name]])) for i in range(len(scenarios[name]))],
+                   round(sum(cpu for _, cpu in runs[name]) / rounds, 2)) for name in scenarios}
+
+
+def merged(results: list[dict]) -> dict:
+    """One load generator's results over several runs, as if it had run once."""
+    out = {"latencies_s": [], "refused_s": [], "wall_s": 0.0, "codes": {}, "refused_by": {}}
+    for r in results:
+        out["latencies_s"] += r["latencies_s"]
+        out["refused_s"] += r["refused_s"]
+        out["wall_s"] += r["wall_s"]
+        for key in ("codes", "refused_by"):
+            for k, v in r[key].items():
+                out[key][k] = out[key].get(k, 0) + v
+    return out
 
 
 def settle(server, timeout_s: float = 120.0) -> None:
@@ -144,10 +191,14 @@ def serving(ray: bool, tmp: Path, token: str, root):
 def main() -> None:
     def options(ap):
         ap.add_argument("--ray", action="store_true", help=f"through Ray Serve: {REPLICAS} replicas, HAProxy ingress")
+        ap.add_argument("--apart", action="store_true",
+                        help="load generators on the last core, the server and its gate on the others")
 
     args = start(__doc__, options)
+    if args.apart:
+        apart()
     from hmi.data import load_task
-    seconds = 10 if args.quick else 30
+    seconds, rounds = (10, 1) if args.quick else (30, 3)
     tmp, token, root, names = bench_home("hmi-bench-overload-", TENANTS)
     try:
         noisy, others = names[0], names[1:]
@@ -156,62 +207,81 @@ def main() -> None:
         base = {"url": url, "token": token, "texts": texts, "clients": 1, "seconds": seconds, "max_requests": 200_000,
                 "seed": 0, "mode": "rate", "rate": 1.0}
         run_load({**base, "tenants": names, "mode": "closed", "clients": 16, "seconds": 3})  # warm-up
-        (cap,), cpu_cap = loads([{**base, "tenants": names, "mode": "closed", "clients": 64}], server)
+        ((cap,), cpu_cap), = interleaved({"capacity": [{**base, "tenants": names, "mode": "closed", "clients": 64}]},
+                                         1, server).values()
         c = cap["answered_per_s"]
         print("capacity", cap, flush=True)
-        (baseline,), cpu_base = loads([{**base, "tenants": others, "rate": 0.7 * c}], server)
-        print("baseline", baseline, flush=True)
 
-        def beside(rate: float, at: str = url) -> tuple[list[dict], float]:
-            return loads([{**base, "url": at, "tenants": others, "rate": 0.7 * c},
-                          {**base, "url": at, "tenants": [noisy], "rate": rate * c, "seed": 1}], server)
+        def scenarios(at: str) -> dict[str, list[dict]]:
+            others_load = {**base, "url": at, "tenants": others, "rate": 0.7 * c}
 
-        (quiet, loud), cpu_noisy = beside(10)
-        print("noisy", quiet, loud, flush=True)
-        (quiet3, loud3), cpu_noisy3 = beside(3)
-        print("noisy at 3 C", quiet3, loud3, flush=True)
+            def beside(rate: float) -> list[dict]:
+                return [others_load, {**base, "url": at, "tenants": [noisy], "rate": rate * c, "seed": 1}]
+            return {"baseline": [others_load], "noisy": beside(10), "noisy_at_3c": beside(3), "fair": beside(0.1)}
+
+        direct = interleaved(scenarios(url), rounds, server)
+        print("direct", direct, flush=True)
         gated = None
         if server is not None and haproxy_binary():
             server.gate = gate = Gate.start("127.0.0.1", free_port(), url.rsplit("//", 1)[1])
             try:
-                (baseline_g,), cpu_base_g = loads([{**base, "url": gate.url, "tenants": others, "rate": 0.7 * c}], server)
-                (quiet_g, loud_g), cpu_g = beside(10, gate.url)
-                (quiet3_g, loud3_g), cpu3_g = beside(3, gate.url)
+                gated = interleaved(scenarios(gate.url), rounds, server)
             finally:
                 server.gate = None
                 gate.close()
-            gated = {"baseline": baseline_g, "others": quiet_g, "noisy": loud_g, "others_at_3c": quiet3_g,
-                     "noisy_at_3c": loud3_g, "cpu": {"baseline": cpu_base_g, "noisy": cpu_g, "noisy_at_3c": cpu3_g}}
             print("through the gate", gated, flush=True)
-        (at_cap,), cpu_at = loads([{**base, "tenants": names, "rate": 1.0 * c}], server)
-        (over,), cpu_over = loads([{**base, "tenants": names, "rate": 2.0 * c}], server)
-        print("capacity / overload", at_cap, over, flush=True)
+        overload = interleaved({"at_capacity": [{**base, "tenants": names, "rate": 1.0 * c}],
+                                "overload": [{**base, "tenants": names, "rate": 2.0 * c}]}, rounds, server)
+        print("capacity / overload", overload, flush=True)
         close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    res = results(c, cap, cpu_cap, direct, gated, overload)
+    res.update({"config": {"batches_in_flight": cfg.batches_in_flight, "tenant_queue": cfg.tenant_queue,
+                           "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms},
+                "seconds": seconds, "rounds": rounds,
+                "serving": f"Ray Serve, {REPLICAS} replicas, HAProxy ingress" if args.ray else "one process",
+                "load_generators": (f"on core {sorted(CLIENT_CPUS)[0]}, the server and its gate on the others"
+                                    if CLIENT_CPUS else "on the same cores as the server")})
+    name = "bench_overload" + ("_ray" if args.ray else "") + ("_apart" if args.apart else "")
+    finish(name, report(res, args.ray), res, "python benchmarks/bench_overload.py" + (" --quick" if args.quick else "")
+           + (" --ray" if args.ray else "") + (" --apart" if args.apart else ""))
+
+
+def results(c: float, cap: dict, cpu_cap: float, direct: dict, gated: dict | None, overload: dict) -> dict:
+    """The JSON result from the scenarios' summaries (``interleaved``)."""
+    def ratio(runs: dict, name: str) -> float:
+        return round(runs[name][0][0]["p99_ms"] / runs["baseline"][0][0]["p99_ms"], 2)
+
+    (baseline,), _ = direct["baseline"]
+    (quiet, loud), _ = direct["noisy"]
+    (at_cap,), _ = overload["at_capacity"]
+    (over,), _ = overload["overload"]
     res = {"capacity_per_s": c, "capacity": cap, "baseline": baseline, "noisy_others": quiet, "noisy_tenant": loud,
+           "noisy3_others": direct["noisy_at_3c"][0][0], "noisy3_tenant": direct["noisy_at_3c"][0][1],
+           "fair_others": direct["fair"][0][0], "fair_tenant": direct["fair"][0][1],
            "at_capacity": at_cap, "overload": over,
-           "noisy3_others": quiet3, "noisy3_tenant": loud3, "gated": gated,
-           "generators_cpu_cores": {"capacity": cpu_cap, "baseline": cpu_base, "noisy": cpu_noisy,
-                                    "noisy_at_3c": cpu_noisy3, "at_capacity": cpu_at, "overload": cpu_over},
-           "neighbour_p99_ratio": round(quiet["p99_ms"] / baseline["p99_ms"], 2),
-           "neighbour_p99_ratio_at_3c": round(quiet3["p99_ms"] / baseline["p99_ms"], 2),
-           "neighbour_p99_ratio_gated": (round(gated["others"]["p99_ms"] / gated["baseline"]["p99_ms"], 2)
-                                         if gated else None),
-           "neighbour_p99_ratio_gated_at_3c": (round(gated["others_at_3c"]["p99_ms"] / gated["baseline"]["p99_ms"], 2)
-                                               if gated else None),
-           "noisy_refused_by_gate_share": (round(gated["noisy"]["refused_by_gate"] / max(1, sent(gated["noisy"])), 3)
-                                           if gated else None),
+           "generators_cpu_cores": {"capacity": cpu_cap, **{k: cpu for k, (_, cpu) in direct.items()},
+                                    **{k: cpu for k, (_, cpu) in overload.items()}},
+           "neighbour_p99_ratio": ratio(direct, "noisy"), "neighbour_p99_ratio_at_3c": ratio(direct, "noisy_at_3c"),
+           "neighbour_p99_ratio_fair": ratio(direct, "fair"),
            "noisy_429_share": round(loud["codes"].get("429", 0) / max(1, sent(loud)), 3),
            "others_refused": sent(quiet) - quiet["answered"],
            "overload_p99_over_capacity_p99": round(over["p99_ms"] / at_cap["p99_ms"], 2),
-           "overload_shed_share": round(over["codes"].get("429", 0) / max(1, sent(over)), 3),
-           "config": {"batches_in_flight": cfg.batches_in_flight, "tenant_queue": cfg.tenant_queue,
-                      "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms}, "seconds": seconds,
-           "serving": f"Ray Serve, {REPLICAS} replicas, HAProxy ingress" if args.ray else "one process"}
-    finish("bench_overload_ray" if args.ray else "bench_overload", report(res, args.ray), res,
-           "python benchmarks/bench_overload.py" + (" --quick" if args.quick else "") + (" --ray" if args.ray else ""))
+           "overload_shed_share": round(over["codes"].get("429", 0) / max(1, sent(over)), 3), "gated": None}
+    if gated:
+        res["gated"] = {"baseline": gated["baseline"][0][0], "others": gated["noisy"][0][0],
+                        "noisy": gated["noisy"][0][1], "others_at_3c": gated["noisy_at_3c"][0][0],
+                        "noisy_at_3c": gated["noisy_at_3c"][0][1], "others_fair": gated["fair"][0][0],
+                        "fair_tenant": gated["fair"][0][1], "cpu": {k: cpu for k, (_, cpu) in gated.items()}}
+        res.update({"neighbour_p99_ratio_gated": ratio(gated, "noisy"),
+                    "neighbour_p99_ratio_gated_at_3c": ratio(gated, "noisy_at_3c"),
+                    "neighbour_p99_ratio_gated_fair": ratio(gated, "fair"),
+                    "noisy_refused_by_gate_share": round(res["gated"]["noisy"]["refused_by_gate"]
+                                                         / max(1, sent(res["gated"]["noisy"])), 3)})
+    return res
+
 
 
 def sent(s: dict) -> int:
@@ -230,32 +300,40 @@ def report(res: dict, ray: bool) -> str:
             row("noisy: B..J at 0.7 C, beside A", res["noisy_others"], cpu["noisy"]),
             row(f"noisy: A at 10 C ({10 * c:.0f}/s)", res["noisy_tenant"], "(with the row above)"),
             row("noisy: B..J at 0.7 C, beside A at 3 C", res["noisy3_others"], cpu["noisy_at_3c"]),
-            row(f"noisy: A at 3 C ({3 * c:.0f}/s)", res["noisy3_tenant"], "(with the row above)")]
+            row(f"noisy: A at 3 C ({3 * c:.0f}/s)", res["noisy3_tenant"], "(with the row above)"),
+            row("fair: B..J at 0.7 C, beside A at its share", res["fair_others"], cpu["fair"]),
+            row(f"fair: A at 0.1 C ({0.1 * c:.0f}/s, no flood)", res["fair_tenant"], "(with the row above)")]
     if gated:
         rows += [row("gate: baseline, B..J at 0.7 C", gated["baseline"], gated["cpu"]["baseline"]),
                  row("gate: B..J at 0.7 C, beside A", gated["others"], gated["cpu"]["noisy"]),
                  row("gate: A at 10 C", gated["noisy"], "(with the row above)"),
                  row("gate: B..J at 0.7 C, beside A at 3 C", gated["others_at_3c"], gated["cpu"]["noisy_at_3c"]),
-                 row("gate: A at 3 C", gated["noisy_at_3c"], "(with the row above)")]
+                 row("gate: A at 3 C", gated["noisy_at_3c"], "(with the row above)"),
+                 row("gate: B..J at 0.7 C, beside A at its share", gated["others_fair"], gated["cpu"]["fair"]),
+                 row("gate: A at 0.1 C (no flood)", gated["fair_tenant"], "(with the row above)")]
     rows += [row(f"all tenants at 1.0 C ({c:.0f}/s)", res["at_capacity"], cpu["at_capacity"]),
              row(f"all tenants at 2.0 C ({2 * c:.0f}/s)", res["overload"], cpu["overload"])]
     text = table(rows, ("load", "sent", "answered", "429", "p50 ms (answered)", "p99 ms (answered)",
                         "load generators' CPU (cores)"))
     return (text + f"\n\nCapacity C = {c} answered requests/s. `neighbour_p99_ratio` (B..J's p99 beside the noisy "
             f"tenant over without it): **{res['neighbour_p99_ratio']}** (target <= 1.5; with A at 3 C: "
-            f"{res['neighbour_p99_ratio_at_3c']}); the noisy tenant's requests refused "
+            f"{res['neighbour_p99_ratio_at_3c']}; beside A sending only its share, 0.1 C: "
+            f"{res['neighbour_p99_ratio_fair']}, what any admission that serves A its share can reach); "
+            f"the noisy tenant's requests refused "
             f"(429 over_share): {res['noisy_429_share']:.1%}; requests of B..J refused: {res['others_refused']}. "
             f"`overload_p99_over_capacity_p99`: **{res['overload_p99_over_capacity_p99']}** (target <= 2), "
             f"{res['overload_shed_share']:.1%} shed with 429, a refusal's p99 {res['overload']['refused_p99_ms']} ms. "
             + (f"Through the gate (`hmi serve --gate`: HAProxy holds a tenant the server refused over its share "
                f"to its fair rate, its share of the answered requests per second, until it has sent within that "
                f"rate for {HOLD_S:g} s): `neighbour_p99_ratio_gated` **{res['neighbour_p99_ratio_gated']}** "
-               f"(with A at 3 C: {res['neighbour_p99_ratio_gated_at_3c']}), B..J's p99 {gated['others']['p99_ms']} ms "
+               f"(with A at 3 C: {res['neighbour_p99_ratio_gated_at_3c']}; beside A at its share: "
+               f"{res['neighbour_p99_ratio_gated_fair']}), B..J's p99 {gated['others']['p99_ms']} ms "
                f"against {gated['baseline']['p99_ms']} without A through the same gate; A answered "
                f"{gated['noisy']['answered_per_s']} requests/s ({gated['noisy']['answered_per_s'] / c:.2f} C), "
                f"{res['noisy_refused_by_gate_share']:.1%} of its requests refused by the gate itself; requests of "
                f"B..J refused: {sent(gated['others']) - gated['others']['answered']}. " if gated else "")
-            + f"{res['seconds']} s per scenario; server config: {res['config']}; serving: {res['serving']}.\n\n"
+            + f"{res['seconds']} s per scenario in {res['rounds']} interleaved rounds; server config: {res['config']}; "
+            f"serving: {res['serving']}; load generators {res['load_generators']}.\n\n"
             + (RAY_NOTE if ray else NOTE))
 
 

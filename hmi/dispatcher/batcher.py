@@ -10,8 +10,13 @@ Admission keeps the wait short instead of queueing without end: the batcher hold
 ``queue_delay`` seconds of work (the answered requests per second, measured over the last
 seconds, times ``queue_delay``; at least a batch per place in flight).  Past that, a request is
 refused at once (429) when its tenant already has its weighted share of that bound waiting
-(``TenantQueueFullError``; the tenants within their share are still admitted), and in any case
+(``TenantQueueFullError``; at least ``MIN_SHARE``; a call of a tenant with none waiting and the
+tenants within their share are still admitted, so the batcher holds about the bound), and in any case
 when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``QueueFullError``).
+A tenant that floods (sends more than four times its fair rate, ``flooding``) is refused sooner: past
+its weighted share of the bound among the tenants waiting or served lately (at least
+``MIN_SHARE``), though the batcher is far from full, so that its backlog never fills the
+batches that everyone else's requests then wait behind (a batch is not preempted).
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from hmi.scheduler.fair import FairQueue, TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
 RATE_WINDOW = 5.0  # seconds of answered batches that measure the rate the admission bound follows
+FLOOD_WINDOW = 1.0  # seconds over which a tenant's requests are counted to tell a flood (Batcher.flooding)
+FLOOD_FACTOR = 4  # a tenant floods past this many times its fair rate (well clear of a rate depressed by load)
+MIN_SHARE = 2  # requests a tenant may have waiting past the bound (or flooding) whatever its share
 
 
 class Batcher:
@@ -39,6 +47,8 @@ class Batcher:
         # (time, requests, their tenants) of the batches answered in the last RATE_WINDOW s
         self._answered: deque = deque()
         self._queue = FairQueue(weight)
+        # tenant -> (start of its window, requests sent in the window before, in this one), oldest first
+        self._sending: dict[str, tuple[float, int, int]] = {}
         self._running = 0  # batches submitted and not answered yet
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -64,22 +74,47 @@ class Batcher:
         self._loop = asyncio.get_running_loop()
         tenant = requests[0].tenant or ""
         self.admit(tenant, len(requests))
+        self._sent(tenant, len(requests))
         self._queue.push(tenant, requests)
         self._form(raise_errors=True)
 
     def admit(self, tenant: str, n: int = 1) -> None:
         """Raises what ``add`` would raise for ``n`` more requests of ``tenant`` (``""``: the root's
-        own), so that a route can refuse before it reads a body."""
+        own), so that a route can refuse before it reads a body; a refusal counts as sent."""
+        try:
+            self._admissible(tenant, n)
+        except QueueFullError:
+            self._sent(tenant, n)
+            raise
+
+    def flooding(self, tenant: str, n: int = 0) -> bool:
+        """Whether ``tenant`` sends (admitted or refused, ``n`` more now) more than FLOOD_FACTOR
+        times its fair rate: its requests of the last FLOOD_WINDOW seconds, the previous window's weighted by how
+        much of it the last FLOOD_WINDOW seconds still cover, as HAProxy estimates a rate."""
+        start, previous, current = self._sending.get(tenant, (0.0, 0, 0))
+        elapsed = time.monotonic() - start
+        if elapsed >= FLOOD_WINDOW:
+            start, previous, current = start + elapsed, current if elapsed < 2 * FLOOD_WINDOW else 0, 0
+            elapsed = 0.0
+        sent = current + n + previous * (1.0 - elapsed / FLOOD_WINDOW)
+        return sent > FLOOD_FACTOR * self.fair_rate(tenant) * FLOOD_WINDOW + MIN_SHARE
+
+    def _admissible(self, tenant: str, n: int) -> None:
         mine, pending = self._queue.waiting(tenant), len(self._queue)
         if mine + n > self.tenant_queue:
             raise TenantQueueFullError(tenant or "root", mine)
         if pending + n > self.max_pending:
             raise QueueFullError(f"{pending} requests are waiting, the server's limit")
         bound = self.bound()
-        if bound is not None and pending + n > bound:
+        if bound is None:
+            return
+        if mine and mine + n > MIN_SHARE and self.flooding(tenant, n) \
+                and mine + n > self._queue.share(tenant, bound, self._lately()):
+            raise TenantQueueFullError(tenant or "root", mine)  # a flood waits in a short queue of its own
+        if pending + n > bound:
             if not self._queue.tenants() - {tenant}:  # nobody else waits: the server is simply full
                 raise QueueFullError(f"{pending} requests are waiting: about {self.queue_delay:g} s of work")
-            if mine + n > max(self.max_batch, self._queue.share(tenant, bound)):  # others wait; it has its share
+            if mine and mine + n > max(MIN_SHARE, self._queue.share(tenant, bound)):  # others wait; it has its share
                 raise TenantQueueFullError(tenant or "root", mine)
 
     def bound(self) -> int | None:
@@ -101,11 +136,7 @@ class Batcher:
     def fair_rate(self, tenant: str) -> float:
         """The requests per second that are ``tenant``'s weighted share of the answered rate among
         the tenants answered in the last RATE_WINDOW seconds or waiting now (and it); 0 before a rate."""
-        active = {tenant} | self._queue.tenants()
-        for _, _, tenants in self._answered:
-            active |= tenants
-        weight = self._queue.weight
-        return (self.rate() or 0.0) * weight(tenant) / sum(weight(t) for t in active)
+        return self._queue.share(tenant, self.rate() or 0.0, self._lately())
 
     def close(self) -> None:
         """Forms a batch now from whatever waits (if the scheduler can take one)."""
@@ -153,6 +184,21 @@ class Batcher:
         while self._answered and now - self._answered[0][0] > RATE_WINDOW:
             self._answered.popleft()
         self._form()
+
+    def _sent(self, tenant: str, n: int) -> None:
+        """Counts ``n`` requests of ``tenant`` sent now (``flooding``); forgets the tenants that
+        sent nothing for two windows (the dict holds the least recently counted first)."""
+        now = time.monotonic()
+        start, previous, current = self._sending.pop(tenant, (now, 0, 0))
+        if now - start >= FLOOD_WINDOW:
+            start, previous, current = now, current if now - start < 2 * FLOOD_WINDOW else 0, 0
+        self._sending[tenant] = (start, previous, current + n)
+        while now - next(iter(self._sending.values()))[0] >= 2 * FLOOD_WINDOW:
+            del self._sending[next(iter(self._sending))]
+
+    def _lately(self) -> set[str]:
+        """The tenants of the batches answered in the last RATE_WINDOW seconds."""
+        return set().union(*(tenants for _, _, tenants in self._answered))
 
     def _oldest_wait(self) -> float:
         oldest = self._queue.oldest_arrival()

@@ -86,7 +86,8 @@ class FairQueue:
         """When the longest-waiting request arrived (``time.monotonic``), or None."""
         return min((q[0][1] for q in self._queues.values()), default=None)
 
-    def share(self, tenant: str, bound: float) -> float:
-        """A tenant's weighted share of ``bound`` among the tenants with requests waiting (and it)."""
-        active = self.tenants() | {tenant}
+    def share(self, tenant: str, bound: float, also: frozenset | set = frozenset()) -> float:
+        """A tenant's weighted share of ``bound`` among the tenants with requests waiting, those in
+        ``also`` and it."""
+        active = self.tenants() | set(also) | {tenant}
         return bound * self.weight(tenant) / sum(self.weight(t) for t in active)

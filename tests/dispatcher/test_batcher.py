@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hmi.dispatcher.batcher import Batcher
+from hmi.dispatcher.batcher import FLOOD_FACTOR, MIN_SHARE, Batcher
 from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
@@ -141,6 +141,94 @@ def test_past_its_measured_bound_the_batcher_refuses_the_tenant_over_its_share_a
         with pytest.raises(TenantQueueFullError):
             b.add(reqs("noisy", 1))  # others wait, and it holds far more than its half
         assert b.waiting("quiet") == 1 and b.waiting("noisy") == bound
+
+    run(go())
+
+
+def test_past_the_bound_a_tenant_with_requests_waiting_is_held_to_its_share_not_to_a_whole_batch():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=16, max_wait=0.001, in_flight=1, queue_delay=0.05)
+        for _ in range(4):  # answered batches measure the rate
+            b.add(reqs("warm", 16))
+            s.answer(len(s.batches) - 1)
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.002)
+        bound = b.bound()
+        b.add(reqs("first", 16))  # a batch in flight, unanswered: the rest waits
+        b.add(reqs("first", bound))  # the batcher at its bound
+        tenants = [f"t{i}" for i in range(3 * bound)]  # so many that a share of the bound is below one
+        for t in tenants:
+            b.add(reqs(t, 1))  # none of its own waiting: admitted past the bound
+            b.add(reqs(t, MIN_SHARE - 1))
+        for t in tenants:
+            with pytest.raises(TenantQueueFullError):
+                b.add(reqs(t, 1))  # at MIN_SHARE, its share: refused (a batch's worth before)
+        assert b.pending == bound + MIN_SHARE * len(tenants)
+
+    run(go())
+
+
+async def served_slowly(b: Batcher, s: Scheduler, tenant: str) -> None:
+    """Three batches of four of ``tenant``'s, answered 0.2 s apart: a rate of about 20 a second."""
+    for _ in range(3):
+        b.add(reqs(tenant, 4))
+        s.answer(len(s.batches) - 1)
+        await asyncio.sleep(0.2)
+
+
+def test_a_flooding_tenant_is_refused_past_its_share_of_the_bound_while_another_was_served_lately_though_none_waits():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, queue_delay=5.0)
+        await served_slowly(b, s, "quiet")  # served lately, nothing waiting now
+        bound, fair = b.bound(), b.fair_rate("noisy")
+        assert fair == pytest.approx(b.rate() / 2) and FLOOD_FACTOR * fair + MIN_SHARE < bound / 2  # quiet and noisy
+        b.add(reqs("noisy", 4))  # a batch in flight, unanswered: the rest waits
+        admitted = 0
+        with pytest.raises(TenantQueueFullError):
+            while True:
+                b.add(reqs("noisy", 1))  # one call after another, far past its fair rate
+                admitted += 1
+        assert admitted == b.waiting("noisy") == int(bound / 2)  # its share of the bound, half the bound
+        assert b.flooding("noisy") and not b.flooding("quiet")
+        b.add(reqs("quiet", 3))  # not flooding: admitted
+        b.add(reqs("quiet", 1))
+
+    run(go())
+
+
+def test_a_tenant_sending_within_a_few_times_its_fair_rate_may_hold_more_than_its_share_below_the_bound():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, queue_delay=1.0)
+        await served_slowly(b, s, "quiet")
+        bound, fair = b.bound(), b.fair_rate("bursty")
+        share = bound / 2
+        assert share + 6 < FLOOD_FACTOR * fair + MIN_SHARE  # room to send past its share without flooding
+        b.add(reqs("bursty", 4))  # a batch in flight, unanswered: the rest waits
+        b.add(reqs("bursty", int(share) + 1))
+        b.add(reqs("bursty", 1))  # past its share, below the bound, not flooding: admitted
+        assert b.waiting("bursty") == int(share) + 2 and not b.flooding("bursty")
+
+    run(go())
+
+
+def test_what_a_tenant_sent_is_forgotten_two_windows_after_it_stopped(monkeypatch):
+    import hmi.dispatcher.batcher as batcher
+
+    monkeypatch.setattr(batcher, "FLOOD_WINDOW", 0.05)
+
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1)
+        for i in range(100):
+            b.admit(f"t{i}")
+            b.add(reqs(f"t{i}", 1))
+        assert len(b._sending) == 100
+        await asyncio.sleep(0.11)
+        b.add(reqs("last", 1))
+        assert list(b._sending) == ["last"]
 
     run(go())
 
