@@ -10,9 +10,8 @@ Admission keeps the wait short instead of queueing without end: the batcher hold
 ``queue_delay`` seconds of work (the answered requests per second, measured over the last
 seconds, times ``queue_delay``; at least a batch per place in flight).  Past that, a request is
 refused at once (429) when its tenant already has its weighted share of that bound waiting
-(``TenantQueueFullError``; at least ``MIN_SHARE``; a call of a tenant with none waiting and the
-tenants within their share are still admitted, so the batcher holds about the bound), and in any case
-when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``QueueFullError``).
+(``TenantQueueFullError``; at least a batch; the tenants within their share are still admitted),
+and in any case when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``QueueFullError``).
 A tenant that floods (sends more than four times its fair rate, ``flooding``) is refused sooner: past
 its weighted share of the bound among the tenants waiting or served lately (at least
 ``MIN_SHARE``), though the batcher is far from full, so that its backlog never fills the
@@ -32,7 +31,7 @@ from hmi.scheduler.types import InferRequest, QueueFullError
 RATE_WINDOW = 5.0  # seconds of answered batches that measure the rate the admission bound follows
 FLOOD_WINDOW = 1.0  # seconds over which a tenant's requests are counted to tell a flood (Batcher.flooding)
 FLOOD_FACTOR = 4  # a tenant floods past this many times its fair rate (well clear of a rate depressed by load)
-MIN_SHARE = 2  # requests a tenant may have waiting past the bound (or flooding) whatever its share
+MIN_SHARE = 2  # requests a flooding tenant may have waiting whatever its share
 
 
 class Batcher:
@@ -114,7 +113,7 @@ class Batcher:
         if pending + n > bound:
             if not self._queue.tenants() - {tenant}:  # nobody else waits: the server is simply full
                 raise QueueFullError(f"{pending} requests are waiting: about {self.queue_delay:g} s of work")
-            if mine and mine + n > max(MIN_SHARE, self._queue.share(tenant, bound)):  # others wait; it has its share
+            if mine + n > max(self.max_batch, self._queue.share(tenant, bound)):  # others wait; it has its share
                 raise TenantQueueFullError(tenant or "root", mine)
 
     def bound(self) -> int | None:

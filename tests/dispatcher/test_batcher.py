@@ -145,30 +145,6 @@ def test_past_its_measured_bound_the_batcher_refuses_the_tenant_over_its_share_a
     run(go())
 
 
-def test_past_the_bound_a_tenant_with_requests_waiting_is_held_to_its_share_not_to_a_whole_batch():
-    async def go():
-        s = Scheduler()
-        b = Batcher(s.submit, max_batch=16, max_wait=0.001, in_flight=1, queue_delay=0.05)
-        for _ in range(4):  # answered batches measure the rate
-            b.add(reqs("warm", 16))
-            s.answer(len(s.batches) - 1)
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.002)
-        bound = b.bound()
-        b.add(reqs("first", 16))  # a batch in flight, unanswered: the rest waits
-        b.add(reqs("first", bound))  # the batcher at its bound
-        tenants = [f"t{i}" for i in range(3 * bound)]  # so many that a share of the bound is below one
-        for t in tenants:
-            b.add(reqs(t, 1))  # none of its own waiting: admitted past the bound
-            b.add(reqs(t, MIN_SHARE - 1))
-        for t in tenants:
-            with pytest.raises(TenantQueueFullError):
-                b.add(reqs(t, 1))  # at MIN_SHARE, its share: refused (a batch's worth before)
-        assert b.pending == bound + MIN_SHARE * len(tenants)
-
-    run(go())
-
-
 async def served_slowly(b: Batcher, s: Scheduler, tenant: str) -> None:
     """Three batches of four of ``tenant``'s, answered 0.2 s apart: a rate of about 20 a second."""
     for _ in range(3):
