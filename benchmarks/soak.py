@@ -144,7 +144,7 @@ def guarded(tally: Tally, kind: str, fn) -> None:
 
 def workload(url: str, token: str, names: list[str], texts: list[str], corpus: list[str], adapter_zip: bytes,
              args, stop: threading.Event, tally: Tally) -> list[threading.Thread]:
-    from hmi.client import Client
+    from hmi.client import ApiError, Client
 
     weights = [1.0 / k for k in range(1, len(names) + 1)]
     churned: dict[str, float] = {}  # tenant -> when its deletion and re-upload ended (inf while under way)
@@ -159,8 +159,6 @@ def workload(url: str, token: str, names: list[str], texts: list[str], corpus: l
         rng, client = random.Random(seed), Client(url, token)
 
         def one():
-            from hmi.client import ApiError
-
             tenant = rng.choices(names, weights)[0]
             try:
                 out = client.infer(tenant, rng.sample(texts, rng.randint(1, 4)), truncate=True)

@@ -10,12 +10,13 @@ Admission keeps the wait short instead of queueing without end: the batcher hold
 ``queue_delay`` seconds of work (the answered requests per second, measured over the last
 seconds, times ``queue_delay``; at least a batch per place in flight).  Past that, a request is
 refused at once (429) when its tenant already has its weighted share of that bound waiting
-(``TenantQueueFullError``; at least a batch; the tenants within their share are still admitted),
-and in any case when its tenant has ``tenant_queue`` waiting or the batcher ``max_pending`` (``QueueFullError``).
-A tenant that floods (sends more than four times its fair rate, ``flooding``) is refused sooner: past
-its weighted share of the bound among the tenants waiting or served lately (at least
-``MIN_SHARE``), though the batcher is far from full, so that its backlog never fills the
-batches that everyone else's requests then wait behind (a batch is not preempted).
+(``TenantQueueFullError``; at least a batch; the tenants within their share are still
+admitted), and in any case when its tenant has ``tenant_queue`` waiting or the batcher
+``max_pending`` (``QueueFullError``).  A tenant that floods (sends more than four times its fair
+rate, ``flooding``) is refused sooner: past its weighted share of the bound among the tenants
+waiting or served lately (at least ``MIN_SHARE``), though the batcher is far from full, so that
+its backlog never fills the batches that everyone else's requests then wait behind (a batch is
+not preempted).
 """
 
 from __future__ import annotations
@@ -88,14 +89,12 @@ class Batcher:
 
     def flooding(self, tenant: str, n: int = 0) -> bool:
         """Whether ``tenant`` sends (admitted or refused, ``n`` more now) more than FLOOD_FACTOR
-        times its fair rate: its requests of the last FLOOD_WINDOW seconds, the previous window's weighted by how
-        much of it the last FLOOD_WINDOW seconds still cover, as HAProxy estimates a rate."""
-        start, previous, current = self._sending.get(tenant, (0.0, 0, 0))
-        elapsed = time.monotonic() - start
-        if elapsed >= FLOOD_WINDOW:
-            start, previous, current = start + elapsed, current if elapsed < 2 * FLOOD_WINDOW else 0, 0
-            elapsed = 0.0
-        sent = current + n + previous * (1.0 - elapsed / FLOOD_WINDOW)
+        times its fair rate: its requests of the last FLOOD_WINDOW seconds, the previous window's
+        weighted by how much of it the last FLOOD_WINDOW seconds still cover, as HAProxy
+        estimates a rate."""
+        now = time.monotonic()
+        start, previous, current = self._window(tenant, now)
+        sent = current + n + previous * (1.0 - (now - start) / FLOOD_WINDOW)
         return sent > FLOOD_FACTOR * self.fair_rate(tenant) * FLOOD_WINDOW + MIN_SHARE
 
     def _admissible(self, tenant: str, n: int) -> None:
@@ -188,12 +187,20 @@ class Batcher:
         """Counts ``n`` requests of ``tenant`` sent now (``flooding``); forgets the tenants that
         sent nothing for two windows (the dict holds the least recently counted first)."""
         now = time.monotonic()
-        start, previous, current = self._sending.pop(tenant, (now, 0, 0))
-        if now - start >= FLOOD_WINDOW:
-            start, previous, current = now, current if now - start < 2 * FLOOD_WINDOW else 0, 0
+        start, previous, current = self._window(tenant, now)
+        self._sending.pop(tenant, None)
         self._sending[tenant] = (start, previous, current + n)
         while now - next(iter(self._sending.values()))[0] >= 2 * FLOOD_WINDOW:
             del self._sending[next(iter(self._sending))]
+
+    def _window(self, tenant: str, now: float) -> tuple[float, int, int]:
+        """``tenant``'s (window start, requests in the window before, in this one) at ``now``: a
+        window over a FLOOD_WINDOW old starts again at ``now``, the one before it kept only if it
+        ended less than a window ago."""
+        start, previous, current = self._sending.get(tenant, (now, 0, 0))
+        if now - start >= FLOOD_WINDOW:
+            start, previous, current = now, current if now - start < 2 * FLOOD_WINDOW else 0, 0
+        return start, previous, current
 
     def _lately(self) -> set[str]:
         """The tenants of the batches answered in the last RATE_WINDOW seconds."""
