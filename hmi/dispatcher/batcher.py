@@ -16,7 +16,9 @@ admitted), and in any case when its tenant has ``tenant_queue`` waiting or the b
 rate, ``flooding``) is refused sooner: past its weighted share of the bound among the tenants
 waiting or served lately (at least ``MIN_SHARE``), though the batcher is far from full, so that
 its backlog never fills the batches that everyone else's requests then wait behind (a batch is
-not preempted).
+not preempted).  What a flooding tenant still has waiting goes out in slices: a batch takes at
+most its weighted share of ``max_batch`` rows among the tenants waiting or served lately (at
+least one), so that a batch stays short while the others' next requests arrive.
 """
 
 from __future__ import annotations
@@ -92,10 +94,13 @@ class Batcher:
         times its fair rate: its requests of the last FLOOD_WINDOW seconds, the previous window's
         weighted by how much of it the last FLOOD_WINDOW seconds still cover, as HAProxy
         estimates a rate."""
+        return self._floods(tenant, n, self.fair_rate(tenant))
+
+    def _floods(self, tenant: str, n: int, fair_rate: float) -> bool:
         now = time.monotonic()
         start, previous, current = self._window(tenant, now)
         sent = current + n + previous * (1.0 - (now - start) / FLOOD_WINDOW)
-        return sent > FLOOD_FACTOR * self.fair_rate(tenant) * FLOOD_WINDOW + MIN_SHARE
+        return sent > FLOOD_FACTOR * fair_rate * FLOOD_WINDOW + MIN_SHARE
 
     def _admissible(self, tenant: str, n: int) -> None:
         mine, pending = self._queue.waiting(tenant), len(self._queue)
@@ -148,9 +153,23 @@ class Batcher:
             if not (force or len(self._queue) >= self.max_batch or self._oldest_wait() >= self.max_wait):
                 break
             force = False
-            batch = [self._queue.pop() for _ in range(min(self.max_batch, len(self._queue)))]
-            self._submit(batch, raise_errors)
+            self._submit(self._queue.take(self.max_batch, self._row_limit()), raise_errors)
         self._arm()
+
+    def _row_limit(self) -> Callable[[str], int | None]:
+        """The rows of one batch a tenant may take: a flooding tenant its weighted share of
+        ``max_batch`` among the tenants waiting or served lately (at least one), any other as many
+        as wait (None)."""
+        rate = self.rate()
+        if rate is None:
+            return lambda tenant: None
+        lately = self._lately()
+
+        def limit(tenant: str) -> int | None:
+            if not self._floods(tenant, 0, self._queue.share(tenant, rate, lately)):
+                return None
+            return max(1, int(self._queue.share(tenant, self.max_batch, lately)))
+        return limit
 
     def _submit(self, batch: list[InferRequest], raise_errors: bool) -> None:
         if self.on_close:

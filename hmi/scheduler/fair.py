@@ -82,6 +82,24 @@ class FairQueue:
         self._len -= 1
         return item
 
+    def take(self, n: int, limit: Callable[[str], int | None] = lambda tenant: None) -> list:
+        """Up to ``n`` waiting requests in the order ``pop`` gives them, at most ``limit(tenant)`` of
+        a tenant (None: no limit; read once a call); a tenant at its limit keeps the rest of its
+        requests waiting, in front of later arrivals."""
+        out, held, taken, limits = [], [], {}, {}
+        while len(out) < n and self._heads:
+            tenant = self._heads[0][2]
+            if tenant not in limits:
+                limits[tenant] = limit(tenant)
+            if limits[tenant] is not None and taken.get(tenant, 0) >= limits[tenant]:
+                held.append(heapq.heappop(self._heads))
+                continue
+            taken[tenant] = taken.get(tenant, 0) + 1
+            out.append(self.pop())
+        for head in held:
+            heapq.heappush(self._heads, head)
+        return out
+
     def oldest_arrival(self) -> float | None:
         """When the longest-waiting request arrived (``time.monotonic``), or None."""
         return min((q[0][1] for q in self._queues.values()), default=None)

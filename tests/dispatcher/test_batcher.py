@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hmi.dispatcher.batcher import FLOOD_FACTOR, MIN_SHARE, Batcher
+from hmi.dispatcher.batcher import FLOOD_FACTOR, FLOOD_WINDOW, MIN_SHARE, Batcher
 from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
@@ -186,6 +186,41 @@ def test_a_tenant_sending_within_a_few_times_its_fair_rate_may_hold_more_than_it
         b.add(reqs("bursty", int(share) + 1))
         b.add(reqs("bursty", 1))  # past its share, below the bound, not flooding: admitted
         assert b.waiting("bursty") == int(share) + 2 and not b.flooding("bursty")
+
+    run(go())
+
+
+def test_a_flooding_tenants_backlog_goes_out_in_slices_of_its_share_of_a_batch_though_nobody_else_waits():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, queue_delay=50.0)
+        await served_slowly(b, s, "quiet")  # served lately (about 20 a second), nothing waiting now
+        threshold = FLOOD_FACTOR * b.fair_rate("noisy") * FLOOD_WINDOW + MIN_SHARE
+        for _ in range(3 * int(threshold)):  # one call after another, three times past four times its fair rate
+            b.add(reqs("noisy", 1))
+        assert b.flooding("noisy")
+        first = len(s.batches) - 1  # formed while it had sent less: a whole batch
+        s.answer(first)
+        await asyncio.sleep(0.01)
+        assert [r.tenant for r in s.batches[first + 1]] == ["noisy"] * 2  # its half of a batch, not all 4
+        b.add(reqs("quiet", 1))
+        s.answer(first + 1)
+        await asyncio.sleep(0.01)
+        assert [r.tenant for r in s.batches[first + 2]] == ["noisy", "quiet", "noisy"]
+
+    run(go())
+
+
+def test_a_tenant_that_does_not_flood_fills_whole_batches_beside_a_tenant_served_lately():
+    async def go():
+        s = Scheduler()
+        b = Batcher(s.submit, max_batch=4, max_wait=0.001, in_flight=1, queue_delay=5.0)
+        await served_slowly(b, s, "quiet")
+        b.add(reqs("bulk", 20))  # one call of 20 texts: within four times its fair rate
+        assert not b.flooding("bulk")
+        s.answer(len(s.batches) - 1)
+        await asyncio.sleep(0.01)
+        assert [len(x) for x in s.batches[-2:]] == [4, 4]
 
     run(go())
 
