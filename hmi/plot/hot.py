@@ -10,7 +10,10 @@ Which entries: the PLOT's keys in the order serving reads them most (``serving_o
 window of a sample of texts counted at the key that serves it under back-off: the tri-gram when
 the PLOT holds it, else its bi-gram, else its uni-gram), taken until the budget in MB is spent;
 a budget of the PLOT's size holds all of it.
-The tier is a snapshot: entries later inserted into the PLOT are read from LMDB.
+The tier is a snapshot: entries later inserted into the PLOT are read from LMDB.  A tier that
+holds every entry of its PLOT (a budget of the PLOT's size) knows, while nothing has been written
+to the PLOT since it was filled (``HotTier.covers``: LMDB's last write transaction is the one it
+saw), that a key it lacks is not in the PLOT either: a lookup then reads no LMDB at all.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ def entry_bytes(n: int, hidden: int) -> int:
 class HotTier:
     """Entries of one PLOT as tensors on ``device``.  Thread-safe for lookups (read-only)."""
 
-    def __init__(self, keys: np.ndarray, values: np.ndarray, device: str | torch.device = "cpu"):
-        """Shapes: keys (K,) uint64, distinct; values (K, n, H) float16."""
+    def __init__(self, keys: np.ndarray, values: np.ndarray, device: str | torch.device = "cpu",
+                 stamp: int | None = None):
+        """Shapes: keys (K,) uint64, distinct; values (K, n, H) float16.  ``stamp``: the PLOT's
+        ``PlotStore.stamp`` when these were all of its entries (None: part of them)."""
+        self.stamp = stamp
         keys = np.asarray(keys, dtype=np.uint64).view(np.int64)
         order = np.argsort(keys, kind="stable")
         self.device = torch.device(device)
@@ -71,15 +77,16 @@ class HotTier:
         """The first keys of ``order`` (most read first) that fit ``budget_mb``, with the values
         the PLOT holds for them."""
         m = store.meta
+        stamp, every = store.stamp(), store.keys()
         take = np.asarray(order, dtype=np.uint64)[: int(budget_mb * 2**20 // entry_bytes(m.n, m.hidden_size))]
-        keys, values = [], []
+        keys, values = [np.zeros(0, np.uint64)], [np.zeros((0, m.n, m.hidden_size), np.float16)]
         for i in range(0, len(take), READ_CHUNK):
             vals, found = store.get_many(take[i:i + READ_CHUNK])
             keys.append(take[i:i + READ_CHUNK][found])
             values.append(vals[found])
-        if not keys:
-            return cls(np.zeros(0, np.uint64), np.zeros((0, m.n, m.hidden_size), np.float16), device)
-        return cls(np.concatenate(keys), np.concatenate(values), device)
+        keys = np.concatenate(keys)
+        whole = store.stamp() == stamp and bool(np.isin(every, keys).all())
+        return cls(keys, np.concatenate(values), device, stamp if whole else None)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -97,11 +104,22 @@ class HotTier:
         pos = torch.searchsorted(self.keys, keys).clamp_(max=len(self.keys) - 1)
         return pos, self.keys[pos] == keys
 
+    def covers(self, store) -> bool:
+        """Whether the tier holds every entry ``store`` holds now: it was filled with all of them
+        and nothing has been written to the store since, so a key it lacks the store lacks too."""
+        return self.stamp is not None and store.stamp() == self.stamp
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The held keys among ``keys`` and their values, on the host: keys (N,) uint64 -> found
+        (N,) bool, values (F, n, H) float16 of the F found keys in query order."""
+        q = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(self.device)
+        pos, found = self.lookup(q)
+        return found.cpu().numpy(), self.values[pos[found]].cpu().numpy()
+
     def get_many(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``PlotStore.get_many``'s contract on host arrays: keys (N,) uint64 -> values (N, n, H)
         float16 (zeros where not held), found (N,) bool."""
-        q = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.uint64).view(np.int64)).to(self.device)
-        pos, found = self.lookup(q)
-        values = torch.zeros((len(q), *self.values.shape[1:]), dtype=torch.float16, device=self.device)
-        values[found] = self.values[pos[found]]
-        return values.cpu().numpy(), found.cpu().numpy()
+        found, held = self.find(keys)
+        values = np.zeros((len(found), *self.values.shape[1:]), dtype=np.float16)
+        values[found] = held
+        return values, found

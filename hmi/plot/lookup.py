@@ -82,18 +82,25 @@ class PlotLookup:
         todo = np.ones(len(keys), dtype=bool)
         hits: Counter = Counter()
 
+        # Each version's tiers, the hot one first; LMDB is not read where the hot tier holds all of it.
+        tiers = [(v, (v.hot,) if v.hot.covers(v.store) else (v.hot, v.store)) if v.hot is not None else (v, (v.store,))
+                 for v in self.chain]
+
         def serve(level: str, lookup_keys: np.ndarray) -> None:
-            for v in self.chain:
-                for tier in ((v.hot, v.store) if v.hot is not None else (v.store,)):
+            for v, held_in in tiers:
+                for tier in held_in:
                     idx = np.flatnonzero(todo)
                     if idx.size == 0:
                         return
-                    vals, found = tier.get_many(lookup_keys[idx])
-                    out[idx[found]] = vals[found]
+                    if tier is v.hot:
+                        found, vals = tier.find(lookup_keys[idx])
+                        hits["hot"] += int(found.sum())
+                    else:
+                        vals, found = tier.get_many(lookup_keys[idx])
+                        vals = vals[found]
+                    out[idx[found]] = vals
                     todo[idx[found]] = False
                     hits[f"{level}:{v.name}"] += int(found.sum())
-                    if tier is v.hot:
-                        hits["hot"] += int(found.sum())
 
         serve("trigram", keys)
         if todo.any() and self.policy != "backoff":

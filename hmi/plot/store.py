@@ -163,6 +163,11 @@ class PlotStore:
 
         self._write(wipe)
 
+    def stamp(self) -> int:
+        """The id of the store's last write transaction: it changes with every write, by any
+        process (LMDB's shared lock file)."""
+        return int(self.env.info()["last_txnid"])
+
     def __len__(self) -> int:
         with self._begin(db=self._entries) as txn:
             return txn.stat(self._entries)["entries"] // self.meta.chunks

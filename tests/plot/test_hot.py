@@ -104,3 +104,36 @@ def test_a_tier_attached_to_a_serving_version_changes_no_lookup_and_serves_the_t
     lookup.hits.clear()
     torch.testing.assert_close(lookup.merged(ids, mask), want, rtol=0, atol=0)
     assert lookup.hits["hot"] > 0
+
+
+def test_a_tier_holding_the_whole_plot_stands_for_lmdb_until_the_plot_is_written_then_lmdb_serves_the_new_entry(tmp_path):
+    encoder = WindowedEncoder(tiny_bert(hidden=H, vocab=VOCAB), 2).eval()
+    store = PlotStore(tmp_path / "p", meta=PlotMeta("tiny", 2, H, dtype="int8"), readonly=False)
+    keys, counts = count_ngrams(TEXTS[:30])
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), VOCAB), progress=False)
+    order = serving_order(store, TEXTS)
+    whole = HotTier.from_store(store, order, 2 * len(store) * entry_bytes(3, H) / 2**20)
+    part = HotTier.from_store(store, order, 5 * entry_bytes(3, H) / 2**20)
+    assert whole.covers(store) and not part.covers(store)
+    window = np.array([[39, 38, 37]])  # a tri-gram the PLOT does not hold: served by back-off
+    assert not whole.find(pack(window))[0].any()
+    lookup = PlotLookup([PlotVersion("root", store, encoder, hot=whole)])
+    _, hits = lookup.window_reps(window)
+    assert hits["trigram:root"] == 0 and hits["hot"] == 1
+    store.put_many(pack(window), RNG.normal(size=(1, 3, H)))  # written after the tier was filled
+    assert not whole.covers(store)
+    got, hits = lookup.window_reps(window)
+    assert hits["trigram:root"] == 1 and hits["hot"] == 0
+    assert np.array_equal(got, store.get_many(pack(window))[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_find_gives_the_found_keys_values_in_query_order_as_get_many_does(plot, device):
+    store, _ = plot
+    order = serving_order(store, TEXTS)
+    hot = HotTier.from_store(store, order, 10 * entry_bytes(3, H) / 2**20, device)
+    query = np.concatenate([order[12:14], order[:10][::-1], pack(np.array([[39, 39, 39]])), order[3:5]])
+    found, vals = hot.find(query)
+    want, want_found = hot.get_many(query)
+    assert np.array_equal(found, want_found) and np.array_equal(vals, want[want_found])
+    assert np.array_equal(vals, store.get_many(query[found])[0])
