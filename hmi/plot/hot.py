@@ -85,7 +85,7 @@ class HotTier:
             keys.append(take[i:i + READ_CHUNK][found])
             values.append(vals[found])
         keys = np.concatenate(keys)
-        whole = store.stamp() == stamp and bool(np.isin(every, keys).all())
+        whole = stamp is not None and store.stamp() == stamp and bool(np.isin(every, keys).all())
         return cls(keys, np.concatenate(values), device, stamp if whole else None)
 
     def __len__(self) -> int:

@@ -35,7 +35,8 @@ def build_state(store: PlotStore) -> dict:
 
 class PendingStore:
     """A PLOT store being built, read as if it were complete (module docstring).  Everything but
-    ``get_many`` is the store's own.  ``computed`` counts the values computed on demand."""
+    ``get_many`` and ``stamp`` is the store's own.  ``computed`` counts the values computed on
+    demand."""
 
     def __init__(self, store: PlotStore, plan: np.ndarray, encoder):
         self.store, self.plan, self.encoder = store, np.sort(np.asarray(plan, dtype=np.uint64)), encoder
@@ -44,6 +45,11 @@ class PendingStore:
 
     def __getattr__(self, name):
         return getattr(self.store, name)
+
+    def stamp(self) -> None:
+        """None: what the build has not written yet is still answered (computed), so no hot tier
+        stands for this store however still its LMDB is (``HotTier.covers``)."""
+        return None
 
     def planned(self, keys: np.ndarray) -> np.ndarray:
         """Whether each key is in the build's plan. Shapes: keys (N,) uint64 -> (N,) bool."""

@@ -12,6 +12,7 @@ from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.hot import HotTier, entry_bytes, serving_order
 from hmi.plot.keys import encoder_windows, pack
 from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.pending import PendingStore
 from hmi.plot.store import PlotMeta, PlotStore
 from tests.conftest import DEVICES, tiny_bert
 
@@ -137,3 +138,17 @@ def test_find_gives_the_found_keys_values_in_query_order_as_get_many_does(plot, 
     want, want_found = hot.get_many(query)
     assert np.array_equal(found, want_found) and np.array_equal(vals, want[want_found])
     assert np.array_equal(vals, store.get_many(query[found])[0])
+
+
+def test_a_tier_over_a_plot_being_built_never_stands_for_it_so_a_planned_key_not_written_yet_is_still_computed(tmp_path):
+    encoder = WindowedEncoder(tiny_bert(hidden=H, vocab=VOCAB), 2).eval()
+    store = PlotStore(tmp_path / "p", meta=PlotMeta("tiny", 2, H, dtype="int8"), readonly=False)
+    keys, counts = count_ngrams(TEXTS[:30])
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), VOCAB), progress=False)
+    window = np.array([[39, 38, 37]])  # planned, not written: the build stopped before it
+    pending = PendingStore(store, np.concatenate([store.keys(), pack(window)]), encoder)
+    tier = HotTier.from_store(pending, serving_order(store, TEXTS), 2 * len(store) * entry_bytes(3, H) / 2**20)
+    assert len(tier) == len(store) and not tier.covers(pending)
+    got, hits = PlotLookup([PlotVersion("root", pending, encoder, hot=tier)]).window_reps(window)
+    assert hits["trigram:root"] == 1 and pending.computed == 1
+    assert np.array_equal(got, pending.get_many(pack(window))[0])
