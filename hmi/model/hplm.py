@@ -107,9 +107,9 @@ class Merge(nn.Module):
 
         Semantics: out[b, j] = LN(reps[b, j, 1] + reps[b, j+1, 0] + reps[b, j-1, 2]
                                   + pos[j] + type[token_type[b, j]]), out-of-range terms 0.
-        Shapes: reps (B, T, 3, H) (zeros at padding) -> out (B, T, H).
+        Shapes: reps (B, T, 3, H) (zeros at padding) -> out (B, T, H) float32 (summed in float32).
         """
-        s = reps[:, :, 1].clone()
+        s = reps[:, :, 1].to(torch.float32, copy=True)
         s[:, :-1] += reps[:, 1:, 0]
         s[:, 1:] += reps[:, :-1, 2]
         return self._finish(s, token_type_ids)
@@ -121,22 +121,31 @@ class Merge(nn.Module):
         order, so the result is bitwise that of ``forward(reps[inverse])``).
 
         Shapes: reps (U, 3, H) (fp16 or fp32); inverse (B, T) int64, -1 at padding -> out (B, T, H) float32.
+        The rows are gathered in the stored precision (``index_select``, far cheaper here than
+        advanced indexing) and widened as they are added: a float16 value is exact in float32.
         """
-        U = reps.shape[0]
-        rows = reps.new_zeros((U + 1,) + reps.shape[1:], dtype=torch.float32)  # row U: padding
-        rows[:U] = reps
-        idx = torch.where(inverse >= 0, inverse, U)
-        s = rows[idx, 1]
-        s[:, :-1] += rows[idx[:, 1:], 0]
-        s[:, 1:] += rows[idx[:, :-1], 2]
+        if reps.shape[0] == 0:  # a batch of padding alone
+            reps = reps.new_zeros((1,) + reps.shape[1:])
+        pad = inverse < 0
+        idx = inverse.clamp(min=0)  # padding gathers row 0, then reads as zeros
+
+        def rows(slot: int, at: torch.Tensor, padded: torch.Tensor) -> torch.Tensor:
+            got = torch.index_select(reps[:, slot], 0, at.reshape(-1))
+            got.index_fill_(0, padded.reshape(-1).nonzero().squeeze(1), 0)  # masked_fill_ is slow in fp16
+            return got.view(at.shape + reps.shape[2:])
+
+        s = rows(1, idx, pad).to(torch.float32)
+        s[:, :-1] += rows(0, idx[:, 1:], pad[:, 1:])
+        s[:, 1:] += rows(2, idx[:, :-1], pad[:, :-1])
         return self._finish(s, token_type_ids)
 
     def _finish(self, s: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        B, T = s.shape[:2]
-        if token_type_ids is None:
-            token_type_ids = torch.zeros((B, T), dtype=torch.long, device=s.device)
-        positions = torch.arange(T, device=s.device)
-        s = s + self.position_embeddings(positions).unsqueeze(0) + self.token_type_embeddings(token_type_ids)
+        """LN(s + pos[j] + type[token_type[b, j]]), adding in place into ``s`` (the caller's own
+        sums); without ``token_type_ids`` every token's type is 0 (its row added as is, no lookup).
+        Shapes: s (B, T, H) float32 -> (B, T, H)."""
+        T = s.shape[1]
+        s += self.position_embeddings.weight[:T].unsqueeze(0)
+        s += self.token_type_embeddings.weight[0] if token_type_ids is None else self.token_type_embeddings(token_type_ids)
         return self.LayerNorm(s)
 
 

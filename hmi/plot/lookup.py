@@ -52,6 +52,21 @@ class LookupResult:
     hits: Counter = field(default_factory=Counter)  # level name -> distinct windows served there
 
 
+def place(out: torch.Tensor, located: list[tuple[HotTier, np.ndarray, torch.Tensor]]) -> None:
+    """Writes the values the hot tiers hold into their rows of ``out``, one gather per tier; a tier
+    that serves every row gathers straight into ``out``.
+    Shapes: out (U, n, H) float16; located [(tier, rows (F,) int64, positions (F,) int64 in the tier)]."""
+    for tier in {id(t): t for t, _, _ in located}.values():
+        rows = np.concatenate([r for t, r, _ in located if t is tier])
+        positions = torch.cat([p for t, _, p in located if t is tier])
+        if len(rows) == len(out):  # every row, each once: positions put in row order
+            in_order = torch.empty_like(positions)
+            in_order[torch.from_numpy(rows).to(positions.device)] = positions
+            tier.gather(in_order, out=out)
+        elif len(rows):
+            out.index_copy_(0, torch.from_numpy(rows), tier.gather(positions))
+
+
 class PlotLookup:
     """Batched PLOT lookup along a chain. Thread-safe: counters are guarded by a lock."""
 
@@ -74,13 +89,16 @@ class PlotLookup:
     def window_reps(self, windows: np.ndarray) -> tuple[np.ndarray, Counter]:
         """Representations of distinct windows.
 
-        Shapes: windows (U, 3) int64 -> reps (U, n, H) float16 (n = 3 encoder, 1 causal); plus hits per level.
+        Shapes: windows (U, 3) int64 -> reps (U, n, H) float16 (n = 3 encoder, 1 causal), zeros
+        where no level holds the window; plus hits per level.
         """
         keys = pack(windows)
         meta = self.chain[0].store.meta
-        out = np.zeros((len(keys), meta.n, meta.hidden_size), dtype=np.float16)
+        written = torch.empty((len(keys), meta.n, meta.hidden_size), dtype=torch.float16)  # every row set below
+        out = written.numpy()
         todo = np.ones(len(keys), dtype=bool)
         hits: Counter = Counter()
+        located: list[tuple[HotTier, np.ndarray, torch.Tensor]] = []  # (tier, rows, positions in it)
 
         # Each version's tiers, the hot one first; LMDB is not read where the hot tier holds all of it.
         tiers = [(v, (v.hot,) if v.hot.covers(v.store) else (v.hot, v.store)) if v.hot is not None else (v, (v.store,))
@@ -93,12 +111,12 @@ class PlotLookup:
                     if idx.size == 0:
                         return
                     if tier is v.hot:
-                        found, vals = tier.find(lookup_keys[idx])
+                        found, positions = tier.locate(lookup_keys[idx])
+                        located.append((tier, idx[found], positions))
                         hits["hot"] += int(found.sum())
                     else:
                         vals, found = tier.get_many(lookup_keys[idx])
-                        vals = vals[found]
-                    out[idx[found]] = vals
+                        out[idx[found]] = vals[found]
                     todo[idx[found]] = False
                     hits[f"{level}:{v.name}"] += int(found.sum())
 
@@ -118,6 +136,8 @@ class PlotLookup:
             serve("bigram", bigram_backoff(keys))
         if todo.any():
             serve("unigram", (causal_unigram_backoff if self.causal else unigram_backoff)(keys))
+        place(written, located)
+        out[todo] = 0
         hits["zeros"] += int(todo.sum())
         return out, hits
 

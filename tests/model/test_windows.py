@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from hmi.model.windows import causal_windows, encoder_windows, present_groups, unique_windows
 
@@ -54,6 +55,20 @@ def test_unique_windows_inverse_reconstructs_batch():
     assert len(uniq) < mask.sum()
     np.testing.assert_array_equal(uniq[inv[mask.astype(bool)]], win[mask.astype(bool)])
     assert (inv[~mask.astype(bool)] == -1).all()
+
+
+@pytest.mark.parametrize("high", [60, 30_522, 1 << 21, 1 << 40])
+def test_unique_windows_equal_numpys_unique_rows_for_small_and_huge_ids(high):
+    rng = np.random.default_rng(high % 97)
+    for _ in range(20):
+        win = rng.integers(0, high, size=(4, 9, 3))
+        win[rng.random((4, 9)) < 0.3] = rng.integers(0, high, size=3)  # repeats
+        mask = (rng.random((4, 9)) < 0.8).astype(np.int64)
+        uniq, inv = unique_windows(win, mask)
+        want_uniq, want_inv = np.unique(win[mask.astype(bool)], axis=0, return_inverse=True)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        np.testing.assert_array_equal(inv[mask.astype(bool)], want_inv.reshape(-1))
+        assert (inv[~mask.astype(bool)] == -1).all()
 
 
 def test_present_groups_partition_the_windows_by_their_present_tokens():

@@ -4,6 +4,7 @@ import torch
 
 from hmi.model.hplm import WindowedEncoder
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys, select_trigrams
+from hmi.plot.hot import HotTier
 from hmi.plot.keys import encoder_windows, pack, unique_windows
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotMismatchError, PlotMissingError, PlotStore
@@ -208,3 +209,25 @@ def test_build_of_a_different_plan_replaces_the_old_content(tmp_path, encoder):
     plan2 = plan_keys(k2, c2, Selection("all"), 0, with_backoff=False)
     build(store, encoder, plan2, progress=False)
     np.testing.assert_array_equal(store.keys(), np.sort(plan2))
+
+
+@pytest.mark.parametrize("hot", [False, True])
+def test_windows_no_level_holds_read_as_zeros_whatever_memory_held_before(tmp_path, encoder, hot):
+    store = PlotStore(tmp_path / "p", meta=META, readonly=False)
+    keys, counts = count_ngrams([[1, 5, 6, 2]])
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), 0, with_backoff=False), progress=False)
+    tier = HotTier(*_all_entries(store), stamp=store.stamp()) if hot else None
+    lk = PlotLookup([PlotVersion("root", store, encoder, hot=tier)])
+    windows = np.array([[1, 5, 6], [7, 8, 9], [0, 9, 0], [9, 9, 9]])  # one held, three held at no level
+    for _ in range(20):  # what the allocator hands out next was just full of non-zeros
+        junk = torch.full((len(windows), META.n, H), 7.0, dtype=torch.float16)
+        del junk
+        reps, hits = lk.window_reps(windows)
+        assert hits["zeros"] == 3
+        assert not reps[1:].any() and reps[0].any()
+
+
+def _all_entries(store: PlotStore) -> tuple[np.ndarray, np.ndarray]:
+    keys = store.keys()
+    values, _ = store.get_many(keys)
+    return keys, values
