@@ -8,7 +8,8 @@ Usage: python benchmarks/bench_peers.py [--quick]
   kernels a user gets, and again with the linear kernels HMI uses (``hmi.model.kernels``).
 - **HMI's hBERT**, the serving path: PLOT lookup and the batched upper layers
   (``hmi.scheduler.pipeline.Scheduler``), the same adapters (weights copied across, so both
-  sides compute the same tenant on the same upper layers).
+  sides compute the same tenant on the same upper layers); again with the whole root PLOT in a
+  hot tier (``hmi serve --plot-hot-mb`` of its size: the same values, no LMDB read).
 - **ONNX Runtime**: the full root for one model (an upper bound for one tenant), and the upper
   layers alone with one adapter merged, against HMI's upper layers on the same tokens
   (``hmi_upper_over_ort_upper``: HMI's speed over ONNX Runtime's; 1.0 = as fast).
@@ -35,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_tenants import scheduler_rps, trace, warm_page_cache  # noqa: E402
-from benchmarks.common import adapter_variants, finish, prepared_root, round_robin, start, table  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, finish, machine, prepared_root, round_robin, start, table  # noqa: E402
 
 B, COUNTS, LENGTHS, RANK, LABELS = 32, (1, 100, 1000), (64, 128), 8, tuple("abcde")
 PEFT_CAP = 100
@@ -148,6 +149,35 @@ def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+SERIES = {"hmi": "HMI hBERT", "hmi_hot": "HMI, whole PLOT in a hot tier", "peft": "PEFT",
+          "peft_hmi_kernels": "PEFT on HMI's kernels"}
+
+
+def plot_rows(result: dict, png: Path) -> None:
+    """Rows/s against tenants, one panel per length, one line per side (``result["rows_per_s_<length>"]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(LENGTHS), figsize=(9, 4), sharey=False)
+    for ax, length in zip(axes, LENGTHS):
+        cells = result[f"rows_per_s_{length}"]
+        xs = sorted(int(k) for k in cells)
+        for key, name in SERIES.items():
+            ax.plot(xs, [cells[str(x)][key] for x in xs], marker="o", label=name)
+        ax.set_xscale("log")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("tenants (drawn uniformly)")
+        ax.set_title(f"{length} tokens, batches of {B}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("rows / s")
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"HMI against PEFT's mixed-adapter batches; {machine()}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
 def main() -> None:
     args = start(__doc__)
     from hmi.adapters.batched import Group, batched_heads, segment_plan, upper_forward
@@ -155,7 +185,8 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
-    from hmi.plot.lookup import PlotLookup
+    from hmi.plot.hot import HotTier, entry_bytes
+    from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
@@ -165,6 +196,11 @@ def main() -> None:
     spec = AdapterSpec("lora", rank=RANK, alpha=float(RANK), labels=LABELS)
     variants = adapter_variants(bert, l_low, spec, 32, seed=1)
     lookup = PlotLookup([version], policy="backoff")
+    m = version.store.meta
+    whole_mb = len(version.store) * entry_bytes(m.n, m.hidden_size) / 2**20 + 1
+    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder,
+                                         hot=HotTier.from_store(version.store, version.store.keys(), whole_mb))],
+                            policy="backoff")
     warm_page_cache(root_plot_path(root))
     raw = [r["text"] for r in load_task("news-topic", "test")]
     measured, warm = (3, 1) if args.quick else (10, 2)
@@ -197,15 +233,16 @@ def main() -> None:
         texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw]
         texts = [t for t in texts if len(tok(t)["input_ids"]) == length] or texts
         for n in COUNTS:
-            cell = {"hmi": [], "peft": [], "peft_hmi_kernels": []}
+            cell = {"hmi": [], "hmi_hot": [], "peft": [], "peft_hmi_kernels": []}
             for r in range(3 if not args.quick else 1):
                 batches = trace(n, "uniform", warm + measured, seed=n + 7919 * r + length)
-                s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d: lookup,
-                              SchedulerConfig(max_batch=B, pool_slots=64))
-                try:
-                    cell["hmi"].append(scheduler_rps(s, texts, batches, warm))
-                finally:
-                    s.shutdown()
+                for key, lk in (("hmi", lookup), ("hmi_hot", hot_lookup)):
+                    s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d, lk=lk: lk,
+                                  SchedulerConfig(max_batch=B, pool_slots=64))
+                    try:
+                        cell[key].append(scheduler_rps(s, texts, batches, warm))
+                    finally:
+                        s.shutdown()
                 held = min(n, PEFT_CAP)
                 peft_rps(peers[False], tok, texts, batches[:warm], held)
                 cell["peft"].append(peft_rps(peers[False], tok, texts, batches[warm:], held))
@@ -217,8 +254,10 @@ def main() -> None:
             if length == 64:
                 result[f"hmi_over_peft_{n}"] = round(med["hmi"] / med["peft"], 2)
                 result[f"hmi_over_peft_hmi_kernels_{n}"] = round(med["hmi"] / med["peft_hmi_kernels"], 2)
-            rows.append((length, n, f"{med['hmi']:.1f}", f"{med['peft']:.1f}", f"{med['peft_hmi_kernels']:.1f}",
-                         f"{med['hmi'] / med['peft']:.2f}", f"{med['hmi'] / med['peft_hmi_kernels']:.2f}"))
+                result[f"hmi_hot_over_peft_{n}"] = round(med["hmi_hot"] / med["peft"], 2)
+            rows.append((length, n, f"{med['hmi']:.1f}", f"{med['hmi_hot']:.1f}", f"{med['peft']:.1f}",
+                         f"{med['peft_hmi_kernels']:.1f}", f"{med['hmi'] / med['peft']:.2f}",
+                         f"{med['hmi_hot'] / med['peft']:.2f}", f"{med['hmi'] / med['peft_hmi_kernels']:.2f}"))
             print(rows[-1], flush=True)
 
     # -- ONNX Runtime: the full root, and the upper layers against HMI's ------------------------
@@ -259,12 +298,14 @@ def main() -> None:
                          f"{t['ort_upper'] / t['hmi_upper']:.2f}", f"{np.abs(got - want).max():.1e}", f"{B / t['ort_full']:.0f}"))
     result["hmi_upper_over_ort_upper"] = result["hmi_upper_over_ort_upper_64"]
 
+    plot_rows(result, DOCS / "peers_rows.png")
     text = "\n\n".join([
+        "Plot: `docs/peers_rows.png`.",
         f"Rows per second, batches of {B} news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
         f"upper layers plus a head per tenant on both sides (the same weights). PEFT holds at most {PEFT_CAP} adapters "
         f"(at 1,000 tenants a row is served by tenant mod {PEFT_CAP}).\n\n"
-        + table(rows, ("tokens", "tenants", "HMI hBERT", "PEFT", "PEFT on HMI's kernels", "HMI / PEFT",
-                       "HMI / PEFT on HMI's kernels")),
+        + table(rows, ("tokens", "tenants", "HMI hBERT", "HMI, whole PLOT in a hot tier", "PEFT", "PEFT on HMI's kernels",
+                       "HMI / PEFT", "HMI hot tier / PEFT", "HMI / PEFT on HMI's kernels")),
         "Time to load the adapters, seconds:\n\n" + table(loads, ("", "seconds")),
         f"ONNX Runtime ({B} rows; the upper layers with one adapter merged, on the hidden states the PLOT gives; the "
         "full root for one model with no adapter):\n\n"
