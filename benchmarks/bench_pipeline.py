@@ -67,12 +67,17 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
-    from hmi.plot.lookup import PlotLookup
+    from hmi.plot.hot import HotTier, entry_bytes
+    from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 
     root, version = prepared_root()
     lookup = PlotLookup([version], policy="backoff")
+    m = version.store.meta
+    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.from_store(
+        version.store, version.store.keys(), len(version.store) * entry_bytes(m.n, m.hidden_size) / 2**20 + 1))],
+        policy="backoff")
     B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer
@@ -89,7 +94,11 @@ def main() -> None:
                     ("without pipelined adapter swapping", {"pipeline_swap": False}),
                     ("synchronized", {"pipeline_retrieval": False, "pipeline_swap": False}),
                     ("per-tenant loop (synchronized)", {"pipeline_retrieval": False, "pipeline_swap": False,
-                                                        "batched_adapters": False})]
+                                                        "batched_adapters": False}),
+                    # the lookup from a hot tier holding the whole root PLOT (hmi serve --plot-hot-mb)
+                    ("full pipeline, whole PLOT in a hot tier", {"hot": True}),
+                    ("synchronized, whole PLOT in a hot tier", {"pipeline_retrieval": False, "pipeline_swap": False,
+                                                                "hot": True})]
         rows, res = [], {}
         rounds = 2 if args.quick else 5
         # Ideal: upper layers alone, adapters resident, representations precomputed; timed once per
@@ -113,7 +122,9 @@ def main() -> None:
             def measure(sw: dict, n_batches: int, seed: int, trace: bool = False) -> float:
                 for t in names:
                     store.load(t)  # host tier warm, device pools cold: every run starts the same
-                s = Scheduler(root.bert, l_low, tok, store, entries.__getitem__, lambda d: lookup,
+                sw = dict(sw)
+                lk = hot_lookup if sw.pop("hot", False) else lookup
+                s = Scheduler(root.bert, l_low, tok, store, entries.__getitem__, lambda d: lk,
                               SchedulerConfig(max_batch=B, pool_slots=64, trace=trace, **sw))
                 try:
                     return run(s, texts, names, n_batches, B, random.Random(seed))
@@ -142,7 +153,8 @@ def main() -> None:
             res.setdefault("pipelined_over_sync_rounds", {})[tag] = [round(x, 3) for x in paired]
             for label, _ in variants:
                 rps = statistics.median(got[label])
-                key = {"full pipeline": "pipelined", "synchronized": "sync"}.get(label)
+                key = {"full pipeline": "pipelined", "synchronized": "sync", "full pipeline, whole PLOT in a hot tier":
+                       "pipelined_hot", "synchronized, whole PLOT in a hot tier": "sync_hot"}.get(label)
                 if key:
                     res[f"rps_{key}_{'1k' if n_tenants == 1000 else n_tenants}"] = round(rps, 2)
                 res.setdefault("table", {})[f"{label} @ {n_tenants}"] = round(rps, 2)
@@ -152,6 +164,11 @@ def main() -> None:
         # Each round's pipelined run over the ideal measured right after it, under the same conditions.
         res["hidden_overhead_ratio"] = round(statistics.median(
             [p / q for p, q in zip(res["rounds"]["full pipeline @ 1000"], ideal)]), 3)
+        res["hidden_overhead_ratio_hot"] = round(statistics.median(
+            [p / q for p, q in zip(res["rounds"]["full pipeline, whole PLOT in a hot tier @ 1000"], ideal)]), 3)
+        res["pipelined_over_sync_hot_1k"] = round(statistics.median(
+            [p / q for p, q in zip(res["rounds"]["full pipeline, whole PLOT in a hot tier @ 1000"],
+                                   res["rounds"]["synchronized, whole PLOT in a hot tier @ 1000"])]), 3)
         res["ideal_rounds"] = [round(x, 2) for x in ideal]
         rows.append(("-", "ideal: upper layers only, adapters resident, inputs precomputed", f"{res['rps_ideal']:.2f}",
                      f"{min(ideal):.2f} - {max(ideal):.2f}"))
