@@ -185,7 +185,7 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
-    from hmi.plot.hot import HotTier, entry_bytes
+    from hmi.plot.hot import HotTier
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
@@ -196,10 +196,7 @@ def main() -> None:
     spec = AdapterSpec("lora", rank=RANK, alpha=float(RANK), labels=LABELS)
     variants = adapter_variants(bert, l_low, spec, 32, seed=1)
     lookup = PlotLookup([version], policy="backoff")
-    m = version.store.meta
-    whole_mb = len(version.store) * entry_bytes(m.n, m.hidden_size) / 2**20 + 1
-    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder,
-                                         hot=HotTier.from_store(version.store, version.store.keys(), whole_mb))],
+    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))],
                             policy="backoff")
     warm_page_cache(root_plot_path(root))
     raw = [r["text"] for r in load_task("news-topic", "test")]

@@ -67,17 +67,15 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
-    from hmi.plot.hot import HotTier, entry_bytes
+    from hmi.plot.hot import HotTier
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
 
     root, version = prepared_root()
     lookup = PlotLookup([version], policy="backoff")
-    m = version.store.meta
-    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.from_store(
-        version.store, version.store.keys(), len(version.store) * entry_bytes(m.n, m.hidden_size) / 2**20 + 1))],
-        policy="backoff")
+    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))],
+                            policy="backoff")
     B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_BITS = 21  # bits of one id in the packed windows unique_windows sorts
-_LOW = (1 << _BITS) - 1
+ID_BITS = 21  # bits of one token id in a packed window (unique_windows here, PLOT keys in hmi.plot.keys)
+_LOW = (1 << ID_BITS) - 1
 
 
 def encoder_windows(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -62,9 +62,9 @@ def unique_windows(win: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.nd
     inverse = np.full(mask.shape, -1, dtype=np.int64)
     if flat.shape[0] == 0:
         return np.zeros((0, 3), dtype=np.int64), inverse
-    if flat.min() >= 0 and flat.max() < 1 << _BITS:
-        keys, inv = np.unique((flat[:, 0] << 2 * _BITS) | (flat[:, 1] << _BITS) | flat[:, 2], return_inverse=True)
-        uniq = np.stack([keys >> 2 * _BITS, (keys >> _BITS) & _LOW, keys & _LOW], axis=1)
+    if flat.min() >= 0 and flat.max() <= _LOW:
+        keys, inv = np.unique((flat[:, 0] << 2 * ID_BITS) | (flat[:, 1] << ID_BITS) | flat[:, 2], return_inverse=True)
+        uniq = np.stack([keys >> 2 * ID_BITS, (keys >> ID_BITS) & _LOW, keys & _LOW], axis=1)
     else:
         uniq, inv = np.unique(flat, axis=0, return_inverse=True)
     inverse[mask] = inv.reshape(-1)

@@ -88,6 +88,12 @@ class HotTier:
         whole = stamp is not None and store.stamp() == stamp and bool(np.isin(every, keys).all())
         return cls(keys, np.concatenate(values), device, stamp if whole else None)
 
+    @classmethod
+    def whole(cls, store: PlotStore, device: str | torch.device = "cpu") -> "HotTier":
+        """Every entry of ``store``: a tier that stands for it while nothing is written to it."""
+        m = store.meta
+        return cls.from_store(store, store.keys(), (len(store) + 1) * entry_bytes(m.n, m.hidden_size) / 2**20, device)
+
     def __len__(self) -> int:
         return len(self.keys)
 

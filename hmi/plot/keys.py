@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from hmi.model.windows import causal_windows, encoder_windows, unique_windows
+from hmi.model.windows import ID_BITS, causal_windows, encoder_windows, unique_windows
 
 __all__ = ["encoder_windows", "causal_windows", "unique_windows", "pack", "unpack", "to_bytes", "from_bytes",
            "bigram_backoff", "unigram_backoff", "causal_unigram_backoff", "ngram_order", "served_keys", "MAX_ID"]
 
-BITS = 21
+BITS = ID_BITS
 MAX_ID = (1 << BITS) - 1
 _MASK = np.uint64(MAX_ID)
 

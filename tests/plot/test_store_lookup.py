@@ -216,7 +216,7 @@ def test_windows_no_level_holds_read_as_zeros_whatever_memory_held_before(tmp_pa
     store = PlotStore(tmp_path / "p", meta=META, readonly=False)
     keys, counts = count_ngrams([[1, 5, 6, 2]])
     build(store, encoder, plan_keys(keys, counts, Selection("all"), 0, with_backoff=False), progress=False)
-    tier = HotTier(*_all_entries(store), stamp=store.stamp()) if hot else None
+    tier = HotTier.whole(store) if hot else None
     lk = PlotLookup([PlotVersion("root", store, encoder, hot=tier)])
     windows = np.array([[1, 5, 6], [7, 8, 9], [0, 9, 0], [9, 9, 9]])  # one held, three held at no level
     for _ in range(20):  # what the allocator hands out next was just full of non-zeros
@@ -225,9 +225,3 @@ def test_windows_no_level_holds_read_as_zeros_whatever_memory_held_before(tmp_pa
         reps, hits = lk.window_reps(windows)
         assert hits["zeros"] == 3
         assert not reps[1:].any() and reps[0].any()
-
-
-def _all_entries(store: PlotStore) -> tuple[np.ndarray, np.ndarray]:
-    keys = store.keys()
-    values, _ = store.get_many(keys)
-    return keys, values
