@@ -12,7 +12,11 @@ drift of the machine hits them alike:
   default, ``torch.utils.deterministic.fill_uninitialized_memory``);
 - **fp32**: deterministic without that fill (``deterministic()`` today: the same bits);
 - **bf16**: and the GEMMs inside ``hmi.model.kernels.bf16_matmuls()`` (``hmi calibrate --bf16``),
-  where the CPU has native bf16; elsewhere the row says it ran fp32.
+  where the CPU has native bf16; elsewhere the row says it ran fp32;
+- **served once**: and each distinct window the back-off serves computed once
+  (``CalibrationConfig.served_once``);
+- **present tokens**: and those windows run on their present tokens alone
+  (``CalibrationConfig.present_tokens``; with served once: mpnet-base's recipe).
 
 Also timed: the teacher's forward alone (the full-context root, no gradient), the part of a step
 that does not depend on what is trained. Writes docs/bench_calibration_step[_<root>].md.
@@ -21,6 +25,7 @@ that does not depend on what is trained. Writes docs/bench_calibration_step[_<ro
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +77,14 @@ def main() -> None:
         turn["i"] += 1
         return batches[turn["i"] % len(batches)]
 
-    def step(bf16: bool, fill: bool = False):
+    def step(bf16: bool, fill: bool = False, once: bool = False, present: bool = False):
+        variant = replace(cfg, served_once=once, present_tokens=present)
+
         def run():
             ids, mask = batch()
             with deterministic(), bf16_matmuls(bf16):
                 torch.utils.deterministic.fill_uninitialized_memory = fill  # deterministic() restores it
-                loss, _ = calibration_loss(root, hplm, ids, mask, cfg, held.serve(0))
+                loss, _ = calibration_loss(root, hplm, ids, mask, variant, held.serve(0))
                 fit.step(loss)
         return run
 
@@ -87,11 +94,15 @@ def main() -> None:
             full_forward(root.bert, ids, mask)
 
     secs = round_robin({"before": step(False, fill=True), "fp32": step(False), "bf16": step(True),
-                        "teacher": teacher}, rounds)
+                        "once": step(True, once=True), "present": step(True, once=True, present=True),
+                        "fp32_present": step(False, once=True, present=True), "teacher": teacher}, rounds)
     tokens = sum(int(m.sum()) for _, m in batches) / len(batches)
     labels = {"before": "fp32, deterministic mode's NaN fill on (before)",
               "fp32": "fp32, the fill off (the same bits)",
               "bf16": f"bf16 GEMMs, the fill off{'' if NATIVE_BF16 else ' (no native bf16 here: ran fp32)'}",
+              "once": "bf16, each served window computed once",
+              "present": "bf16, served once, on present tokens (mpnet-base's recipe)",
+              "fp32_present": "fp32, served once, on present tokens",
               "teacher": "teacher forward alone (fp32, no gradient)"}
     rows = [(labels[k], f"{secs[k]:.2f}", f"{secs[k] / secs['before']:.2f}", f"{tokens / secs[k]:.0f}") for k in labels]
     text = (f"Root {name} split at L_low={root.spec.l_low}; batches of {cfg.batch_size} lines, "
@@ -100,7 +111,8 @@ def main() -> None:
     result = {"root": name, "l_low": root.spec.l_low, "native_bf16": NATIVE_BF16, "rounds": rounds,
               "tokens_per_batch": round(tokens), **{f"{k}_s": round(v, 3) for k, v in secs.items()},
               "fp32_over_before": round(secs["fp32"] / secs["before"], 3),
-              "bf16_over_before": round(secs["bf16"] / secs["before"], 3)}
+              "bf16_over_before": round(secs["bf16"] / secs["before"], 3),
+              "recipe_over_before": round(secs["present"] / secs["before"], 3)}
     quick = " --quick" if args.quick else ""
     finish(result_name("bench_calibration_step", args), text, result,
            f"python benchmarks/bench_calibration_step.py{quick}{root_flags(args)}")

@@ -43,19 +43,20 @@ class WindowedLower(nn.Module):
         mask[:, 1] = True
         return mask
 
-    def states(self, windows: torch.Tensor) -> torch.Tensor:
+    def states(self, windows: torch.Tensor, masked: bool | None = None) -> torch.Tensor:
         """The lower layers' output on each window as its own sequence (before the gate): what the
         full root computes for those three tokens alone.  Rows of absent tokens are not meaningful
         (:meth:`forward` zeroes them).
 
-        Without gradients (PLOT builds, lookups that compute) each window runs on its present
-        tokens alone, at their local positions: bit for bit the rows of :meth:`masked_states`
-        (tested), in about 0.84 of its time on a root PLOT's mix of tri-, bi- and uni-grams
-        (``benchmarks/bench_plot_build.py``).  With gradients (calibration) it is
-        :meth:`masked_states`, whose sums the shipped artifacts were trained with.
+        Unless ``masked``, each window runs on its present tokens alone, at their local positions:
+        without gradients bit for bit the rows of :meth:`masked_states` (tested), in about 0.84 of
+        its time on a root PLOT's mix of tri-, bi- and uni-grams (``benchmarks/bench_plot_build.py``),
+        about half on a calibration batch read with back-off (most windows are bi- and uni-grams).
+        ``masked`` defaults to whether gradients are on: calibration recipes without
+        ``present_tokens`` train on :meth:`masked_states`, whose sums the shipped artifacts hold.
         Shapes: windows (N, 3) int64 -> (N, 3, H).
         """
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() if masked is None else masked:
             return self.masked_states(windows)
         present = self.window_mask(windows)
         out = torch.zeros(windows.shape + (self.hidden_size,), dtype=self.gate.weight.dtype, device=windows.device)
@@ -80,14 +81,14 @@ class WindowedLower(nn.Module):
             h = layer(h, attention_mask=ext)[0]
         return h
 
-    def forward(self, windows: torch.Tensor) -> torch.Tensor:
-        """Representations of windows.
+    def forward(self, windows: torch.Tensor, masked: bool | None = None) -> torch.Tensor:
+        """Representations of windows (``masked``: as :meth:`states`).
 
         Semantics: rep[n] = gated lower-layer output of the sequence windows[n] (3 tokens), +0.0
         at absent tokens.
         Shapes: windows (N, 3) int64 -> rep (N, 3, H) float.
         """
-        h = self.states(windows)
+        h = self.states(windows, masked)
         present = self.window_mask(windows).unsqueeze(-1)
         return torch.where(present, h * torch.sigmoid(self.gate(h)), 0.0)
 
@@ -174,29 +175,38 @@ class WindowedEncoder(nn.Module):
         self.lower = WindowedLower(bert, l_low)
         self.merge = Merge(bert)
 
-    def represent_batch(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Window representations of a padded batch, each distinct window computed once.
+    def represent_batch(self, ids: torch.Tensor, mask: torch.Tensor, masked: bool | None = None) -> torch.Tensor:
+        """Window representations of a padded batch, each distinct window computed once
+        (``masked``: as :meth:`WindowedLower.states`).
 
         Shapes: ids (B, T); mask (B, T) -> reps (B, T, 3, H), zeros at padding.
         """
         win = encoder_windows(ids.cpu().numpy(), mask.cpu().numpy())
         uniq, inverse = unique_windows(win, mask.cpu().numpy())
-        rep = self.lower(torch.from_numpy(uniq).to(ids.device))
+        rep = self.lower(torch.from_numpy(uniq).to(ids.device), masked)
         out = rep.new_zeros(ids.shape + rep.shape[1:])
         real = torch.from_numpy(inverse >= 0).to(ids.device)
         out[real] = rep[torch.from_numpy(inverse[inverse >= 0]).to(ids.device)]
         return out
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, serve=None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, serve=None, served_once: bool = False,
+                masked: bool | None = None) -> torch.Tensor:
         """Merged lower-layer output. Shapes: ids (B, T); mask (B, T) -> (B, T, H).
 
         ``serve`` (optional) maps the batch's distinct windows, (U, 3) int64, to the windows whose
         representation stands in for them, (U, 3): a PLOT's back-off (``hmi.plot.keys.served_keys``)
-        computed directly, with gradients, for training on what serving reads."""
+        computed directly, with gradients, for training on what serving reads.  With
+        ``served_once`` each distinct served window is computed once (back-off maps many windows
+        to one bi- or uni-gram): the same values, their gradients summed in one row.
+        ``masked``: as :meth:`WindowedLower.states`."""
         if serve is None:
-            return self.merge(self.represent_batch(ids, mask))
+            return self.merge(self.represent_batch(ids, mask, masked))
         uniq, inverse = unique_windows(encoder_windows(ids.cpu().numpy(), mask.cpu().numpy()), mask.cpu().numpy())
-        rep = self.lower(torch.from_numpy(serve(uniq)).to(ids.device))
+        served = serve(uniq)
+        if served_once:
+            served, back = np.unique(served, axis=0, return_inverse=True)
+            inverse = np.where(inverse >= 0, back.reshape(-1)[inverse], -1)
+        rep = self.lower(torch.from_numpy(served).to(ids.device), masked)
         return self.merge.forward_unique(rep, torch.from_numpy(inverse).to(ids.device))
 
 

@@ -63,6 +63,12 @@ class CalibrationConfig:
     # The word embeddings stay the root's: the windowed layers learn around them, and the artifact
     # then stores no copy of the largest tensor (hmi.model.artifact stores what differs from the root).
     train_word_embeddings: bool = False
+    # Each distinct window a batch is served (after back-off) computed once, and on its present
+    # tokens alone (``WindowedLower.states``): the same values and gradients as the masked windows,
+    # about half their work (most windows back off to bi- and uni-grams); not bit for bit, so the
+    # shipped recipe keeps them off.
+    served_once: bool = False
+    present_tokens: bool = False
 
 
 class HeldOutBackoff:
@@ -129,7 +135,7 @@ def calibration_loss(root: Root, hplm: HPLM, ids, mask, cfg: CalibrationConfig, 
     """``serve``: the back-off the texts are read with (None: every window computed)."""
     with torch.no_grad():
         hs = full_forward(root.bert, ids, mask)
-    merged = hplm.windowed(ids, mask, serve)
+    merged = hplm.windowed(ids, mask, serve, served_once=cfg.served_once, masked=False if cfg.present_tokens else None)
     m = mask.bool()
     l_lower = F.mse_loss(merged[m], hs[root.spec.l_low][m])
     # Every upper layer's output is matched, not only the last: the richer signal generalizes better.

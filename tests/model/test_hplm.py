@@ -75,6 +75,35 @@ def test_windows_computed_with_gradients_run_masked_as_calibration_trained_them(
     assert torch.equal(rep.detach().view(torch.int32), masked_reference(lower, windows).detach().view(torch.int32))
 
 
+@pytest.mark.parametrize("family", ["bert", "mpnet"])
+def test_windows_trained_on_their_present_tokens_alone_give_the_masked_values_and_gradients(family, tmp_path):
+    """``masked=False`` with gradients (the cheaper calibration recipes): the values and every
+    parameter's gradient of the masked windows, for BERT and MPNet's relative position bias."""
+    if family == "mpnet":
+        from hmi.model.convert import convert_checkpoint
+        from hmi.model.root import load_bert
+        from tests.model.test_convert import tiny_checkpoint
+
+        convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "bert")
+        model = load_bert(str(tmp_path / "bert"))
+    else:
+        model = tiny_bert()
+    lower = WindowedLower(model, 2).double()
+    torch.nn.init.normal_(lower.gate.weight, std=0.1)
+    windows = mixed_windows(model.config.vocab_size, 300, seed=3)
+    weights = torch.randn(300, 3, model.config.hidden_size, dtype=torch.float64)
+    grads = {}
+    for masked in (True, False):
+        lower.zero_grad()
+        rep = lower(windows, masked=masked)
+        (rep * weights).sum().backward()
+        grads[masked] = (rep.detach(), {n: p.grad.clone() for n, p in lower.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(grads[False][0], grads[True][0], rtol=1e-10, atol=1e-12)
+    assert grads[False][1].keys() == grads[True][1].keys()
+    for name, g in grads[True][1].items():
+        torch.testing.assert_close(grads[False][1][name], g, rtol=1e-8, atol=1e-10, msg=name)
+
+
 def test_gate_scales_rows_by_sigmoid_of_linear(bert):
     lower = WindowedLower(bert, 1)
     torch.nn.init.constant_(lower.gate.bias, -50.0)

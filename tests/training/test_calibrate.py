@@ -218,6 +218,34 @@ def test_calibration_reports_and_improves_quality_as_the_plot_serves_held_out_te
     assert q[True]["after"]["lower_cosine_served"] > q[True]["before"]["lower_cosine_served"] + 0.05
 
 
+def test_served_windows_computed_once_on_their_present_tokens_give_the_reference_loss_and_gradients():
+    """``served_once`` and ``present_tokens`` (mpnet-base's recipe): each distinct window the
+    back-off serves computed once, on its present tokens: the loss and every gradient of the
+    masked windows computed per distinct raw window, on fewer windows."""
+    from hmi.model.hplm import HPLM
+    from hmi.training.calibrate import HeldOutBackoff, calibration_loss, token_lists, tokenize
+
+    root = tiny_root()
+    torch.nn.init.normal_(root.windowed.lower.gate.weight, std=0.1)
+    serve = HeldOutBackoff(token_lists(root.tokenizer, TEXTS[:6], 32)).serve(0)
+    ids, mask = tokenize(root.tokenizer, ["the cat ran in the park today", "a film of stocks", "dogs sat"], 32)
+    hplm = HPLM(root.bert, root.windowed)
+    computed = []
+    root.windowed.lower.register_forward_pre_hook(lambda _, args: computed.append(args[0].shape[0]))
+    out = {}
+    for once in (False, True):
+        root.windowed.zero_grad()
+        cfg = CalibrationConfig(served_once=once, present_tokens=once)
+        loss, _ = calibration_loss(root, hplm, ids, mask, cfg, serve)
+        loss.backward()
+        out[once] = loss.detach(), {n: p.grad.clone() for n, p in root.windowed.named_parameters() if p.grad is not None}
+    assert computed[1] < computed[0]  # back-off served some windows more than once
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-6, atol=1e-7)
+    assert out[True][1].keys() == out[False][1].keys()
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # 40 steps of a recipe; on ``slow_machine`` each takes 1 s of the time limit's clock.
 RECIPE = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=25)
 
