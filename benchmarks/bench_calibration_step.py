@@ -5,8 +5,11 @@ Usage: python benchmarks/bench_calibration_step.py [--quick] [--root mpnet-base]
 A step as ``hmi calibrate`` runs it (``hmi.training.calibrate.calibration_loss`` on length-grouped
 batches of 32 lines of the general corpus, read as the other half's PLOT serves them, then the
 optimizer step, inside ``hmi.training.fit.deterministic()`` as the recipe runs it), on the root's
-uncalibrated windowed layers; the variants take turns on the same batches (``round_robin``), so a
-drift of the machine hits them alike:
+uncalibrated windowed layers; the variants take turns on the same batches (``round_robin``: each
+round one batch, every variant on it), so a drift of the machine hits them alike.  A step's time
+grows with its batch's tokens (the corpus's lines are 7 to 128 tokens, batches of similar lengths
+hold 300 to 4,100), so a variant's figure is its mean over the rounds' batches, as a whole run
+averages them, not the median (which the few long batches leave out):
 
 - **before**: fp32, with torch's deterministic mode filling every new tensor with NaN (its
   default, ``torch.utils.deterministic.fill_uninitialized_memory``);
@@ -15,8 +18,8 @@ drift of the machine hits them alike:
   where the CPU has native bf16; elsewhere the row says it ran fp32;
 - **served once**: and each distinct window the back-off serves computed once
   (``CalibrationConfig.served_once``);
-- **present tokens**: and those windows run on their present tokens alone
-  (``CalibrationConfig.present_tokens``; with served once: mpnet-base's recipe).
+- **present tokens**: the windows run on their present tokens alone
+  (``CalibrationConfig.present_tokens``); both with bf16: mpnet-base's recipe.
 
 Also timed: the teacher's forward alone (the full-context root, no gradient), the part of a step
 that does not depend on what is trained. Writes docs/bench_calibration_step[_<root>].md.
@@ -24,6 +27,7 @@ that does not depend on what is trained. Writes docs/bench_calibration_step[_<ro
 
 from __future__ import annotations
 
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -74,8 +78,10 @@ def main() -> None:
     turn = {"i": 0}
 
     def batch():
-        turn["i"] += 1
-        return batches[turn["i"] % len(batches)]
+        return batches[turn["i"]]
+
+    def before_round(r: int) -> None:
+        turn["i"] = r  # -1: the warm-up's batch, the last
 
     def step(bf16: bool, fill: bool = False, once: bool = False, present: bool = False):
         variant = replace(cfg, served_once=once, present_tokens=present)
@@ -94,25 +100,28 @@ def main() -> None:
             full_forward(root.bert, ids, mask)
 
     secs = round_robin({"before": step(False, fill=True), "fp32": step(False), "bf16": step(True),
-                        "once": step(True, once=True), "present": step(True, once=True, present=True),
-                        "fp32_present": step(False, once=True, present=True), "teacher": teacher}, rounds)
-    tokens = sum(int(m.sum()) for _, m in batches) / len(batches)
+                        "once": step(True, once=True), "present": step(True, present=True),
+                        "recipe": step(True, once=True, present=True),
+                        "fp32_recipe": step(False, once=True, present=True), "teacher": teacher}, rounds,
+                       before_round=before_round, stat=statistics.mean)
+    tokens = sum(int(m.sum()) for _, m in batches[:rounds]) / rounds
     labels = {"before": "fp32, deterministic mode's NaN fill on (before)",
               "fp32": "fp32, the fill off (the same bits)",
               "bf16": f"bf16 GEMMs, the fill off{'' if NATIVE_BF16 else ' (no native bf16 here: ran fp32)'}",
               "once": "bf16, each served window computed once",
-              "present": "bf16, served once, on present tokens (mpnet-base's recipe)",
-              "fp32_present": "fp32, served once, on present tokens",
+              "present": "bf16, the windows on their present tokens",
+              "recipe": "bf16, both (mpnet-base's recipe)",
+              "fp32_recipe": "fp32, both",
               "teacher": "teacher forward alone (fp32, no gradient)"}
     rows = [(labels[k], f"{secs[k]:.2f}", f"{secs[k] / secs['before']:.2f}", f"{tokens / secs[k]:.0f}") for k in labels]
     text = (f"Root {name} split at L_low={root.spec.l_low}; batches of {cfg.batch_size} lines, "
-            f"{tokens:.0f} real tokens on average; median of {rounds} rounds.\n\n"
+            f"{tokens:.0f} real tokens on average; mean of {rounds} rounds, one batch each, every variant on it.\n\n"
             + table(rows, ("step", "seconds", "of before", "tokens/s")))
     result = {"root": name, "l_low": root.spec.l_low, "native_bf16": NATIVE_BF16, "rounds": rounds,
               "tokens_per_batch": round(tokens), **{f"{k}_s": round(v, 3) for k, v in secs.items()},
               "fp32_over_before": round(secs["fp32"] / secs["before"], 3),
               "bf16_over_before": round(secs["bf16"] / secs["before"], 3),
-              "recipe_over_before": round(secs["present"] / secs["before"], 3)}
+              "recipe_over_before": round(secs["recipe"] / secs["before"], 3)}
     quick = " --quick" if args.quick else ""
     finish(result_name("bench_calibration_step", args), text, result,
            f"python benchmarks/bench_calibration_step.py{quick}{root_flags(args)}")

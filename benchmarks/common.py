@@ -62,20 +62,25 @@ def timeit(fn, repeat: int = 5, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def round_robin(fns: dict, rounds: int, warmup: int = 1) -> dict:
-    """Median seconds of each of ``fns`` (name -> callable) over ``rounds`` rounds that run them
-    one after the other, so drifts of a shared machine hit them alike; each runs ``warmup`` times
-    first."""
+def round_robin(fns: dict, rounds: int, warmup: int = 1, before_round=None, stat=statistics.median) -> dict:
+    """``stat`` (the median unless told) of each of ``fns``' seconds (name -> callable) over
+    ``rounds`` rounds that run them one after the other, so drifts of a shared machine hit them
+    alike; each runs ``warmup`` times first.  ``before_round(r)``, when given, runs before round
+    ``r`` (``-1``: before the warm-up), say to give every function of a round the same input."""
+    if before_round is not None:
+        before_round(-1)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times = {k: [] for k in fns}
-    for _ in range(rounds):
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: stat(v) for k, v in times.items()}
 
 
 def table(rows: list[tuple], headers: tuple) -> str:
