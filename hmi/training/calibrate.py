@@ -63,12 +63,13 @@ class CalibrationConfig:
     # The word embeddings stay the root's: the windowed layers learn around them, and the artifact
     # then stores no copy of the largest tensor (hmi.model.artifact stores what differs from the root).
     train_word_embeddings: bool = False
-    # Each distinct window a batch is served (after back-off) computed once, and on its present
-    # tokens alone (``WindowedLower.states``): the same values and gradients as the masked windows,
-    # about half their work (most windows back off to bi- and uni-grams); not bit for bit, so the
-    # shipped recipe keeps them off.
-    served_once: bool = False
+    # Each window on its present tokens alone (``WindowedLower.states``): the masked windows'
+    # values and gradients at about half their work (most windows back off to bi- and uni-grams);
+    # not bit for bit, so the shipped default recipe keeps it off (docs/roots.md).
     present_tokens: bool = False
+    # Each distinct window the back-off serves computed once per batch: the same arithmetic, but
+    # one dropout mask for every position it stands for; no recipe uses it (docs/decisions.md).
+    served_once: bool = False
 
 
 class HeldOutBackoff:
