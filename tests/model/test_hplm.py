@@ -42,21 +42,25 @@ def masked_reference(lower: WindowedLower, windows: torch.Tensor) -> torch.Tenso
     return torch.where(lower.window_mask(windows).unsqueeze(-1), h * torch.sigmoid(lower.gate(h)), 0.0)
 
 
-@pytest.mark.parametrize("family", ["bert", "mpnet", "minilm-l6"])
-def test_windows_computed_on_their_present_tokens_alone_equal_the_masked_sequences_bit_for_bit(
-        family, tmp_path, real_root):
-    """Without gradients a window runs on its present tokens alone (the PLOT build's fast path):
-    the same bits as running it masked at length 3, for BERT, MPNet's relative position bias and
-    the real MiniLM-L6, at a build's chunk size and at an odd one."""
+def family_model(family: str, tmp_path, real_root=None):
+    """A tiny BERT, a tiny MPNet converted to the BERT layout (relative position bias), or the real MiniLM-L6."""
     if family == "mpnet":
         from hmi.model.convert import convert_checkpoint
         from hmi.model.root import load_bert
         from tests.model.test_convert import tiny_checkpoint
 
         convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "bert")
-        model = load_bert(str(tmp_path / "bert"))
-    else:
-        model = tiny_bert() if family == "bert" else real_root.bert
+        return load_bert(str(tmp_path / "bert"))
+    return tiny_bert() if family == "bert" else real_root.bert
+
+
+@pytest.mark.parametrize("family", ["bert", "mpnet", "minilm-l6"])
+def test_windows_computed_on_their_present_tokens_alone_equal_the_masked_sequences_bit_for_bit(
+        family, tmp_path, real_root):
+    """Without gradients a window runs on its present tokens alone (the PLOT build's fast path):
+    the same bits as running it masked at length 3, for BERT, MPNet's relative position bias and
+    the real MiniLM-L6, at a build's chunk size and at an odd one."""
+    model = family_model(family, tmp_path, real_root)
     lower = WindowedLower(model, 3 if family == "minilm-l6" else 2).eval()
     torch.nn.init.normal_(lower.gate.weight, std=0.1)  # a gate that varies by row
     for n in (2048, 333):
@@ -79,15 +83,7 @@ def test_windows_computed_with_gradients_run_masked_as_calibration_trained_them(
 def test_windows_trained_on_their_present_tokens_alone_give_the_masked_values_and_gradients(family, tmp_path):
     """``masked=False`` with gradients (the cheaper calibration recipes): the values and every
     parameter's gradient of the masked windows, for BERT and MPNet's relative position bias."""
-    if family == "mpnet":
-        from hmi.model.convert import convert_checkpoint
-        from hmi.model.root import load_bert
-        from tests.model.test_convert import tiny_checkpoint
-
-        convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "bert")
-        model = load_bert(str(tmp_path / "bert"))
-    else:
-        model = tiny_bert()
+    model = family_model(family, tmp_path)
     lower = WindowedLower(model, 2).double()
     torch.nn.init.normal_(lower.gate.weight, std=0.1)
     windows = mixed_windows(model.config.vocab_size, 300, seed=3)
