@@ -10,6 +10,9 @@ Usage: python benchmarks/bench_peers.py [--quick]
   (``hmi.scheduler.pipeline.Scheduler``), the same adapters (weights copied across, so both
   sides compute the same tenant on the same upper layers); again with the whole root PLOT in a
   hot tier (``hmi serve --plot-hot-mb`` of its size: the same values, no LMDB read).
+- **bf16** (where the CPU multiplies it natively): HMI with its shared upper layers in bf16
+  (``hmi serve --upper-precision bf16``), against the stock PEFT model and against the same PEFT
+  model cast to bf16 (``model.to(torch.bfloat16)``, what a PEFT user on this CPU would do).
 - **ONNX Runtime**: the full root for one model (an upper bound for one tenant), and the upper
   layers alone with one adapter merged, against HMI's upper layers on the same tokens
   (``hmi_upper_over_ort_upper``: HMI's speed over ONNX Runtime's; 1.0 = as fast).
@@ -150,7 +153,7 @@ def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
 
 
 SERIES = {"hmi": "HMI hBERT", "hmi_hot": "HMI, whole PLOT in a hot tier", "peft": "PEFT",
-          "peft_hmi_kernels": "PEFT on HMI's kernels"}
+          "peft_hmi_kernels": "PEFT on HMI's kernels", "hmi_bf16": "HMI, upper layers in bf16", "peft_bf16": "PEFT in bf16"}
 
 
 def plot_rows(result: dict, png: Path) -> None:
@@ -165,6 +168,8 @@ def plot_rows(result: dict, png: Path) -> None:
         cells = result[f"rows_per_s_{length}"]
         xs = sorted(int(k) for k in cells)
         for key, name in SERIES.items():
+            if key not in cells[str(xs[0])]:
+                continue
             ax.plot(xs, [cells[str(x)][key] for x in xs], marker="o", label=name)
         ax.set_xscale("log")
         ax.set_ylim(bottom=0)
@@ -185,6 +190,7 @@ def main() -> None:
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
+    from hmi.model.kernels import NATIVE_BF16, bf16_matmuls
     from hmi.plot.hot import HotTier
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import root_plot_path
@@ -201,7 +207,7 @@ def main() -> None:
     warm_page_cache(root_plot_path(root))
     raw = [r["text"] for r in load_task("news-topic", "test")]
     measured, warm = (3, 1) if args.quick else (10, 2)
-    result, rows, loads = {}, [], []
+    result, rows, loads, bf16_rows = {}, [], [], []
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-peers-"))
 
     # -- loading K adapters ---------------------------------------------------------------------
@@ -220,6 +226,8 @@ def main() -> None:
             peft_1000 = sum(adds) + sum(adds[-1] + slope * k for k in range(1, max(COUNTS) - PEFT_CAP + 1))
             result.update({"peft_load_100_s": round(sum(adds), 2), "peft_load_1000_s_extrapolated": round(peft_1000, 1),
                            "peft_add_growth_ms_per_adapter": round(slope * 1e3, 3), "hmi_load_1000_s": round(hmi_load, 2)})
+            if NATIVE_BF16:
+                peers["bf16"] = copy.deepcopy(peers[False]).to(torch.bfloat16)
             loads = [("HMI (adapter store: write the file, load into host memory)", f"{hmi_load:.1f} (measured)"),
                      (f"PEFT add_adapter, {PEFT_CAP}", f"{sum(adds):.1f} (measured; each add {slope * 1e3:.2f} ms "
                       "slower than the one before)"),
@@ -231,11 +239,15 @@ def main() -> None:
         texts = [t for t in texts if len(tok(t)["input_ids"]) == length] or texts
         for n in COUNTS:
             cell = {"hmi": [], "hmi_hot": [], "peft": [], "peft_hmi_kernels": []}
+            sides = [("hmi", lookup, "fp32"), ("hmi_hot", hot_lookup, "fp32")]
+            if NATIVE_BF16:
+                cell.update(hmi_bf16=[], peft_bf16=[])
+                sides.append(("hmi_bf16", lookup, "bf16"))
             for r in range(3 if not args.quick else 1):
                 batches = trace(n, "uniform", warm + measured, seed=n + 7919 * r + length)
-                for key, lk in (("hmi", lookup), ("hmi_hot", hot_lookup)):
+                for key, lk, precision in sides:
                     s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d, lk=lk: lk,
-                                  SchedulerConfig(max_batch=B, pool_slots=64))
+                                  SchedulerConfig(max_batch=B, pool_slots=64, upper_precision=precision))
                     try:
                         cell[key].append(scheduler_rps(s, texts, batches, warm))
                     finally:
@@ -245,6 +257,9 @@ def main() -> None:
                 cell["peft"].append(peft_rps(peers[False], tok, texts, batches[warm:], held))
                 peft_rps(peers[True], tok, texts, batches[:warm], held)
                 cell["peft_hmi_kernels"].append(peft_rps(peers[True], tok, texts, batches[warm:], held))
+                if NATIVE_BF16:
+                    peft_rps(peers["bf16"], tok, texts, batches[:warm], held)
+                    cell["peft_bf16"].append(peft_rps(peers["bf16"], tok, texts, batches[warm:], held))
             med = {k: statistics.median(v) for k, v in cell.items()}
             result[f"rows_per_s_{length}"] = {**result.get(f"rows_per_s_{length}", {}),
                                               str(n): {k: round(v, 1) for k, v in med.items()}}
@@ -252,10 +267,17 @@ def main() -> None:
                 result[f"hmi_over_peft_{n}"] = round(med["hmi"] / med["peft"], 2)
                 result[f"hmi_over_peft_hmi_kernels_{n}"] = round(med["hmi"] / med["peft_hmi_kernels"], 2)
                 result[f"hmi_hot_over_peft_{n}"] = round(med["hmi_hot"] / med["peft"], 2)
+                if NATIVE_BF16:
+                    result[f"hmi_bf16_over_peft_{n}"] = round(med["hmi_bf16"] / med["peft"], 2)
+                    result[f"hmi_bf16_over_peft_bf16_{n}"] = round(med["hmi_bf16"] / med["peft_bf16"], 2)
             rows.append((length, n, f"{med['hmi']:.1f}", f"{med['hmi_hot']:.1f}", f"{med['peft']:.1f}",
                          f"{med['peft_hmi_kernels']:.1f}", f"{med['hmi'] / med['peft']:.2f}",
                          f"{med['hmi_hot'] / med['peft']:.2f}", f"{med['hmi'] / med['peft_hmi_kernels']:.2f}"))
             print(rows[-1], flush=True)
+            if NATIVE_BF16:
+                bf16_rows.append((length, n, f"{med['hmi_bf16']:.1f}", f"{med['peft_bf16']:.1f}",
+                                  f"{med['hmi_bf16'] / med['peft']:.2f}", f"{med['hmi_bf16'] / med['peft_bf16']:.2f}"))
+                print(bf16_rows[-1], flush=True)
 
     # -- ONNX Runtime: the full root, and the upper layers against HMI's ------------------------
     ort_rows = []
@@ -281,18 +303,25 @@ def main() -> None:
             with torch.no_grad():
                 return batched_heads(upper_forward(layers, hidden, mask, [group]), [group], flags, mask, flags)[:, 0]
 
+        def hmi_upper_bf16():
+            with bf16_matmuls():
+                return hmi_upper()
+
         def ort_upper():
             return upper_sess.run(None, {"hidden": hidden.numpy(), "mask": mask.float().numpy()})[0]
 
         got, want = hmi_upper()[:, :len(LABELS)].numpy(), ort_upper()
-        t = round_robin({"hmi_upper": hmi_upper, "ort_upper": ort_upper,
+        t = round_robin({"hmi_upper": hmi_upper, "ort_upper": ort_upper, "hmi_upper_bf16": hmi_upper_bf16,
                          "ort_full": lambda: full_sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})},
                         5 if args.quick else 20, warmup=2)
         result[f"hmi_upper_over_ort_upper_{length}"] = round(t["ort_upper"] / t["hmi_upper"], 2)
         result[f"ort_full_rows_per_s_{length}"] = round(B / t["ort_full"], 1)
         result[f"upper_max_abs_diff_{length}"] = float(np.abs(got - want).max())
+        if NATIVE_BF16:
+            result[f"hmi_upper_bf16_over_ort_upper_{length}"] = round(t["ort_upper"] / t["hmi_upper_bf16"], 2)
         ort_rows.append((length, f"{B / t['hmi_upper']:.0f}", f"{B / t['ort_upper']:.0f}",
-                         f"{t['ort_upper'] / t['hmi_upper']:.2f}", f"{np.abs(got - want).max():.1e}", f"{B / t['ort_full']:.0f}"))
+                         f"{t['ort_upper'] / t['hmi_upper']:.2f}", f"{np.abs(got - want).max():.1e}", f"{B / t['ort_full']:.0f}",
+                         f"{B / t['hmi_upper_bf16']:.0f}" if NATIVE_BF16 else "-"))
     result["hmi_upper_over_ort_upper"] = result["hmi_upper_over_ort_upper_64"]
 
     plot_rows(result, DOCS / "peers_rows.png")
@@ -303,11 +332,17 @@ def main() -> None:
         f"(at 1,000 tenants a row is served by tenant mod {PEFT_CAP}).\n\n"
         + table(rows, ("tokens", "tenants", "HMI hBERT", "HMI, whole PLOT in a hot tier", "PEFT", "PEFT on HMI's kernels",
                        "HMI / PEFT", "HMI hot tier / PEFT", "HMI / PEFT on HMI's kernels")),
+        ("The same with bf16 products (this CPU multiplies bf16 natively): HMI's shared upper layers in bf16 "
+         "(`hmi serve --upper-precision bf16`; the PLOT, adapters and heads fp32; scores within about 5e-3 of fp32, "
+         "`docs/bench_precision.md`), PEFT cast to bf16 whole:\n\n"
+         + table(bf16_rows, ("tokens", "tenants", "HMI, upper layers bf16", "PEFT in bf16", "HMI bf16 / PEFT",
+                             "HMI bf16 / PEFT in bf16"))
+         if bf16_rows else "No native bf16 on this CPU: the bf16 columns were not measured."),
         "Time to load the adapters, seconds:\n\n" + table(loads, ("", "seconds")),
         f"ONNX Runtime ({B} rows; the upper layers with one adapter merged, on the hidden states the PLOT gives; the "
         "full root for one model with no adapter):\n\n"
         + table(ort_rows, ("tokens", "HMI upper layers rows/s", "ORT upper layers rows/s", "HMI / ORT",
-                           "max |diff| of the logits", "ORT full root rows/s")),
+                           "max |diff| of the logits", "ORT full root rows/s", "HMI upper layers in bf16 rows/s")),
     ])
     finish("bench_peers", text, result, "python benchmarks/bench_peers.py" + (" --quick" if args.quick else ""))
 

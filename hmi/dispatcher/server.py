@@ -61,6 +61,9 @@ class ServerConfig:
     infer_timeout_s: float = 60.0
     max_labels: int = 32  # labels a tenant's head may have (the width of the device pools' heads)
     device: str = "auto"  # cpu, cuda or auto
+    # The shared upper layers' linear products: fp32, or bf16 where the CPU multiplies it natively
+    # (hmi.scheduler.pipeline.check_precision; docs/bench_precision.md measures both).
+    upper_precision: str = "fp32"
     # Other serving processes (hmi.scaleout's replicas) share this home's registry and adapter
     # store: a tenant is brought up to its registry record whenever it is used, and start-up
     # recovery fails only the jobs of processes that are gone.
@@ -126,7 +129,8 @@ class Server:
                                    lambda tenant: self.tenants.entry(tenant), self.lookup_for,
                                    SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
                                                    pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
-                                                   max_labels=cfg.max_labels, device=str(self.device)), pooling)
+                                                   max_labels=cfg.max_labels, device=str(self.device),
+                                                   upper_precision=cfg.upper_precision), pooling)
         self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
                                on_close=self.metrics.batch_size.observe, in_flight=cfg.batches_in_flight,
                                tenant_queue=cfg.tenant_queue, weight=lambda tenant: self.tenants.weight(tenant),

@@ -128,10 +128,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 class OneDnnLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict)."""
+    """An ``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict).
+
+    Without gradients inside ``bf16_matmuls()`` (serving the upper layers in bf16) the weight is
+    rounded to bf16 once and the copy kept until the weight changes (its storage or version), not
+    at every call: the same products, without re-reading and rounding every weight per batch."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (_BF16.get() and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
+                and self.weight.dtype == torch.float32):
+            return _product(x, self._bf16_weight(), self.bias, True)
         return linear(x, self.weight, self.bias)
+
+    def _bf16_weight(self) -> torch.Tensor:
+        key = (self.weight.data_ptr(), self.weight._version)
+        cached = self.__dict__.get("_bf16_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, self.weight.detach().to(torch.bfloat16))
+            self.__dict__["_bf16_cache"] = cached  # not a buffer: outside the state dict
+        return cached[1]
 
 
 def use_onednn_linear(model: nn.Module) -> nn.Module:

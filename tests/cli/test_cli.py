@@ -93,3 +93,13 @@ def test_info_says_when_an_artifact_of_an_earlier_time_budget_holds_fewer_steps_
         assert ("decayed over those" in out) == bool(extra)  # a planned run says what its shortened schedule cost
         assert "the whole recipe (continuing from the run's checkpoint" in out.lower()
         assert "`hmi calibrate --l-low 3`" in out
+
+
+def test_serve_refuses_bf16_upper_layers_on_a_device_that_would_not_run_them_faster(capsys, monkeypatch):
+    from hmi.cli import main
+    from hmi.scheduler import pipeline
+
+    monkeypatch.setattr(pipeline, "NATIVE_BF16", False)  # a CPU without avx512_bf16 or amx_bf16
+    assert main(["serve", "--device", "cpu", "--upper-precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "bf16 runs on CPUs that multiply bf16 natively" in err and "use fp32" in err

@@ -123,3 +123,22 @@ def test_outside_bf16_matmuls_or_without_native_bf16_the_linear_is_fp32_bit_for_
         with kernels.bf16_matmuls() as on:
             assert not on and torch.equal(linear(x, w, b), fp32)
     torch.testing.assert_close(fp32, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16: bf16_matmuls() changes nothing")
+def test_a_linear_serving_in_bf16_rounds_its_weight_again_once_the_weight_changes():
+    """Inference in bf16 keeps the weight's bf16 copy between calls; a changed weight (in place,
+    as an optimizer step, or a new tensor) is rounded again, so the products follow the weight."""
+    g = torch.Generator().manual_seed(4)
+    layer = kernels.OneDnnLinear(24, 40)
+    x = torch.randn(5, 24, generator=g)
+    with torch.no_grad(), kernels.bf16_matmuls():
+        before = layer(x)
+        assert torch.equal(before, _bf16_reference(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), before)  # the kept copy: the same products
+        layer.weight.mul_(-2.0)
+        after = layer(x)
+        assert torch.equal(after, _bf16_reference(x, layer.weight, layer.bias))
+        layer.weight = torch.nn.Parameter(torch.randn(40, 24, generator=g))
+        assert torch.equal(layer(x), _bf16_reference(x, layer.weight, layer.bias))
+    assert "_bf16_cache" not in layer.state_dict()

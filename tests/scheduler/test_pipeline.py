@@ -35,11 +35,16 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sched")
-    bert = tiny_bert(layers=4, hidden=H, vocab=30522)
+    return tenant_world(tmp_path_factory.mktemp("sched"), tiny_bert(layers=4, hidden=H, vocab=30522))
+
+
+def tenant_world(tmp, bert):
+    """Twelve tenants of the four kinds on ``bert`` (split at L_LOW), their adapters perturbed
+    so that no two answer alike, a PLOT computed on demand, and a registered "ghost" tenant
+    whose adapter is missing: ``(bert, tokenizer, adapter store, resolve, lookup)``."""
     tok = load_tokenizer(default_spec().model_dir)
     enc = WindowedEncoder(bert, L_LOW).eval()
-    store = PlotStore(tmp / "plot", meta=PlotMeta("tiny", L_LOW, H), readonly=False)
+    store = PlotStore(tmp / "plot", meta=PlotMeta("tiny", L_LOW, bert.config.hidden_size), readonly=False)
     lookup = PlotLookup([PlotVersion("root", store, enc)], policy="compute+insert")
     adapters = AdapterStore(tmp / "tenants")
     entries = {}
