@@ -48,8 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import bench_home, run_load  # noqa: E402
-from benchmarks.common import finish, free_port, start, table  # noqa: E402
-from hmi.dispatcher.gate import HOLD_S, Gate, haproxy_binary  # noqa: E402
+from benchmarks.common import finish, start, table  # noqa: E402
+from hmi.dispatcher.gate import HOLD_S, Gate, free_port, haproxy_binary  # noqa: E402
 
 TENANTS = 10
 CLIENT_CPUS: set[int] | None = None  # --apart: the load generators' cores
@@ -58,7 +58,10 @@ RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair 
             "request the replica takes reaches); HAProxy routes a tenant's requests to one replica by the routing "
             "header's hash. Every request passes HAProxy, Ray Serve's replica front and the replica's forward to its "
             "server, on the same two cores as the load generator: a flood faster than those Python fronts can "
-            "refuse waits in front of them, first come, first served, and everyone's latency grows with it.")
+            "refuse waits in front of them, first come, first served, and everyone's latency grows with it. "
+            "Through the gate (`hmi serve --ray --gate`, HAProxy in front of Ray Serve's ingress) the replica that "
+            "keeps refusing a tenant over its share marks it there, and HAProxy refuses the rest of its flood "
+            "before any Python front sees it.")
 NOTE = ("What these figures say on 2 cores. Admission holds the overload's answered p99 near the p99 at "
         "capacity by refusing at once what would wait past about 0.25 s, and the fair queue puts a quiet tenant's "
         "request before a noisy tenant's backlog (tests/dispatcher/test_batcher.py). A tenant sending more than "
@@ -157,17 +160,48 @@ def merged(results: list[dict]) -> dict:
     return out
 
 
+class Quiet:
+    """Stands for a server that runs elsewhere (Ray Serve's replicas) in ``settle``: idle once a
+    request of a quiet tenant is answered within half a second (a flood's backlog in front of the
+    replicas is gone)."""
+
+    def __init__(self, url: str, token: str, tenant: str):
+        self.url, self.token, self.tenant = url, token, tenant
+
+    @property
+    def idle(self) -> bool:
+        import json
+        import urllib.request
+
+        from hmi.client import ROUTING_HEADER
+
+        req = urllib.request.Request(f"{self.url}/v1/tenants/{self.tenant}/infer", json.dumps({"inputs": ["quiet?"]}).encode(),
+                                     {"Content-Type": "application/json", "Authorization": f"Bearer {self.token}",
+                                      ROUTING_HEADER: self.tenant})
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+        except OSError:
+            return False
+        return time.monotonic() - t0 < 0.5
+
+
 def settle(server, timeout_s: float = 120.0) -> None:
-    """Waits until ``server``'s batcher is idle (a flood's backlog answered), then a second more."""
+    """Waits until ``server``'s batcher is idle (a flood's backlog answered; a ``Quiet`` for
+    replicas elsewhere), then a second more."""
     deadline = time.monotonic() + timeout_s
-    while server is not None and not server.batcher.idle and time.monotonic() < deadline:
+    while (server is not None and not (server.idle if isinstance(server, Quiet) else server.batcher.idle)
+           and time.monotonic() < deadline):
         time.sleep(0.1)
     time.sleep(1.0)
 
 
 def serving(ray: bool, tmp: Path, token: str, root):
-    """(url, the server's config, stop(), the server or None): the server in this process, or two
-    Ray Serve replicas on the same home behind the HAProxy ingress."""
+    """(url, the server's config, stop(), the server or None, the gate or None): the server in this
+    process, or two Ray Serve replicas on the same home behind the HAProxy ingress, that behind the
+    gate (``hmi serve --ray --gate``, which the replicas mark) where HAProxy is installed; ``url``
+    is then Ray Serve's own ingress, the gate's URL ``gate.url``."""
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
 
@@ -179,13 +213,19 @@ def serving(ray: bool, tmp: Path, token: str, root):
         def close() -> None:
             stop()
             server.shutdown()
-        return url, cfg, close, server
-    from hmi.scaleout.ray_serve import ReplicaServer, stop
+        return url, cfg, close, server, None
+    from hmi.scaleout.ray_serve import ReplicaServer, start_behind_gate, stop
     from hmi.scaleout.ray_serve import start as start_ray
 
-    url = start_ray(ReplicaServer(cfg, str(tmp)), port=free_port(), replicas=REPLICAS,
-                    env={"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token})
-    return url, cfg, stop, None
+    env = {"HMI_HOME": str(tmp), "HMI_ADMIN_TOKEN": token}
+    if not haproxy_binary():
+        return start_ray(ReplicaServer(cfg, str(tmp)), port=free_port(), replicas=REPLICAS, env=env), cfg, stop, None, None
+    gate, url = start_behind_gate(ReplicaServer(cfg, str(tmp)), port=free_port(), replicas=REPLICAS, env=env)
+
+    def close_both() -> None:
+        stop()
+        gate.close()
+    return url, cfg, close_both, None, gate
 
 
 def main() -> None:
@@ -203,7 +243,9 @@ def main() -> None:
     try:
         noisy, others = names[0], names[1:]
         texts = [r["text"] for r in load_task("tweet-sentiment", "test")]
-        url, cfg, close, server = serving(args.ray, tmp, token, root)
+        url, cfg, close, server, ray_gate = serving(args.ray, tmp, token, root)
+        if server is None:
+            server = Quiet(url, token, others[0])
         base = {"url": url, "token": token, "texts": texts, "clients": 1, "seconds": seconds, "max_requests": 200_000,
                 "seed": 0, "mode": "rate", "rate": 1.0}
         run_load({**base, "tenants": names, "mode": "closed", "clients": 16, "seconds": 3})  # warm-up
@@ -222,13 +264,16 @@ def main() -> None:
         direct = interleaved(scenarios(url), rounds, server)
         print("direct", direct, flush=True)
         gated = None
-        if server is not None and haproxy_binary():
+        if not isinstance(server, Quiet) and haproxy_binary():
             server.gate = gate = Gate.start("127.0.0.1", free_port(), url.rsplit("//", 1)[1])
             try:
                 gated = interleaved(scenarios(gate.url), rounds, server)
             finally:
                 server.gate = None
                 gate.close()
+            print("through the gate", gated, flush=True)
+        elif ray_gate is not None:
+            gated = interleaved(scenarios(ray_gate.url), rounds, server)
             print("through the gate", gated, flush=True)
         overload = interleaved({"at_capacity": [{**base, "tenants": names, "rate": 1.0 * c}],
                                 "overload": [{**base, "tenants": names, "rate": 2.0 * c}]}, rounds, server)
@@ -323,7 +368,8 @@ def report(res: dict, ray: bool) -> str:
             f"(429 over_share): {res['noisy_429_share']:.1%}; requests of B..J refused: {res['others_refused']}. "
             f"`overload_p99_over_capacity_p99`: **{res['overload_p99_over_capacity_p99']}** (target <= 2), "
             f"{res['overload_shed_share']:.1%} shed with 429, a refusal's p99 {res['overload']['refused_p99_ms']} ms. "
-            + (f"Through the gate (`hmi serve --gate`: HAProxy holds a tenant the server refused over its share "
+            + (f"Through the gate (`hmi serve{' --ray' if ray else ''} --gate`: HAProxy holds a tenant the "
+               f"{'replicas' if ray else 'server'} refused over its share "
                f"to its fair rate, its share of the answered requests per second, until it has sent within that "
                f"rate for {HOLD_S:g} s): `neighbour_p99_ratio_gated` **{res['neighbour_p99_ratio_gated']}** "
                f"(with A at 3 C: {res['neighbour_p99_ratio_gated_at_3c']}; beside A at its share: "

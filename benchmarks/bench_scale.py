@@ -45,7 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import run_load, temp_home  # noqa: E402
-from benchmarks.common import finish, free_port, prepared_root, start, table  # noqa: E402
+from benchmarks.common import finish, prepared_root, start, table  # noqa: E402
+from hmi.dispatcher.gate import free_port  # noqa: E402
 
 TENANTS = 1000
 CLIENTS = 32

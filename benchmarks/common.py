@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -205,8 +204,3 @@ def describe_adapter(opts: dict) -> str:
     return "IA3 adapters"
 
 
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -52,7 +52,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import bench_home  # noqa: E402
-from benchmarks.common import DOCS, finish, free_port, start, table  # noqa: E402
+from benchmarks.common import DOCS, finish, start, table  # noqa: E402
+from hmi.dispatcher.gate import free_port  # noqa: E402
 
 RSS_GROWTH = 0.10
 FD_SLACK = 8

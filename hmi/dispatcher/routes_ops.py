@@ -48,7 +48,8 @@ async def healthz(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
                               "tenants_servable": s.tenants.servable_count(), "root_artifact": s.root.artifact_id,
-                              "registry": s.registry.where, "preparing": s.preparing()})
+                              "registry": s.registry.where, "preparing": s.preparing(),
+                              "upper_precision": s.scheduler.cfg.upper_precision})
 
 
 async def metrics(request: web.Request) -> web.Response:

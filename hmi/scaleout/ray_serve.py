@@ -27,6 +27,12 @@ behind an ingress that routes a tenant's requests to a replica that already hold
 - **Jobs.** A replica's fine-tune and domain jobs run as Ray tasks reserving their own CPUs
   (``hmi.scaleout.ray_jobs``), placed by Ray where the cluster has them free.
 
+- **The gate** (``gate=True``, ``hmi serve --ray --gate``): HAProxy in front of Ray Serve's
+  ingress (``hmi.dispatcher.gate``), which the replicas on its host mark as the single-process
+  server does (its admin socket in their environment, ``GATE_SOCKET_ENV``): a tenant they keep
+  refusing over its share is then held to its fair rate at the gate, and the rest of its flood
+  never reaches Ray Serve's ingress or a replica's Python front.
+
 Every answer says which replica served it (``X-HMI-Replica``) and whether that replica already
 held the tenant (``X-HMI-Affinity: hit|miss``), which ``benchmarks/bench_scale.py`` counts.
 """
@@ -47,6 +53,7 @@ from typing import Callable
 from hmi.bootstrap import prepare_in_child
 from hmi.client import ROUTING_HEADER, Client, tenant_of
 from hmi.dispatcher.auth import admin_token
+from hmi.dispatcher.gate import GATE_SOCKET_ENV, Gate, GateMarks, free_port
 from hmi.dispatcher.launch import banner, create_demo_tenants, over_http, startup_report
 from hmi.dispatcher.serve import build_server, start_app
 from hmi.dispatcher.server import Server, ServerConfig
@@ -168,6 +175,9 @@ class ReplicaCore:
             torch.set_num_threads(threads)
         self.replica_id = f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.server = factory()
+        gate = os.environ.get(GATE_SOCKET_ENV)
+        if gate and Path(gate).exists():  # a gate runs on this host in front of the ingress
+            self.server.gate = GateMarks(Path(gate))
         # The application is served on the event loop that runs the replica's requests (started by
         # the first one): the hop into it stays on one loop, one thread.
         self.url: str | None = None
@@ -258,6 +268,8 @@ class ReplicaCore:
 
     def close(self) -> None:
         """Stops the application (and with it the server's scheduler and jobs)."""
+        if self.server.gate is not None:
+            self.server.gate.close()
         if self._runner is None or not self._loop.is_running():
             self.server.shutdown()
             return
@@ -357,6 +369,25 @@ def start(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 80
     return f"http://{host}:{port}"
 
 
+def start_behind_gate(factory: Callable[[], Server], host: str = "127.0.0.1", port: int = 8000, replicas: int = 2,
+                      tenants_per_replica: int = 1000, env: dict[str, str] | None = None, address: str | None = None,
+                      ingress: str = "haproxy") -> tuple[Gate, str]:
+    """The gate (HAProxy, ``hmi.dispatcher.gate``) on ``host:port`` and behind it, on a loopback
+    port, Ray Serve's ingress and the replicas as ``start`` brings them up, the replicas told the
+    gate's admin socket so that they mark the tenants they keep refusing over their share.
+    Returns (the gate, the ingress's own URL).  Call it from the main thread (the gate's HAProxy
+    dies with the thread that starts it); ``gate.close()`` after ``stop()``."""
+    inner = free_port()
+    gate = Gate.start(host, port, f"127.0.0.1:{inner}")
+    try:
+        url = start(factory, "127.0.0.1", inner, replicas, tenants_per_replica,
+                    env={**(env or {}), GATE_SOCKET_ENV: str(gate.admin_socket)}, address=address, ingress=ingress)
+    except BaseException:
+        gate.close()
+        raise
+    return gate, url
+
+
 def stop() -> None:
     """Removes the application and stops Ray Serve, the registry actor if one runs (after the
     replicas, which use it to the end), and the local Ray this process started."""
@@ -370,9 +401,9 @@ def stop() -> None:
 
 def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, tenants_per_replica: int,
               root: str | None = None, l_low: int | None = None, ingress: str = "haproxy", job_cpus: float = 1.0,
-              registry: str = "home", registry_cache_s: float = 0.0) -> int:
+              registry: str = "home", registry_cache_s: float = 0.0, gate: bool = False) -> int:
     """``hmi serve --ray``: the same HTTP API from ``replicas`` replicas on Ray Serve, all sharing
-    this ``HMI_HOME``; blocks until interrupted."""
+    this ``HMI_HOME``, with ``gate`` behind the gate (``start_behind_gate``); blocks until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     home = hmi_home()
     prepared = prepare_in_child(home, root or DEFAULT_ROOT, l_low)  # the replicas load what is prepared here
@@ -381,15 +412,24 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, replicas: int, te
     print(f"starting Ray Serve: {replicas} replica(s) sharing {home}, {ingress} ingress, registry: {registry}", flush=True)
     factory = ReplicaServer(cfg, str(home), None if root in (None, DEFAULT_ROOT) else root, l_low, job_cpus, registry,
                             registry_cache_s)
-    url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
-    startup_report(home, prepared.meta, prepared.artifact_id, token, new)
-    if demo:
-        create_demo_tenants(home, *over_http(Client(url, token)))
-    print(banner(url, home, how=f" through Ray Serve ({replicas} replicas); the same API as `hmi serve`"), flush=True)
+    the_gate = None
+    if gate:
+        the_gate, inner = start_behind_gate(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
+        url = the_gate.url
+        print(f"the gate (HAProxy) listens on {host}:{port} in front of Ray Serve's ingress ({inner}): a tenant the "
+              "replicas keep refusing over its share is held to its fair rate there", flush=True)
+    else:
+        url = start(factory, host, port, replicas, tenants_per_replica, env=env, ingress=ingress)
     try:
+        startup_report(home, prepared.meta, prepared.artifact_id, token, new)
+        if demo:
+            create_demo_tenants(home, *over_http(Client(url, token)))
+        print(banner(url, home, how=f" through Ray Serve ({replicas} replicas); the same API as `hmi serve`"), flush=True)
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:
         stop()
+        if the_gate is not None:
+            the_gate.close()
     return 0
 
 

@@ -69,8 +69,6 @@ def test_serve_ray_refuses_settings_it_cannot_honour_before_any_work(capsys):
     assert "--job-cpus must be above 0" in capsys.readouterr().err
     assert main(["serve", "--ray", "--registry", "actor", "--registry-cache-s", "-1"]) == 2
     assert "--registry-cache-s must be 0 or more" in capsys.readouterr().err
-    assert main(["serve", "--ray", "--gate"]) == 2
-    assert "--gate is for one process" in capsys.readouterr().err
 
 
 def test_info_says_when_an_artifact_of_an_earlier_time_budget_holds_fewer_steps_and_how_to_run_them_all(capsys):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import free_port
+from hmi.dispatcher.gate import free_port
 from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, live, raw  # noqa: F401 - fixture
 
 LABELS = {"type": "classification", "labels": ["neg", "pos"]}

@@ -274,7 +274,7 @@ def test_metrics_and_health(live):
                  "hmi_jobs", "hmi_queue_depth"):
         assert name in req
     got, health = raw(live["url"], "GET", "/healthz", token=None)
-    assert got == 200 and health["status"] == "ok"
+    assert got == 200 and health["status"] == "ok" and health["upper_precision"] == "fp32"
 
 
 def test_cancel_a_running_job(live):

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import free_port
 from hmi.client import ROUTING_HEADER, Client
+from hmi.dispatcher.gate import free_port
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
 from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
