@@ -27,8 +27,10 @@ import torch.nn.functional as F
 from transformers.models.bert.modeling_bert import BertOnlyMLMHead
 
 from hmi.io import atomic_write_with
+from hmi.model.aliases import calibration_recipe
 from hmi.model.artifact import Root
 from hmi.model.hplm import UpperLayers, WindowedEncoder
+from hmi.model.kernels import bf16_matmuls
 from hmi.model.root import weights_fingerprint
 from hmi.training.calibrate import CalibrationConfig, HeldOutBackoff, distill_fit, distill_steps, quality, token_lists
 from hmi.training.fit import Fit, deterministic
@@ -153,6 +155,18 @@ def summary(metrics: dict) -> str:
             f"{metrics.get('pooled_cosine_before')} -> {metrics.get('pooled_cosine_after')}")
 
 
+# What a root's calibration recipe says of how a step computes (not of how many steps, at which
+# rate): a domain branch's distillation runs its steps the same way.
+STEP_KERNELS = ("bf16", "present_tokens")
+
+
+def step_kernels(root: Root) -> dict:
+    """How the root's own calibration computes a step (``STEP_KERNELS`` of its recipe, e.g. bf16
+    GEMMs and windows on their present tokens for mpnet-base); {} for the default root."""
+    recipe = calibration_recipe(root.spec.source) if root.spec.source else {}
+    return {k: recipe[k] for k in STEP_KERNELS if k in recipe}
+
+
 def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], train: list[str], cfg: FPTConfig,
                      progress: bool = True, should_stop=None, on_progress=None, checkpoint: Path | None = None) -> dict:
     """Distillation from the full-context root on the domain's ``train`` lines (calibration's
@@ -163,15 +177,17 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
     With ``checkpoint``, the state (weights, optimizer and schedule, the random generator, the
     measure before) is written there every ``cfg.checkpoint_every`` steps, atomically; a call
     that finds a checkpoint of the same recipe (config, lines, starting weights) continues from
-    it, and ends with the weights an uninterrupted run gives (tested bit for bit)."""
+    it, and ends with the weights an uninterrupted run gives (tested bit for bit).  Its steps
+    compute as the root's calibration does (``step_kernels``)."""
     branch = dataclasses.replace(root, windowed=encoder)
+    kernels = step_kernels(root)
     ccfg = CalibrationConfig(steps=cfg.steps, batch_size=cfg.batch_size, max_len=cfg.max_len, lr=cfg.lr, seed=cfg.seed,
                              warmup=max(1, min(20, cfg.steps // 10)),
-                             checkpoint_every=cfg.checkpoint_every)
+                             checkpoint_every=cfg.checkpoint_every, **kernels)
     lists = token_lists(root.tokenizer, train, cfg.max_len)
     backoff = HeldOutBackoff(lists)
     recipe = {"config": asdict(cfg), "held": text_digest(held), "train": text_digest(train),
-              "start": weights_fingerprint(encoder)}
+              "start": weights_fingerprint(encoder), **({"kernels": kernels} if kernels else {})}
     fit = distill_fit(encoder, ccfg, "further pretraining (distillation)", progress=progress, should_stop=should_stop,
                       on_progress=on_progress, report_every=5)
     saved = load_checkpoint(checkpoint, recipe)
@@ -193,7 +209,7 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
             atomic_write_with(checkpoint, lambda f: torch.save(state, f))
 
     t0 = time.time()
-    with deterministic():  # distill_steps enters ``fit``
+    with deterministic(), bf16_matmuls(ccfg.bf16):  # distill_steps enters ``fit``; the measures stay fp32
         distill_steps(branch, train, ccfg, fit, backoff, [len(x) for x in lists], save)
     step = fit.step_count
     encoder.eval().requires_grad_(False)
@@ -201,6 +217,8 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
     out = {"objective": "distill", "steps": step, "seconds": round(time.time() - t0, 1), "config": asdict(cfg)}
     if resumed_at:
         out["resumed_at_step"] = resumed_at
+    if kernels:
+        out["step_kernels"] = kernels
     for k in ("pooled_cosine", "lower_cosine"):
         out[f"{k}_before"], out[f"{k}_after"] = before[f"{k}_served"], after[f"{k}_served"]
     return out

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from hmi.model import kernels
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer
@@ -258,3 +259,28 @@ def test_a_stopped_distillation_continues_from_its_checkpoint_to_the_weights_of_
     other = copy.deepcopy(root.windowed)  # another corpus: the checkpoint is not its own
     fresh = further_pretrain(root, other, corpus(200, seed=4), cfg, progress=False, checkpoint=ckpt)
     assert "resumed_at_step" not in fresh
+
+
+@pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16: bf16 GEMMs change nothing here")
+def test_a_domain_branch_of_mpnet_base_distils_its_steps_as_the_roots_calibration_does(root):
+    """mpnet-base's recipe computes a step with bf16 GEMMs and windows on their present tokens; a
+    domain branch's distillation on it does too (said in its result), the default root's not."""
+    import copy
+
+    from hmi.training.further_pretrain import step_kernels
+
+    assert step_kernels(root) == {}
+    cfg = dataclasses.replace(FAST, steps=3)
+    lines = corpus(120, seed=5)
+    onednn = dataclasses.replace(root, bert=kernels.use_onednn_linear(copy.deepcopy(root.bert)))
+    mpnet = dataclasses.replace(onednn, spec=dataclasses.replace(root.spec, source="mpnet-base"))
+    assert step_kernels(mpnet) == {"bf16": True, "present_tokens": True}
+    plain, branch = copy.deepcopy(root.windowed), copy.deepcopy(root.windowed)
+    ref = further_pretrain(onednn, plain, lines, cfg, progress=False)
+    got = further_pretrain(mpnet, branch, lines, cfg, progress=False)
+    assert got["step_kernels"] == {"bf16": True, "present_tokens": True} and "step_kernels" not in ref
+    want = plain.state_dict()
+    diffs = [float((v - want[k]).abs().max()) for k, v in branch.state_dict().items() if v.is_floating_point()]
+    # bf16 products: near the fp32 run's weights, not at them (the present tokens alone, in fp32,
+    # differ from it by about 1e-7)
+    assert 1e-5 < max(diffs) < 0.05
