@@ -111,9 +111,20 @@ class _OneDnnLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _rounded(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in bf16 for products without gradients (serving): rounded once and the copy kept
+    on the tensor until it changes (its storage or version), not at every call."""
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(weight, "_hmi_bf16", None)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().to(torch.bfloat16))
+        weight._hmi_bf16 = cached  # a Python attribute: outside any state dict
+    return cached[1]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear`` with fp32 CPU tensors through oneDNN (differentiable once; in bf16 inside
-    ``bf16_matmuls()`` where the CPU has it).
+    ``bf16_matmuls()`` where the CPU has it, a weight used without gradients rounded once).
 
     Semantics: y = x @ weight.T + bias.
     Shapes: x (..., in); weight (out, in); bias (out,) or None -> (..., out).
@@ -123,30 +134,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad)):
             return _OneDnnLinearFn.apply(x, weight, bias, bf16)
-        return _product(x, weight, bias, bf16)
+        return _product(x, _rounded(weight) if bf16 else weight, bias, bf16)
     return F.linear(x, weight, bias)
 
 
 class OneDnnLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict).
-
-    Without gradients inside ``bf16_matmuls()`` (serving the upper layers in bf16) the weight is
-    rounded to bf16 once and the copy kept until the weight changes (its storage or version), not
-    at every call: the same products, without re-reading and rounding every weight per batch."""
+    """An ``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (_BF16.get() and not torch.is_grad_enabled() and x.dtype == torch.float32 and x.device.type == "cpu"
-                and self.weight.dtype == torch.float32):
-            return _product(x, self._bf16_weight(), self.bias, True)
         return linear(x, self.weight, self.bias)
-
-    def _bf16_weight(self) -> torch.Tensor:
-        key = (self.weight.data_ptr(), self.weight._version)
-        cached = self.__dict__.get("_bf16_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, self.weight.detach().to(torch.bfloat16))
-            self.__dict__["_bf16_cache"] = cached  # not a buffer: outside the state dict
-        return cached[1]
 
 
 def use_onednn_linear(model: nn.Module) -> nn.Module:

@@ -141,4 +141,19 @@ def test_a_linear_serving_in_bf16_rounds_its_weight_again_once_the_weight_change
         assert torch.equal(after, _bf16_reference(x, layer.weight, layer.bias))
         layer.weight = torch.nn.Parameter(torch.randn(40, 24, generator=g))
         assert torch.equal(layer(x), _bf16_reference(x, layer.weight, layer.bias))
-    assert "_bf16_cache" not in layer.state_dict()
+    assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+@pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16: bf16_matmuls() changes nothing")
+def test_a_fused_projection_serving_in_bf16_rounds_its_weight_once_and_again_once_it_changes():
+    """The frozen q/k/v projections run as one ``linear`` of their concatenated weight (not through
+    a module): its bf16 copy is kept on the tensor and follows the weight like a layer's."""
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(48, 16, generator=g), torch.randn(48, generator=g), torch.randn(7, 16, generator=g)
+    with torch.no_grad(), kernels.bf16_matmuls():
+        first = linear(x, w, b)
+        kept = w._hmi_bf16[1]
+        assert torch.equal(first, _bf16_reference(x, w, b)) and torch.equal(linear(x, w, b), first)
+        assert w._hmi_bf16[1] is kept  # not rounded again
+        w.add_(1.0)
+        assert torch.equal(linear(x, w, b), _bf16_reference(x, w, b)) and w._hmi_bf16[1] is not kept
