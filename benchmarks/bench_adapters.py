@@ -31,6 +31,57 @@ def alternating(a, b, rounds: int) -> tuple[float, float]:
     return med["a"], med["b"]
 
 
+def padded_segments(x, slots: list[int], w):
+    """The former layout of ``segment_bmm``, kept as the comparison: the requests of one tenant
+    stacked into a zero-padded (tenants, longest segment, T, Din) operand, each tenant's matrix
+    gathered once, one ``bmm``.  Shapes: x (N, T, Din); w (S, Din, Dout) -> (N, T, Dout)."""
+    uniq = sorted(set(slots))
+    seg = {s: i for i, s in enumerate(uniq)}
+    rank, seen = [], {}
+    for s in slots:
+        rank.append(seen.get(s, 0))
+        seen[s] = rank[-1] + 1
+    inv, rank = torch.tensor([seg[s] for s in slots]), torch.tensor(rank)
+    n, t, d_in = x.shape
+    buf = x.new_zeros(len(uniq), max(seen.values()), t, d_in)
+    buf[inv, rank] = x
+    y = torch.bmm(buf.view(len(uniq), -1, d_in), w.index_select(0, torch.tensor(uniq)))
+    return y.view(len(uniq), -1, t, w.shape[2])[inv, rank]
+
+
+def layout_costs(rounds: int, g) -> tuple[list[tuple], dict]:
+    """``segment_bmm`` (each request's matrix gathered, thin outputs transposed) against the
+    padded per-tenant segments it replaced and against the untransposed per-request product, for
+    the adapter products of a batch of 32 requests x 64 tokens (hidden 384) and several tenant
+    mixes; each checked against the per-request loop."""
+    import numpy as np
+
+    from hmi.adapters.batched import segment_bmm, segment_plan
+
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, 65)
+    mixes = {"uniform over 64 tenants": rng.integers(0, 64, 32).tolist(),
+             "Zipf over 64 tenants": rng.choice(64, 32, p=p / p.sum()).tolist(),
+             "one tenant with 28 requests, 4 others": [0] * 28 + [1, 2, 3, 4]}
+    products = {"LoRA A (384 x 8)": (384, 8), "LoRA B (8 x 384)": (8, 384),
+                "bottleneck down (384 x 24)": (384, 24), "bottleneck up (24 x 384)": (24, 384)}
+    rows, out = [], {}
+    for mix, slots in mixes.items():
+        s, plan = torch.tensor(slots), segment_plan(slots)
+        for name, (d_in, d_out) in products.items():
+            x, w = torch.randn(32, 64, d_in, generator=g), torch.randn(64, d_in, d_out, generator=g)
+            ref = torch.stack([x[n] @ w[k] for n, k in enumerate(slots)])
+            fns = {"now": lambda: segment_bmm(x, s, w, plan=plan), "padded": lambda: padded_segments(x, slots, w),
+                   "plain": lambda: torch.bmm(x, w.index_select(0, s))}
+            for fn in fns.values():
+                torch.testing.assert_close(fn(), ref, atol=1e-4, rtol=1e-4)
+            med = round_robin(fns, rounds, warmup=3)
+            out.setdefault(mix, {})[name] = {k: round(v * 1e6, 1) for k, v in med.items()}
+            rows.append((mix, name, f"{med['padded'] * 1e6:.0f}", f"{med['plain'] * 1e6:.0f}", f"{med['now'] * 1e6:.0f}",
+                         f"{med['padded'] / med['now']:.2f}"))
+    return rows, out
+
+
 def kind_costs(bert, l_low: int, rounds: int, g) -> tuple[list[tuple], dict]:
     """What an adapter kind costs a batch of 32 distinct tenants in the shared upper layers (no
     adapter, bottleneck, LoRA on q and v, LoRA on every linear layer), and its weights per tenant."""
@@ -155,6 +206,7 @@ def main() -> None:
         rows.append(("bottleneck alone, stacked bmm vs loop (32 x 32 tok)", f"{tb * 1e3:.2f}", f"{tl * 1e3:.2f}", f"{tl / tb:.2f}"))
 
     kind_rows, kind_results = kind_costs(bert, l_low, rounds, g)
+    layout_rows, results["segment_bmm_us"] = layout_costs(rounds * 3, g)
     results["upper_layers_time_by_kind"] = kind_results
 
     # Host memory per tenant and 10,000 tenants registered and servable in one process.
@@ -189,6 +241,13 @@ def main() -> None:
     text += ("\n\nWhat the adapter kind costs the shared upper layers (32 distinct tenants in one batch, all "
              f"{n_layers} upper layers, median of {rounds} rounds that run every kind in turn):\n\n"
              + table(kind_rows, ("adapter", "tokens", "adapter weights per tenant", "ms", "time / no adapter")))
+    text += ("\n\nOne adapter product for a batch of 32 requests x 64 tokens, each request with its tenant's "
+             "matrix (`segment_bmm`), microseconds (median of " + str(rounds * 3) + " rounds that run the three in "
+             "turn; each checked against the per-request loop): the padded per-tenant segments it used to stack, "
+             "each request's matrix gathered and one `bmm`, and `segment_bmm` now (the same, with an output "
+             "narrower than T computed transposed):\n\n"
+             + table(layout_rows, ("tenants in the batch", "product", "padded segments us", "per request us",
+                                   "segment_bmm us", "padded / segment_bmm")))
     text += (f"\n\nmax |batched - adapters library one tenant at a time|: {results['max_abs_err_vs_reference']}\n"
              f"host bytes per tenant (bottleneck r=24 on 3 layers + 5-class head, fp16): {host_bytes} "
              f"({host_bytes / 1024:.0f} KiB)\n"

@@ -21,10 +21,11 @@ def ref_segment_bmm(x, slots, w, b=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d_out", [3, 7], ids=["thin-output-transposed", "wide-output"])
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [2, 2, 2, 2], [1, 0, 1, 3], [3, 1, 3, 1]])
-def test_segment_bmm_matches_per_request_loop(slots, device):
+def test_segment_bmm_matches_per_request_loop(slots, d_out, device):
     torch.manual_seed(0)
-    x, w, b = torch.randn(4, 5, 6), torch.randn(4, 6, 3), torch.randn(4, 3)
+    x, w, b = torch.randn(4, 5, 6), torch.randn(4, 6, d_out), torch.randn(4, d_out)
     s = torch.tensor(slots)
     on = lambda *ts: [t.to(device) for t in ts]
     torch.testing.assert_close(segment_bmm(*on(x, s, w, b)).cpu(), ref_segment_bmm(x, s, w, b), atol=1e-5, rtol=1e-5)

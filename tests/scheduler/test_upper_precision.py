@@ -39,7 +39,10 @@ def test_bf16_upper_layers_answer_each_tenant_of_a_mixed_batch_as_when_it_is_ser
     for a, b in zip(mixed, alone):
         if "scores" in a:
             assert a["label"] == b["label"]
-            assert a["scores"] == pytest.approx(b["scores"], abs=1e-5)
+            # The adapters' fp32 products sum in another order in a mixed batch (a thin product is
+            # computed transposed); a bf16 rounding downstream can then land one step apart: 1e-4,
+            # fifty times under bf16's own distance to fp32 (test below), is that and no more.
+            assert a["scores"] == pytest.approx(b["scores"], abs=1e-4)
         else:
             assert [t["tag"] for t in a["tokens"]] == [t["tag"] for t in b["tokens"]]
 
