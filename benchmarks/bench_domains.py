@@ -9,9 +9,15 @@ Each tenant: a bottleneck adapter trained and tested on the chain it is served w
 with their standard deviation, beside the test set's own noise (the binomial standard error of one
 accuracy on that many test texts).
 
+A run is resumable: its branches (distillation checkpointed every 25 steps) and every finished
+tenant run are kept under ``$HMI_HOME/runs/bench_domains/<config hash>/``, so the same command run
+again continues where it stopped; ``--max-minutes M`` ends one invocation after M minutes (exit
+code 75 while runs are left), ``--fresh`` starts over.
+
 Usage: python benchmarks/bench_domains.py [--quick] [--domains reviews,legal] [--seeds N]
                                           [--variants mlm,distill,distill-1.0] [--steps N]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+                                          [--max-minutes M] [--fresh]
 """
 
 from __future__ import annotations
@@ -19,30 +25,25 @@ from __future__ import annotations
 import math
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
 VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
 TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "news-topic", "social": "tweet-sentiment"}
 
 
-def main() -> None:
-    def options(ap):
-        ap.add_argument("--domains", help="comma-separated domains among " + ", ".join(TASK_OF)
-                                          + " (default: reviews; without --quick reviews,legal)")
-        ap.add_argument("--seeds", type=int, help="fine-tune seeds per tenant (default 3 with --quick, else 5)")
-        ap.add_argument("--variants", default=",".join(VARIANTS),
-                        help="branches beside the root PLOT, among " + ", ".join(VARIANTS) + " (default: all)")
-        ap.add_argument("--steps", type=int, help="further-pretraining steps of every branch (default: the product's)")
-        root_options(ap)
-
-    args = start(__doc__, options)
+def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: list[str], seeds: list[int],
+            sizes: tuple[int, int, int]) -> tuple[list[tuple], dict]:
+    """Every domain's variants, each tenant run a cell of ``cells`` and the branches kept in its
+    folder (a stopped run continues; raises ``OutOfTime`` when ``--max-minutes`` is spent):
+    (table rows, results)."""
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import load_corpus, load_task, task_labels
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
@@ -54,45 +55,41 @@ def main() -> None:
     from hmi.training.further_pretrain import summary as fpt_summary
     from hmi.version_tree.tree import VersionTree
 
-    domains = (args.domains or ("reviews" if args.quick else "reviews,legal")).split(",")
-    unknown = [d for d in domains if d not in TASK_OF]
-    if unknown:
-        raise SystemExit(f"unknown domain(s) {', '.join(unknown)}; use some of {', '.join(TASK_OF)}")
-    chosen = args.variants.split(",")
-    if not set(chosen) <= set(VARIANTS) or ("distill-1.0" in chosen and "distill" not in chosen):
-        raise SystemExit(f"--variants: some of {', '.join(VARIANTS)} (distill-1.0 needs distill)")
-    seeds = list(range(args.seeds or (3 if args.quick else 5)))
-    max_lines, n_train, n_test = 12000, 640, 1000
-    root, root_version = prepared_root(root=args.root, l_low=args.l_low)
+    max_lines, n_train, n_test = sizes
     tok = root.tokenizer
     rows, res = [], {"root": root.spec.name, "l_low": root.spec.l_low, "seeds": len(seeds), "domains": {}}
-    tmp = Path(tempfile.mkdtemp())
+    tree, stores = VersionTree(root, cells.folder / "home", root_version=root_version), []
     try:
-        tree = VersionTree(root, tmp, root_version=root_version)
         for domain in domains:
             task = TASK_OF[domain]
             lines = load_corpus(domain, max_lines)
             train, dev, test = load_task(task, "train", n_train), load_task(task, "dev", n_test // 2), load_task(task, "test", n_test)
             spec = AdapterSpec(labels=tuple(task_labels(task)), pooling="mean")
 
-            def accuracy(chain) -> list[float]:
-                return [round(100 * finetune(root.bert, root.spec.l_low, PlotLookup(chain), tok, spec, train, dev, test,
-                                             FinetuneConfig(epochs=4, lr=3e-3, max_len=64, patience=4, seed=s),
-                                             progress=False)[1]["test"]["accuracy"], 2) for s in seeds]
+            def accuracy(name: str, chain) -> list[float]:
+                def run(s: int) -> dict:
+                    m = finetune(root.bert, root.spec.l_low, PlotLookup(chain), tok, spec, train, dev, test,
+                                 FinetuneConfig(epochs=4, lr=3e-3, max_len=64, patience=4, seed=s), progress=False)
+                    return {"accuracy": round(100 * m[1]["test"]["accuracy"], 2)}
+                return [cells.run({"domain": domain, "served on": name, "seed": s}, lambda s=s: run(s))["accuracy"]
+                        for s in seeds]
 
             variants = {"root PLOT": ([root_version], None, None)}
-            stores = []
             for objective in (o for o in ("mlm", "distill") if o in chosen):
+                name = f"{domain}-{objective}"
                 t0 = time.time()
-                node = tree.create(f"{domain}-{objective}", "root", lines, 0.5,
-                                   FPTConfig(objective=objective, steps=args.steps), progress=True)
-                version = tree.version(node.name)
-                variants[f"branch, {objective}, alpha 0.5"] = ([version, root_version], node, round(time.time() - t0))
-            if "distill-1.0" in chosen:  # the distilled branch's lower side, every tri-gram of its corpus
+                if name not in tree.nodes():  # a finished branch of an earlier run is kept; a stopped one resumes
+                    cells.work(lambda name=name, objective=objective: tree.create(
+                        name, "root", lines, 0.5, FPTConfig(objective=objective, steps=args.steps), progress=True,
+                        checkpoint=cells.folder / f"{name}.ckpt"))
+                node = tree.nodes()[name]
+                variants[f"branch, {objective}, alpha 0.5"] = ([tree.version(name), root_version], node,
+                                                               round(time.time() - t0))
+            if "distill-1.0" in chosen:  # the distilled branch's lower side, every tri-gram (a resumable build)
                 node = tree.nodes()[f"{domain}-distill"]
                 enc = tree.encoder(node.name)
                 keys, counts = count_ngrams(tokenize_corpus(tok, lines, 128, progress=False))
-                stores.append(PlotStore(tmp / f"{domain}-distill-1.0", meta=plot_meta(root), readonly=False))
+                stores.append(PlotStore(cells.folder / f"{domain}-distill-1.0", meta=plot_meta(root), readonly=False))
                 build(stores[-1], enc, plan_keys(keys, counts, Selection("alpha", alpha=1.0), len(tok)), progress=True)
                 variants["branch, distill, alpha 1.0"] = ([PlotVersion("distill@1.0", stores[-1], enc), root_version],
                                                           node, None)
@@ -100,7 +97,7 @@ def main() -> None:
             base = None
             out = res["domains"].setdefault(domain, {"task": task, "test": len(test), "variants": {}})
             for name, (chain, node, secs) in variants.items():
-                accs = accuracy(chain)
+                accs = accuracy(name, chain)
                 base = accs if base is None else base
                 gains = np.array(accs) - np.array(base)
                 st = chain[0].store.stats() if node is not None else {}
@@ -118,11 +115,51 @@ def main() -> None:
                              f"{mean:.2f}", "" if node is None else f"{gains.mean():+.2f} (sd {gains.std(ddof=1):.2f})",
                              f"{noise:.2f}"))
                 print(rows[-1], flush=True)
-            for store in stores:
-                store.close()
     finally:
+        for store in stores:
+            store.close()
         tree.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    return rows, res
+
+
+def main() -> None:
+    def options(ap):
+        ap.add_argument("--domains", help="comma-separated domains among " + ", ".join(TASK_OF)
+                                          + " (default: reviews; without --quick reviews,legal)")
+        ap.add_argument("--seeds", type=int, help="fine-tune seeds per tenant (default 3 with --quick, else 5)")
+        ap.add_argument("--variants", default=",".join(VARIANTS),
+                        help="branches beside the root PLOT, among " + ", ".join(VARIANTS) + " (default: all)")
+        ap.add_argument("--steps", type=int, help="further-pretraining steps of every branch (default: the product's)")
+        ap.add_argument("--max-minutes", type=float, metavar="M",
+                        help="stop this invocation once M minutes are spent (after the step in progress); the same "
+                             "command run again continues; exit code 75 while runs are left")
+        ap.add_argument("--fresh", action="store_true", help="forget the branches and runs of this configuration")
+        root_options(ap)
+
+    args = start(__doc__, options)
+    from hmi.training.further_pretrain import FPTConfig
+
+    domains = (args.domains or ("reviews" if args.quick else "reviews,legal")).split(",")
+    unknown = [d for d in domains if d not in TASK_OF]
+    if unknown:
+        raise SystemExit(f"unknown domain(s) {', '.join(unknown)}; use some of {', '.join(TASK_OF)}")
+    chosen = args.variants.split(",")
+    if not set(chosen) <= set(VARIANTS) or ("distill-1.0" in chosen and "distill" not in chosen):
+        raise SystemExit(f"--variants: some of {', '.join(VARIANTS)} (distill-1.0 needs distill)")
+    seeds = list(range(args.seeds or (3 if args.quick else 5)))
+    max_lines, n_train, n_test = 12000, 640, 1000
+    root, root_version = prepared_root(root=args.root, l_low=args.l_low)
+    config = {"format": 1, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": root.spec.l_low,
+              "plot": (root_version.store.get_record("build") or {}).get("fingerprint"), "steps": args.steps,
+              "lines": max_lines, "train": n_train, "test": n_test}
+    cells = Cells("bench_domains", config, max_minutes=args.max_minutes, fresh=args.fresh)
+    if args.fresh:
+        shutil.rmtree(cells.folder / "home", ignore_errors=True)
+    try:
+        rows, res = measure(args, root, root_version, cells, domains, chosen, seeds, (max_lines, n_train, n_test))
+    except OutOfTime as exc:
+        print(f"stopped: {exc} ({cells.summary()}); run the same command again to continue", flush=True)
+        sys.exit(EXIT_UNFINISHED)
     for d, r in res["domains"].items():
         for objective in ("distill", "mlm"):
             if f"branch, {objective}, alpha 0.5" in r["variants"]:

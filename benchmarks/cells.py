@@ -61,13 +61,20 @@ class Cells:
         if result is not None:
             self.reused += 1
             return result
-        if self.ran and self.limit.spent():
-            raise OutOfTime(f"{self.limit.minutes:g} minutes spent")
         t0 = time.monotonic()
-        result = fn()
-        self.ran += 1
+        result = self.work(fn)
         atomic_write_json(self._path(key), {"key": key, "result": result, "seconds": round(time.monotonic() - t0, 1)})
         return result
+
+    def work(self, fn: Callable[[], object]):
+        """``fn()``, under the limit of ``run``: a unit of work that keeps its own result (a
+        checkpointed job, a published branch). Raises ``OutOfTime`` instead of starting it past
+        ``max_minutes`` once this invocation has done some work."""
+        if self.ran and self.limit.spent():
+            raise OutOfTime(f"{self.limit.minutes:g} minutes spent")
+        out = fn()
+        self.ran += 1
+        return out
 
     def summary(self) -> str:
         return (f"{self.ran} cell(s) run, {self.reused} reused from earlier runs "

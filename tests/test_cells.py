@@ -60,3 +60,16 @@ def test_a_time_limit_stops_the_invocation_after_a_finished_cell_and_the_next_on
         cells = Cells("bench", {**CONFIG, "epochs": 9}, max_minutes=1e-9, home=tmp_path)
         for k in keys:
             cells.run(k, counting(calls, 0.0))
+
+
+def test_work_that_keeps_its_own_result_counts_against_the_same_time_limit_as_cells(tmp_path):
+    """A benchmark's branch (published by its own job, not a cell file) runs under the same limit:
+    the invocation's first piece of work always runs, none starts once the minutes are spent."""
+    done = []
+    cells = Cells("bench", CONFIG, max_minutes=1e-9, home=tmp_path)
+    assert cells.work(lambda: done.append("branch") or "node") == "node"
+    with pytest.raises(OutOfTime):
+        cells.run({"task": "t"}, counting(done, 0.5))
+    with pytest.raises(OutOfTime):
+        cells.work(lambda: done.append("second branch"))
+    assert done == ["branch"] and cells.ran == 1
