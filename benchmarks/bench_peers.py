@@ -12,14 +12,15 @@ Usage: python benchmarks/bench_peers.py [--quick]
   hot tier (``hmi serve --plot-hot-mb`` of its size: the same values, no LMDB read).
 - **bf16** (where the CPU multiplies it natively): HMI with its shared upper layers in bf16
   (``hmi serve --upper-precision bf16``), against the stock PEFT model and against the same PEFT
-  model cast to bf16 (``model.to(torch.bfloat16)``, what a PEFT user on this CPU would do).
+  model cast to bf16 (``model.to(torch.bfloat16)``, what a PEFT user on this CPU would do); and
+  HMI's fastest configuration here, bf16 with the root PLOT in the hot tier.
 - **ONNX Runtime**: the full root for one model (an upper bound for one tenant), and the upper
   layers alone with one adapter merged, against HMI's upper layers on the same tokens
   (``hmi_upper_over_ort_upper``: HMI's speed over ONNX Runtime's; 1.0 = as fast).
 
 Batches of 32 news texts cut to 64 and to 128 tokens, tenants drawn uniformly from 1, 100 and
-1,000; rounds interleaved, medians.  PEFT adds adapters one at a time (its ``add_adapter``) and
-each add takes longer than the last, so it holds at most ``PEFT_CAP`` of them: at 1,000 tenants
+1,000; 5 rounds interleaved (1 with --quick), medians.  PEFT adds adapters one at a time (its
+``add_adapter``) and each add takes longer than the last, so it holds at most ``PEFT_CAP`` of them: at 1,000 tenants
 its rows are served by ``tenant mod PEFT_CAP`` (its speed with 1,000 resident would be no
 higher), and its time to load 1,000 is extrapolated from the measured adds (said so on the page).
 """
@@ -153,7 +154,8 @@ def ort_session(module: nn.Module, inputs: tuple, names: list[str], path: Path):
 
 
 SERIES = {"hmi": "HMI hBERT", "hmi_hot": "HMI, whole PLOT in a hot tier", "peft": "PEFT",
-          "peft_hmi_kernels": "PEFT on HMI's kernels", "hmi_bf16": "HMI, upper layers in bf16", "peft_bf16": "PEFT in bf16"}
+          "peft_hmi_kernels": "PEFT on HMI's kernels", "hmi_bf16": "HMI, upper layers in bf16",
+          "hmi_bf16_hot": "HMI bf16, PLOT in a hot tier", "peft_bf16": "PEFT in bf16"}
 
 
 def plot_rows(result: dict, png: Path) -> None:
@@ -234,6 +236,7 @@ def main() -> None:
                      ("PEFT add_adapter, 1,000", f"{peft_1000:.0f} (extrapolated)")]
 
     # -- rows/s against tenants -----------------------------------------------------------------
+    rounds = 1 if args.quick else 5
     for length in LENGTHS:
         texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw]
         texts = [t for t in texts if len(tok(t)["input_ids"]) == length] or texts
@@ -241,9 +244,9 @@ def main() -> None:
             cell = {"hmi": [], "hmi_hot": [], "peft": [], "peft_hmi_kernels": []}
             sides = [("hmi", lookup, "fp32"), ("hmi_hot", hot_lookup, "fp32")]
             if NATIVE_BF16:
-                cell.update(hmi_bf16=[], peft_bf16=[])
-                sides.append(("hmi_bf16", lookup, "bf16"))
-            for r in range(3 if not args.quick else 1):
+                cell.update(hmi_bf16=[], hmi_bf16_hot=[], peft_bf16=[])
+                sides += [("hmi_bf16", lookup, "bf16"), ("hmi_bf16_hot", hot_lookup, "bf16")]
+            for r in range(rounds):
                 batches = trace(n, "uniform", warm + measured, seed=n + 7919 * r + length)
                 for key, lk, precision in sides:
                     s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d, lk=lk: lk,
@@ -270,13 +273,15 @@ def main() -> None:
                 if NATIVE_BF16:
                     result[f"hmi_bf16_over_peft_{n}"] = round(med["hmi_bf16"] / med["peft"], 2)
                     result[f"hmi_bf16_over_peft_bf16_{n}"] = round(med["hmi_bf16"] / med["peft_bf16"], 2)
+                    result[f"hmi_bf16_hot_over_peft_{n}"] = round(med["hmi_bf16_hot"] / med["peft"], 2)
             rows.append((length, n, f"{med['hmi']:.1f}", f"{med['hmi_hot']:.1f}", f"{med['peft']:.1f}",
                          f"{med['peft_hmi_kernels']:.1f}", f"{med['hmi'] / med['peft']:.2f}",
                          f"{med['hmi_hot'] / med['peft']:.2f}", f"{med['hmi'] / med['peft_hmi_kernels']:.2f}"))
             print(rows[-1], flush=True)
             if NATIVE_BF16:
-                bf16_rows.append((length, n, f"{med['hmi_bf16']:.1f}", f"{med['peft_bf16']:.1f}",
-                                  f"{med['hmi_bf16'] / med['peft']:.2f}", f"{med['hmi_bf16'] / med['peft_bf16']:.2f}"))
+                bf16_rows.append((length, n, f"{med['hmi_bf16']:.1f}", f"{med['hmi_bf16_hot']:.1f}", f"{med['peft_bf16']:.1f}",
+                                  f"{med['hmi_bf16'] / med['peft']:.2f}", f"{med['hmi_bf16_hot'] / med['peft']:.2f}",
+                                  f"{med['hmi_bf16'] / med['peft_bf16']:.2f}"))
                 print(bf16_rows[-1], flush=True)
 
     # -- ONNX Runtime: the full root, and the upper layers against HMI's ------------------------
@@ -327,7 +332,8 @@ def main() -> None:
     plot_rows(result, DOCS / "peers_rows.png")
     text = "\n\n".join([
         "Plot: `docs/peers_rows.png`.",
-        f"Rows per second, batches of {B} news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
+        f"Rows per second (median of {rounds} rounds that run every side in turn on the same trace), batches of {B} "
+        f"news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
         f"upper layers plus a head per tenant on both sides (the same weights). PEFT holds at most {PEFT_CAP} adapters "
         f"(at 1,000 tenants a row is served by tenant mod {PEFT_CAP}).\n\n"
         + table(rows, ("tokens", "tenants", "HMI hBERT", "HMI, whole PLOT in a hot tier", "PEFT", "PEFT on HMI's kernels",
@@ -335,8 +341,8 @@ def main() -> None:
         ("The same with bf16 products (this CPU multiplies bf16 natively): HMI's shared upper layers in bf16 "
          "(`hmi serve --upper-precision bf16`; the PLOT, adapters and heads fp32; scores within about 5e-3 of fp32, "
          "`docs/bench_precision.md`), PEFT cast to bf16 whole:\n\n"
-         + table(bf16_rows, ("tokens", "tenants", "HMI, upper layers bf16", "PEFT in bf16", "HMI bf16 / PEFT",
-                             "HMI bf16 / PEFT in bf16"))
+         + table(bf16_rows, ("tokens", "tenants", "HMI, upper layers bf16", "HMI bf16, whole PLOT in a hot tier",
+                             "PEFT in bf16", "HMI bf16 / PEFT", "HMI bf16 hot tier / PEFT", "HMI bf16 / PEFT in bf16"))
          if bf16_rows else "No native bf16 on this CPU: the bf16 columns were not measured."),
         "Time to load the adapters, seconds:\n\n" + table(loads, ("", "seconds")),
         f"ONNX Runtime ({B} rows; the upper layers with one adapter merged, on the hidden states the PLOT gives; the "
