@@ -59,7 +59,7 @@ def upper_rows_per_s(bert, device: torch.device, tenants: int, repeat: int) -> f
         pool.write(slot, variants[slot % len(variants)])
     slots = [row % tenants for row in range(BATCH)]
     group = Group(torch.arange(BATCH, device=device), torch.tensor(slots, device=device), pool, all_rows=True,
-                  plan=segment_plan(slots, device))
+                  plan=segment_plan(slots))
     layers = torch.nn.ModuleList(bert.encoder.layer[L_LOW:])
     if device.type != "cpu":
         layers = copy.deepcopy(layers).to(device)

@@ -28,9 +28,8 @@ class SegmentPlan:
     first: int
 
 
-def segment_plan(slots: list[int] | torch.Tensor, device: torch.device | str | None = None) -> SegmentPlan:
-    """The SegmentPlan of per-request slots (a host list; a tensor is read back once).
-    ``device`` is accepted for the callers that place a group's tensors; the plan holds none."""
+def segment_plan(slots: list[int] | torch.Tensor) -> SegmentPlan:
+    """The SegmentPlan of per-request slots (a host list; a tensor is read back once)."""
     if isinstance(slots, torch.Tensor):
         slots = slots.tolist()
     return SegmentPlan(len(slots), len(set(slots)), min(slots, default=0))

@@ -276,7 +276,7 @@ class GenerationEngine:
         dev = self.device
         rows = torch.tensor([a.row for a in reqs], device=dev)
         slots = torch.tensor([a.slot for a in reqs], device=dev)
-        plan = segment_plan([a.slot for a in reqs], dev)
+        plan = segment_plan([a.slot for a in reqs])
         scale = self.pool.scales.index_select(0, slots)[:, None, None]
         pos = starts[:, None] + torch.arange(Tq, device=dev)[None]
         cos, sin = self.rotary(h, pos)

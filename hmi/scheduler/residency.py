@@ -149,7 +149,7 @@ class ResidencyManager:
                 slot_list = [slots[n] for n in names]
                 groups.append(Group(torch.tensor(rows, device=self.device),
                                     torch.tensor(slot_list, device=self.device), p,
-                                    all_rows=len(rows) == len(rows_entries), plan=segment_plan(slot_list, self.device)))
+                                    all_rows=len(rows) == len(rows_entries), plan=segment_plan(slot_list)))
         except Exception:
             for p, slots in acquired:
                 p.release(slots)
