@@ -44,7 +44,7 @@ def segment_bmm(x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, b: torch.
     One tenant: one GEMM over all rows.  Several: each request's matrix gathered (``index_select``,
     on the device, Din x Dout a request: LoRA's and the bottleneck's are small) and one ``bmm``; a
     thin output (Dout < T: LoRA's A, the bottleneck's down-projection, a tagging head) is computed
-    transposed, y[n]^T = w[s]^T x[n]^T, where the CPU's batched GEMM runs 3-4x faster; the result
+    transposed, y[n]^T = w[s]^T x[n]^T, where the CPU's batched GEMM runs up to 3.5x faster; the result
     is then a transposed view.  ``plan`` (``segment_plan`` of the same slots) makes the call free
     of host-device synchronization; without it the slots are read back.
     """
