@@ -50,7 +50,7 @@ lint: setup
 serve: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi serve
 
-BENCHES := bench_plot bench_plot_formats bench_adapters bench_pipeline eval_accuracy bench_tenants bench_latency bench_domains bench_hgpt bench_limits
+BENCHES := bench_plot bench_plot_formats bench_adapters bench_lengths bench_pipeline eval_accuracy bench_tenants bench_latency bench_domains bench_hgpt bench_limits
 
 # Every benchmark; each writes docs/<name>.md (docs/RESULTS.md collects them).
 bench: setup

@@ -7,6 +7,7 @@
 * C (compute, one thread): the shared upper layers with batched adapters, then the heads; their
   linear layers' products in bf16 with fp32 accumulation when ``upper_precision`` is ``bf16``
   (CPUs that multiply bf16 natively; everything else, the PLOT values included, stays fp32).
+  A batch of long and short texts runs in groups of similar length (``split_by_length``).
 
 Contract: ``submit`` is called by the dispatcher (any thread) and returns one future per request;
 a failing request fails alone.  ``shutdown`` finishes queued work (or fails it with
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import math
 import queue
 import sys
 import threading
@@ -78,9 +80,17 @@ class SchedulerConfig:
     # The shared upper layers' linear products: fp32, or bf16 with fp32 accumulation (about 1.4x
     # the rows/s where the CPU multiplies bf16 natively; scores differ from fp32 by up to about 5e-3).
     upper_precision: str = "fp32"
+    # A batch of long and short texts runs as groups of similar length instead of padded to its
+    # longest, where that computes fewer token rows counting each further pass as
+    # PASS_OVERHEAD_TOKENS (``split_by_length``); off: one pass per pool split.
+    length_groups: bool = True
 
 
 PRECISIONS = ("fp32", "bf16")
+# What one more pass through the upper layers costs beyond its token rows, in token rows: the
+# layers and heads alone cost 34 on the default root, 2 cores (docs/bench_lengths.md); twice that
+# for the residency work and the gathers of a pass that the fit leaves out.
+PASS_OVERHEAD_TOKENS = 64
 
 
 def check_precision(name: str, device: torch.device) -> None:
@@ -345,16 +355,21 @@ class Scheduler:
                     _fail(r, exc)
 
     def compute(self, p: Prepared) -> None:
-        """Stages A and C for one prepared batch, split when it holds more tenants than slots."""
-        for rows in split_by_pools(p.entries, self.hidden, self.cfg.pool_slots):
-            if self.cfg.batched_adapters:
-                self._compute_rows(p, rows)
-            else:
-                by_tenant = defaultdict(list)
-                for r in rows:
-                    by_tenant[p.entries[r].name].append(r)
-                for tenant_rows in by_tenant.values():
-                    self._compute_rows(p, tenant_rows)
+        """Stages A and C for one prepared batch, split when it holds more tenants than slots, and
+        into groups of similar length where padding to the longest would cost more."""
+        lengths = p.mask.sum(1).tolist()
+        for pool_rows in split_by_pools(p.entries, self.hidden, self.cfg.pool_slots):
+            groups = split_by_length(pool_rows, lengths, PASS_OVERHEAD_TOKENS) if self.cfg.length_groups else [pool_rows]
+            self.stats["length_groups"] += len(groups) - 1
+            for rows in groups:
+                if self.cfg.batched_adapters:
+                    self._compute_rows(p, rows)
+                else:
+                    by_tenant = defaultdict(list)
+                    for r in rows:
+                        by_tenant[p.entries[r].name].append(r)
+                    for tenant_rows in by_tenant.values():
+                        self._compute_rows(p, tenant_rows)
         self.stats["batches"] += 1
         self.stats["requests"] += len(p.requests)
 
@@ -417,6 +432,27 @@ def split_by_pools(entries: list[TenantEntry], hidden: int, pool_slots: int) -> 
     if current:
         parts.append(current)
     return parts
+
+
+def split_by_length(rows: list[int], lengths: list[int], overhead: int) -> list[list[int]]:
+    """``rows`` in groups of similar length, so that a batch of long and short texts is not padded
+    to its longest: of the partitions of the rows sorted by length into consecutive runs, the one
+    that computes the fewest token rows, each group costing ``overhead + size x its longest``
+    (dynamic programming over the sorted rows, O(n^2)); ``[rows]`` unchanged when one group is best.
+    ``lengths[r]`` is row r's token count."""
+    order = sorted(rows, key=lambda r: lengths[r])
+    best, cut = [0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):  # best[j]: the first j sorted rows; the last group order[i:j]
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + overhead + (j - i) * longest
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return [rows] if len(groups) <= 1 else groups[::-1]
 
 
 def _resolve(req: InferRequest, entry: TenantEntry, logits: torch.Tensor, starts, truncated: bool) -> None:

@@ -11,7 +11,7 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, split_by_length
 from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
 from hmi.training.finetune import tenant_model
 from tests.conftest import DEVICES, tiny_bert
@@ -106,6 +106,49 @@ def test_pipelined_results_equal_synchronized_results_for_many_tenants(world, sw
         same(a, b)
     tagged = [g for g, (t, _) in zip(got, pairs) if int(t[1:]) % 4 == 3]
     assert tagged and all(len(g["tokens"]) > 3 for g in tagged)
+
+
+def partitions(items):
+    """Every partition of ``items`` into groups."""
+    if not items:
+        yield []
+        return
+    for p in partitions(items[1:]):
+        for i in range(len(p)):
+            yield p[:i] + [[items[0]] + p[i]] + p[i + 1:]
+        yield [[items[0]]] + p
+
+
+def cost(groups, lengths, overhead):
+    return sum(overhead + len(g) * max(lengths[r] for r in g) for g in groups)
+
+
+@pytest.mark.parametrize("overhead", [0, 3, 64, 10_000])
+def test_length_groups_compute_the_fewest_token_rows_of_any_partition_of_the_batch(overhead):
+    """The reference: every partition of the rows, not only runs of the rows sorted by length."""
+    rng = random.Random(overhead)
+    for _ in range(40):
+        lengths = [rng.choice([2, 5, 9, 20, 64, 128]) for _ in range(9)]
+        rows = rng.sample(range(9), rng.randint(1, 7))
+        groups = split_by_length(rows, lengths, overhead)
+        assert sorted(r for g in groups for r in g) == sorted(rows)
+        assert cost(groups, lengths, overhead) == min(cost(p, lengths, overhead) for p in partitions(rows))
+        if len(groups) == 1:
+            assert groups == [rows]  # the batch's own order: the scheduler's no-copy path
+
+
+def test_a_batch_of_short_and_long_texts_runs_in_length_groups_with_the_answers_of_one_padded_pass(world):
+    long = " ".join(TEXTS[:5])
+    pairs = [(f"t{i % 12}", long if i % 2 else "Good film.") for i in range(32)]
+    grouped = make(world)
+    got, groups = grouped.infer(pairs), grouped.stats["length_groups"]
+    grouped.shutdown()
+    padded = make(world, length_groups=False)
+    want, none = padded.infer(pairs), padded.stats["length_groups"]
+    padded.shutdown()
+    assert groups >= 1 and none == 0
+    for a, b in zip(got, want):
+        same(a, b)
 
 
 def test_results_stay_with_their_requests_under_random_stage_delays(world):
