@@ -21,9 +21,8 @@ from hmi.model.encoder_layers import Sites
 class SegmentPlan:
     """What the layer loop needs to know of a group's per-request slots, worked out on the host
     once per batch (the slots are known there), so the loop never waits on the device:
-    ``n`` requests, ``u`` distinct slots, ``first`` the smallest (the only one when u == 1)."""
+    ``u`` distinct slots, ``first`` the smallest (the only one when u == 1)."""
 
-    n: int
     u: int
     first: int
 
@@ -32,7 +31,7 @@ def segment_plan(slots: list[int] | torch.Tensor) -> SegmentPlan:
     """The SegmentPlan of per-request slots (a host list; a tensor is read back once)."""
     if isinstance(slots, torch.Tensor):
         slots = slots.tolist()
-    return SegmentPlan(len(slots), len(set(slots)), min(slots, default=0))
+    return SegmentPlan(len(set(slots)), min(slots, default=0))
 
 
 def segment_bmm(x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,

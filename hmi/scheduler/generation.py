@@ -3,10 +3,9 @@
 One decoding step runs every active request (each of its own tenant) through the shared upper
 layers at once: the new token's lower-side state is one PLOT lookup of its causal window, each
 request's LoRA is applied with its weights gathered from the stacked pool (``segment_bmm``), and
-keys/values of earlier tokens come from a KV
-cache of the upper layers only.  Requests join between steps as rows free up and leave when
-they finish (continuous batching).  Greedy decoding or sampling (temperature, top-p, a per-request
-seed), ``max_new_tokens`` and stop strings.
+keys/values of earlier tokens come from a KV cache of the upper layers only.  Requests join
+between steps as rows free up and leave when they finish (continuous batching).  Greedy decoding
+or sampling (temperature, top-p, a per-request seed), ``max_new_tokens`` and stop strings.
 """
 
 from __future__ import annotations
