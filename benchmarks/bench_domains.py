@@ -137,6 +137,8 @@ def main() -> None:
         root_options(ap)
 
     args = start(__doc__, options)
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     from hmi.training.further_pretrain import FPTConfig
 
     domains = (args.domains or ("reviews" if args.quick else "reviews,legal")).split(",")
