@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from hmi.dispatcher.registry import UNFINISHED, Registry, process_owner
 from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 from hmi.io import atomic_write_json
+from hmi.version_tree.tree import kept_plot_dir
 
 log = logging.getLogger("hmi.jobs")
 
@@ -216,16 +218,16 @@ class JobManager:
 
     @staticmethod
     def job_of(path: Path) -> str:
-        """The job a kept file belongs to: ``<id>.json``, ``<id>.ckpt`` and a killed writer's
-        ``.<id>.<name>.<random>.tmp`` (job ids are hex, without a dot)."""
+        """The job a kept file belongs to: ``<id>.json``, ``<id>.ckpt``, ``<id>.ckpt.plot/`` and a
+        killed writer's ``.<id>.<name>.<random>.tmp`` (job ids are hex, without a dot)."""
         return path.name.lstrip(".").split(".", 1)[0]
 
     def _forget_files(self, job_id: str) -> None:
-        """The kept inputs and checkpoint of a job that ended (and a temporary file of either that
-        a killed writer left)."""
+        """Every file kept for a job that ended (``job_of`` lists them)."""
         if self.inputs is not None:
             for f in (self._input(job_id), self.checkpoint_file(job_id), *self.inputs.glob(f".{job_id}.*.tmp")):
                 f.unlink(missing_ok=True)
+            shutil.rmtree(kept_plot_dir(self.checkpoint_file(job_id)), ignore_errors=True)
 
     def _enqueue(self, job: dict, data: dict) -> None:
         self._cancel[job["id"]] = self.launcher.event()
@@ -271,7 +273,7 @@ class JobManager:
         if failed or resumed:
             log.warning("jobs of stopped servers: %d failed, %d run again", len(failed), len(resumed))
         if self.inputs is not None:
-            for f in [*self.inputs.glob("*.json"), *self.inputs.glob("*.ckpt"), *self.inputs.glob(".*.tmp")]:
+            for f in [*self.inputs.glob("*.json"), *self.inputs.glob("*.ckpt*"), *self.inputs.glob(".*.tmp")]:
                 jid = self.job_of(f)
                 if (self.registry.get("jobs", jid) or {"state": "failed"})["state"] in FINAL:
                     self._forget_files(jid)

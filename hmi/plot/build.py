@@ -95,21 +95,27 @@ def plan_keys(trigram_keys: np.ndarray, counts: np.ndarray, sel: Selection, voca
     return np.unique(np.concatenate(parts))
 
 
-def build_fingerprint(keys: np.ndarray, artifact: str) -> str:
+def build_fingerprint(keys: np.ndarray, artifact: str, weights: str = "") -> str:
+    """The identity of a build: its keys, the root artifact and, for an encoder that is not the
+    root's own (a domain branch's), that encoder's ``weights`` fingerprint."""
     h = hashlib.sha256(artifact.encode())
+    if weights:
+        h.update(weights.encode())
     h.update(np.ascontiguousarray(keys, dtype=np.uint64).tobytes())
     return h.hexdigest()[:24]
 
 
 @torch.no_grad()
 def build(store: PlotStore, encoder: WindowedEncoder, keys: np.ndarray, batch_windows: int = CHUNK,
-          progress: bool = True, desc: str = "PLOT build", on_progress=None) -> dict:
-    """Computes and writes the representation of every key, resuming where a previous run stopped;
-    ``on_progress(fraction done, info)`` hears every chunk.
+          progress: bool = True, desc: str = "PLOT build", on_progress=None, weights: str = "") -> dict:
+    """Computes and writes the representation of every key, resuming where a previous run of the
+    same keys and encoder stopped (``weights``: the encoder's fingerprint where it is not the
+    root's, so that no resume mixes two encoders' values); ``on_progress(fraction done, info)``
+    hears every chunk.
 
     Returns a summary: entries written by this run, total entries, bytes, seconds.
     """
-    fp = build_fingerprint(keys, store.meta.root_artifact)
+    fp = build_fingerprint(keys, store.meta.root_artifact, weights)
     state = store.get_record("build") or {}
     if state.get("fingerprint") == fp and state.get("complete"):
         return {"written": 0, "entries": len(store), "seconds": 0.0, "resumed_from": len(keys), "up_to_date": True}

@@ -30,6 +30,7 @@ from hmi.home import hmi_home
 from hmi.io import atomic_write_json, fsync_dir, write_durable
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import weights_fingerprint
 from hmi.names import is_valid_name
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
 from hmi.plot.lookup import PlotLookup, PlotVersion
@@ -315,21 +316,35 @@ class VersionTree:
         # every uni-gram): a text of the domain is read by the branch's lower side alone wherever
         # the branch's corpus and back-off reach, as its further pretraining read it.
         plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), len(tok), with_backoff=True)
-        store = PlotStore(work / "plot", meta=plot_meta(self.root), readonly=False)
+        # A job that keeps a checkpoint builds beside it, so that a stopped build goes on where it
+        # stopped when the job runs again (the encoder's fingerprint keeps another run's values out).
+        built = work / "plot" if checkpoint is None else kept_plot_dir(checkpoint)
+        store = PlotStore(built, meta=plot_meta(self.root), readonly=False)
         try:
             summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}",
                             on_progress=None if on_progress is None else
-                            lambda f, info: on_progress(f, {**info, "stage": "building the branch's PLOT"}))
+                            lambda f, info: on_progress(f, {**info, "stage": "building the branch's PLOT"}),
+                            weights=weights_fingerprint(encoder))
             stats = store.stats()
         finally:
             store.close()
+        if built != work / "plot":
+            shutil.move(built, work / "plot")  # a rename where both lie on one filesystem
         covered = float(counts[np.isin(keys, plan)].sum() / max(1, counts.sum()))
         now = time.time()
         return DomainNode(name, parent, self.root.artifact_id, alpha,
                           corpus={"lines": len(lines), "tokens": n_tokens, "trigram_occurrences": int(counts.sum()),
                                   "distinct_trigrams": int(len(keys)), "covered_occurrences": round(covered, 4)},
-                          plot={**stats, "build_seconds": summary["seconds"]}, fpt=fpt_metrics, created=now, updated=now)
+                          plot={**stats, "build_seconds": summary["seconds"], "resumed_from": summary["resumed_from"]},
+                          fpt=fpt_metrics, created=now, updated=now)
 
+
+
+def kept_plot_dir(checkpoint: Path) -> Path:
+    """Where a branch job that keeps its distillation checkpoint at ``checkpoint`` builds its PLOT
+    (beside it, outside the tree's ``.building-*`` folders that go with their process), moved into
+    the new version when complete."""
+    return checkpoint.with_name(checkpoint.name + ".plot")
 
 
 class _FileLock:

@@ -148,7 +148,9 @@ def test_a_job_out_of_attempts_or_without_kept_inputs_fails_and_its_tenant_too(t
         if kept:
             (tmp_path / "jobs").mkdir(exist_ok=True)
             (tmp_path / "jobs" / f"j-{name}.json").write_text(json.dumps({"train": TRAIN}))
-    (tmp_path / "jobs" / "j-finished-long-ago.json").write_text("{}")  # a job that ended: its inputs go
+    (tmp_path / "jobs" / "j-finished-long-ago.json").write_text("{}")  # a job that ended: its inputs go,
+    (tmp_path / "jobs" / "j-finished-long-ago.ckpt.plot").mkdir()  # and the PLOT its branch build left
+    (tmp_path / "jobs" / "j-finished-long-ago.ckpt.plot" / "data.mdb").write_bytes(b"\0" * 4096)
     reg.close()
     server = tiny_server(tmp_path)
     url, stop = run_in_thread(server)
@@ -212,7 +214,8 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
 
 def test_every_file_kept_for_a_job_is_traced_to_that_job_including_a_killed_writers_temporary(tmp_path):
     """Start-up recovery removes the files of jobs that ended by their job id: the kept inputs,
-    the checkpoint and a temporary file a killed atomic write left (``hmi.io``'s naming)."""
+    the checkpoint, the PLOT a branch build keeps beside it and a temporary file a killed atomic
+    write left (``hmi.io``'s naming)."""
     import tempfile
     from pathlib import Path
 
@@ -221,5 +224,5 @@ def test_every_file_kept_for_a_job_is_traced_to_that_job_including_a_killed_writ
     jid = new_job_id()
     fd, tmp = tempfile.mkstemp(dir=tmp_path, prefix=f".{jid}.ckpt.", suffix=".tmp")
     os.close(fd)
-    for f in (tmp_path / f"{jid}.json", tmp_path / f"{jid}.ckpt", Path(tmp)):
+    for f in (tmp_path / f"{jid}.json", tmp_path / f"{jid}.ckpt", tmp_path / f"{jid}.ckpt.plot", Path(tmp)):
         assert JobManager.job_of(f) == jid, f.name

@@ -168,6 +168,32 @@ def test_interrupted_build_then_resume_equals_clean_build(tmp_path, encoder):
     assert build(broken, encoder, plan, batch_windows=8, progress=False)["up_to_date"]
 
 
+def test_a_build_interrupted_with_one_encoders_weights_is_not_resumed_with_anothers(tmp_path, encoder):
+    """A branch's encoder changes with its training: the weights' fingerprint is part of what a
+    resume must match, so the stored values all come from one encoder."""
+    import copy
+
+    keys, counts = count_ngrams([[1, 5, 6, 7, 8, 9, 2], [1, 9, 8, 7, 2], [1, 3, 4, 5, 2]])
+    plan = plan_keys(keys, counts, Selection("all"), vocab_size=40)
+    store = PlotStore(tmp_path / "p", meta=META, readonly=False)
+
+    def killed(fraction, info):
+        if info["entries"] >= 16:
+            raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        build(store, encoder, plan, batch_windows=8, progress=False, on_progress=killed, weights="trained-a")
+    other = copy.deepcopy(encoder)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(0.1)
+    assert build(store, other, plan, batch_windows=8, progress=False, weights="trained-b")["resumed_from"] == 0
+    clean = PlotStore(tmp_path / "clean", meta=META, readonly=False)
+    build(clean, other, plan, batch_windows=8, progress=False)
+    np.testing.assert_array_equal(store.get_many(plan)[0], clean.get_many(plan)[0])
+    assert build(store, other, plan, progress=False, weights="trained-b")["up_to_date"]
+
+
 def test_lookup_merge_equals_windowed_computation(tmp_path, encoder):
     ids = np.array([[1, 5, 6, 7, 2, 0], [1, 9, 8, 2, 0, 0]])
     mask = (ids > 0).astype(np.int64)

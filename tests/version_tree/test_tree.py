@@ -261,6 +261,49 @@ def test_a_stopped_distillation_continues_from_its_checkpoint_to_the_weights_of_
     assert "resumed_at_step" not in fresh
 
 
+def _entries(store_dir):
+    from hmi.plot.store import PlotStore
+
+    store = PlotStore(store_dir)
+    try:
+        keys = store.keys()
+        return keys, store.get_many(keys)[0]
+    finally:
+        store.close()
+
+
+def test_a_branch_job_killed_in_its_plot_build_goes_on_from_the_last_chunk_written(root, tmp_path, monkeypatch):
+    """A job that keeps a checkpoint builds its branch's PLOT beside it: run again after a kill,
+    it goes on from the last chunk written (not from nothing) and ends with the PLOT of an
+    uninterrupted build, leaving nothing beside the checkpoint."""
+    import hmi.version_tree.tree as tree_mod
+    from hmi.plot.build import build as real_build
+
+    chunk = 4096
+
+    def small_chunks(*a, kill_after=None, **kw):
+        def hear(fraction, info):
+            if kill_after is not None and info["entries"] >= kill_after:
+                raise KeyboardInterrupt("killed during the PLOT build")
+        return real_build(*a, **{**kw, "batch_windows": chunk, "on_progress": hear})
+
+    lines, tree = corpus(seed=5), VersionTree(root, tmp_path)
+    ckpt = tmp_path / "jobs" / "job.ckpt"
+    ckpt.parent.mkdir()
+    monkeypatch.setattr(tree_mod, "build", lambda *a, **kw: small_chunks(*a, kill_after=3 * chunk, **kw))
+    with pytest.raises(KeyboardInterrupt):
+        tree.create("legal", "root", lines, fpt=FAST, progress=False, checkpoint=ckpt)
+    assert tree_mod.kept_plot_dir(ckpt).is_dir()
+    monkeypatch.setattr(tree_mod, "build", small_chunks)
+    again = tree.create("legal", "root", lines, fpt=FAST, progress=False, checkpoint=ckpt)
+    assert again.plot["resumed_from"] == 3 * chunk and not tree_mod.kept_plot_dir(ckpt).exists()
+
+    whole = tree.create("legal-whole", "root", lines, fpt=FAST, progress=False)
+    assert whole.plot["resumed_from"] == 0 and whole.plot["entries"] == again.plot["entries"]
+    (k1, v1), (k2, v2) = (_entries(tree.node_dir(node) / "plot") for node in (again, whole))
+    assert np.array_equal(k1, k2) and np.array_equal(v1, v2)
+
+
 @pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16: bf16 GEMMs change nothing here")
 def test_a_domain_branch_of_mpnet_base_distils_its_steps_as_the_roots_calibration_does(root):
     """mpnet-base's recipe computes a step with bf16 GEMMs and windows on their present tokens; a
