@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_tenants import scheduler_rps, trace, warm_page_cache  # noqa: E402
-from benchmarks.common import adapter_variants, finish, prepared_root, round_robin, start, table  # noqa: E402
+from benchmarks.common import adapter_variants, cut_texts, finish, prepared_root, round_robin, start, table  # noqa: E402
 
 B, TENANTS, LABELS = 32, 100, tuple("abcde")
 SHAPES = ((1, 16), (4, 16), (8, 32), (16, 32), (32, 32), (16, 64), (32, 64), (32, 128))
@@ -88,12 +88,8 @@ def main() -> None:
     for i in range(TENANTS):
         store.save(f"t{i:05d}", spec, variants[i % B])
     entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(TENANTS)}
-    def cut(task: str) -> list[str]:  # the texts as a client that cuts at the limit sends them
-        ids = tok([r["text"] for r in load_task(task, "test")], truncation=True, max_length=128)["input_ids"]
-        texts = [tok.decode(x[1:-1]) for x in ids]
-        return [t for t in texts if len(tok(t)["input_ids"]) <= 128]
-
-    news, reviews = cut("news-topic"), cut("review-sentiment")
+    news, reviews = (cut_texts(tok, [r["text"] for r in load_task(task, "test")], 128)
+                     for task in ("news-topic", "review-sentiment"))
     mixed = [t for pair in zip(news, reviews) for t in pair]
     workloads = {"news (long)": news, "reviews (short)": reviews, "news and reviews, half and half": mixed}
     measured, warm, rounds = (4, 1, 1) if args.quick else (12, 2, 5)

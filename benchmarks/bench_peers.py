@@ -40,7 +40,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_tenants import scheduler_rps, trace, warm_page_cache  # noqa: E402
-from benchmarks.common import DOCS, adapter_variants, finish, machine, prepared_root, round_robin, start, table  # noqa: E402
+from benchmarks.common import DOCS, adapter_variants, cut_texts, finish, machine, prepared_root, round_robin, start, table  # noqa: E402
 
 B, COUNTS, LENGTHS, RANK, LABELS = 32, (1, 100, 1000), (64, 128), 8, tuple("abcde")
 PEFT_CAP = 100
@@ -238,8 +238,7 @@ def main() -> None:
     # -- rows/s against tenants -----------------------------------------------------------------
     rounds = 1 if args.quick else 5
     for length in LENGTHS:
-        texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw]
-        texts = [t for t in texts if len(tok(t)["input_ids"]) == length] or texts
+        texts = cut_texts(tok, raw, length, exact=True) or cut_texts(tok, raw, length)
         for n in COUNTS:
             cell = {"hmi": [], "hmi_hot": [], "peft": [], "peft_hmi_kernels": []}
             sides = [("hmi", lookup, "fp32"), ("hmi_hot", hot_lookup, "fp32")]
@@ -291,7 +290,7 @@ def main() -> None:
     upper = merged_upper(plain, l_low, w, spec.scaling)
     full = Classifier(plain, len(LABELS)).eval()
     for length in LENGTHS:
-        texts = [tok.decode(tok(t, truncation=True, max_length=length)["input_ids"][1:-1]) for t in raw][:B]
+        texts = cut_texts(tok, raw, length)[:B]
         enc = tok(texts, padding=True, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
         hidden = lookup.merged(ids.numpy(), mask.numpy())

@@ -105,6 +105,14 @@ def real_batch(tokenizer, batch: int = 32, length: int = 128) -> tuple:
     return ids, np.ones_like(ids)
 
 
+def cut_texts(tokenizer, texts: list[str], length: int, exact: bool = False) -> list[str]:
+    """``texts`` as a client that cuts them at ``length`` tokens sends them (the cut ids decoded),
+    keeping those that tokenize again within ``length`` tokens (exactly ``length`` with ``exact``)."""
+    cut = [tokenizer.decode(ids[1:-1]) for ids in tokenizer(list(texts), truncation=True, max_length=length)["input_ids"]]
+    sizes = [len(ids) for ids in tokenizer(cut)["input_ids"]]
+    return [t for t, n in zip(cut, sizes) if (n == length if exact else n <= length)]
+
+
 def finish(name: str, text: str, result: dict, command: str) -> None:
     """Prints the table and writes docs/<name>.md; the last printed line is the JSON result."""
     DOCS.mkdir(exist_ok=True)
