@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hmi.home import hmi_home
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.further_pretrain import summary as fpt_summary
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
-from hmi.version_tree.tree import DomainError, VersionTree
+from hmi.version_tree.tree import DomainError, VersionTree, kept_plot_dir
 
 
 def _tree():
@@ -44,10 +45,38 @@ def cmd_domain_create(args):
     if _domain_via_server(args):
         return _domain_client(args, "create")
 
-    node = _tree().create(args.name, args.parent, read_corpus_arg(args.corpus), args.alpha,
-                          _fpt_config(args))
+    tree, lines = _tree(), read_corpus_arg(args.corpus)
+    node = _kept_until_done(tree.resume_checkpoint("create", args.name), lambda checkpoint: tree.create(
+        args.name, args.parent, lines, args.alpha, _fpt_config(args), checkpoint=checkpoint))
     print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries, its tri-grams covering "
           f"{node.corpus['covered_occurrences']:.1%} of tri-gram occurrences; {fpt_summary(node.fpt)}")
+
+
+def _kept_until_done(checkpoint: Path, run):
+    """``run(checkpoint)``, a local create or update that a stop does not lose: its distillation
+    and PLOT build are kept at ``checkpoint`` (``VersionTree.resume_checkpoint``) until it ends, and
+    the same command run again after Ctrl+C, a kill or a crash continues from them (a different
+    corpus or setting starts over).  Says where it continued from."""
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        node = run(checkpoint)
+    except KeyboardInterrupt:
+        print("hmi: stopped; the same command run again continues from its last checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
+    except DomainError:
+        _forget(checkpoint)
+        raise
+    _forget(checkpoint)
+    step, entry = node.fpt.get("resumed_at_step"), node.plot.get("resumed_from")
+    if step or entry:
+        print(f"continued an earlier run of this command: distillation from step {step or 0}, "
+              f"the PLOT build from entry {entry or 0}")
+    return node
+
+
+def _forget(checkpoint: Path) -> None:
+    checkpoint.unlink(missing_ok=True)
+    shutil.rmtree(kept_plot_dir(checkpoint), ignore_errors=True)
 
 
 @run_client
@@ -72,7 +101,9 @@ def cmd_domain_update(args):
     if _domain_via_server(args):
         return _domain_client(args, "update")
 
-    node = _tree().update(args.name, read_corpus_arg(args.corpus), _fpt_config(args))
+    tree, lines = _tree(), read_corpus_arg(args.corpus)
+    node = _kept_until_done(tree.resume_checkpoint("update", args.name), lambda checkpoint: tree.update(
+        args.name, lines, _fpt_config(args), checkpoint=checkpoint))
     print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
           f"{fpt_summary(node.fpt)}")
 

@@ -287,6 +287,12 @@ class VersionTree:
                 (base / f).unlink(missing_ok=True)
             shutil.rmtree(base / "plot", ignore_errors=True)
 
+    def resume_checkpoint(self, verb: str, name: str) -> Path:
+        """Where a local ``verb`` ("create", "update") of ``name`` (``hmi domain``) keeps its
+        distillation checkpoint and, beside it, its PLOT build until it ends (``create``'s
+        ``checkpoint``): under ``calibration/``, the resumable work that backups leave out."""
+        return self.home / "calibration" / "domains" / self.root.artifact_id / f"{verb}-{name}.ckpt"
+
     def _work_dir(self, name: str) -> Path:
         work = self.dir / f".building-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         work.mkdir()
