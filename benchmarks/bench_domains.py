@@ -46,6 +46,7 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
     (table rows, results)."""
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import load_corpus, load_task, task_labels
+    from hmi.model.root import weights_fingerprint
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import plot_meta
@@ -90,7 +91,8 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
                 enc = tree.encoder(node.name)
                 keys, counts = count_ngrams(tokenize_corpus(tok, lines, 128, progress=False))
                 stores.append(PlotStore(cells.folder / f"{domain}-distill-1.0", meta=plot_meta(root), readonly=False))
-                build(stores[-1], enc, plan_keys(keys, counts, Selection("alpha", alpha=1.0), len(tok)), progress=True)
+                build(stores[-1], enc, plan_keys(keys, counts, Selection("alpha", alpha=1.0), len(tok)), progress=True,
+                      weights=weights_fingerprint(enc))  # a branch distilled again is built again
                 variants["branch, distill, alpha 1.0"] = ([PlotVersion("distill@1.0", stores[-1], enc), root_version],
                                                           node, None)
 
