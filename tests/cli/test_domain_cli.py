@@ -4,6 +4,7 @@ import pytest
 
 import hmi.cli.domains as domains_cli
 import hmi.version_tree.tree as tree_mod
+from hmi.bootstrap import ensure_data
 from hmi.cli import main
 from hmi.data import load_corpus
 from hmi.home import hmi_home
@@ -16,6 +17,7 @@ def test_a_local_domain_create_stopped_in_its_plot_build_continues_there_when_ru
     """Ctrl+C during the branch's PLOT build: the command says how to go on; run again, it takes the
     distillation's last checkpoint and the PLOT's last chunk written, and leaves nothing behind."""
     monkeypatch.setattr(domains_cli, "load_current_root", lambda: real_root)
+    ensure_data()  # the packaged corpora, prepared once per checkout
     corpus = tmp_path / "licenses.txt"
     corpus.write_text("\n".join(load_corpus("legal", 500)) + "\n")
     real_build = tree_mod.build
