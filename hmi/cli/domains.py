@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from hmi.home import hmi_home
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.further_pretrain import summary as fpt_summary
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
-from hmi.version_tree.tree import DomainError, VersionTree, kept_plot_dir
+from hmi.version_tree.tree import DomainError, VersionTree, forget_checkpoint
 
 
 def _tree():
@@ -64,19 +63,14 @@ def _kept_until_done(checkpoint: Path, run):
         print("hmi: stopped; the same command run again continues from its last checkpoint", file=sys.stderr)
         raise SystemExit(130) from None
     except DomainError:
-        _forget(checkpoint)
+        forget_checkpoint(checkpoint)
         raise
-    _forget(checkpoint)
+    forget_checkpoint(checkpoint)
     step, entry = node.fpt.get("resumed_at_step"), node.plot.get("resumed_from")
     if step or entry:
         print(f"continued an earlier run of this command: distillation from step {step or 0}, "
               f"the PLOT build from entry {entry or 0}")
     return node
-
-
-def _forget(checkpoint: Path) -> None:
-    checkpoint.unlink(missing_ok=True)
-    shutil.rmtree(kept_plot_dir(checkpoint), ignore_errors=True)
 
 
 @run_client

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import uuid
@@ -36,7 +35,7 @@ from hmi.dispatcher.registry import UNFINISHED, Registry, process_owner
 from hmi.dispatcher.validation import ApiError
 from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 from hmi.io import atomic_write_json
-from hmi.version_tree.tree import kept_plot_dir
+from hmi.version_tree.tree import forget_checkpoint
 
 log = logging.getLogger("hmi.jobs")
 
@@ -225,9 +224,9 @@ class JobManager:
     def _forget_files(self, job_id: str) -> None:
         """Every file kept for a job that ended (``job_of`` lists them)."""
         if self.inputs is not None:
-            for f in (self._input(job_id), self.checkpoint_file(job_id), *self.inputs.glob(f".{job_id}.*.tmp")):
+            for f in (self._input(job_id), *self.inputs.glob(f".{job_id}.*.tmp")):
                 f.unlink(missing_ok=True)
-            shutil.rmtree(kept_plot_dir(self.checkpoint_file(job_id)), ignore_errors=True)
+            forget_checkpoint(self.checkpoint_file(job_id))
 
     def _enqueue(self, job: dict, data: dict) -> None:
         self._cancel[job["id"]] = self.launcher.event()

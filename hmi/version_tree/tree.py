@@ -353,6 +353,13 @@ def kept_plot_dir(checkpoint: Path) -> Path:
     return checkpoint.with_name(checkpoint.name + ".plot")
 
 
+def forget_checkpoint(checkpoint: Path) -> None:
+    """Removes what a branch job kept to resume from: its distillation checkpoint and its PLOT
+    build beside it (``kept_plot_dir``); either may be absent."""
+    checkpoint.unlink(missing_ok=True)
+    shutil.rmtree(kept_plot_dir(checkpoint), ignore_errors=True)
+
+
 class _FileLock:
     def __init__(self, path: Path):
         self.path = path
