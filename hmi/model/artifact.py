@@ -23,6 +23,7 @@ from transformers import BertModel
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, fsync_dir, sha256_file
+from hmi.model.aliases import DEFAULT_L_LOW
 from hmi.model.catalog import root_spec
 from hmi.model.hplm import HPLM, WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer, weights_fingerprint
@@ -168,8 +169,12 @@ def load_root(artifact_id: str | None = None, home: Path | None = None, spec: Ro
     (the default root's when no spec is given); without ``spec``, the root the artifact records."""
     artifact_id = artifact_id or current_artifact_id(home, spec.pointer if spec else "current")
     if artifact_id is None:
-        named = f" --root {spec.source} --l-low {spec.l_low}" if spec and spec.source else ""
-        raise ArtifactMissingError(f"no calibrated root yet: run `hmi calibrate{named}` first")
+        if spec is None or (spec.source is None and spec.l_low == DEFAULT_L_LOW):
+            # The default root's artifact ships with hmi: installing it takes seconds, calibrating minutes.
+            raise ArtifactMissingError("no calibrated root yet: run `hmi prepare` first (it installs the calibrated "
+                                       "default root shipped with hmi)")
+        named = f" --root {spec.source}" if spec.source else ""
+        raise ArtifactMissingError(f"no calibrated root yet: run `hmi calibrate{named} --l-low {spec.l_low}` first")
     meta = artifact_config(artifact_id, home)
     if spec is None:
         source = meta.get("root_source")

@@ -152,13 +152,20 @@ def test_shipped_artifact_is_installed_only_for_its_root_and_only_when_intact(tm
         install_shipped(root.bert, 2, tmp_path / "c", shipped)
 
 
-def test_load_root_without_artifact_says_to_calibrate(tmp_path):
+def test_load_root_without_artifact_says_to_prepare_the_default_and_to_calibrate_another(tmp_path):
     import pytest
 
     from hmi.model.artifact import ArtifactMissingError
+    from hmi.model.root import RootSpec
 
-    with pytest.raises(ArtifactMissingError, match="hmi calibrate"):
+    # The default root's artifact ships with hmi: `hmi prepare` installs it in seconds.
+    with pytest.raises(ArtifactMissingError, match="run `hmi prepare` first"):
         load_root(home=tmp_path)
+    # Another split or another root has none to install: it must be calibrated.
+    with pytest.raises(ArtifactMissingError, match="run `hmi calibrate --l-low 2` first"):
+        load_root(home=tmp_path, spec=RootSpec(model_dir=str(tmp_path), l_low=2))
+    with pytest.raises(ArtifactMissingError, match="run `hmi calibrate --root mpnet-base --l-low 6` first"):
+        load_root(home=tmp_path, spec=RootSpec(model_dir=str(tmp_path), l_low=6, source="mpnet-base"))
 
 
 def test_each_half_of_the_corpus_is_read_with_the_other_halfs_ngrams():
