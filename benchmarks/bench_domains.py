@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cells import Cells  # noqa: E402
-from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.common import DOCS, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
 VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
@@ -156,7 +156,7 @@ def main() -> None:
     config = {"format": 1, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": root.spec.l_low,
               "plot": (root_version.store.get_record("build") or {}).get("fingerprint"), "steps": args.steps,
               "lines": max_lines, "train": n_train, "test": n_test}
-    cells = Cells("bench_domains", config, max_minutes=args.max_minutes, fresh=args.fresh)
+    cells = Cells("bench_domains", config, max_minutes=args.max_minutes, fresh=args.fresh, record_dir=DOCS / "cells")
     if args.fresh:
         shutil.rmtree(cells.folder / "home", ignore_errors=True)
     try:

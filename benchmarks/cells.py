@@ -9,6 +9,15 @@ loses at most the cell it was in.  The config hash covers everything that makes 
 comparable (root artifact, data sizes, epochs, code format): another configuration starts afresh
 and leaves this one's cells alone.
 
+A home can be lost between runs (another machine, a wiped disk), and a table of 12-layer runs
+takes longer than one machine is kept. So a benchmark may also keep its finished cells in a
+*record* that travels with the project: one JSON-lines file per configuration,
+``<record_dir>/<benchmark>-<config hash>.jsonl`` (the benchmarks pass ``docs/cells/``, beside
+their results pages), its first line the configuration, then one line per finished cell (with the machine that ran it). A cell
+is read back from the home or from the record; every cell a run finishes or reads back from its
+home is added to the record (rewritten atomically), so the same command on a fresh home, with
+the record committed, continues where the table stopped.
+
 ``max_minutes`` limits one invocation, not the recipe: a cell starts only while the invocation's
 elapsed time is under it, so every invocation finishes at least one cell and the next invocation
 of the same command continues after it."""
@@ -21,8 +30,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from benchmarks.common import machine
 from hmi.home import hmi_home
-from hmi.io import atomic_write_json
+from hmi.io import atomic_write_json, atomic_write_text
 from hmi.timelimit import OutOfTime, TimeLimit
 
 
@@ -33,38 +43,76 @@ def digest(obj) -> str:
 
 class Cells:
     def __init__(self, benchmark: str, config: dict, max_minutes: float | None = None, fresh: bool = False,
-                 home: Path | None = None):
+                 home: Path | None = None, record_dir: Path | None = None):
+        self.config = config
         self.folder = (home or hmi_home()) / "runs" / benchmark / digest(config)
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "config.json", config)
+        self.record = None if record_dir is None else record_dir / f"{benchmark}-{digest(config)}.jsonl"
         if fresh:
             for f in self.folder.glob("cell-*.json"):
                 f.unlink()
+            if self.record is not None:
+                self.record.unlink(missing_ok=True)
+        self.recorded = self._read_record()
         self.limit = TimeLimit(max_minutes)
         self.reused = self.ran = 0
 
     def _path(self, key: dict) -> Path:
         return self.folder / f"cell-{digest(key)}.json"
 
-    def done(self, key: dict) -> dict | None:
-        """The result of cell ``key`` if an earlier run finished it (None when absent or unreadable)."""
+    def _read_record(self) -> dict[str, dict]:
+        """The record's cells by key digest: those of this configuration whose lines read whole
+        (a record of another configuration, or a line cut short, is not read)."""
+        try:
+            lines = self.record.read_text().splitlines() if self.record is not None else []
+        except OSError:
+            return {}
+        cells = []
+        for line in lines:
+            try:
+                cells.append(json.loads(line))
+            except ValueError:
+                continue
+        if not cells or not isinstance(cells[0], dict) or digest(cells[0].get("config")) != digest(self.config):
+            return {}
+        return {digest(c["key"]): c for c in cells[1:] if isinstance(c, dict) and {"key", "result"} <= set(c)}
+
+    def _kept(self, key: dict) -> dict | None:
+        """Cell ``key`` as kept in the home, else in the record (None when in neither or unreadable)."""
         try:
             stored = json.loads(self._path(key).read_text())
         except (OSError, ValueError):
-            return None
-        return stored.get("result") if isinstance(stored, dict) and stored.get("key") == key else None
+            stored = self.recorded.get(digest(key))
+        return stored if isinstance(stored, dict) and stored.get("key") == key else None
+
+    def done(self, key: dict) -> dict | None:
+        """The result of cell ``key`` if an earlier run finished it (None when absent or unreadable)."""
+        stored = self._kept(key)
+        return None if stored is None else stored.get("result")
 
     def run(self, key: dict, fn: Callable[[], dict]) -> dict:
         """Cell ``key``'s result: read back when finished before, else ``fn()`` (a JSON-able dict),
         kept once it returns. Raises ``OutOfTime`` instead of starting a cell past ``max_minutes``."""
-        result = self.done(key)
-        if result is not None:
+        stored = self._kept(key)
+        if stored is not None:
             self.reused += 1
-            return result
+            self._add_to_record(stored)
+            return stored["result"]
         t0 = time.monotonic()
         result = self.work(fn)
-        atomic_write_json(self._path(key), {"key": key, "result": result, "seconds": round(time.monotonic() - t0, 1)})
+        stored = {"key": key, "result": result, "seconds": round(time.monotonic() - t0, 1), "machine": machine()}
+        atomic_write_json(self._path(key), stored)
+        self._add_to_record(stored)
         return result
+
+    def _add_to_record(self, cell: dict) -> None:
+        if self.record is None or digest(cell["key"]) in self.recorded:
+            return
+        self.recorded[digest(cell["key"])] = cell
+        self.record.parent.mkdir(parents=True, exist_ok=True)
+        lines = [{"config": self.config}, *self.recorded.values()]
+        atomic_write_text(self.record, "".join(json.dumps(c, sort_keys=True) + "\n" for c in lines))
 
     def work(self, fn: Callable[[], object]):
         """``fn()``, under the limit of ``run``: a unit of work that keeps its own result (a
@@ -78,4 +126,4 @@ class Cells:
 
     def summary(self) -> str:
         return (f"{self.ran} cell(s) run, {self.reused} reused from earlier runs "
-                f"(kept in {self.folder})")
+                f"(kept in {self.folder}" + (f" and recorded in {self.record})" if self.record else ")"))

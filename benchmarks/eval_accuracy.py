@@ -51,6 +51,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    DOCS,
     adapter_options,
     describe_adapter,
     finish,
@@ -288,7 +289,8 @@ def main() -> None:
     cells = Cells("eval_accuracy", {
         "format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
         "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
-        "epochs": epochs, "max_len": max_len, "adapter": adapter}, max_minutes=args.max_minutes, fresh=args.fresh)
+        "epochs": epochs, "max_len": max_len, "adapter": adapter}, max_minutes=args.max_minutes, fresh=args.fresh,
+        record_dir=DOCS / "cells")
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     def report(done: list[str]) -> None:

@@ -2,6 +2,8 @@
 reads back what an earlier run finished, a time limit stops one invocation without losing a
 finished cell, and another configuration never reads this one's cells."""
 
+import json
+
 import pytest
 
 from benchmarks.cells import Cells
@@ -73,3 +75,49 @@ def test_work_that_keeps_its_own_result_counts_against_the_same_time_limit_as_ce
     with pytest.raises(OutOfTime):
         cells.work(lambda: done.append("second branch"))
     assert done == ["branch"] and cells.ran == 1
+
+
+def test_a_table_recorded_on_one_home_continues_on_a_fresh_home_from_its_record(tmp_path):
+    """A lost home loses nothing the record holds: another home with the same record reads its
+    cells back and adds the new ones."""
+    calls, record = [], tmp_path / "docs" / "cells"
+    first = Cells("bench", CONFIG, home=tmp_path / "a", record_dir=record)
+    first.run({"task": "t", "lr": 1e-4}, counting(calls, 0.8))
+    first.run({"task": "t", "lr": 5e-5}, counting(calls, 0.7))
+    elsewhere = Cells("bench", CONFIG, home=tmp_path / "b", record_dir=record)
+    assert elsewhere.run({"task": "t", "lr": 1e-4}, counting(calls, 0.1)) == {"dev": 0.8, "test": 0.4}
+    assert elsewhere.run({"task": "t", "lr": 5e-5}, counting(calls, 0.1)) == {"dev": 0.7, "test": 0.35}
+    elsewhere.run({"task": "t", "lr": 2e-5}, counting(calls, 0.6))
+    assert calls == [0.8, 0.7, 0.6] and (elsewhere.ran, elsewhere.reused) == (1, 2)
+    (path,) = record.glob("bench-*.jsonl")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"config": CONFIG} and [c["key"]["lr"] for c in lines[1:]] == [1e-4, 5e-5, 2e-5]
+    assert all("CPU cores" in c["machine"] for c in lines[1:])  # each cell says where it was measured
+
+
+def test_cells_kept_in_a_home_join_the_record_when_read_back(tmp_path):
+    calls, record = [], tmp_path / "cells"
+    Cells("bench", CONFIG, home=tmp_path / "a").run({"task": "t"}, counting(calls, 0.8))
+    Cells("bench", CONFIG, home=tmp_path / "a", record_dir=record).run({"task": "t"}, counting(calls, 0.1))
+    assert Cells("bench", CONFIG, home=tmp_path / "b", record_dir=record).run({"task": "t"}, counting(calls, 0.1)) \
+        == {"dev": 0.8, "test": 0.4}
+    assert calls == [0.8]
+
+
+def test_a_record_cut_short_or_of_another_configuration_is_not_read_and_fresh_removes_it(tmp_path):
+    calls, record = [], tmp_path / "cells"
+    cells = Cells("bench", CONFIG, home=tmp_path / "a", record_dir=record)
+    for task in ("t", "u"):
+        cells.run({"task": task}, counting(calls, 0.8))
+    cells.record.write_text(cells.record.read_text()[:-10])  # the last line cut short by a crash
+    again = Cells("bench", CONFIG, home=tmp_path / "b", record_dir=record)
+    again.run({"task": "t"}, counting(calls, 0.1))
+    again.run({"task": "u"}, counting(calls, 0.6))
+    assert calls == [0.8, 0.8, 0.6]
+    # A record whose first line names another configuration (edited, or of other code) is not read.
+    other = Cells("bench", {**CONFIG, "epochs": 5}, home=tmp_path / "c", record_dir=record)
+    other.record.write_text(cells.record.read_text())
+    Cells("bench", {**CONFIG, "epochs": 5}, home=tmp_path / "c", record_dir=record).run({"task": "t"}, counting(calls, 0.5))
+    assert calls == [0.8, 0.8, 0.6, 0.5]
+    Cells("bench", CONFIG, fresh=True, home=tmp_path / "b", record_dir=record)
+    assert not cells.record.exists()
