@@ -44,11 +44,11 @@ def digest(obj) -> str:
 class Cells:
     def __init__(self, benchmark: str, config: dict, max_minutes: float | None = None, fresh: bool = False,
                  home: Path | None = None, record_dir: Path | None = None):
-        self.config = config
-        self.folder = (home or hmi_home()) / "runs" / benchmark / digest(config)
+        self.config, config_hash = config, digest(config)
+        self.folder = (home or hmi_home()) / "runs" / benchmark / config_hash
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_json(self.folder / "config.json", config)
-        self.record = None if record_dir is None else record_dir / f"{benchmark}-{digest(config)}.jsonl"
+        self.record = None if record_dir is None else record_dir / f"{benchmark}-{config_hash}.jsonl"
         if fresh:
             for f in self.folder.glob("cell-*.json"):
                 f.unlink()
@@ -85,11 +85,6 @@ class Cells:
         except (OSError, ValueError):
             stored = self.recorded.get(digest(key))
         return stored if isinstance(stored, dict) and stored.get("key") == key else None
-
-    def done(self, key: dict) -> dict | None:
-        """The result of cell ``key`` if an earlier run finished it (None when absent or unreadable)."""
-        stored = self._kept(key)
-        return None if stored is None else stored.get("result")
 
     def run(self, key: dict, fn: Callable[[], dict]) -> dict:
         """Cell ``key``'s result: read back when finished before, else ``fn()`` (a JSON-able dict),
