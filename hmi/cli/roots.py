@@ -42,7 +42,7 @@ from hmi.plot.store import PlotStore
 from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.timelimit import EXIT_UNFINISHED
 from hmi.training.calibrate import CalibrationUnfinished
-from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe, load_calibrated_decoder
+from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe
 from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, train_demo, train_demo_decoder
 
 
@@ -168,9 +168,8 @@ def cmd_plot_build(args) -> int:
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
     if args.decoder:
-        root = load_calibrated_decoder(hmi_home())
-        if root is None:
-            raise SystemExit("hmi: no calibrated decoder root yet; run `hmi calibrate --decoder` first")
+        quiet_transformers()
+        root = prepare_decoder(hmi_home())  # the shipped calibrated windows installed where the home has none
     else:
         root = load_current_root(args.root, args.l_low)
     out = Path(args.out) if args.out else root_plot_path(root)
@@ -196,8 +195,15 @@ def cmd_plot_stats(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    """Data, calibrated root and root PLOT of the embedded default, each only when missing."""
+    """Data, calibrated root and root PLOT of the embedded default (with ``--decoder``, of the hGPT
+    decoder root and its causal PLOT), each only when missing."""
     quiet_transformers()
+    if args.decoder:
+        ensure_data()
+        gpt = prepare_decoder(hmi_home())
+        ensure_root_plot(gpt, home=hmi_home())
+        print(f"ready: decoder root {gpt.artifact_id} and its causal PLOT in {hmi_home()}")
+        return 0
     root = prepare_default(hmi_home(), args.root, args.l_low)
     print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
     return 0
@@ -321,6 +327,9 @@ def _plot_args(parser) -> None:
 
 def _prepare_args(parser) -> None:
     add_root_options(parser)
+    parser.add_argument("--decoder", action="store_true",
+                        help="the hGPT decoder root (SmolLM2-135M: the calibrated windows shipped with hmi where "
+                             "they fit, else calibrated) and its causal PLOT, instead of the encoder root")
     parser.set_defaults(func=cmd_prepare)
 
 

@@ -10,7 +10,8 @@ from hmi.cli.roots import parse_selection
 
 def test_every_subcommand_has_help():
     parser = build_parser()
-    for argv in (["data", "prepare"], ["calibrate"], ["plot", "build"], ["plot", "stats", "x"], ["serve"], ["info"],
+    for argv in (["data", "prepare"], ["calibrate"], ["prepare", "--decoder"], ["plot", "build"], ["plot", "stats", "x"],
+                 ["serve"], ["info"],
                  ["demo"], ["infer", "t", "x"], ["tenant", "list"], ["jobs"], ["domain", "list"],
                  ["domain", "create", "d", "--corpus", "legal"]):
         assert parser.parse_args(argv).func

@@ -51,10 +51,16 @@ def test_shipped_decoder_windows_are_installed_only_for_their_decoder_and_split_
         install_shipped_decoder(tmp_path / "c", root, shipped)
 
 
-def test_the_packaged_decoder_finds_its_shipped_windows_and_prepare_installs_them_without_calibrating(tmp_path, capsys):
+def test_the_packaged_decoder_finds_its_shipped_windows_and_a_fresh_home_installs_them_without_calibrating(
+        tmp_path, capsys):
+    """``hmi plot build --decoder`` on a fresh home installs the shipped windows (it used to ask for
+    ``hmi calibrate --decoder``, minutes of work the package had already done) and builds the PLOT."""
     pytest.importorskip("gguf")
     from hmi.bootstrap import prepare_decoder
+    from hmi.cli import main
+    from hmi.home import hmi_home
     from hmi.model.decoder import DecoderNotFoundError, load_decoder
+    from hmi.plot.store import PlotStore
 
     try:
         decoder = load_decoder(l_low=2)
@@ -64,9 +70,15 @@ def test_the_packaged_decoder_finds_its_shipped_windows_and_prepare_installs_the
     assert folder is not None, "no shipped windows fit the installed decoder: run hmi calibrate --decoder and ship them"
     meta = json.loads((folder / "meta.json").read_text())
     assert meta["quality"]["ppl_calibrated"] < meta["quality"]["ppl_naive_window"]
-    root = prepare_decoder(tmp_path)
-    assert root.artifact_id == folder.name and "shipped with hmi" in capsys.readouterr().out
-    again = prepare_decoder(tmp_path)  # the second start finds it installed
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("The court held that the contract was void.\nThe appeal was dismissed.\n")
+    assert main(["plot", "build", "--decoder", "--corpus", str(corpus), "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert "shipped with hmi" in out and "calibrating" not in out
+    store = PlotStore(tmp_path / "plot", readonly=True)
+    assert store.meta.root_artifact == folder.name and store.stats()["entries"] > 0
+    store.close()
+    again = prepare_decoder(hmi_home())  # the next start finds it installed
     assert again.artifact_id == folder.name and "shipped" not in capsys.readouterr().out
 
 
