@@ -197,6 +197,9 @@ def cmd_plot_stats(args) -> int:
 def cmd_prepare(args) -> int:
     """Data, calibrated root and root PLOT of the embedded default (with ``--decoder``, of the hGPT
     decoder root and its causal PLOT), each only when missing."""
+    if args.decoder and (args.root != DEFAULT_ROOT or args.l_low is not None):
+        raise SystemExit("hmi: --decoder prepares the decoder root (SmolLM2-135M, its shipped split); --root and "
+                         "--l-low name an encoder root: prepare it with a second `hmi prepare` without --decoder")
     quiet_transformers()
     if args.decoder:
         ensure_data()

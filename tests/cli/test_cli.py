@@ -45,6 +45,12 @@ def test_calibrate_refuses_non_positive_settings_before_any_work():
             main(["calibrate", *argv])
 
 
+def test_prepare_decoder_refuses_an_encoder_root_before_any_work():
+    for argv in (["--root", "mpnet-base"], ["--l-low", "4"]):
+        with pytest.raises(SystemExit, match="--decoder prepares the decoder root"):
+            main(["prepare", "--decoder", *argv])
+
+
 def test_selection_parsing_and_errors():
     assert parse_selection("alpha:0.5").alpha == 0.5
     assert parse_selection("top_k:10").top_k == 10
