@@ -239,18 +239,29 @@ def _calibrate_decoder_child(home: str, l_low: int) -> None:
     calibrate_and_save(Path(home), l_low, decoder_recipe(l_low))
 
 
-def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW):
+def prepare_decoder(home: Path, l_low: int = DECODER_L_LOW, plot: bool = False):
     """The calibrated decoder root (SmolLM2-135M): the home's current one; else the calibrated
     windows shipped with the package where they fit the installed decoder (checked by fingerprint
     and sha256); else calibrated in a child process (its memory returns to the system when it
-    ends).  Its causal PLOT is left to ``build_root_plot_in_background(decoder=True)``."""
+    ends).  With ``plot`` its causal PLOT is built here (in the foreground, where missing or
+    unfinished); else it is left to ``build_root_plot_in_background(decoder=True)``."""
     from hmi.model.decoder import load_decoder
-    from hmi.training.calibrate_decoder import decoder_recipe, install_shipped_decoder, load_calibrated_decoder
+    from hmi.training.calibrate_decoder import load_calibrated_decoder
 
     decoder = load_decoder(l_low=l_low)
     root = load_calibrated_decoder(home, decoder)
-    if root is not None:
-        return root
+    if root is None:
+        root = _install_or_calibrate_decoder(home, decoder, l_low)
+    if plot:
+        from hmi.plot.paths import ensure_root_plot
+
+        ensure_root_plot(root, home=home)
+    return root
+
+
+def _install_or_calibrate_decoder(home: Path, decoder, l_low: int):
+    from hmi.training.calibrate_decoder import decoder_recipe, install_shipped_decoder, load_calibrated_decoder
+
     name = install_shipped_decoder(home, decoder)
     if name is not None:
         print(f"decoder root {name}: the calibrated windows shipped with hmi, checked against the decoder")

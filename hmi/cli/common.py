@@ -50,6 +50,17 @@ def add_root_options(parser) -> None:
                         help="how many lower layers become PLOT lookups (default: half the root's layers)")
 
 
+def refuse_encoder_root_with_decoder(args, command: str, l_low_too: bool = True) -> None:
+    """With ``--decoder`` a command works on the hGPT decoder root (SmolLM2-135M), so ``--root``
+    (and, where the command serves the decoder's shipped split only, ``--l-low``) names an encoder
+    root it would otherwise ignore in silence: refused before any work."""
+    named = args.root != DEFAULT_ROOT or (l_low_too and args.l_low is not None)
+    if args.decoder and named:
+        also = " and --l-low name" if l_low_too else " names"
+        raise SystemExit(f"hmi {command}: --decoder works on the decoder root (SmolLM2-135M); --root{also} an "
+                         f"encoder root: run a second `hmi {command}` without --decoder for it")
+
+
 def client_args(p):
     """The options of a command that calls a running server."""
     p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))

@@ -21,7 +21,7 @@ from hmi.bootstrap import (
     prepare_default,
     quiet_transformers,
 )
-from hmi.cli.common import add_root_options, read_corpus_arg
+from hmi.cli.common import add_root_options, read_corpus_arg, refuse_encoder_root_with_decoder
 from hmi.data import held_out_texts
 from hmi.home import hmi_home
 from hmi.model.aliases import ALIASES, DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
@@ -37,7 +37,7 @@ from hmi.model.decoder import CausalLower
 from hmi.model.root import full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import Selection, build_from_corpus
 from hmi.plot.lookup import PlotLookup, PlotVersion
-from hmi.plot.paths import ensure_root_plot, open_root_store, open_root_version, plot_meta, root_plot_path
+from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotStore
 from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.timelimit import EXIT_UNFINISHED
@@ -76,6 +76,7 @@ def report_check(shipped: str | None, made: str) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    refuse_encoder_root_with_decoder(args, "calibrate", l_low_too=False)  # --l-low: the decoder's split
     # Options left out keep CalibrationConfig's defaults, stated there only.
     given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr") if getattr(args, k) is not None}
     for k, v in {**given, "max_minutes": args.max_minutes}.items():
@@ -165,6 +166,7 @@ def load_current_root(root: str = DEFAULT_ROOT, l_low: int | None = None):
 
 
 def cmd_plot_build(args) -> int:
+    refuse_encoder_root_with_decoder(args, "plot build")
     sel = parse_selection(args.select)
     lines = read_corpus_arg(args.corpus)
     if args.decoder:
@@ -197,14 +199,11 @@ def cmd_plot_stats(args) -> int:
 def cmd_prepare(args) -> int:
     """Data, calibrated root and root PLOT of the embedded default (with ``--decoder``, of the hGPT
     decoder root and its causal PLOT), each only when missing."""
-    if args.decoder and (args.root != DEFAULT_ROOT or args.l_low is not None):
-        raise SystemExit("hmi: --decoder prepares the decoder root (SmolLM2-135M, its shipped split); --root and "
-                         "--l-low name an encoder root: prepare it with a second `hmi prepare` without --decoder")
+    refuse_encoder_root_with_decoder(args, "prepare")
     quiet_transformers()
     if args.decoder:
         ensure_data()
-        gpt = prepare_decoder(hmi_home())
-        ensure_root_plot(gpt, home=hmi_home())
+        gpt = prepare_decoder(hmi_home(), plot=True)
         print(f"ready: decoder root {gpt.artifact_id} and its causal PLOT in {hmi_home()}")
         return 0
     root = prepare_default(hmi_home(), args.root, args.l_low)
@@ -216,8 +215,7 @@ def demo_trainings(home: Path, decoder: bool):
     """(demo tenant, its fine-tune as a thunk, what it is trained on) for each encoder demo tenant,
     or with ``decoder`` for the decoder's (its causal PLOT built first where it is not)."""
     if decoder:
-        gpt = prepare_decoder(home)
-        ensure_root_plot(gpt, home=home)
+        gpt = prepare_decoder(home, plot=True)
         store = open_root_store(gpt, home)
         lookup = PlotLookup([PlotVersion("root", store, CausalLower(gpt))], policy="compute")  # as a server's
         identity = trained_on(gpt.artifact_id, weights_fingerprint(gpt.model), store)

@@ -45,10 +45,15 @@ def test_calibrate_refuses_non_positive_settings_before_any_work():
             main(["calibrate", *argv])
 
 
-def test_prepare_decoder_refuses_an_encoder_root_before_any_work():
-    for argv in (["--root", "mpnet-base"], ["--l-low", "4"]):
-        with pytest.raises(SystemExit, match="--decoder prepares the decoder root"):
-            main(["prepare", "--decoder", *argv])
+def test_decoder_commands_refuse_an_encoder_root_before_any_work():
+    """``--root`` (and ``--l-low`` where only the decoder's shipped split is served) would name an
+    encoder root that ``--decoder`` ignores: refused before data, models or PLOTs are touched."""
+    for command in (["prepare"], ["plot", "build"]):
+        for argv in (["--root", "mpnet-base"], ["--l-low", "4"]):
+            with pytest.raises(SystemExit, match=f"hmi {' '.join(command)}: --decoder works on the decoder root"):
+                main([*command, "--decoder", *argv])
+    with pytest.raises(SystemExit, match="hmi calibrate: --decoder works on the decoder root.*--root names"):
+        main(["calibrate", "--decoder", "--root", "mpnet-base"])
 
 
 def test_selection_parsing_and_errors():
