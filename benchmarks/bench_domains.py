@@ -7,7 +7,10 @@ bytes, tri-gram coverage and the measure its further pretraining reports.
 Each tenant: a bottleneck adapter trained and tested on the chain it is served with (branch -> root
 -> back-off), one run per seed; ``gain`` is the mean of the per-seed differences to the root PLOT,
 with their standard deviation, beside the test set's own noise (the binomial standard error of one
-accuracy on that many test texts).
+accuracy on that many test texts).  Tenants train at lr 3e-3; with ``--grid`` every tenant run
+(chain and seed) chooses its learning rate on dev from the hBERT grid of ``eval_accuracy.py``
+(the paper's protocol, the one the grid table applies to the frozen root with a head), and the
+page names the rates chosen.
 
 A run is resumable: its branches (distillation checkpointed every 25 steps) and every finished
 tenant run are kept under ``$HMI_HOME/runs/bench_domains/<config hash>/``, so the same command run
@@ -17,7 +20,7 @@ code 75 while runs are left), ``--fresh`` starts over.
 Usage: python benchmarks/bench_domains.py [--quick] [--domains reviews,legal] [--seeds N]
                                           [--variants mlm,distill,distill-1.0] [--steps N]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--max-minutes M] [--fresh]
+                                          [--grid] [--max-minutes M] [--fresh]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import DOCS, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.eval_accuracy import GRIDS, HBERT_LR, lr_text  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
 VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
@@ -40,10 +44,11 @@ TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "
 
 
 def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: list[str], seeds: list[int],
-            sizes: tuple[int, int, int]) -> tuple[list[tuple], dict]:
+            sizes: tuple[int, int, int], lrs: tuple[float, ...]) -> tuple[list[tuple], dict]:
     """Every domain's variants, each tenant run a cell of ``cells`` and the branches kept in its
     folder (a stopped run continues; raises ``OutOfTime`` when ``--max-minutes`` is spent):
-    (table rows, results)."""
+    (table rows, results).  With several ``lrs`` each chain and seed keeps the rate with the best
+    dev accuracy."""
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import load_corpus, load_task, task_labels
     from hmi.model.root import weights_fingerprint
@@ -67,13 +72,22 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
             train, dev, test = load_task(task, "train", n_train), load_task(task, "dev", n_test // 2), load_task(task, "test", n_test)
             spec = AdapterSpec(labels=tuple(task_labels(task)), pooling="mean")
 
-            def accuracy(name: str, chain) -> list[float]:
-                def run(s: int) -> dict:
+            def accuracy(name: str, chain) -> tuple[list[float], list[float]]:
+                """Per seed: the test accuracy at the rate dev chose, and that rate."""
+                def run(s: int, lr: float) -> dict:
                     m = finetune(root.bert, root.spec.l_low, PlotLookup(chain), tok, spec, train, dev, test,
-                                 FinetuneConfig(epochs=4, lr=3e-3, max_len=64, patience=4, seed=s), progress=False)
-                    return {"accuracy": round(100 * m[1]["test"]["accuracy"], 2)}
-                return [cells.run({"domain": domain, "served on": name, "seed": s}, lambda s=s: run(s))["accuracy"]
-                        for s in seeds]
+                                 FinetuneConfig(epochs=4, lr=lr, max_len=64, patience=4, seed=s), progress=False)
+                    return {"accuracy": round(100 * m[1]["test"]["accuracy"], 2),
+                            "dev": round(100 * m[1]["dev"]["accuracy"], 2)}
+
+                def key(s: int, lr: float) -> dict:  # a single rate keeps the keys of runs before --grid
+                    return {"domain": domain, "served on": name, "seed": s, **({"lr": lr} if len(lrs) > 1 else {})}
+                best = []
+                for s in seeds:
+                    tried = {lr: cells.run(key(s, lr), lambda s=s, lr=lr: run(s, lr)) for lr in lrs}
+                    lr = lrs[0] if len(lrs) == 1 else max(lrs, key=lambda lr: tried[lr]["dev"])
+                    best.append((tried[lr]["accuracy"], lr))
+                return [a for a, _ in best], [lr for _, lr in best]
 
             variants = {"root PLOT": ([root_version], None, None)}
             for objective in (o for o in ("mlm", "distill") if o in chosen):
@@ -99,7 +113,7 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
             base = None
             out = res["domains"].setdefault(domain, {"task": task, "test": len(test), "variants": {}})
             for name, (chain, node, secs) in variants.items():
-                accs = accuracy(name, chain)
+                accs, chosen_lrs = accuracy(name, chain)
                 base = accs if base is None else base
                 gains = np.array(accs) - np.array(base)
                 st = chain[0].store.stats() if node is not None else {}
@@ -108,14 +122,16 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
                 out["variants"][name] = {"accuracy": accs, "mean": round(mean, 2), "gain": round(float(gains.mean()), 2),
                                          "gain_sd": round(float(gains.std(ddof=1)) if len(seeds) > 1 else 0.0, 2),
                                          "test_se": round(noise, 2), "entries": st.get("entries", 0),
-                                         "fpt": node.fpt if node is not None else None, "seconds": secs}
+                                         "fpt": node.fpt if node is not None else None, "seconds": secs,
+                                         "lr_per_seed": chosen_lrs}
                 rows.append((domain, task, name, st.get("entries", "-"),
                              f"{st['file_bytes'] / 2**20:.0f}" if st else "-",
                              f"{node.corpus['covered_occurrences']:.2f}" if node is not None and "1.0" not in name else
                              ("1.00" if node is not None else "-"),
                              fpt_summary(node.fpt) if node is not None else "-",
-                             f"{mean:.2f}", "" if node is None else f"{gains.mean():+.2f} (sd {gains.std(ddof=1):.2f})",
-                             f"{noise:.2f}"))
+                             f"{mean:.2f}", "" if node is None else f"{gains.mean():+.2f}"
+                             + (f" (sd {gains.std(ddof=1):.2f})" if len(seeds) > 1 else ""),
+                             f"{noise:.2f}") + ((", ".join(f"{lr:g}" for lr in chosen_lrs),) if len(lrs) > 1 else ()))
                 print(rows[-1], flush=True)
     finally:
         for store in stores:
@@ -135,6 +151,9 @@ def main() -> None:
         ap.add_argument("--max-minutes", type=float, metavar="M",
                         help="stop this invocation once M minutes are spent (after the step in progress); the same "
                              "command run again continues; exit code 75 while runs are left")
+        ap.add_argument("--grid", action="store_true",
+                        help="each tenant run's learning rate chosen on dev from " + lr_text(GRIDS["hBERT"])
+                             + " (default: " + f"{HBERT_LR:g} for every run)")
         ap.add_argument("--fresh", action="store_true", help="forget the branches and runs of this configuration")
         root_options(ap)
 
@@ -156,34 +175,40 @@ def main() -> None:
     config = {"format": 1, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": root.spec.l_low,
               "plot": (root_version.store.get_record("build") or {}).get("fingerprint"), "steps": args.steps,
               "lines": max_lines, "train": n_train, "test": n_test}
+    lrs = GRIDS["hBERT"] if args.grid else (HBERT_LR,)
+    if args.grid:  # its cells hold dev accuracy too (a single rate's configuration, and so its cells, unchanged)
+        config["lr_grid"] = list(lrs)
     cells = Cells("bench_domains", config, max_minutes=args.max_minutes, fresh=args.fresh, record_dir=DOCS / "cells")
     if args.fresh:
         shutil.rmtree(cells.folder / "home", ignore_errors=True)
     try:
-        rows, res = measure(args, root, root_version, cells, domains, chosen, seeds, (max_lines, n_train, n_test))
+        rows, res = measure(args, root, root_version, cells, domains, chosen, seeds, (max_lines, n_train, n_test), lrs)
     except OutOfTime as exc:
         print(f"stopped: {exc} ({cells.summary()}); run the same command again to continue", flush=True)
         sys.exit(EXIT_UNFINISHED)
+    res["lr_chosen_on_dev"] = len(lrs) > 1
     for d, r in res["domains"].items():
         for objective in ("distill", "mlm"):
             if f"branch, {objective}, alpha 0.5" in r["variants"]:
                 res[f"{objective}_gain_{d}"] = r["variants"][f"branch, {objective}, alpha 0.5"]["gain"]
     text = table(rows, ("domain", "task", "served on", "branch entries", "MiB", "tri-gram occurrences covered",
                         "further pretraining (held-out domain lines)", f"test accuracy %, mean of {len(seeds)} seeds",
-                        "gain over root PLOT (per-seed sd)", "test-set SE"))
+                        "gain over root PLOT (per-seed sd)", "test-set SE")
+                 + (("learning rate per seed, chosen on dev",) if len(lrs) > 1 else ()))
     text += (f"\n\nRoot {root.spec.name}, split {root.spec.l_low}+{root.bert.config.num_hidden_layers - root.spec.l_low}. "
              f"Up to {max_lines} corpus lines per domain; "
              + (f"branches further pretrained {args.steps} steps (--steps; the product's defaults: " if args.steps else
                 "branches with the product's defaults (`hmi domain create`: ")
              + f"mlm {FPTConfig(objective='mlm').steps} steps, distill {FPTConfig().steps} steps). Each tenant: {n_train} "
-             f"training examples, a bottleneck adapter and a head on the token mean, 4 epochs, best dev epoch, trained "
+             f"training examples, a bottleneck adapter and a head on the token mean, 4 epochs, best dev epoch, learning "
+             f"rate {lr_text(lrs)}, trained "
              f"and tested on the chain it is served with (branch -> root -> back-off); one run per seed, the same seeds "
              f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer.")
-    finish(result_name("bench_domains", args), text, res,
+    finish(result_name("bench_domains", args) + ("_grid" if args.grid else ""), text, res,
            "python benchmarks/bench_domains.py" + (" --quick" if args.quick else "")
            + (f" --domains {args.domains}" if args.domains else "") + (f" --seeds {args.seeds}" if args.seeds else "")
            + (f" --variants {args.variants}" if args.variants != ",".join(VARIANTS) else "")
-           + (f" --steps {args.steps}" if args.steps else "")
+           + (f" --steps {args.steps}" if args.steps else "") + (" --grid" if args.grid else "")
            + root_flags(args))
 
 
