@@ -44,18 +44,29 @@ def test_calibration_reduces_loss_and_improves_cosine_on_tiny_config(tmp_path):
     assert artifact_config(aid, tmp_path)["quality"]["after"] == after
 
 
-def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path, monkeypatch):
+def with_dropout(root: Root, p: float = 0.1) -> Root:
+    """``root`` with its dropouts on, as the packaged roots' (0.1): calibration then draws masks."""
+    for m in [*root.bert.modules(), *root.windowed.modules()]:
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+    return root
+
+
+def test_calibration_stopped_and_resumed_reaches_the_uninterrupted_weights_bit_for_bit(tmp_path, monkeypatch):
+    """A stopped calibration continued from its checkpoint gives the artifact an uninterrupted run
+    gives (so the same recipe run again after a lost home names the same artifact), dropout
+    masks included: the checkpoint keeps torch's random state."""
     import pytest
 
     import hmi.training.calibrate as cal
 
     cfg = CalibrationConfig(steps=6, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=3)
-    a = tiny_root()
+    a = with_dropout(tiny_root())
     calibrate(a, TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "a", home=tmp_path / "ha", log=lambda *_: None)
 
     # Interrupted run: stop during step 4, after the step-3 checkpoint, then resume with a fresh
     # process state.
-    b = tiny_root()
+    b = with_dropout(tiny_root())
     short = cfg
     calls = {"n": 0}
     orig = cal.calibration_loss
@@ -78,11 +89,12 @@ def test_calibration_resumes_from_checkpoint_to_the_same_weights(tmp_path, monke
         return orig(*args, **kw)
 
     monkeypatch.setattr(cal, "calibration_loss", counted)
-    c = tiny_root()
+    c = with_dropout(tiny_root())
     calibrate(c, TEXTS, TEXTS[:2], short, work_dir=tmp_path / "b", home=tmp_path / "hb", log=lambda *_: None)
     assert resumed["n"] == 3  # steps 4-6 only: the first three came from the checkpoint
     for (k, x), (_, y) in zip(a.windowed.state_dict().items(), c.windowed.state_dict().items()):
-        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5, msg=k)
+        assert torch.equal(x, y), k
+    assert current_artifact_id(tmp_path / "ha") == current_artifact_id(tmp_path / "hb")
 
 
 def test_saved_artifact_round_trips_weights_and_takes_untouched_tensors_from_the_root(tmp_path):
