@@ -19,9 +19,13 @@ LINES = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in th
 RECIPE = DecoderCalibrationConfig(steps=30, batch_size=3, lr=3e-3, weight_logits=1.0)
 
 
-def tiny_root():
+def tiny_root(dropout: float = 0.0):
+    """The tiny decoder; with ``dropout`` its attention drops probabilities in training, so a
+    calibration draws masks (SmolLM2's is 0)."""
     root = tiny_decoder()
     root.tokenizer = CharTokenizer()
+    for layer in root.layers:
+        layer.self_attn.attention_dropout = dropout
     return root
 
 
@@ -31,19 +35,20 @@ def slow_machine(monkeypatch) -> dict:
     return slow_steps(monkeypatch, cd, "full_hidden")
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
 def test_a_time_limit_stops_a_decoder_calibration_at_a_checkpoint_and_the_same_call_ends_bit_for_bit(
-        tmp_path, slow_machine):
-    whole, info = calibrate_decoder(tiny_root(), LINES, RECIPE, progress=False, checkpoint=tmp_path / "whole.pt")
+        tmp_path, slow_machine, dropout):
+    whole, info = calibrate_decoder(tiny_root(dropout), LINES, RECIPE, progress=False, checkpoint=tmp_path / "whole.pt")
     assert info["train_seconds"] == 30.0
     slow_machine["n"] = 0
     run = {"progress": False, "checkpoint": tmp_path / "sliced.pt", "limit": None}
     for stop_at in (12, 24):
         run["limit"] = hmi.timelimit.TimeLimit(0.2)
         with pytest.raises(CalibrationUnfinished, match=f"stopped at step {stop_at} of 30"):
-            calibrate_decoder(tiny_root(), LINES, RECIPE, **run)
+            calibrate_decoder(tiny_root(dropout), LINES, RECIPE, **run)
         assert torch.load(tmp_path / "sliced.pt", weights_only=True)["step"] == stop_at
     run["limit"] = hmi.timelimit.TimeLimit(0.2)
-    sliced, info = calibrate_decoder(tiny_root(), LINES, RECIPE, **run)
+    sliced, info = calibrate_decoder(tiny_root(dropout), LINES, RECIPE, **run)
     assert slow_machine["n"] == 30  # every step once: each call went on from the last
     assert info["train_seconds"] == 30.0
     for (name, a), b in zip(whole.state_dict().items(), sliced.state_dict().values()):
