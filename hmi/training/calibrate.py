@@ -234,9 +234,9 @@ def same_recipe(saved: dict, config: dict) -> bool:
 
 
 def resume(ckpt_path: Path, cfg: CalibrationConfig, fingerprint: str, windowed, fit: Fit, log) -> tuple[dict | None, float]:
-    """Loads a checkpoint of this recipe on this root into ``windowed``, ``fit`` and torch's random
-    state (its dropout masks to come); returns (the
-    quality before calibration it recorded, its training seconds), (None, 0.0) when there is none."""
+    """Loads a checkpoint of this recipe on this root into ``windowed`` and ``fit`` (with torch's
+    random state, so the dropout masks to come are an uninterrupted run's); returns (the quality
+    before calibration it recorded, its training seconds), (None, 0.0) when there is none."""
     if not ckpt_path.exists():
         return None, 0.0
     ck = torch.load(ckpt_path, weights_only=True)
@@ -244,8 +244,6 @@ def resume(ckpt_path: Path, cfg: CalibrationConfig, fingerprint: str, windowed, 
         return None, 0.0
     windowed.load_state_dict(ck["model"])
     fit.load_state_dict(ck)
-    if "rng" in ck:  # the dropout masks of the steps to come, as an uninterrupted run draws them
-        torch.set_rng_state(ck["rng"])
     log(f"resuming calibration at step {fit.step_count}/{cfg.steps}")
     return json.loads(ck["before"]), ck.get("spent_seconds", 0.0)
 
@@ -284,7 +282,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
         return spent_before + limit.elapsed() - started
 
     def checkpoint() -> None:
-        state = {"model": windowed.state_dict(), **fit.state_dict(), "rng": torch.get_rng_state(), "config": asdict(cfg),
+        state = {"model": windowed.state_dict(), **fit.state_dict(), "config": asdict(cfg),
                  "before": json.dumps(before), "root": fingerprint, "spent_seconds": spent()}
         atomic_write_with(ckpt_path, lambda f: torch.save(state, f))
 

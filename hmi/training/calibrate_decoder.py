@@ -78,7 +78,7 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
 
     def save() -> None:
         state = {"lower": lower.state_dict(), **fit.state_dict(), **recipe, "history": history,
-                 "spent_seconds": spent(), "rng": torch.get_rng_state()}
+                 "spent_seconds": spent()}
         atomic_write_with(checkpoint, lambda f: torch.save(state, f))
 
     with fit:
@@ -113,9 +113,9 @@ def calibrate_decoder(root: DecoderRoot, lines: list[str], cfg: DecoderCalibrati
 
 
 def _resume(checkpoint: Path, recipe: dict, lower: torch.nn.ModuleList, fit: Fit) -> tuple[list, float]:
-    """Loads ``checkpoint`` into ``lower``, ``fit`` and torch's random state (a decoder's dropout
-    masks to come) when it holds ``recipe`` (configuration, split, decoder); returns (its loss
-    history, its training seconds), ([], 0.0) otherwise."""
+    """Loads ``checkpoint`` into ``lower`` and ``fit`` (with torch's random state: a decoder's
+    dropout masks to come) when it holds ``recipe`` (configuration, split, decoder); returns (its
+    loss history, its training seconds), ([], 0.0) otherwise."""
     if not checkpoint.exists():
         return [], 0.0
     ck = torch.load(checkpoint, weights_only=True)
@@ -123,8 +123,6 @@ def _resume(checkpoint: Path, recipe: dict, lower: torch.nn.ModuleList, fit: Fit
         return [], 0.0
     lower.load_state_dict(ck["lower"])
     fit.load_state_dict(ck)
-    if "rng" in ck:
-        torch.set_rng_state(ck["rng"])
     return ck["history"], ck["spent_seconds"]
 
 

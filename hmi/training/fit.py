@@ -87,14 +87,18 @@ class Fit:
             self.on_progress(self.step_count / max(1, self.total), {**(info or {}), "loss": round(self.last_loss, 4)})
 
     def state_dict(self) -> dict:
+        """What a checkpoint needs to go on as an uninterrupted run would: the optimizer, the
+        schedule, the step count and torch's random state (the dropout masks still to be drawn)."""
         return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict() if self.sched else None,
-                "step": self.step_count}
+                "step": self.step_count, "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])
         if self.sched is not None and state.get("scheduler") is not None:
             self.sched.load_state_dict(state["scheduler"])
         self.step_count = state["step"]
+        if "rng" in state:  # checkpoints written before the random state was kept have none
+            torch.set_rng_state(state["rng"])
         self.bar.reset(total=self.total)
         self.bar.update(self.step_count)
 

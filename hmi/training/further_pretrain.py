@@ -197,14 +197,13 @@ def distill_pretrain(root: Root, encoder: WindowedEncoder, held: list[str], trai
         torch.manual_seed(cfg.seed)
     else:
         encoder.load_state_dict(saved["model"])
-        fit.load_state_dict(saved)
+        fit.load_state_dict(saved)  # torch's random state too
         before = json.loads(saved["before"])
-        torch.set_rng_state(saved["rng"])
     resumed_at = fit.step_count
 
     def save() -> None:
         if checkpoint is not None:
-            state = {"model": encoder.state_dict(), **fit.state_dict(), "rng": torch.get_rng_state(),
+            state = {"model": encoder.state_dict(), **fit.state_dict(),
                      "before": json.dumps(before), "recipe": json.dumps(recipe, sort_keys=True)}
             atomic_write_with(checkpoint, lambda f: torch.save(state, f))
 
