@@ -4,7 +4,8 @@ pretrained with the paper's MLM, and on a branch distilled from the full root on
 (the default objective), at the default alpha 0.5 and at alpha 1.0; with each branch's entries,
 bytes, tri-gram coverage and the measure its further pretraining reports.
 
-Each tenant: a bottleneck adapter trained and tested on the chain it is served with (branch -> root
+Each tenant: the task's default adapter (the bottleneck for classification, LoRA for the literature
+domain's part-of-speech tagging) trained and tested on the chain it is served with (branch -> root
 -> back-off), one run per seed; ``gain`` is the mean of the per-seed differences to the root PLOT,
 with their standard deviation, beside the test set's own noise (the binomial standard error of one
 accuracy on that many test texts).  Tenants train at lr 3e-3; with ``--grid`` every tenant run
@@ -40,7 +41,8 @@ from benchmarks.eval_accuracy import GRIDS, HBERT_LR, lr_text  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
 VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
-TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "news-topic", "social": "tweet-sentiment"}
+TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "news-topic", "social": "tweet-sentiment",
+           "literature": "pos-tagging"}
 
 
 def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: list[str], seeds: list[int],
@@ -50,7 +52,7 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
     (table rows, results).  With several ``lrs`` each chain and seed keeps the rate with the best
     dev accuracy."""
     from hmi.adapters.spec import AdapterSpec
-    from hmi.data import load_corpus, load_task, task_labels
+    from hmi.data import is_tagging, load_corpus, load_task, task_labels
     from hmi.model.root import weights_fingerprint
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
     from hmi.plot.lookup import PlotLookup, PlotVersion
@@ -70,7 +72,10 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
             task = TASK_OF[domain]
             lines = load_corpus(domain, max_lines)
             train, dev, test = load_task(task, "train", n_train), load_task(task, "dev", n_test // 2), load_task(task, "test", n_test)
-            spec = AdapterSpec(labels=tuple(task_labels(task)), pooling="mean")
+            tagging = is_tagging(task)  # a tagging tenant gets the task's default adapter (LoRA), words' first tokens
+            spec = (AdapterSpec.for_task("tagging", task_labels(task)) if tagging
+                    else AdapterSpec.for_task("classification", task_labels(task), pooling="mean"))
+            units = sum(len(r["tags"]) for r in test) if tagging else len(test)  # accuracy over words for tagging
 
             def accuracy(name: str, chain) -> tuple[list[float], list[float]]:
                 """Per seed: the test accuracy at the rate dev chose, and that rate."""
@@ -111,14 +116,15 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
                                                           node, None)
 
             base = None
-            out = res["domains"].setdefault(domain, {"task": task, "test": len(test), "variants": {}})
+            out = res["domains"].setdefault(domain, {"task": task, "test": len(test), "variants": {},
+                                                     **({"test_words": units} if tagging else {})})
             for name, (chain, node, secs) in variants.items():
                 accs, chosen_lrs = accuracy(name, chain)
                 base = accs if base is None else base
                 gains = np.array(accs) - np.array(base)
                 st = chain[0].store.stats() if node is not None else {}
                 mean = float(np.mean(accs))
-                noise = 100 * math.sqrt(mean / 100 * (1 - mean / 100) / len(test))
+                noise = 100 * math.sqrt(mean / 100 * (1 - mean / 100) / units)
                 out["variants"][name] = {"accuracy": accs, "mean": round(mean, 2), "gain": round(float(gains.mean()), 2),
                                          "gain_sd": round(float(gains.std(ddof=1)) if len(seeds) > 1 else 0.0, 2),
                                          "test_se": round(noise, 2), "entries": st.get("entries", 0),
@@ -200,10 +206,12 @@ def main() -> None:
              + (f"branches further pretrained {args.steps} steps (--steps; the product's defaults: " if args.steps else
                 "branches with the product's defaults (`hmi domain create`: ")
              + f"mlm {FPTConfig(objective='mlm').steps} steps, distill {FPTConfig().steps} steps). Each tenant: {n_train} "
-             f"training examples, a bottleneck adapter and a head on the token mean, 4 epochs, best dev epoch, learning "
+             f"training examples, the task's default adapter (classification: a bottleneck and a head on the token mean; "
+             f"tagging: LoRA of rank 16 on every linear layer and a head on each word's first token), 4 epochs, best dev epoch, learning "
              f"rate {lr_text(lrs)}, trained "
              f"and tested on the chain it is served with (branch -> root -> back-off); one run per seed, the same seeds "
-             f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer.")
+             f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer "
+             f"(for tagging, on the test sentences' words, as if each word were independent: a lower bound).")
     finish(result_name("bench_domains", args) + ("_grid" if args.grid else ""), text, res,
            "python benchmarks/bench_domains.py" + (" --quick" if args.quick else "")
            + (f" --domains {args.domains}" if args.domains else "") + (f" --seeds {args.seeds}" if args.seeds else "")
