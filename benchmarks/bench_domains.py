@@ -4,14 +4,14 @@ pretrained with the paper's MLM, and on a branch distilled from the full root on
 (the default objective), at the default alpha 0.5 and at alpha 1.0; with each branch's entries,
 bytes, tri-gram coverage and the measure its further pretraining reports.
 
-Each tenant: the task's default adapter (the bottleneck for classification, LoRA for the literature
-domain's part-of-speech tagging) trained and tested on the chain it is served with (branch -> root
--> back-off), one run per seed; ``gain`` is the mean of the per-seed differences to the root PLOT,
-with their standard deviation, beside the test set's own noise (the binomial standard error of one
-accuracy on that many test texts).  Tenants train at lr 3e-3; with ``--grid`` every tenant run
-(chain and seed) chooses its learning rate on dev from the hBERT grid of ``eval_accuracy.py``
-(the paper's protocol, the one the grid table applies to the frozen root with a head), and the
-page names the rates chosen.
+Each tenant: the task's default adapter (the bottleneck for classification, LoRA for part-of-speech
+tagging, the task of the literature domain and of ``brown``, the tagging tenant's own sentences)
+trained and tested on the chain it is served with (branch -> root -> back-off), one run per seed;
+``gain`` is the mean of the per-seed differences to the root PLOT, with their standard deviation,
+beside the test set's own noise (the binomial standard error of one accuracy on that many test
+texts). Tenants train at lr 3e-3; with ``--grid`` every tenant run (chain and seed) chooses its
+learning rate on dev from the hBERT grid of ``eval_accuracy.py`` (the paper's protocol, the one the
+grid table applies to the frozen root with a head), and the page names the rates chosen.
 
 A run is resumable: its branches (distillation checkpointed every 25 steps) and every finished
 tenant run are kept under ``$HMI_HOME/runs/bench_domains/<config hash>/``, so the same command run
@@ -42,7 +42,19 @@ from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
 VARIANTS = ("mlm", "distill", "distill-1.0")  # distill-1.0: the distilled branch's lower side, every tri-gram
 TASK_OF = {"reviews": "review-sentiment", "legal": "license-category", "news": "news-topic", "social": "tweet-sentiment",
-           "literature": "pos-tagging"}
+           "literature": "pos-tagging", "brown": "pos-tagging"}
+
+
+def domain_lines(domain: str, max_lines: int) -> list[str]:
+    """A domain's corpus lines: the prepared domain corpus, or for ``brown`` the tagging tenant's own
+    text, the training sentences of every Brown genre (the literature corpus holds its fiction genres
+    only, about a third of the test sentences)."""
+    from hmi.data import load_corpus, load_task
+    from hmi.data.parsers import brown_detokenize
+
+    if domain == "brown":
+        return [brown_detokenize(r["tokens"]) for r in load_task("pos-tagging", "train", max_lines)]
+    return load_corpus(domain, max_lines)
 
 
 def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: list[str], seeds: list[int],
@@ -52,7 +64,7 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
     (table rows, results).  With several ``lrs`` each chain and seed keeps the rate with the best
     dev accuracy."""
     from hmi.adapters.spec import AdapterSpec
-    from hmi.data import is_tagging, load_corpus, load_task, task_labels
+    from hmi.data import is_tagging, load_task, task_labels
     from hmi.model.root import weights_fingerprint
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys, tokenize_corpus
     from hmi.plot.lookup import PlotLookup, PlotVersion
@@ -70,7 +82,7 @@ def measure(args, root, root_version, cells: Cells, domains: list[str], chosen: 
     try:
         for domain in domains:
             task = TASK_OF[domain]
-            lines = load_corpus(domain, max_lines)
+            lines = domain_lines(domain, max_lines)
             train, dev, test = load_task(task, "train", n_train), load_task(task, "dev", n_test // 2), load_task(task, "test", n_test)
             tagging = is_tagging(task)  # a tagging tenant gets the task's default adapter (LoRA), words' first tokens
             spec = (AdapterSpec.for_task("tagging", task_labels(task)) if tagging
