@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cells import Cells  # noqa: E402
-from benchmarks.common import DOCS, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.common import DOCS, describe_adapter, finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
 from benchmarks.eval_accuracy import GRIDS, HBERT_LR, lr_text  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
@@ -218,8 +218,8 @@ def main() -> None:
              + (f"branches further pretrained {args.steps} steps (--steps; the product's defaults: " if args.steps else
                 "branches with the product's defaults (`hmi domain create`: ")
              + f"mlm {FPTConfig(objective='mlm').steps} steps, distill {FPTConfig().steps} steps). Each tenant: {n_train} "
-             f"training examples, the task's default adapter (classification: a bottleneck and a head on the token mean; "
-             f"tagging: LoRA of rank 16 on every linear layer and a head on each word's first token), 4 epochs, best dev epoch, learning "
+             f"training examples, {describe_adapter({})} with a head on the token mean for classification and on each "
+             f"word's first token for tagging, 4 epochs, best dev epoch, learning "
              f"rate {lr_text(lrs)}, trained "
              f"and tested on the chain it is served with (branch -> root -> back-off); one run per seed, the same seeds "
              f"on every chain. test-set SE: the binomial standard error of one accuracy on {n_test} test texts or fewer "
