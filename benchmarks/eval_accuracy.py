@@ -78,8 +78,9 @@ GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compres
 CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
-ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT]
-SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT}  # --schemes names without a comma
+HBERT_LEARNED = "hBERT, learned back-off"
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED]
+SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED}  # --schemes names without a comma
 
 
 def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
@@ -215,6 +216,9 @@ def main() -> None:
 
     def options(ap):
         ap.add_argument("--exact", action="store_true", help="also hBERT with every PLOT miss computed (the full run always does)")
+        ap.add_argument("--learned", action="store_true",
+                        help="also hBERT with each missed tri-gram served by the root PLOT's learned back-off "
+                             "(`--miss-policy learned`; train it first with `hmi plot learn-backoff`)")
         ap.add_argument("--train", type=int, help="training examples per task (default 224 with --quick, up to 4,000 without)")
         ap.add_argument("--test", type=int, help="test examples per task, dev half as many (default 240 with --quick, "
                                                  "1,000 without)")
@@ -223,7 +227,7 @@ def main() -> None:
                              "tokens (the root's own pooling), or per scheme and task the one with the better dev "
                              "accuracy (default)")
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
-                                          "hBERT-exact")
+                                          "hBERT-exact, hBERT-learned")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
                                           "bottleneck:16), "
@@ -247,7 +251,8 @@ def main() -> None:
         root_options(ap)
 
     args = start(__doc__, options)
-    default_schemes = [s for s in ALL_SCHEMES if s != HBERT_EXACT or args.exact or not args.quick]
+    default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
+                       and (s != HBERT_LEARNED or args.learned)]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
@@ -259,6 +264,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import is_tagging, load_task, task_labels
+    from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup
     from hmi.training.finetune import FinetuneConfig, encode, finetune
 
@@ -281,11 +287,18 @@ def main() -> None:
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
     rows, results = [], {"tasks": {}}
-    hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute")) if label in schemes]
+    hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
+                                                        (HBERT_LEARNED, "learned")) if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
         lrs["dedicated"] = args.dedicated_lr
-    lrs[HBERT_EXACT] = lrs["hBERT"]
+    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs["hBERT"]
+    learned = HBERT_LEARNED in schemes
+    # a learned back-off's cells are its model's: one trained again is another run
+    learned_id = learned_fingerprint(version.store.path) if learned else None
+    if learned and learned_id is None:
+        raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
+                         f"`hmi plot learn-backoff{root_flags(args)}`")
     cells = Cells("eval_accuracy", {
         "format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
         "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
@@ -308,6 +321,8 @@ def main() -> None:
             res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
         if "dedicated" in avg and HBERT_EXACT in avg:
             res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
+        if "dedicated" in avg and HBERT_LEARNED in avg:
+            res["avg_gap_learned_backoff_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED], 2)
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
                 res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
@@ -320,6 +335,8 @@ def main() -> None:
                if "avg_gap_vs_full_ft" in res else "")
         if "avg_gap_exact_windows_vs_full_ft" in res:
             gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
+        if "avg_gap_learned_backoff_vs_full_ft" in res:
+            gap += f"; with the learned back-off {res['avg_gap_learned_backoff_vs_full_ft']}"
         text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
                  f"micro-F1 for single-label tagging).{gap + '.' if gap else ''} Every scheme: the same training examples (texts cut to "
                  f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
@@ -333,7 +350,9 @@ def main() -> None:
                  f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
                  f"as served (lr {lr_text(lrs['hBERT'])})"
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
-                    "(`--miss-policy compute`)." if exact else "."))
+                    "(`--miss-policy compute`)" if exact else "")
+                 + ("; hBERT, learned back-off: the same with each missed tri-gram served the root PLOT's learned "
+                    "back-off (`hmi plot learn-backoff`, `--miss-policy learned`)" if learned else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
         res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
@@ -351,6 +370,9 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
+        if args.learned or (args.schemes and "hBERT-learned" in args.schemes):
+            page += "_learned"
+            res["learned_backoff"] = learned_id
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
             page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
         if args.dedicated_lr is not None:
@@ -360,7 +382,8 @@ def main() -> None:
         finish(page, text, res,
                "python benchmarks/eval_accuracy.py" + (" --quick" if args.quick else "")
                + (f" --train {args.train}" if args.train else "") + (f" --test {args.test}" if args.test else "")
-               + (" --exact" if args.exact else "") + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
+               + (" --exact" if args.exact else "") + (" --learned" if args.learned else "")
+               + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
@@ -398,7 +421,10 @@ def main() -> None:
             for label, run in runs:
                 # every pooling and learning rate is trained (or read back from an earlier run of the same
                 # command); the one with the best dev accuracy is kept
-                tried = {(p, lr): cells.run({"task": task, "train": len(train), "scheme": label, "pooling": p, "lr": lr},
+                key = {"task": task, "train": len(train), "scheme": label}
+                if label == HBERT_LEARNED:
+                    key["learned_backoff"] = learned_id
+                tried = {(p, lr): cells.run({**key, "pooling": p, "lr": lr},
                                             lambda p=p, lr=lr, run=run: cell(run, specs[p], lr))
                          for p in poolings for lr in lrs[label]}
                 best = max(tried, key=lambda k: tried[k]["dev"])

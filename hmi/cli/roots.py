@@ -36,11 +36,13 @@ from hmi.model.catalog import root_spec
 from hmi.model.decoder import CausalLower
 from hmi.model.root import full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot.learned import TRAIN_STEPS
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
-from hmi.plot.store import PlotStore
+from hmi.plot.store import PlotMissingError, PlotStore
 from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.timelimit import EXIT_UNFINISHED
+from hmi.training import backoff
 from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.calibrate_decoder import calibrate_and_save, decoder_recipe
 from hmi.training.demo import DEMO_DECODER_TENANTS, DEMO_TENANTS, train_demo, train_demo_decoder
@@ -189,6 +191,28 @@ def cmd_plot_build(args) -> int:
     return 0
 
 
+def cmd_plot_learn_backoff(args) -> int:
+    """Trains (or resumes, or confirms) the learned back-off of a PLOT (the current root's by
+    default): the model the miss policy ``learned`` serves missed tri-grams with."""
+    if args.steps < 1:
+        raise SystemExit(f"hmi plot learn-backoff: --steps must be at least 1, got {args.steps}")
+    path = Path(args.path) if args.path else root_plot_path(load_current_root(args.root, args.l_low))
+    try:
+        store = PlotStore(path, readonly=True)
+    except PlotMissingError as exc:
+        raise SystemExit(f"hmi plot learn-backoff: {exc} (build it with `hmi plot build`)")
+    try:
+        record = backoff.train(store, backoff.TrainConfig(steps=args.steps))
+    except ValueError as exc:
+        raise SystemExit(f"hmi plot learn-backoff: {exc}")
+    finally:
+        store.close()
+    state = "already trained" if record.get("up_to_date") else f"trained in {record['seconds']} s"
+    print(f"learned back-off of the PLOT at {path}: {state} ({record['steps']} steps); held-out cosine per "
+          f"window row: back-off {record['held_out_cosine_backoff']}, learned {record['held_out_cosine_learned']}")
+    return 0
+
+
 def cmd_plot_stats(args) -> int:
     store = PlotStore(args.path, readonly=True)
     print(json.dumps({"meta": store.meta.__dict__, "stats": store.stats(), "build": store.get_record("build")},
@@ -321,6 +345,12 @@ def _plot_args(parser) -> None:
     pb.add_argument("--decoder", action="store_true", help="a causal PLOT of the calibrated hGPT decoder root")
     add_root_options(pb)
     pb.set_defaults(func=cmd_plot_build)
+    pl = plot.add_parser("learn-backoff", help="train (or resume) a PLOT's learned back-off, the model the miss "
+                                               "policy `learned` serves missed tri-grams with")
+    pl.add_argument("--path", help="LMDB folder (default: the current root's root PLOT)")
+    pl.add_argument("--steps", type=int, default=TRAIN_STEPS)
+    add_root_options(pl)
+    pl.set_defaults(func=cmd_plot_learn_backoff)
     ps = plot.add_parser("stats", help="entries and bytes of a PLOT")
     ps.add_argument("path")
     ps.set_defaults(func=cmd_plot_stats)

@@ -71,8 +71,10 @@ def arguments(command: str, srv) -> None:
                      help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
                           "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
                           "measures the cost)")
-    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute"],
-                     help="backoff (fast, the paper's) or compute (exact windowed layers on misses)")
+    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute", "learned"],
+                     help="backoff (fast, the paper's), compute (exact windowed layers on misses) or learned (the "
+                          "back-off turned into an estimate of the missed window by a small model trained on the "
+                          "root PLOT: `hmi plot learn-backoff`)")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

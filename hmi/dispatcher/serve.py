@@ -24,10 +24,11 @@ from hmi.dispatcher.app import make_app
 from hmi.dispatcher.gate import HOLD_S, Gate
 from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
-from hmi.dispatcher.server import Server, ServerConfig
+from hmi.dispatcher.server import Server, ServerConfig, ServerConfigError
 from hmi.home import hmi_home
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
+from hmi.plot.learned import LearnedBackoffMissingError
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 from hmi.plot.pending import serving_store
@@ -42,7 +43,10 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_lau
     root = root or load_root(home=home)
     version = open_root_version(root, home)
     version.store = serving_store(version.store, version.encoder)  # a build in progress: served as it will be
-    lookup = PlotLookup([version], policy=cfg.miss_policy)
+    try:
+        lookup = PlotLookup([version], policy=cfg.miss_policy)
+    except LearnedBackoffMissingError as exc:
+        raise ServerConfigError(str(exc)) from exc
     return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher, registry)
 
 

@@ -4,7 +4,9 @@ Order for each distinct window of a batch: the tri-gram in each version of the c
 (branch, parent, ..., root), then the bi-gram ``(0, c, r)`` along the chain, then the uni-gram
 ``(0, c, 0)``, then zeros.  Miss policies: ``backoff`` (the paper's), ``compute`` (run the
 first version's windowed lower layers on the windows no version holds, exact) and
-``compute+insert`` (also write them to the first version's PLOT).
+``compute+insert`` (also write them to the first version's PLOT) and ``learned`` (the back-off's
+rows of a missed tri-gram ``(l, c, r)``, l and r real tokens, turned into an estimate of its states
+by the learned back-off of the first version that has one, ``hmi.plot.learned``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from hmi.model.hplm import WindowedEncoder
+from hmi.plot import learned
 from hmi.plot.hot import HotTier
 from hmi.plot.keys import (
     bigram_backoff,
@@ -30,7 +33,7 @@ from hmi.plot.keys import (
 )
 from hmi.plot.store import PlotStore
 
-POLICIES = ("backoff", "compute", "compute+insert")
+POLICIES = ("backoff", "compute", "compute+insert", "learned")
 
 
 @dataclass
@@ -81,6 +84,16 @@ class PlotLookup:
         self.causal = bool(getattr(chain[0].encoder, "causal", False))
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
+        self.learned: tuple[PlotVersion, learned.LearnedBackoff] | None = None
+        if policy == "learned":
+            if self.causal:
+                raise ValueError("the miss policy 'learned' is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
+            found = [(v, m) for v in chain if (m := learned.load(v.store.path)) is not None]
+            if not found:
+                raise learned.LearnedBackoffMissingError(
+                    f"no version of the chain {[v.name for v in chain]} has a learned back-off: train the root "
+                    "PLOT's with `hmi plot learn-backoff` or serve with another miss policy")
+            self.learned = found[0]
 
     @property
     def merge(self):
@@ -121,25 +134,37 @@ class PlotLookup:
                     hits[f"{level}:{v.name}"] += int(found.sum())
 
         serve("trigram", keys)
-        if todo.any() and self.policy != "backoff":
-            idx = np.flatnonzero(todo)
-            with torch.no_grad():
-                computed = self.chain[0].encoder.lower(torch.from_numpy(unpack(keys[idx])))
-            out[idx] = computed.numpy().astype(np.float16)
-            todo[idx] = False
-            hits["computed"] += int(idx.size)
-            if self.policy == "compute+insert":
-                store = self.chain[0].store
-                store.put_many(keys[idx], out[idx])
-                out[idx] = store.as_stored(out[idx])  # what every later lookup reads: the same answer each time
+        # tri-grams of real tokens no version holds: the learned back-off's to estimate
+        estimated = np.flatnonzero(todo & (windows[:, 0] > 0) & (windows[:, 2] > 0)) if self.learned else None
+        if todo.any() and self.policy in ("compute", "compute+insert"):
+            self._compute(keys, out, todo, hits)
         if todo.any():
             serve("bigram", bigram_backoff(keys))
+        from_bigram = ~todo[estimated] if estimated is not None else None
         if todo.any():
             serve("unigram", (causal_unigram_backoff if self.causal else unigram_backoff)(keys))
         place(written, located)
         out[todo] = 0
         hits["zeros"] += int(todo.sum())
+        if estimated is not None and estimated.size:
+            version, model = self.learned
+            out[estimated] = learned.estimate(model, version.store, keys[estimated], out[estimated], from_bigram)
+            hits["learned"] += int(estimated.size)
         return out, hits
+
+    def _compute(self, keys: np.ndarray, out: np.ndarray, todo: np.ndarray, hits: Counter) -> None:
+        """The first version's windowed lower layers on the windows ``todo`` marks, written into
+        ``out`` (and, with ``compute+insert``, into its PLOT); clears their ``todo``."""
+        idx = np.flatnonzero(todo)
+        with torch.no_grad():
+            computed = self.chain[0].encoder.lower(torch.from_numpy(unpack(keys[idx])))
+        out[idx] = computed.numpy().astype(np.float16)
+        todo[idx] = False
+        hits["computed"] += int(idx.size)
+        if self.policy == "compute+insert":
+            store = self.chain[0].store
+            store.put_many(keys[idx], out[idx])
+            out[idx] = store.as_stored(out[idx])  # what every later lookup reads: the same answer each time
 
     def record(self, hits: Counter) -> None:
         """Adds a lookup's hits per level to the running counters."""

@@ -11,6 +11,7 @@ from hmi.cli.roots import parse_selection
 def test_every_subcommand_has_help():
     parser = build_parser()
     for argv in (["data", "prepare"], ["calibrate"], ["prepare", "--decoder"], ["plot", "build"], ["plot", "stats", "x"],
+                 ["plot", "learn-backoff"],
                  ["serve"], ["info"],
                  ["demo"], ["infer", "t", "x"], ["tenant", "list"], ["jobs"], ["domain", "list"],
                  ["domain", "create", "d", "--corpus", "legal"]):

@@ -1,0 +1,106 @@
+"""A learned back-off for encoder PLOTs (miss policy ``learned``, docs/design.md section 3).
+
+The paper's back-off serves a missed tri-gram ``(l, c, r)`` with the bi-gram ``(0, c, r)`` or the
+uni-gram ``(0, c, 0)``: the left row of the window is then zeros (no left token was there) and,
+from a uni-gram, the right row too.  ``LearnedBackoff`` estimates the missed window's three states
+from what the PLOT does hold: the served back-off rows, the states of ``l`` and ``r`` alone (their
+uni-grams' centre rows) and whether a bi-gram served.  It is a residual MLP, trained on the PLOT's
+own tri-grams (each one's back-off as if it were missing, the bi-gram withheld for half of them)
+against their stored states.  It runs only on the windows no version of the chain holds, a small
+matrix product each instead of the windowed lower layers on three tokens (``compute``).
+
+A PLOT's model lives beside its LMDB files (``learned_backoff.safetensors`` and ``.json``);
+``hmi.training.backoff`` trains it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from hmi.io import sha256_file
+from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
+from hmi.plot.store import PlotStore
+
+WEIGHTS, CONFIG, CHECKPOINT = "learned_backoff.safetensors", "learned_backoff.json", "learned_backoff.ckpt"
+TRAIN_STEPS = 1600  # batches of 512 tri-grams: three passes over 270k of them
+
+
+class LearnedBackoffMissingError(RuntimeError):
+    """The miss policy ``learned`` was asked of a PLOT chain none of whose versions has a model."""
+
+
+class LearnedBackoff(nn.Module):
+    """The estimate of a missed window's states from its back-off.
+
+    Semantics: out = served + W2 · GELU(W1 · [served rows, state(l), state(r), from_bigram] + b1) + b2,
+    where ``served`` is what the paper's back-off serves for the window and ``state(x)`` the centre
+    row of the uni-gram ``(0, x, 0)``.  ``W2`` and ``b2`` start at zero: an untrained model serves
+    the back-off exactly.
+    Shapes: served (N, 3, H); context (N, 2, H) (the states of l and r); from_bigram (N,) ->
+    (N, 3, H) float32.
+    """
+
+    def __init__(self, hidden_size: int, width: int = 1024):
+        super().__init__()
+        self.hidden_size, self.width = hidden_size, width
+        self.inp = nn.Linear(5 * hidden_size + 1, width)
+        self.out = nn.Linear(width, 3 * hidden_size)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, served: torch.Tensor, context: torch.Tensor, from_bigram: torch.Tensor) -> torch.Tensor:
+        served = served.float()
+        x = torch.cat([served.flatten(1), context.float().flatten(1), from_bigram.float()[:, None]], 1)
+        return served + self.out(F.gelu(self.inp(x))).view(served.shape)
+
+
+def centre_states(store: PlotStore, ids: np.ndarray) -> np.ndarray:
+    """The state of each token alone: the centre row of its uni-gram ``(0, x, 0)`` (zeros where the
+    PLOT has none). Shapes: ids (N,) int64 -> (N, H) float16."""
+    z = np.zeros_like(ids)
+    vals, _ = store.get_many(pack(np.stack([z, ids, z], -1)))
+    return vals[:, 1]
+
+
+def served_backoff(store: PlotStore, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the paper's back-off serves for tri-gram ``keys`` of one PLOT: the bi-gram where held,
+    else the uni-gram. Shapes: keys (N,) uint64 -> values (N, 3, H) float16, from_bigram (N,) bool."""
+    bi, held = store.get_many(bigram_backoff(keys))
+    uni, _ = store.get_many(unigram_backoff(keys))
+    return np.where(held[:, None, None], bi, uni), held
+
+
+def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: np.ndarray,
+             from_bigram: np.ndarray) -> np.ndarray:
+    """The model's states for missed windows ``keys`` given what the back-off served them.
+    Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
+    w = unpack(keys)
+    context = np.stack([centre_states(store, w[:, 0]), centre_states(store, w[:, 2])], 1)
+    with torch.no_grad():
+        out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
+    return out.numpy().astype(np.float16)
+
+
+def fingerprint(path: Path | str) -> str | None:
+    """The identity of the model kept beside the PLOT at ``path`` (its weights' sha256, 16 hex
+    digits), or None where it has none."""
+    weights = Path(path) / WEIGHTS
+    return sha256_file(weights)[:16] if weights.is_file() else None
+
+
+def load(path: Path | str) -> LearnedBackoff | None:
+    """The model kept beside the PLOT at ``path`` (an LMDB folder), or None."""
+    path = Path(path)
+    if not (path / WEIGHTS).is_file():
+        return None
+    cfg = json.loads((path / CONFIG).read_text())
+    model = LearnedBackoff(cfg["hidden_size"], cfg["width"])
+    model.load_state_dict(load_file(str(path / WEIGHTS)))
+    return model.eval()

@@ -1,0 +1,178 @@
+"""The learned back-off (miss policy ``learned``): its lookup against a window-by-window
+reference, what training gains on windows the PLOT misses, and a stopped training resumed."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from hmi.cli import main
+from hmi.model.hplm import WindowedEncoder
+from hmi.plot import learned
+from hmi.plot.build import Selection, build, count_ngrams, plan_keys
+from hmi.plot.keys import encoder_windows, pack, unique_windows
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+from hmi.training.backoff import TrainConfig, train
+from tests.conftest import tiny_bert
+
+H, VOCAB = 32, 120
+META = PlotMeta(root_artifact="tiny-a", l_low=2, hidden_size=H)
+SMALL = TrainConfig(steps=120, batch=64, lr=3e-3, width=64, samples=4000, held_out=200, checkpoint_every=20)
+
+
+def texts(n: int, seed: int) -> list[list[int]]:
+    """Token-id sequences whose tri-grams repeat: each next id depends on the one before."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = [int(rng.integers(1, VOCAB))]
+        for _ in range(11):
+            ids.append(int((ids[-1] * 7 + rng.integers(0, 6)) % (VOCAB - 1) + 1))
+        out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return WindowedEncoder(tiny_bert(hidden=H, vocab=VOCAB), 2).eval()
+
+
+@pytest.fixture(scope="module")
+def plot(tmp_path_factory, encoder):
+    """A PLOT of every n-gram of 600 sequences (and every uni-gram of the vocabulary)."""
+    path = tmp_path_factory.mktemp("plot") / "p"
+    keys, counts = count_ngrams(texts(600, seed=0))
+    store = PlotStore(path, meta=META, readonly=False)
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), VOCAB), progress=False)
+    store.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, plot):
+    path = tmp_path_factory.mktemp("trained") / "p"
+    shutil.copytree(plot, path)
+    store = PlotStore(path, readonly=True)
+    record = train(store, SMALL, progress=False)
+    return store, record
+
+
+def unseen_windows(store: PlotStore) -> np.ndarray:
+    """Distinct windows of new sequences of real tokens that the PLOT does not hold. Shapes: (U, 3)."""
+    ids = np.array(texts(80, seed=1))
+    mask = np.ones_like(ids)
+    uniq, _ = unique_windows(encoder_windows(ids, mask), mask)
+    _, found = store.get_many(pack(uniq))
+    uniq = uniq[~found]
+    return uniq[(uniq[:, 0] > 0) & (uniq[:, 2] > 0)]
+
+
+def reference(model, store: PlotStore, window: np.ndarray) -> np.ndarray:
+    """One window as the miss policy ``learned`` serves it, computed on its own: the tri-gram when
+    held, else the model's estimate from the back-off. Shapes: window (3,) -> (3, H) float32."""
+    key = pack(window[None])
+    value, found = store.get_many(key)
+    if found[0]:
+        return value[0].astype(np.float32)
+    served, from_bigram = learned.served_backoff(store, key)
+    z = np.zeros(1, dtype=np.int64)
+    left, _ = store.get_many(pack(np.stack([z, window[None, 0], z], -1)))
+    right, _ = store.get_many(pack(np.stack([z, window[None, 2], z], -1)))
+    context = np.stack([left[:, 1], right[:, 1]], 1)
+    with torch.no_grad():
+        out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
+    return out[0].numpy()
+
+
+def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder):
+    store, _ = trained
+    model = learned.load(store.path)
+    unseen = unseen_windows(store)
+    _, held = store.get_many(pack(np.array(texts(1, seed=0))[:, :3]))
+    windows = np.concatenate([unseen[:40], np.array(texts(1, seed=0))[:, :3]])  # misses and one held tri-gram
+    assert held.all() and len(unseen) >= 40
+    got, hits = PlotLookup([PlotVersion("root", store, encoder)], policy="learned").window_reps(windows)
+    want = np.stack([reference(model, store, w) for w in windows])
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=2e-3, rtol=2e-3)
+    assert hits["learned"] == 40 and hits["trigram:root"] == 1
+
+
+def test_an_untrained_learned_backoff_serves_exactly_what_the_backoff_serves(tmp_path, plot, encoder):
+    path = tmp_path / "p"
+    shutil.copytree(plot, path)
+    model = learned.LearnedBackoff(H, width=16)  # its output layer starts at zero
+    save_file(model.state_dict(), str(path / learned.WEIGHTS))
+    (path / learned.CONFIG).write_text(json.dumps({"hidden_size": H, "width": 16}))
+    store = PlotStore(path, readonly=True)
+    windows = np.concatenate([unseen_windows(store)[:30], np.array([[0, 5, 6], [7, 8, 0], [1, 2, 3]])])
+    version = PlotVersion("root", store, encoder)
+    got, hits = PlotLookup([version], policy="learned").window_reps(windows)
+    want, _ = PlotLookup([version], policy="backoff").window_reps(windows)
+    np.testing.assert_array_equal(got, want)
+    assert hits["learned"] >= 30  # windows with an edge token ((0, c, r), (l, c, 0)) keep the back-off alone
+
+
+def test_training_brings_missed_windows_closer_to_their_exact_states_than_the_backoff(trained, encoder):
+    store, record = trained
+    assert np.mean(record["held_out_cosine_learned"]) > np.mean(record["held_out_cosine_backoff"]) + 0.1
+    windows = unseen_windows(store)
+    with torch.no_grad():
+        exact = encoder.lower(torch.from_numpy(windows)).float()
+    version = PlotVersion("root", store, encoder)
+    served, _ = PlotLookup([version], policy="backoff").window_reps(windows)
+    estimated, _ = PlotLookup([version], policy="learned").window_reps(windows)
+    cos = lambda x: F.cosine_similarity(torch.from_numpy(x.astype(np.float32)), exact, dim=-1).mean(0)  # noqa: E731
+    # the left row, zeros in every back-off, gains most; no row loses
+    assert cos(estimated).mean() > cos(served).mean() + 0.1 and (cos(estimated) > cos(served) - 0.01).all(), \
+        (cos(estimated), cos(served))
+
+
+def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(trained, tmp_path, plot, monkeypatch):
+    import hmi.training.backoff as backoff
+
+    path = tmp_path / "p"
+    shutil.copytree(plot, path)
+    store = PlotStore(path, readonly=True)
+    real, calls = backoff.batch_inputs, []
+
+    def dies_at_step_50(*a):
+        calls.append(1)
+        if len(calls) == 50:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(backoff, "batch_inputs", dies_at_step_50)
+    with pytest.raises(KeyboardInterrupt):
+        train(store, SMALL, progress=False)
+    assert (path / learned.CHECKPOINT).is_file() and not (path / learned.WEIGHTS).exists()
+    monkeypatch.setattr(backoff, "batch_inputs", real)
+    record = train(store, SMALL, progress=False)
+    assert not (path / learned.CHECKPOINT).exists()
+    resumed, clean = learned.load(path).state_dict(), learned.load(trained[0].path).state_dict()
+    assert all(torch.equal(resumed[k], clean[k]) for k in clean)
+    assert record["held_out_cosine_learned"] == trained[1]["held_out_cosine_learned"]
+    assert train(store, SMALL, progress=False)["up_to_date"]
+
+
+def test_the_learned_policy_without_a_model_names_the_command_that_trains_one(plot, encoder):
+    store = PlotStore(plot, readonly=True)
+    with pytest.raises(learned.LearnedBackoffMissingError, match="hmi plot learn-backoff"):
+        PlotLookup([PlotVersion("root", store, encoder)], policy="learned")
+
+
+def test_learn_backoff_refuses_a_plot_too_small_to_train_on_and_writes_nothing(tmp_path, encoder):
+    path = tmp_path / "p"
+    keys, counts = count_ngrams(texts(30, seed=0))  # about 300 tri-grams
+    store = PlotStore(path, meta=META, readonly=False)
+    build(store, encoder, plan_keys(keys, counts, Selection("all"), VOCAB), progress=False)
+    store.close()
+    with pytest.raises(SystemExit, match="a learned back-off needs at least 2512 to train on"):
+        main(["plot", "learn-backoff", "--path", str(path)])
+    with pytest.raises(SystemExit, match="no PLOT at .*hmi plot build"):
+        main(["plot", "learn-backoff", "--path", str(tmp_path / "none")])
+    assert not any(p.name.startswith("learned_backoff") for p in path.iterdir())
