@@ -26,6 +26,7 @@ def main() -> None:
     args = start(__doc__)
     from hmi.plot.build import Selection, build, count_ngrams, plan_keys
     from hmi.plot.keys import encoder_windows, unique_windows
+    from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import plot_meta
     from hmi.plot.store import PlotStore
@@ -42,6 +43,8 @@ def main() -> None:
     bert, enc = root.bert, root.windowed
     lookup = PlotLookup([version], policy="backoff")
     lookup_compute = PlotLookup([version], policy="compute")
+    # the learned back-off where the root PLOT has one (`hmi plot learn-backoff`)
+    lookup_learned = PlotLookup([version], policy="learned") if learned_fingerprint(version.store.path) else None
 
     with torch.no_grad():
         def full_lower():
@@ -55,6 +58,11 @@ def main() -> None:
         t_windowed = timeit(lambda: enc(ids_t, mask_t), repeat)
         t_lookup = timeit(lambda: lookup.merged(ids, mask), repeat)
         t_lookup_c = timeit(lambda: lookup_compute.merged(ids, mask), repeat)
+        t_lookup_l = timeit(lambda: lookup_learned.merged(ids, mask), repeat) if lookup_learned else None
+        # how close each lower side comes to the windowed lower layers computed on every window
+        computed, real = enc(ids_t, mask_t), mask_t.bool()
+        fidelity = {name: float(torch.nn.functional.cosine_similarity(lk.merged(ids, mask)[real], computed[real], dim=-1).mean())
+                    for name, lk in (("backoff", lookup), ("learned", lookup_learned)) if lk is not None}
         t_merge = timeit(lambda: enc.merge(lookup.represent(ids, mask).reps), repeat) - timeit(
             lambda: lookup.represent(ids, mask), repeat)
 
@@ -97,6 +105,9 @@ def main() -> None:
         "lookup_compute_on_miss_us_per_token": per_tok(t_lookup_c),
         "windowed_lower_us_per_token": per_tok(t_windowed),
         "full_lower_us_per_token": per_tok(t_full),
+        **({"lookup_learned_backoff_us_per_token": per_tok(t_lookup_l),
+            "learned_backoff": learned_fingerprint(version.store.path)} if t_lookup_l else {}),
+        **{f"merged_cosine_to_computed_{k}": round(v, 4) for k, v in fidelity.items()},
         "merge_us_per_token": per_tok(max(t_merge, 0.0)),
         "speedup_vs_full_lower": round(t_full / t_lookup, 2),
         "speedup_vs_windowed_lower": round(t_windowed / t_lookup, 2),
@@ -119,7 +130,14 @@ def main() -> None:
         ("PLOT lookup + merge (back-off on miss)", result["lookup_us_per_token"], f"{t_full / t_lookup:.2f}"),
         ("PLOT lookup + merge (compute on miss)", result["lookup_compute_on_miss_us_per_token"], f"{t_full / t_lookup_c:.2f}"),
     ]
+    if t_lookup_l:
+        rows.append(("PLOT lookup + merge (learned back-off on miss)", result["lookup_learned_backoff_us_per_token"],
+                     f"{t_full / t_lookup_l:.2f}"))
     text = table(rows, ("lower side for a 32 x 128 batch of real text", "us / token", "speed-up vs full"))
+    text += ("\n\nMean cosine per token of the merged lower side to the windowed lower layers computed on every "
+             "window: back-off " + f"{fidelity['backoff']:.4f}"
+             + (f", learned back-off {fidelity['learned']:.4f}" if "learned" in fidelity else
+                " (the root PLOT has no learned back-off: `hmi plot learn-backoff` trains one)") + ".")
     text += (f"\n\nRoot PLOT: {stats['entries']} entries ({stats['trigrams']} tri-grams, {stats['bigrams']} bi-grams, "
              f"{stats['unigrams']} uni-grams), {stats['file_bytes'] / 2**20:.0f} MiB on disk, "
              f"{result['bytes_per_entry']} bytes per entry ({result['value_bytes_per_entry']} of value).\n"
