@@ -370,7 +370,7 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
-        if args.learned or (args.schemes and "hBERT-learned" in args.schemes):
+        if learned:
             page += "_learned"
             res["learned_backoff"] = learned_id
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages

@@ -69,11 +69,22 @@ def centre_states(store: PlotStore, ids: np.ndarray) -> np.ndarray:
     return vals[:, 1]
 
 
-def served_backoff(store: PlotStore, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What the paper's back-off serves for tri-gram ``keys`` of one PLOT: the bi-gram where held,
-    else the uni-gram. Shapes: keys (N,) uint64 -> values (N, 3, H) float16, from_bigram (N,) bool."""
+def neighbour_states(store: PlotStore, keys: np.ndarray) -> np.ndarray:
+    """The states of ``l`` and ``r`` alone for tri-gram ``keys`` ``(l, c, r)``.
+    Shapes: keys (N,) uint64 -> (N, 2, H) float16."""
+    w = unpack(keys)
+    return np.stack([centre_states(store, w[:, 0]), centre_states(store, w[:, 2])], 1)
+
+
+def served_backoff(store: PlotStore, keys: np.ndarray, withhold: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """What the paper's back-off serves for tri-gram ``keys`` of one PLOT: the bi-gram where held
+    (and not in ``withhold``, as training serves some windows), else the uni-gram.
+    Shapes: keys (N,) uint64; withhold (N,) bool -> values (N, 3, H) float16, from_bigram (N,) bool."""
     bi, held = store.get_many(bigram_backoff(keys))
     uni, _ = store.get_many(unigram_backoff(keys))
+    if withhold is not None:
+        held = held & ~withhold
     return np.where(held[:, None, None], bi, uni), held
 
 
@@ -81,8 +92,7 @@ def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: 
              from_bigram: np.ndarray) -> np.ndarray:
     """The model's states for missed windows ``keys`` given what the back-off served them.
     Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
-    w = unpack(keys)
-    context = np.stack([centre_states(store, w[:, 0]), centre_states(store, w[:, 2])], 1)
+    context = neighbour_states(store, keys)
     with torch.no_grad():
         out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
     return out.numpy().astype(np.float16)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from hmi.io import atomic_write_json, atomic_write_with
-from hmi.plot.keys import ngram_order, unigram_backoff, unpack
-from hmi.plot.learned import CHECKPOINT, CONFIG, TRAIN_STEPS, WEIGHTS, LearnedBackoff, centre_states, served_backoff
+from hmi.plot.keys import ngram_order
+from hmi.plot.learned import CHECKPOINT, CONFIG, TRAIN_STEPS, WEIGHTS, LearnedBackoff, neighbour_states, served_backoff
 from hmi.plot.store import PlotStore
 from hmi.training.fit import Fit
 
@@ -42,12 +42,8 @@ def batch_inputs(store: PlotStore, keys: np.ndarray, drop: np.ndarray) -> tuple[
     (``drop``: the bi-gram withheld). Shapes: keys, drop (N,) -> served (N, 3, H), context (N, 2, H),
     from_bigram (N,), target (N, 3, H), all float32."""
     target, _ = store.get_many(keys)
-    served, held = served_backoff(store, keys)
-    uni, _ = store.get_many(unigram_backoff(keys))
-    served = np.where(drop[:, None, None], uni, served)
-    held = held & ~drop
-    w = unpack(keys)
-    context = np.stack([centre_states(store, w[:, 0]), centre_states(store, w[:, 2])], 1)
+    served, held = served_backoff(store, keys, withhold=drop)
+    context = neighbour_states(store, keys)
     return tuple(torch.from_numpy(np.asarray(a, dtype=np.float32)) for a in (served, context, held, target))
 
 
@@ -63,7 +59,7 @@ def draw(pool: np.ndarray, cfg: TrainConfig, step: int) -> tuple[np.ndarray, np.
 
 
 def train(store: PlotStore, cfg: TrainConfig = TrainConfig(), progress: bool = True) -> dict:
-    """Trains (or resumes, or confirms) the learned back-off of the PLOT ``store`` (writable) and
+    """Trains (or resumes, or confirms) the learned back-off of the PLOT ``store`` and
     keeps it beside the PLOT; returns its record (steps, seconds, held-out cosine of the back-off
     and of the estimate). A run stopped on the way continues from its last checkpoint; the same
     command after a finished run returns the record without training."""
