@@ -98,17 +98,22 @@ def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: 
     return out.numpy().astype(np.float16)
 
 
+def trained(path: Path | str) -> bool:
+    """Whether the PLOT at ``path`` has a whole model: its record is written after its weights, so
+    weights a training left without one (stopped while writing them) do not count."""
+    return (Path(path) / CONFIG).is_file()
+
+
 def fingerprint(path: Path | str) -> str | None:
     """The identity of the model kept beside the PLOT at ``path`` (its weights' sha256, 16 hex
     digits), or None where it has none."""
-    weights = Path(path) / WEIGHTS
-    return sha256_file(weights)[:16] if weights.is_file() else None
+    return sha256_file(Path(path) / WEIGHTS)[:16] if trained(path) else None
 
 
 def load(path: Path | str) -> LearnedBackoff | None:
     """The model kept beside the PLOT at ``path`` (an LMDB folder), or None."""
     path = Path(path)
-    if not (path / WEIGHTS).is_file():
+    if not trained(path):
         return None
     cfg = json.loads((path / CONFIG).read_text())
     model = LearnedBackoff(cfg["hidden_size"], cfg["width"])

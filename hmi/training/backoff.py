@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from hmi.io import atomic_write_json, atomic_write_with
 from hmi.plot.keys import ngram_order
-from hmi.plot.learned import CHECKPOINT, CONFIG, TRAIN_STEPS, WEIGHTS, LearnedBackoff, neighbour_states, served_backoff
+from hmi.plot.learned import CHECKPOINT, CONFIG, TRAIN_STEPS, WEIGHTS, LearnedBackoff, neighbour_states, served_backoff, trained
 from hmi.plot.store import PlotStore
 from hmi.training.fit import Fit
 
@@ -64,7 +64,7 @@ def train(store: PlotStore, cfg: TrainConfig = TrainConfig(), progress: bool = T
     and of the estimate). A run stopped on the way continues from its last checkpoint; the same
     command after a finished run returns the record without training."""
     path = Path(store.path)
-    if (path / WEIGHTS).is_file():
+    if trained(path):
         return {**json.loads((path / CONFIG).read_text()), "up_to_date": True}
     if store.meta.n != 3:
         raise ValueError("a learned back-off is for encoder PLOTs (three states per window); this one is causal")

@@ -150,6 +150,8 @@ def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(tra
     with pytest.raises(KeyboardInterrupt):
         train(store, SMALL, progress=False)
     assert (path / learned.CHECKPOINT).is_file() and not (path / learned.WEIGHTS).exists()
+    (path / learned.WEIGHTS).write_bytes(b"cut short")  # weights a stop left half written, without their record
+    assert learned.load(path) is None
     monkeypatch.setattr(backoff, "batch_inputs", real)
     record = train(store, SMALL, progress=False)
     assert not (path / learned.CHECKPOINT).exists()
