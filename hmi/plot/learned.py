@@ -29,7 +29,7 @@ from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
 from hmi.plot.store import PlotStore
 
 WEIGHTS, CONFIG, CHECKPOINT = "learned_backoff.safetensors", "learned_backoff.json", "learned_backoff.ckpt"
-TRAIN_STEPS = 1600  # batches of 512 tri-grams: three passes over 270k of them
+TRAIN_STEPS = 4800  # batches of 512 tri-grams: nine passes over 280k of them (docs/roots.md)
 
 
 class LearnedBackoffMissingError(RuntimeError):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import save
 
-from hmi.io import atomic_write_json, atomic_write_with
+from hmi.io import atomic_write_bytes, atomic_write_json, atomic_write_with
 from hmi.plot.keys import ngram_order
 from hmi.plot.learned import CHECKPOINT, CONFIG, TRAIN_STEPS, WEIGHTS, LearnedBackoff, neighbour_states, served_backoff, trained
 from hmi.plot.store import PlotStore
@@ -62,10 +62,13 @@ def train(store: PlotStore, cfg: TrainConfig = TrainConfig(), progress: bool = T
     """Trains (or resumes, or confirms) the learned back-off of the PLOT ``store`` and
     keeps it beside the PLOT; returns its record (steps, seconds, held-out cosine of the back-off
     and of the estimate). A run stopped on the way continues from its last checkpoint; the same
-    command after a finished run returns the record without training."""
+    command after a finished run returns the record without training. A model trained with another
+    configuration (``cfg``) is trained again; it is served until the new one replaces it whole."""
     path = Path(store.path)
     if trained(path):
-        return {**json.loads((path / CONFIG).read_text()), "up_to_date": True}
+        record = json.loads((path / CONFIG).read_text())
+        if record.get("train_config") == asdict(cfg):
+            return {**record, "up_to_date": True}
     if store.meta.n != 3:
         raise ValueError("a learned back-off is for encoder PLOTs (three states per window); this one is causal")
     keys = store.keys()
@@ -110,7 +113,8 @@ def train(store: PlotStore, cfg: TrainConfig = TrainConfig(), progress: bool = T
     record = {"hidden_size": store.meta.hidden_size, "width": cfg.width, "steps": cfg.steps,
               "train_config": asdict(cfg), "seconds": round(seconds, 1), "tri_grams": int(len(tri)),
               **held_out_cosine(model, store, held_out, cfg.seed)}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / WEIGHTS))
+    # whole weights replace whole weights: a model trained before keeps serving until this one is written
+    atomic_write_bytes(path / WEIGHTS, save({k: v.contiguous() for k, v in model.state_dict().items()}))
     atomic_write_json(path / CONFIG, record)  # written last: the weights are whole when it is there
     ckpt.unlink(missing_ok=True)
     return record

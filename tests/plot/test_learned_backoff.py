@@ -1,6 +1,7 @@
 """The learned back-off (miss policy ``learned``): its lookup against a window-by-window
 reference, what training gains on windows the PLOT misses, and a stopped training resumed."""
 
+import dataclasses
 import json
 import shutil
 
@@ -159,6 +160,35 @@ def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(tra
     assert all(torch.equal(resumed[k], clean[k]) for k in clean)
     assert record["held_out_cosine_learned"] == trained[1]["held_out_cosine_learned"]
     assert train(store, SMALL, progress=False)["up_to_date"]
+
+
+def test_a_model_trained_with_another_configuration_is_trained_again_and_served_until_replaced(
+        tmp_path, plot, monkeypatch):
+    import hmi.training.backoff as backoff
+
+    path = tmp_path / "p"
+    shutil.copytree(plot, path)
+    store = PlotStore(path, readonly=True)
+    train(store, SMALL, progress=False)
+    first = learned.fingerprint(path)
+    longer = dataclasses.replace(SMALL, steps=SMALL.steps + 20)
+    real, calls = backoff.batch_inputs, []
+
+    def dies_at_step_10(*a):
+        calls.append(1)
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(backoff, "batch_inputs", dies_at_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        train(store, longer, progress=False)
+    assert learned.fingerprint(path) == first  # the first model still serves
+    monkeypatch.setattr(backoff, "batch_inputs", real)
+    record = train(store, longer, progress=False)
+    assert not record.get("up_to_date") and record["steps"] == longer.steps
+    assert learned.fingerprint(path) != first
+    assert train(store, longer, progress=False)["up_to_date"]
 
 
 def test_the_learned_policy_without_a_model_names_the_command_that_trains_one(plot, encoder):
