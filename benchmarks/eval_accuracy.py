@@ -404,7 +404,12 @@ def main() -> None:
         vals, secs, chosen, chosen_lr = {}, {}, {}, {}
 
         def hbert(spec, lr, policy):
-            return finetune(root.bert, root.spec.l_low, PlotLookup([version], policy=policy), root.tokenizer, spec,
+            lookup = PlotLookup([version], policy=policy)
+            if policy == "learned" and learned_fingerprint(version.store.path) != learned_id:
+                # the cells are keyed by the model the table started with; this run would train on another
+                raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
+                                 "run the same command again to continue with the new model's cells")
+            return finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec,
                             train, dev, test, FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs),
                             progress=False)[1]
 

@@ -25,10 +25,14 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hmi.io import sha256_file
+from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls
 from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
 from hmi.plot.store import PlotStore
 
 WEIGHTS, CONFIG, CHECKPOINT = "learned_backoff.safetensors", "learned_backoff.json", "learned_backoff.ckpt"
+# Serving multiplies in bf16 (fp32 accumulation) where the CPU does so natively: half the time of fp32
+# for the same estimate to four digits of cosine (docs/bench_backoff.md); fp32 elsewhere.
+SERVE_BF16 = NATIVE_BF16
 TRAIN_STEPS = 4800  # batches of 512 tri-grams: nine passes over 280k of them (docs/roots.md)
 
 
@@ -50,8 +54,8 @@ class LearnedBackoff(nn.Module):
     def __init__(self, hidden_size: int, width: int = 1024):
         super().__init__()
         self.hidden_size, self.width = hidden_size, width
-        self.inp = nn.Linear(5 * hidden_size + 1, width)
-        self.out = nn.Linear(width, 3 * hidden_size)
+        self.inp = OneDnnLinear(5 * hidden_size + 1, width)
+        self.out = OneDnnLinear(width, 3 * hidden_size)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -89,11 +93,12 @@ def served_backoff(store: PlotStore, keys: np.ndarray, withhold: np.ndarray | No
 
 
 def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: np.ndarray,
-             from_bigram: np.ndarray) -> np.ndarray:
-    """The model's states for missed windows ``keys`` given what the back-off served them.
+             from_bigram: np.ndarray, bf16: bool | None = None) -> np.ndarray:
+    """The model's states for missed windows ``keys`` given what the back-off served them, its
+    products in bf16 where ``bf16`` (default ``SERVE_BF16``) and the CPU has it.
     Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
     context = neighbour_states(store, keys)
-    with torch.no_grad():
+    with torch.no_grad(), bf16_matmuls(SERVE_BF16 if bf16 is None else bf16):
         out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
     return out.numpy().astype(np.float16)
 

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from hmi.cli import main
 from hmi.model.hplm import WindowedEncoder
+from hmi.model.kernels import NATIVE_BF16
 from hmi.plot import learned
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.keys import encoder_windows, pack, unique_windows
@@ -90,7 +91,8 @@ def reference(model, store: PlotStore, window: np.ndarray) -> np.ndarray:
     return out[0].numpy()
 
 
-def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder):
+def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder, monkeypatch):
+    monkeypatch.setattr(learned, "SERVE_BF16", False)  # the fp32 products of the reference; bf16: the next test
     store, _ = trained
     model = learned.load(store.path)
     unseen = unseen_windows(store)
@@ -101,6 +103,19 @@ def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder
     want = np.stack([reference(model, store, w) for w in windows])
     np.testing.assert_allclose(got.astype(np.float32), want, atol=2e-3, rtol=2e-3)
     assert hits["learned"] == 40 and hits["trigram:root"] == 1
+
+
+@pytest.mark.skipif(not NATIVE_BF16, reason="the CPU does not multiply bf16 natively: serving stays in fp32")
+def test_the_bf16_estimate_keeps_the_fp32_estimate_where_the_cpu_multiplies_bf16(trained):
+    store, _ = trained
+    model = learned.load(store.path)
+    keys = pack(unseen_windows(store))
+    served, from_bigram = learned.served_backoff(store, keys)
+    fp32 = learned.estimate(model, store, keys, served, from_bigram, bf16=False).astype(np.float32)
+    bf16 = learned.estimate(model, store, keys, served, from_bigram, bf16=True).astype(np.float32)
+    assert not np.array_equal(fp32, bf16)  # the products did run in bf16
+    cos = F.cosine_similarity(torch.from_numpy(fp32), torch.from_numpy(bf16), dim=-1)
+    assert cos.min() > 0.999
 
 
 def test_an_untrained_learned_backoff_serves_exactly_what_the_backoff_serves(tmp_path, plot, encoder):

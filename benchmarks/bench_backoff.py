@@ -1,0 +1,153 @@
+"""The learned back-off's training recipes side by side, on the windows serving actually misses.
+
+For the tasks' test texts (``held_out_texts``: never in a corpus), every tri-gram of real tokens the
+root PLOT does not hold is served by the paper's back-off and by learned back-offs trained with each
+recipe (steps, MLP width) on a copy of the PLOT; each is compared, window row by window row, with
+the window's exact states from the windowed lower layers (what ``--miss-policy compute`` serves).
+The PLOT's own model (``hmi plot learn-backoff``), where it has one, is a row too. Also per recipe:
+the training time, the cosine on the PLOT's held-out tri-grams (the training's own report) and the
+estimate's cost per missed window (the MLP and the neighbours' uni-gram reads, batches of 4,096), in
+the precision serving uses (bf16 products where the CPU multiplies bf16 natively; the PLOT's own
+model is also measured in fp32 there).
+
+Usage: python benchmarks/bench_backoff.py [--quick] [--root mpnet-base --l-low 6] [--recipes 1600:1024,4800:1024]
+(``--quick``: one 400-step recipe on 200 texts.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
+from benchmarks.common import timeit as timed  # noqa: E402
+
+RECIPES = "1600:1024,4800:1024,4800:384"
+
+
+def options(ap) -> None:
+    root_options(ap)
+    ap.add_argument("--recipes", default=RECIPES, help=f"steps:width of each model to train (default {RECIPES})")
+    ap.add_argument("--texts", type=int, default=1000, help="test texts whose missed windows are compared")
+
+
+def missed_windows(root, store, texts: list[str]):
+    """Distinct tri-grams of real tokens in ``texts`` (cut to 64 tokens, as the accuracy table
+    serves them) that ``store`` does not hold, and their exact states.
+    Shapes: -> keys (M,) uint64, exact (M, 3, H) float32."""
+    import numpy as np
+    import torch
+
+    from hmi.plot.build import tokenize_corpus
+    from hmi.plot.keys import encoder_windows, pack, unpack
+
+    windows = []
+    for ids in tokenize_corpus(root.tokenizer, texts, 64, progress=False):
+        ids = np.array([ids])
+        windows.append(encoder_windows(ids, np.ones_like(ids)).reshape(-1, 3))
+    uniq = np.unique(np.concatenate(windows), axis=0)
+    uniq = uniq[(uniq[:, 0] > 0) & (uniq[:, 2] > 0)]
+    keys = pack(uniq)
+    _, found = store.get_many(keys)
+    keys = keys[~found]
+    with torch.no_grad():
+        exact = torch.cat([root.plot_lower.lower(torch.from_numpy(unpack(keys[i:i + 4096]))).float()
+                           for i in range(0, len(keys), 4096)])
+    return keys, exact
+
+
+def fidelity(est, exact) -> list[float]:
+    """Mean cosine per window row (left, centre, right) of ``est`` to ``exact``. Shapes: (M, 3, H)."""
+    import torch.nn.functional as F
+
+    return [round(float(v), 4) for v in F.cosine_similarity(est.float(), exact, dim=-1).mean(0)]
+
+
+def main() -> None:
+    args = start(__doc__, options)
+    import numpy as np
+    import torch
+
+    from hmi.data import held_out_texts
+    from hmi.plot import learned
+    from hmi.plot.store import PlotStore
+    from hmi.training.backoff import TrainConfig, train
+
+    if args.quick and args.recipes == RECIPES:
+        args.recipes, args.texts = "400:1024", 200
+    recipes = [tuple(int(x) for x in r.split(":")) for r in args.recipes.split(",") if r]
+    root, version = prepared_root(root=args.root, l_low=args.l_low)
+    store = version.store
+    keys, exact = missed_windows(root, store, held_out_texts(args.texts))
+    served, from_bigram = learned.served_backoff(store, keys)
+    rows, result = [], {"root_artifact": root.artifact_id, "l_low": root.l_low, "missed_windows": int(len(keys)),
+                        "bigram_served_share": round(float(from_bigram.mean()), 3), "models": {}}
+
+    def measure(name: str, model, store_of_model, record: dict | None, bf16: bool | None = None) -> None:
+        est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16)) if model \
+            else torch.from_numpy(served)
+        cos = fidelity(est, exact)
+        batch = keys[:4096]
+        us = (timed(lambda: learned.estimate(model, store_of_model, batch, served[:4096], from_bigram[:4096], bf16),
+                    repeat=3) / len(batch) * 1e6) if model else 0.0
+        held = record["held_out_cosine_learned"] if record else None
+        rows.append((name, f"{record['seconds']:,.0f}" if record and "seconds" in record else "-",
+                     held if held else "-", cos, f"{np.mean(cos):.4f}", f"{us:.1f}" if model else "-"))
+        result["models"][name] = {"cosine_rows": cos, "cosine_mean": round(float(np.mean(cos)), 4),
+                                  "train_seconds": record.get("seconds") if record else None,
+                                  "held_out_cosine_plot": held, "estimate_us_per_window": round(us, 2)}
+
+    measure("back-off (no model)", None, store, None)
+    from hmi.plot.keys import unpack
+
+    def compute() -> None:
+        with torch.no_grad():
+            root.plot_lower.lower(torch.from_numpy(unpack(keys[:4096])))
+    us = timed(compute, repeat=3) / min(len(keys), 4096) * 1e6
+    rows.append(("exact (the windowed lower layers, `compute`)", "-", "-", "[1, 1, 1]", "1", f"{us:.1f}"))
+    result["compute_us_per_window"] = round(us, 2)
+    result["serve_bf16"] = learned.SERVE_BF16
+    own = learned.load(store.path)
+    if own is not None:
+        record_own = json.loads((Path(store.path) / learned.CONFIG).read_text())
+        name = f"the PLOT's model ({record_own['steps']} steps, width {record_own['width']})"
+        measure(name + (", bf16 products (served)" if learned.SERVE_BF16 else ""), own, store, record_own)
+        if learned.SERVE_BF16:
+            measure(name + ", fp32 products", own, store, record_own, bf16=False)
+    with tempfile.TemporaryDirectory(prefix="hmi-backoff-") as tmp:
+        copy = Path(tmp) / "plot"
+        copy.mkdir()
+        shutil.copy(Path(store.path) / "data.mdb", copy / "data.mdb")
+        store_copy = PlotStore(copy, readonly=True)
+        try:
+            for steps, width in recipes:
+                if own is not None and record_own["train_config"] == asdict(TrainConfig(steps=steps, width=width)):
+                    continue  # the PLOT's own model is this recipe: its row above
+                t = time.time()
+                record = train(store_copy, TrainConfig(steps=steps, width=width))
+                print(f"trained {steps} steps, width {width}: {time.time() - t:.0f} s", flush=True)
+                measure(f"{steps} steps, width {width}", learned.load(copy), store_copy, record)
+        finally:
+            store_copy.close()
+
+    text = (f"Root {root.artifact_id} (split {root.l_low}+), its root PLOT; {len(keys):,} distinct tri-grams of real "
+            f"tokens in {args.texts} test texts of the tasks miss it (a bi-gram serves {result['bigram_served_share']:.0%} "
+            "of them). Cosine of each window row (left, centre, right) to the exact states the windowed lower layers "
+            "compute for the window; a model trained per recipe on a copy of the PLOT (batches of 512 of its "
+            "tri-grams, each served as if missing).\n\n"
+            + table(rows, ("model", "training s", "held-out cosine (PLOT tri-grams)", "cosine on missed test windows",
+                           "mean", "estimate us / window")))
+    finish(result_name("bench_backoff", args), text, result,
+           "python benchmarks/bench_backoff.py" + (" --quick" if args.quick else "") + root_flags(args)
+           + (f" --recipes {args.recipes}" if args.recipes != RECIPES else "")
+           + (f" --texts {args.texts}" if args.texts != 1000 else ""))
+
+
+if __name__ == "__main__":
+    main()
