@@ -33,7 +33,8 @@ RECIPES = "1600:1024,4800:1024,4800:384"
 
 def options(ap) -> None:
     root_options(ap)
-    ap.add_argument("--recipes", default=RECIPES, help=f"steps:width of each model to train (default {RECIPES})")
+    ap.add_argument("--recipes", default=RECIPES,
+                    help=f"steps:width of each model to train (default {RECIPES}; '' for none: the PLOT's own model alone)")
     ap.add_argument("--texts", type=int, default=1000, help="test texts whose missed windows are compared")
 
 
@@ -145,7 +146,7 @@ def main() -> None:
                            "mean", "estimate us / window")))
     finish(result_name("bench_backoff", args), text, result,
            "python benchmarks/bench_backoff.py" + (" --quick" if args.quick else "") + root_flags(args)
-           + (f" --recipes {args.recipes}" if args.recipes != RECIPES else "")
+           + (f" --recipes {args.recipes or chr(39) * 2}" if args.recipes != RECIPES else "")
            + (f" --texts {args.texts}" if args.texts != 1000 else ""))
 
 

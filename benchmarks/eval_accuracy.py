@@ -264,6 +264,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import is_tagging, load_task, task_labels
+    from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup
     from hmi.training.finetune import FinetuneConfig, encode, finetune
@@ -352,7 +353,9 @@ def main() -> None:
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                     "(`--miss-policy compute`)" if exact else "")
                  + ("; hBERT, learned back-off: the same with each missed tri-gram served the root PLOT's learned "
-                    "back-off (`hmi plot learn-backoff`, `--miss-policy learned`)" if learned else "") + ".")
+                    "back-off (`hmi plot learn-backoff`, `--miss-policy learned`; its products in "
+                    + ("bf16, as served on a CPU that multiplies bf16 natively)" if SERVE_BF16 else "fp32)")
+                    if learned else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
         res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
@@ -373,6 +376,7 @@ def main() -> None:
         if learned:
             page += "_learned"
             res["learned_backoff"] = learned_id
+            res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
             page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
         if args.dedicated_lr is not None:
@@ -429,6 +433,8 @@ def main() -> None:
                 key = {"task": task, "train": len(train), "scheme": label}
                 if label == HBERT_LEARNED:
                     key["learned_backoff"] = learned_id
+                    if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
+                        key["learned_bf16"] = True
                 tried = {(p, lr): cells.run({**key, "pooling": p, "lr": lr},
                                             lambda p=p, lr=lr, run=run: cell(run, specs[p], lr))
                          for p in poolings for lr in lrs[label]}
