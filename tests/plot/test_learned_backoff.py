@@ -148,23 +148,32 @@ def test_training_brings_missed_windows_closer_to_their_exact_states_than_the_ba
         (cos(estimated), cos(served))
 
 
+def stopped_at_step(monkeypatch, store: PlotStore, cfg: TrainConfig, step: int) -> None:
+    """Runs a training of ``store`` with ``cfg`` that stops (Ctrl+C) as it draws the batch of
+    ``step``; ``batch_inputs`` stays patched until the caller restores it."""
+    import hmi.training.backoff as backoff
+
+    real, calls = backoff.batch_inputs, []
+
+    def dies(*a):
+        calls.append(1)
+        if len(calls) == step:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(backoff, "batch_inputs", dies)
+    with pytest.raises(KeyboardInterrupt):
+        train(store, cfg, progress=False)
+
+
 def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(trained, tmp_path, plot, monkeypatch):
     import hmi.training.backoff as backoff
 
     path = tmp_path / "p"
     shutil.copytree(plot, path)
     store = PlotStore(path, readonly=True)
-    real, calls = backoff.batch_inputs, []
-
-    def dies_at_step_50(*a):
-        calls.append(1)
-        if len(calls) == 50:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(backoff, "batch_inputs", dies_at_step_50)
-    with pytest.raises(KeyboardInterrupt):
-        train(store, SMALL, progress=False)
+    real = backoff.batch_inputs
+    stopped_at_step(monkeypatch, store, SMALL, 50)
     assert (path / learned.CHECKPOINT).is_file() and not (path / learned.WEIGHTS).exists()
     (path / learned.WEIGHTS).write_bytes(b"cut short")  # weights a stop left half written, without their record
     assert learned.load(path) is None
@@ -187,17 +196,8 @@ def test_a_model_trained_with_another_configuration_is_trained_again_and_served_
     train(store, SMALL, progress=False)
     first = learned.fingerprint(path)
     longer = dataclasses.replace(SMALL, steps=SMALL.steps + 20)
-    real, calls = backoff.batch_inputs, []
-
-    def dies_at_step_10(*a):
-        calls.append(1)
-        if len(calls) == 10:
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(backoff, "batch_inputs", dies_at_step_10)
-    with pytest.raises(KeyboardInterrupt):
-        train(store, longer, progress=False)
+    real = backoff.batch_inputs
+    stopped_at_step(monkeypatch, store, longer, 10)
     assert learned.fingerprint(path) == first  # the first model still serves
     monkeypatch.setattr(backoff, "batch_inputs", real)
     record = train(store, longer, progress=False)
