@@ -307,6 +307,8 @@ def main() -> None:
         record_dir=DOCS / "cells")
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
+    partial_pages: set[str] = set()  # written by this run while tasks remained
+
     def report(done: list[str]) -> None:
         """Writes the results page of the tasks ``done`` (a partial page until every task is done)."""
         res = {**results, "tasks": {t: results["tasks"][t] for t in done}}
@@ -392,6 +394,10 @@ def main() -> None:
                + (f" --adapter {args.adapter}" if args.adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "") + root_flags(args))
+        if len(done) < len(tasks):
+            partial_pages.add(page)
+        for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
+            (DOCS / f"{stale}.md").unlink(missing_ok=True)
 
 
     for task in tasks:
