@@ -137,7 +137,8 @@ def main() -> None:
         finally:
             store_copy.close()
 
-    text = (f"Root {root.artifact_id} (split {root.l_low}+), its root PLOT; {len(keys):,} distinct tri-grams of real "
+    split = f"{root.l_low}+{root.bert.config.num_hidden_layers - root.l_low}"
+    text = (f"Root {root.artifact_id} (split {split}), its root PLOT; {len(keys):,} distinct tri-grams of real "
             f"tokens in {args.texts} test texts of the tasks miss it (a bi-gram serves {result['bigram_served_share']:.0%} "
             "of them). Cosine of each window row (left, centre, right) to the exact states the windowed lower layers "
             "compute for the window; a model trained per recipe on a copy of the PLOT (batches of 512 of its "
