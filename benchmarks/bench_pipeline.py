@@ -68,6 +68,7 @@ def main() -> None:
     from hmi.adapters.store import AdapterStore
     from hmi.data import load_task
     from hmi.plot.hot import HotTier
+    from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import TenantEntry
@@ -76,6 +77,8 @@ def main() -> None:
     lookup = PlotLookup([version], policy="backoff")
     hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))],
                             policy="backoff")
+    # missed tri-grams served the learned back-off, where the root PLOT has one (`hmi plot learn-backoff`)
+    learned_lookup = PlotLookup([version], policy="learned") if learned_fingerprint(version.store.path) else None
     B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer
@@ -97,6 +100,8 @@ def main() -> None:
                     ("full pipeline, whole PLOT in a hot tier", {"hot": True}),
                     ("synchronized, whole PLOT in a hot tier", {"pipeline_retrieval": False, "pipeline_swap": False,
                                                                 "hot": True})]
+        if learned_lookup is not None:
+            variants.append(("full pipeline, learned back-off on miss (`--miss-policy learned`)", {"learned": True}))
         rows, res = [], {}
         rounds = 2 if args.quick else 5
         # Ideal: upper layers alone, adapters resident, representations precomputed; timed once per
@@ -121,7 +126,7 @@ def main() -> None:
                 for t in names:
                     store.load(t)  # host tier warm, device pools cold: every run starts the same
                 sw = dict(sw)
-                lk = hot_lookup if sw.pop("hot", False) else lookup
+                lk = hot_lookup if sw.pop("hot", False) else learned_lookup if sw.pop("learned", False) else lookup
                 s = Scheduler(root.bert, l_low, tok, store, entries.__getitem__, lambda d: lk,
                               SchedulerConfig(max_batch=B, pool_slots=64, trace=trace, **sw))
                 try:
@@ -149,6 +154,9 @@ def main() -> None:
             paired = [p / q for p, q in zip(got["full pipeline"], got["synchronized"])]
             res[f"pipelined_over_sync_{tag}"] = round(statistics.median(paired), 3)
             res.setdefault("pipelined_over_sync_rounds", {})[tag] = [round(x, 3) for x in paired]
+            if learned_lookup is not None:  # the learned back-off's round over the back-off's next to it
+                res[f"learned_over_backoff_{tag}"] = round(statistics.median(
+                    [p / q for p, q in zip(got[variants[-1][0]], got["full pipeline"])]), 3)
             for label, _ in variants:
                 rps = statistics.median(got[label])
                 key = {"full pipeline": "pipelined", "synchronized": "sync", "full pipeline, whole PLOT in a hot tier":
