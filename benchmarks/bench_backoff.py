@@ -77,15 +77,16 @@ def main() -> None:
 
     from hmi.data import held_out_texts
     from hmi.plot import learned
+    from hmi.plot.keys import unpack
     from hmi.plot.store import PlotStore
     from hmi.training.backoff import TrainConfig, train
 
-    if args.quick and args.recipes == RECIPES:
-        args.recipes, args.texts = "400:1024", 200
-    recipes = [tuple(int(x) for x in r.split(":")) for r in args.recipes.split(",") if r]
+    quick = args.quick and args.recipes == RECIPES  # the command line stays as given
+    n_texts = 200 if quick else args.texts
+    recipes = [tuple(int(x) for x in r.split(":")) for r in ("400:1024" if quick else args.recipes).split(",") if r]
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     store = version.store
-    keys, exact = missed_windows(root, store, held_out_texts(args.texts))
+    keys, exact = missed_windows(root, store, held_out_texts(n_texts))
     served, from_bigram = learned.served_backoff(store, keys)
     rows, result = [], {"root_artifact": root.artifact_id, "l_low": root.l_low, "missed_windows": int(len(keys)),
                         "bigram_served_share": round(float(from_bigram.mean()), 3), "models": {}}
@@ -105,7 +106,6 @@ def main() -> None:
                                   "held_out_cosine_plot": held, "estimate_us_per_window": round(us, 2)}
 
     measure("back-off (no model)", None, store, None)
-    from hmi.plot.keys import unpack
 
     def compute() -> None:
         with torch.no_grad():
@@ -139,7 +139,7 @@ def main() -> None:
 
     split = f"{root.l_low}+{root.bert.config.num_hidden_layers - root.l_low}"
     text = (f"Root {root.artifact_id} (split {split}), its root PLOT; {len(keys):,} distinct tri-grams of real "
-            f"tokens in {args.texts} test texts of the tasks miss it (a bi-gram serves {result['bigram_served_share']:.0%} "
+            f"tokens in {n_texts} test texts of the tasks miss it (a bi-gram serves {result['bigram_served_share']:.0%} "
             "of them). Cosine of each window row (left, centre, right) to the exact states the windowed lower layers "
             "compute for the window; a model trained per recipe on a copy of the PLOT (batches of 512 of its "
             "tri-grams, each served as if missing).\n\n"

@@ -150,7 +150,7 @@ def test_training_brings_missed_windows_closer_to_their_exact_states_than_the_ba
 
 def stopped_at_step(monkeypatch, store: PlotStore, cfg: TrainConfig, step: int) -> None:
     """Runs a training of ``store`` with ``cfg`` that stops (Ctrl+C) as it draws the batch of
-    ``step``; ``batch_inputs`` stays patched until the caller restores it."""
+    ``step``; batches are drawn as usual again afterwards."""
     import hmi.training.backoff as backoff
 
     real, calls = backoff.batch_inputs, []
@@ -164,20 +164,17 @@ def stopped_at_step(monkeypatch, store: PlotStore, cfg: TrainConfig, step: int) 
     monkeypatch.setattr(backoff, "batch_inputs", dies)
     with pytest.raises(KeyboardInterrupt):
         train(store, cfg, progress=False)
+    monkeypatch.setattr(backoff, "batch_inputs", real)
 
 
 def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(trained, tmp_path, plot, monkeypatch):
-    import hmi.training.backoff as backoff
-
     path = tmp_path / "p"
     shutil.copytree(plot, path)
     store = PlotStore(path, readonly=True)
-    real = backoff.batch_inputs
     stopped_at_step(monkeypatch, store, SMALL, 50)
     assert (path / learned.CHECKPOINT).is_file() and not (path / learned.WEIGHTS).exists()
     (path / learned.WEIGHTS).write_bytes(b"cut short")  # weights a stop left half written, without their record
     assert learned.load(path) is None
-    monkeypatch.setattr(backoff, "batch_inputs", real)
     record = train(store, SMALL, progress=False)
     assert not (path / learned.CHECKPOINT).exists()
     resumed, clean = learned.load(path).state_dict(), learned.load(trained[0].path).state_dict()
@@ -188,18 +185,14 @@ def test_a_stopped_training_resumes_to_the_uninterrupted_weights_bit_for_bit(tra
 
 def test_a_model_trained_with_another_configuration_is_trained_again_and_served_until_replaced(
         tmp_path, plot, monkeypatch):
-    import hmi.training.backoff as backoff
-
     path = tmp_path / "p"
     shutil.copytree(plot, path)
     store = PlotStore(path, readonly=True)
     train(store, SMALL, progress=False)
     first = learned.fingerprint(path)
     longer = dataclasses.replace(SMALL, steps=SMALL.steps + 20)
-    real = backoff.batch_inputs
     stopped_at_step(monkeypatch, store, longer, 10)
     assert learned.fingerprint(path) == first  # the first model still serves
-    monkeypatch.setattr(backoff, "batch_inputs", real)
     record = train(store, longer, progress=False)
     assert not record.get("up_to_date") and record["steps"] == longer.steps
     assert learned.fingerprint(path) != first
