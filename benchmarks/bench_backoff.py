@@ -6,9 +6,10 @@ recipe (steps, MLP width) on a copy of the PLOT; each is compared, window row by
 the window's exact states from the windowed lower layers (what ``--miss-policy compute`` serves).
 The PLOT's own model (``hmi plot learn-backoff``), where it has one, is a row too. Also per recipe:
 the training time, the cosine on the PLOT's held-out tri-grams (the training's own report) and the
-estimate's cost per missed window (the MLP and the neighbours' uni-gram reads, batches of 4,096), in
-the precision serving uses (bf16 products where the CPU multiplies bf16 natively; the PLOT's own
-model is also measured in fp32 there).
+estimate's cost per missed window (the MLP and the neighbours' states, batches of 4,096; every cost
+timed in the same rounds, the median of 15), in the precision serving uses (bf16 products where the
+CPU multiplies bf16 natively; the PLOT's own model is also measured in fp32 there, and with its
+neighbours' states read from LMDB instead of the centre table).
 
 Usage: python benchmarks/bench_backoff.py [--quick] [--root mpnet-base --l-low 6] [--recipes 1600:1024,4800:1024]
 (``--quick``: one 400-step recipe on 200 texts.)
@@ -25,8 +26,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, prepared_root, result_name, root_flags, root_options, start, table  # noqa: E402
-from benchmarks.common import timeit as timed  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    finish,
+    prepared_root,
+    result_name,
+    root_flags,
+    root_options,
+    round_robin,
+    start,
+    table,
+)
 
 RECIPES = "1600:1024,4800:1024,4800:384"
 
@@ -91,34 +100,43 @@ def main() -> None:
     rows, result = [], {"root_artifact": root.artifact_id, "l_low": root.l_low, "missed_windows": int(len(keys)),
                         "bigram_served_share": round(float(from_bigram.mean()), 3), "models": {}}
 
+    vocab = root.bert.config.vocab_size
+    batch = 4096
+    timers: dict[str, object] = {}  # row name -> what one timed call runs, on ``batch`` missed windows
+
     def measure(name: str, model, store_of_model, record: dict | None, bf16: bool | None = None) -> None:
-        est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16)) if model \
-            else torch.from_numpy(served)
+        centres = learned.centre_table(store_of_model, vocab) if model else None
+        est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16, centres)) \
+            if model else torch.from_numpy(served)
         cos = fidelity(est, exact)
-        batch = keys[:4096]
-        us = (timed(lambda: learned.estimate(model, store_of_model, batch, served[:4096], from_bigram[:4096], bf16),
-                    repeat=3) / len(batch) * 1e6) if model else 0.0
         held = record["held_out_cosine_learned"] if record else None
-        rows.append((name, f"{record['seconds']:,.0f}" if record and "seconds" in record else "-",
-                     held if held else "-", cos, f"{np.mean(cos):.4f}", f"{us:.1f}" if model else "-"))
+        rows.append([name, f"{record['seconds']:,.0f}" if record and "seconds" in record else "-",
+                     held if held else "-", cos, f"{np.mean(cos):.4f}", "-"])
         result["models"][name] = {"cosine_rows": cos, "cosine_mean": round(float(np.mean(cos)), 4),
                                   "train_seconds": record.get("seconds") if record else None,
-                                  "held_out_cosine_plot": held, "estimate_us_per_window": round(us, 2)}
+                                  "held_out_cosine_plot": held}
+        if model is not None:
+            timers[name] = lambda: learned.estimate(model, store_of_model, keys[:batch], served[:batch],
+                                                    from_bigram[:batch], bf16, centres)
 
     measure("back-off (no model)", None, store, None)
 
     def compute() -> None:
         with torch.no_grad():
-            root.plot_lower.lower(torch.from_numpy(unpack(keys[:4096])))
-    us = timed(compute, repeat=3) / min(len(keys), 4096) * 1e6
-    rows.append(("exact (the windowed lower layers, `compute`)", "-", "-", "[1, 1, 1]", "1", f"{us:.1f}"))
-    result["compute_us_per_window"] = round(us, 2)
+            root.plot_lower.lower(torch.from_numpy(unpack(keys[:batch])))
+    exact_row = "exact (the windowed lower layers, `compute`)"
+    rows.append([exact_row, "-", "-", "[1, 1, 1]", "1", "-"])
+    timers[exact_row] = compute
     result["serve_bf16"] = learned.SERVE_BF16
     own = learned.load(store.path)
     if own is not None:
         record_own = json.loads((Path(store.path) / learned.CONFIG).read_text())
         name = f"the PLOT's model ({record_own['steps']} steps, width {record_own['width']})"
         measure(name + (", bf16 products (served)" if learned.SERVE_BF16 else ""), own, store, record_own)
+        # side by side: the neighbours' states read from LMDB per window instead of the centre table
+        lmdb_row = name + ", neighbours read from LMDB"
+        rows.append([lmdb_row, "-", "-", "same", "same", "-"])
+        timers[lmdb_row] = lambda: learned.estimate(own, store, keys[:batch], served[:batch], from_bigram[:batch])
         if learned.SERVE_BF16:
             measure(name + ", fp32 products", own, store, record_own, bf16=False)
     with tempfile.TemporaryDirectory(prefix="hmi-backoff-") as tmp:
@@ -134,8 +152,20 @@ def main() -> None:
                 record = train(store_copy, TrainConfig(steps=steps, width=width))
                 print(f"trained {steps} steps, width {width}: {time.time() - t:.0f} s", flush=True)
                 measure(f"{steps} steps, width {width}", learned.load(copy), store_copy, record)
+            # every cost in one round-robin, so that a drift of the machine hits them alike
+            seconds = round_robin(timers, rounds=3 if quick else 15)
         finally:
             store_copy.close()
+    n = min(len(keys), batch)
+    for row in rows:
+        if row[0] in seconds:
+            us = seconds[row[0]] / n * 1e6
+            row[5] = f"{us:.1f}"
+            if row[0] in result["models"]:
+                result["models"][row[0]]["estimate_us_per_window"] = round(us, 2)
+    result["compute_us_per_window"] = round(seconds[exact_row] / n * 1e6, 2)
+    if own is not None:
+        result["estimate_us_per_window_lmdb_neighbours"] = round(seconds[lmdb_row] / n * 1e6, 2)
 
     split = f"{root.l_low}+{root.bert.config.num_hidden_layers - root.l_low}"
     text = (f"Root {root.artifact_id} (split {split}), its root PLOT; {len(keys):,} distinct tri-grams of real "

@@ -36,15 +36,21 @@ def start(doc: str, extra=None):
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    from hmi.model.kernels import NATIVE_BF16
+
+    info = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    # A virtual machine may name every generation alike ("AMD EPYC"): the family and model tell them apart.
+    if "cpu family" in info:
+        cpu += f", family {info['cpu family']} model {info.get('model', '?')}"
     isa = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use (AVX2, AVX512, ...)
+    isa += " with native bf16" if NATIVE_BF16 else ""
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{os.cpu_count()} CPU cores ({cpu}, {isa}){gpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 

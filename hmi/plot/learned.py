@@ -73,10 +73,21 @@ def centre_states(store: PlotStore, ids: np.ndarray) -> np.ndarray:
     return vals[:, 1]
 
 
-def neighbour_states(store: PlotStore, keys: np.ndarray) -> np.ndarray:
-    """The states of ``l`` and ``r`` alone for tri-gram ``keys`` ``(l, c, r)``.
-    Shapes: keys (N,) uint64 -> (N, 2, H) float16."""
+def centre_table(store: PlotStore, vocab_size: int) -> np.ndarray:
+    """Every token's state alone, read from the PLOT once: row ``x`` is ``centre_states(store, [x])[0]``.
+    Serving gathers a missed window's neighbours from it instead of reading two uni-grams from LMDB
+    per window (the table is a snapshot: the uni-grams of a built PLOT do not change).
+    Shapes: -> (vocab_size, H) float16."""
+    return centre_states(store, np.arange(vocab_size, dtype=np.int64))
+
+
+def neighbour_states(store: PlotStore, keys: np.ndarray, centres: np.ndarray | None = None) -> np.ndarray:
+    """The states of ``l`` and ``r`` alone for tri-gram ``keys`` ``(l, c, r)``: gathered from
+    ``centres`` (``centre_table``) where given, else read from the PLOT.
+    Shapes: keys (N,) uint64; centres (V, H) -> (N, 2, H) float16."""
     w = unpack(keys)
+    if centres is not None:
+        return centres[w[:, [0, 2]]]
     return np.stack([centre_states(store, w[:, 0]), centre_states(store, w[:, 2])], 1)
 
 
@@ -93,11 +104,12 @@ def served_backoff(store: PlotStore, keys: np.ndarray, withhold: np.ndarray | No
 
 
 def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: np.ndarray,
-             from_bigram: np.ndarray, bf16: bool | None = None) -> np.ndarray:
+             from_bigram: np.ndarray, bf16: bool | None = None, centres: np.ndarray | None = None) -> np.ndarray:
     """The model's states for missed windows ``keys`` given what the back-off served them, its
-    products in bf16 where ``bf16`` (default ``SERVE_BF16``) and the CPU has it.
+    products in bf16 where ``bf16`` (default ``SERVE_BF16``) and the CPU has it; the neighbours'
+    states from ``centres`` (``centre_table`` of ``store``) where given, else from ``store``.
     Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
-    context = neighbour_states(store, keys)
+    context = neighbour_states(store, keys, centres)
     with torch.no_grad(), bf16_matmuls(SERVE_BF16 if bf16 is None else bf16):
         out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
     return out.numpy().astype(np.float16)

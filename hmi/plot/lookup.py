@@ -45,6 +45,21 @@ class PlotVersion:
     store: PlotStore
     encoder: WindowedEncoder
     hot: HotTier | None = None
+    # its learned back-off and its tokens' centre states (``learned_backoff``), loaded once per opened version
+    backoff: tuple[learned.LearnedBackoff, np.ndarray] | None = field(default=None, compare=False, repr=False)
+
+
+def learned_backoff(version: PlotVersion) -> tuple[learned.LearnedBackoff, np.ndarray] | None:
+    """The version's learned back-off and ``learned.centre_table`` of its PLOT, or None where it has
+    none; loaded at the first call and kept on the version, so the lookups of every domain whose
+    chain goes through it (the root's: all of them) share one copy."""
+    if version.backoff is None:
+        model = learned.load(version.store.path)
+        if model is None:
+            return None
+        vocab = version.encoder.lower.embeddings.word_embeddings.num_embeddings
+        version.backoff = (model, learned.centre_table(version.store, vocab))
+    return version.backoff
 
 
 @dataclass
@@ -84,11 +99,11 @@ class PlotLookup:
         self.causal = bool(getattr(chain[0].encoder, "causal", False))
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
-        self.learned: tuple[PlotVersion, learned.LearnedBackoff] | None = None
+        self.learned: tuple[PlotVersion, tuple[learned.LearnedBackoff, np.ndarray]] | None = None
         if policy == "learned":
             if self.causal:
                 raise ValueError("the miss policy 'learned' is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
-            found = [(v, m) for v in chain if (m := learned.load(v.store.path)) is not None]
+            found = [(v, m) for v in chain if (m := learned_backoff(v)) is not None]
             if not found:
                 raise learned.LearnedBackoffMissingError(
                     f"no version of the chain {[v.name for v in chain]} has a learned back-off: train the root "
@@ -147,8 +162,9 @@ class PlotLookup:
         out[todo] = 0
         hits["zeros"] += int(todo.sum())
         if estimated is not None and estimated.size:
-            version, model = self.learned
-            out[estimated] = learned.estimate(model, version.store, keys[estimated], out[estimated], from_bigram)
+            version, (model, centres) = self.learned
+            out[estimated] = learned.estimate(model, version.store, keys[estimated], out[estimated], from_bigram,
+                                              centres=centres)
             hits["learned"] += int(estimated.size)
         return out, hits
 

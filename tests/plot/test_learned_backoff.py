@@ -105,6 +105,22 @@ def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder
     assert hits["learned"] == 40 and hits["trigram:root"] == 1
 
 
+def test_neighbour_states_gathered_from_the_centre_table_equal_those_read_from_the_plot(trained):
+    store, _ = trained
+    keys = pack(np.concatenate([unseen_windows(store), [[0, 5, 0], [VOCAB - 1, 3, 0]]]))  # 0: no uni-gram, zeros
+    table = learned.centre_table(store, VOCAB)
+    assert np.array_equal(learned.neighbour_states(store, keys, table), learned.neighbour_states(store, keys))
+
+
+def test_the_lookups_of_chains_through_one_version_share_its_learned_backoff(trained, plot, encoder):
+    store, _ = trained
+    root = PlotVersion("root", store, encoder)
+    branch = PlotVersion("branch", PlotStore(plot, readonly=True), encoder)  # a PLOT without a model
+    first = PlotLookup([root], policy="learned").learned
+    second = PlotLookup([branch, root], policy="learned").learned
+    assert first[0] is second[0] is root and first[1] is second[1]
+
+
 @pytest.mark.skipif(not NATIVE_BF16, reason="the CPU does not multiply bf16 natively: serving stays in fp32")
 def test_the_bf16_estimate_keeps_the_fp32_estimate_where_the_cpu_multiplies_bf16(trained):
     store, _ = trained
