@@ -74,11 +74,13 @@ def main() -> None:
     from hmi.scheduler.types import TenantEntry
 
     root, version = prepared_root()
-    lookup = PlotLookup([version], policy="backoff")
-    hot_lookup = PlotLookup([PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))],
-                            policy="backoff")
-    # missed tri-grams served the learned back-off, where the root PLOT has one (`hmi plot learn-backoff`)
-    learned_lookup = PlotLookup([version], policy="learned") if learned_fingerprint(version.store.path) else None
+    hot_version = PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))
+    # the lookups by (whole PLOT in a hot tier, missed tri-grams served the learned back-off); the
+    # learned ones where the root PLOT has a model (`hmi plot learn-backoff`)
+    has_learned = learned_fingerprint(version.store.path) is not None
+    lookups = {(hot, learned): PlotLookup([hot_version if hot else version], policy="learned" if learned else "backoff")
+               for hot in (False, True) for learned in (False, True) if has_learned or not learned}
+    lookup = lookups[False, False]
     B, batches = 32, (4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer
@@ -100,8 +102,10 @@ def main() -> None:
                     ("full pipeline, whole PLOT in a hot tier", {"hot": True}),
                     ("synchronized, whole PLOT in a hot tier", {"pipeline_retrieval": False, "pipeline_swap": False,
                                                                 "hot": True})]
-        if learned_lookup is not None:
-            variants.append(("full pipeline, learned back-off on miss (`--miss-policy learned`)", {"learned": True}))
+        learned_label = "full pipeline, learned back-off on miss (`--miss-policy learned`)"
+        learned_hot_label = "full pipeline, learned back-off on miss, whole PLOT in a hot tier"
+        if has_learned:
+            variants += [(learned_label, {"learned": True}), (learned_hot_label, {"learned": True, "hot": True})]
         rows, res = [], {}
         rounds = 2 if args.quick else 5
         # Ideal: upper layers alone, adapters resident, representations precomputed; timed once per
@@ -126,7 +130,7 @@ def main() -> None:
                 for t in names:
                     store.load(t)  # host tier warm, device pools cold: every run starts the same
                 sw = dict(sw)
-                lk = hot_lookup if sw.pop("hot", False) else learned_lookup if sw.pop("learned", False) else lookup
+                lk = lookups[sw.pop("hot", False), sw.pop("learned", False)]
                 s = Scheduler(root.bert, l_low, tok, store, entries.__getitem__, lambda d: lk,
                               SchedulerConfig(max_batch=B, pool_slots=64, trace=trace, **sw))
                 try:
@@ -154,9 +158,10 @@ def main() -> None:
             paired = [p / q for p, q in zip(got["full pipeline"], got["synchronized"])]
             res[f"pipelined_over_sync_{tag}"] = round(statistics.median(paired), 3)
             res.setdefault("pipelined_over_sync_rounds", {})[tag] = [round(x, 3) for x in paired]
-            if learned_lookup is not None:  # the learned back-off's round over the back-off's next to it
-                res[f"learned_over_backoff_{tag}"] = round(statistics.median(
-                    [p / q for p, q in zip(got[variants[-1][0]], got["full pipeline"])]), 3)
+            if has_learned:  # the learned back-off's rounds over the back-off's next to them (from LMDB alone)
+                for key, label in (("learned", learned_label), ("learned_hot", learned_hot_label)):
+                    res[f"{key}_over_backoff_{tag}"] = round(statistics.median(
+                        [p / q for p, q in zip(got[label], got["full pipeline"])]), 3)
             for label, _ in variants:
                 rps = statistics.median(got[label])
                 key = {"full pipeline": "pipelined", "synchronized": "sync", "full pipeline, whole PLOT in a hot tier":
@@ -189,7 +194,11 @@ def main() -> None:
              "median of the per-round ratios: "
              f"{res['pipelined_over_sync_16']} at 16 tenants, {res['pipelined_over_sync_1k']} at 1,000. The ideal is "
              "timed once per round at 1,000 tenants; the hidden-overhead ratio is the median of each round's "
-             "pipelined run over that round's ideal.\n"
+             "pipelined run over that round's ideal."
+             + (" The learned back-off's rounds over the full pipeline's (from LMDB, back-off), median of the "
+                f"per-round ratios: {res['learned_over_backoff_16']} at 16 tenants, {res['learned_over_backoff_1k']} "
+                f"at 1,000; with the whole PLOT in a hot tier {res['learned_hot_over_backoff_16']} and "
+                f"{res['learned_hot_over_backoff_1k']}." if has_learned else "") + "\n"
              "Timeline of the full pipeline at 1,000 tenants: `docs/pipeline_timeline.png` "
              "(trace: `docs/pipeline_trace.json`, open in Perfetto or chrome://tracing).")
     finish("bench_pipeline", text, res, "python benchmarks/bench_pipeline.py" + (" --quick" if args.quick else ""))
