@@ -16,6 +16,7 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.kernels import NATIVE_BF16
 from hmi.plot import learned
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
+from hmi.plot.hot import HotTier
 from hmi.plot.keys import encoder_windows, pack, unique_windows
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
@@ -119,6 +120,16 @@ def test_the_lookups_of_chains_through_one_version_share_its_learned_backoff(tra
     first = PlotLookup([root], policy="learned").learned
     second = PlotLookup([branch, root], policy="learned").learned
     assert first[0] is second[0] is root and first[1] is second[1]
+
+
+def test_the_learned_policy_serves_the_same_through_a_hot_tier_holding_the_whole_plot(trained, encoder):
+    store, _ = trained
+    windows = np.concatenate([unseen_windows(store)[:40], np.array(texts(3, seed=0))[:, :3]])
+    plain, plain_hits = PlotLookup([PlotVersion("root", store, encoder)], policy="learned").window_reps(windows)
+    hot = PlotVersion("root", store, encoder, hot=HotTier.whole(store))
+    got, hits = PlotLookup([hot], policy="learned").window_reps(windows)
+    assert np.array_equal(got, plain)
+    assert hits["learned"] == plain_hits["learned"] == 40 and hits["hot"] > 0
 
 
 @pytest.mark.skipif(not NATIVE_BF16, reason="the CPU does not multiply bf16 natively: serving stays in fp32")
