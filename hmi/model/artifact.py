@@ -73,13 +73,19 @@ def write_artifact(base: Path, name_of, weights: dict[str, torch.Tensor], weight
     """Writes one artifact atomically and returns its folder name: the weights go to a temporary
     folder, ``name_of(digest)`` names the folder from the weights' sha256 (hex), ``config_of(name)``
     gives the metadata (to which ``weights_sha256`` is added); the folder is fsynced and renamed
-    into place, then ``pointer`` (if any) is replaced atomically to name it."""
+    into place, then ``pointer`` (if any) is replaced atomically to name it.  Where a whole
+    artifact of the same weights is already in place (a recipe run again), it stays as it is, so
+    that a process loading it never finds it missing; only ``pointer`` is written."""
     base.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=base, prefix=".new-"))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(tmp / weights_file))
         digest = sha256_file(tmp / weights_file)
         name = name_of(digest)
+        if _weights_sha(base / name / config_file) == digest:
+            if pointer is not None:
+                atomic_write_text(base / pointer, name)
+            return name
         (tmp / config_file).write_text(json.dumps({**config_of(name), "weights_sha256": digest}, indent=1,
                                                   sort_keys=True))
         _place(tmp, base, name, pointer)
@@ -87,6 +93,15 @@ def write_artifact(base: Path, name_of, weights: dict[str, torch.Tensor], weight
         if tmp.exists():
             shutil.rmtree(tmp)
     return name
+
+
+def _weights_sha(config_path: Path) -> str | None:
+    """The ``weights_sha256`` an artifact's config records (written last, so the folder is whole),
+    or None where there is no readable config."""
+    try:
+        return json.loads(config_path.read_text()).get("weights_sha256")
+    except (OSError, ValueError):
+        return None
 
 
 def _place(tmp: Path, base: Path, name: str, pointer: str | None) -> None:

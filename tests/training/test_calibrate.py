@@ -117,6 +117,26 @@ def test_saved_artifact_round_trips_weights_and_takes_untouched_tensors_from_the
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
+def test_an_artifact_written_again_with_the_same_weights_stays_in_place_and_becomes_current(tmp_path):
+    root = tiny_root()
+    first = save_artifact(root.windowed, root.bert, root.spec, {"run": 1}, home=tmp_path)
+    folder = tmp_path / "roots" / first
+    inode = folder.stat().st_ino
+    weight = root.windowed.lower.layers[0].output.dense.weight
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight.add_(0.5)
+    other = save_artifact(root.windowed, root.bert, root.spec, {"run": 2}, home=tmp_path)
+    assert other != first and current_artifact_id(tmp_path) == other
+    with torch.no_grad():
+        weight.copy_(kept)
+    again = save_artifact(root.windowed, root.bert, root.spec, {"run": 3}, home=tmp_path)
+    assert again == first and current_artifact_id(tmp_path) == first
+    assert folder.stat().st_ino == inode  # never removed: a loader cannot find it missing
+    assert artifact_config(first, tmp_path)["run"] == 1
+    assert not list((tmp_path / "roots").glob(".new-*"))
+
+
 def test_artifact_of_another_root_is_refused_with_a_clear_error(tmp_path):
     import pytest
 
