@@ -138,6 +138,12 @@ def save_artifact(windowed: WindowedEncoder, bert: BertModel, spec: RootSpec, me
         "config.json", spec.pointer if make_current else None)
 
 
+def make_current(artifact_id: str, pointer: str, home: Path | None = None) -> None:
+    """Points ``pointer`` (``RootSpec.pointer``) at the artifact already in place, atomically."""
+    artifact_config(artifact_id, home)  # raises ArtifactMissingError if it is not there
+    atomic_write_text(roots_dir(home) / pointer, artifact_id)
+
+
 def current_artifact_id(home: Path | None = None, pointer: str = "current") -> str | None:
     """The artifact a root's pointer names (``RootSpec.pointer``; the default root's: ``current``)."""
     p = roots_dir(home) / pointer

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, atomic_write_with
-from hmi.model.artifact import Root, save_artifact
+from hmi.model.artifact import Root, artifact_config, load_windowed, make_current, roots_dir, save_artifact
 from hmi.model.hplm import HPLM
 from hmi.model.kernels import bf16_matmuls
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
@@ -248,6 +248,46 @@ def resume(ckpt_path: Path, cfg: CalibrationConfig, fingerprint: str, windowed, 
     return json.loads(ck["before"]), ck.get("spent_seconds", 0.0)
 
 
+def finished_run(work_dir: Path, cfg: CalibrationConfig, fingerprint: str, home: Path | None) -> tuple[str, dict] | None:
+    """(artifact id, its config) of the artifact a finished run of this recipe on this root wrote
+    into ``work_dir`` (its ``done`` file names it), None when there is none: no ``done`` file, the
+    artifact gone or unreadable, or calibrated with another recipe, root or number of steps."""
+    try:
+        artifact_id = (work_dir / "done").read_text().strip()
+        meta = artifact_config(artifact_id, home)
+        recorded = meta["calibration"], meta["quality"]
+    except (OSError, ValueError, RuntimeError, KeyError):
+        return None
+    recipe = {k: v for k, v in recorded[0].items() if k in asdict(cfg) or k == "max_minutes"}
+    if (meta.get("root_fingerprint") != fingerprint or not same_recipe(recipe, asdict(cfg))
+            or recorded[0].get("steps_done") != cfg.steps):
+        return None
+    return artifact_id, meta
+
+
+def default_work_dir(root: Root, cfg: CalibrationConfig, home: Path | None) -> Path:
+    """Where a calibration of ``root`` keeps its checkpoint and ``done`` file: one folder per
+    root, split and seed under ``$HMI_HOME/calibration``."""
+    run = f"l{root.spec.l_low}" if root.spec.source is None else root.spec.pointer.removeprefix("current-")
+    return (home or hmi_home()) / "calibration" / f"{run}-seed{cfg.seed}"
+
+
+def reuse_finished_run(root: Root, work_dir: Path, cfg: CalibrationConfig, fingerprint: str,
+                       home: Path | None, log=print) -> tuple[str, dict] | None:
+    """What ``calibrate`` returned when it finished this run before (see :func:`finished_run`),
+    with that artifact's weights loaded into ``root.windowed`` and the root's pointer naming it;
+    None when there is no such run."""
+    if (finished := finished_run(work_dir, cfg, fingerprint, home)) is None:
+        return None
+    artifact_id, config = finished
+    root.windowed.load_state_dict(
+        load_windowed(roots_dir(home) / artifact_id, config, root.bert, root.spec.l_low).state_dict())
+    root.windowed.eval().requires_grad_(False)
+    make_current(artifact_id, root.spec.pointer, home)
+    log(f"already calibrated: {artifact_id} ({cfg.steps} steps)")
+    return artifact_id, {k: config[k] for k in ("calibration", "quality")}
+
+
 def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: CalibrationConfig,
               work_dir: Path | None = None, home: Path | None = None, log=print,
               max_minutes: float | None = None) -> tuple[str, dict]:
@@ -255,11 +295,12 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     ``max_minutes`` limits this invocation: past it, the run stops at a checkpoint and raises
     :class:`CalibrationUnfinished`; the same call again continues."""
     limit = TimeLimit(max_minutes)
-    run = f"l{root.spec.l_low}" if root.spec.source is None else root.spec.pointer.removeprefix("current-")
-    work_dir = work_dir or (home or hmi_home()) / "calibration" / f"{run}-seed{cfg.seed}"
+    work_dir = work_dir or default_work_dir(root, cfg, home)
     work_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = work_dir / "checkpoint.pt"
     fingerprint = weights_fingerprint(root.bert)  # a checkpoint resumes only on its own root
+    if finished := reuse_finished_run(root, work_dir, cfg, fingerprint, home, log):
+        return finished
     seed_everything(cfg.seed)
 
     windowed = root.windowed

@@ -289,6 +289,45 @@ def test_served_windows_computed_once_on_their_present_tokens_give_the_reference
 RECIPE = CalibrationConfig(steps=40, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=25)
 
 
+def test_a_finished_calibration_run_again_returns_its_artifact_at_once_and_makes_it_current(tmp_path, monkeypatch):
+    """The same call after a finished run trains nothing and measures nothing: it loads the
+    artifact the ``done`` file names into the root and points the root's pointer at it again.
+    A run of another recipe, or whose artifact is gone, calibrates."""
+    import hmi.training.calibrate as cal
+
+    cfg = CalibrationConfig(steps=4, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2)
+    run = {"work_dir": tmp_path / "cal", "home": tmp_path, "log": lambda *_: None}
+    first = tiny_root()
+    aid, meta = calibrate(first, TEXTS, TEXTS[:2], cfg, **run)
+    (tmp_path / "roots" / "minilm-l2-other").mkdir()
+    (tmp_path / "roots" / "minilm-l2-other" / "config.json").write_text("{}")
+    (tmp_path / "roots" / "current").write_text("minilm-l2-other")
+
+    work = {"loss": 0, "quality": 0}
+    for name, key in (("calibration_loss", "loss"), ("quality", "quality")):
+        def counted(*args, _orig=getattr(cal, name), _key=key, **kw):
+            work[_key] += 1
+            return _orig(*args, **kw)
+        monkeypatch.setattr(cal, name, counted)
+    again = tiny_root()
+    assert calibrate(again, TEXTS, TEXTS[:2], cfg, **run) == (aid, meta)
+    assert work == {"loss": 0, "quality": 0}
+    assert current_artifact_id(tmp_path) == aid
+    for (k, x), (_, y) in zip(first.windowed.state_dict().items(), again.windowed.state_dict().items()):
+        assert torch.equal(x, y), k
+
+    longer = CalibrationConfig(steps=5, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2)
+    assert calibrate(tiny_root(), TEXTS, TEXTS[:2], longer, **run)[0] != aid
+    assert work["loss"] == 5  # another recipe: its own run from the start
+
+    import shutil
+    shutil.rmtree(tmp_path / "roots" / aid)
+    work["loss"] = 0
+    assert calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, work_dir=tmp_path / "cal4", home=tmp_path,
+                     log=lambda *_: None)[0] == aid
+    assert work["loss"] == 4 and (tmp_path / "roots" / aid / "config.json").exists()
+
+
 @pytest.fixture
 def slow_machine(monkeypatch) -> dict:
     """A slow machine: each calibration step takes 1 s of the time limit's clock.  Returns the
