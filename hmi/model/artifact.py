@@ -138,9 +138,11 @@ def save_artifact(windowed: WindowedEncoder, bert: BertModel, spec: RootSpec, me
         "config.json", spec.pointer if make_current else None)
 
 
-def make_current(artifact_id: str, pointer: str, home: Path | None = None) -> None:
-    """Points ``pointer`` (``RootSpec.pointer``) at the artifact already in place, atomically."""
-    artifact_config(artifact_id, home)  # raises ArtifactMissingError if it is not there
+def point_at(artifact_id: str, pointer: str, home: Path | None = None) -> None:
+    """Points ``pointer`` (an encoder root's ``RootSpec.pointer``, or ``current_decoder``) at the
+    artifact folder ``artifact_id`` already in place, atomically."""
+    if not (roots_dir(home) / artifact_id).is_dir():
+        raise ArtifactMissingError(f"root artifact {artifact_id!r} not found under {roots_dir(home)}")
     atomic_write_text(roots_dir(home) / pointer, artifact_id)
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, atomic_write_with
-from hmi.model.artifact import Root, artifact_config, load_windowed, make_current, roots_dir, save_artifact
+from hmi.model.artifact import Root, artifact_config, load_windowed, point_at, roots_dir, save_artifact
 from hmi.model.hplm import HPLM
 from hmi.model.kernels import bf16_matmuls
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
@@ -283,7 +283,7 @@ def reuse_finished_run(root: Root, work_dir: Path, cfg: CalibrationConfig, finge
     root.windowed.load_state_dict(
         load_windowed(roots_dir(home) / artifact_id, config, root.bert, root.spec.l_low).state_dict())
     root.windowed.eval().requires_grad_(False)
-    make_current(artifact_id, root.spec.pointer, home)
+    point_at(artifact_id, root.spec.pointer, home)
     log(f"already calibrated: {artifact_id} ({cfg.steps} steps)")
     return artifact_id, {k: config[k] for k in ("calibration", "quality")}
 

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from hmi.data import held_out_texts, load_corpus
-from hmi.io import atomic_write_with
+from hmi.io import atomic_write_text, atomic_write_with
 from hmi.model.aliases import DECODER_L_LOW
-from hmi.model.artifact import SHIPPED_DIR, install_folder, shipped_folder, write_artifact
+from hmi.model.artifact import SHIPPED_DIR, install_folder, point_at, shipped_folder, write_artifact
 from hmi.model.decoder import DecoderRoot, full_hidden, load_decoder, perplexity, upper_logits, window_states
 from hmi.model.root import weights_fingerprint
 from hmi.model.windows import causal_windows, unique_windows
@@ -199,17 +199,38 @@ def install_shipped_decoder(home: Path, root: DecoderRoot, shipped: Path = SHIPP
                           "current_decoder").rsplit("-l", 1)[0]
 
 
+def finished_decoder_run(work: Path, cfg: DecoderCalibrationConfig, root: DecoderRoot,
+                         home: Path) -> tuple[DecoderRoot, dict] | None:
+    """The decoder root with the artifact a finished run of this recipe on this decoder wrote
+    (``work``'s ``done`` file names its folder), made current, and what that run returned; None
+    when there is none: no ``done`` file, the artifact gone, or another recipe or decoder."""
+    try:
+        folder = decoder_roots_dir(home) / (work / "done").read_text().strip()
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    recipe = {**asdict(DecoderCalibrationConfig()), **meta.get("config", {})}
+    if recipe != asdict(cfg) or meta.get("root_fingerprint") != weights_fingerprint(root.model):
+        return None
+    root = load_decoder_folder(folder, root)
+    point_at(folder.name, "current_decoder", home)
+    return root, {k: v for k, v in meta.items() if k not in ("name", "l_low", "weights_sha256")}
+
+
 def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True,
                        max_minutes: float | None = None) -> tuple[DecoderRoot, dict]:
     """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save.
-    Resumes from (and, past ``max_minutes``, stops at) its checkpoint under ``HMI_HOME/calibration``."""
+    Resumes from (and, past ``max_minutes``, stops at) its checkpoint under ``HMI_HOME/calibration``;
+    once finished, the same call returns its artifact at once (made current again)."""
     limit = TimeLimit(max_minutes)
     root = load_decoder(l_low=l_low)
+    work = Path(home) / "calibration" / f"decoder-l{l_low}-seed{cfg.seed}"
+    if finished := finished_decoder_run(work, cfg, root, home):
+        return finished
     texts = held_out_texts(cfg.eval_texts)
     with torch.no_grad():
         ppl_full = perplexity(root, texts, "full")
         ppl_naive = perplexity(root, texts, "windowed")
-    work = Path(home) / "calibration" / f"decoder-l{l_low}-seed{cfg.seed}"
     work.mkdir(parents=True, exist_ok=True)
     lower, info = calibrate_decoder(root, load_corpus("general"), cfg, progress, work / "checkpoint.pt", limit)
     with torch.no_grad():
@@ -219,5 +240,6 @@ def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, pr
     meta = {"config": asdict(cfg), "quality": quality, "root_fingerprint": weights_fingerprint(root.model), **info}
     root.name = save_decoder_artifact(root, lower, meta, home)
     root.windowed = lower
+    atomic_write_text(work / "done", f"{root.name}-l{l_low}")
     (work / "checkpoint.pt").unlink(missing_ok=True)  # done: the artifact holds it
     return root, meta

@@ -68,3 +68,33 @@ def test_a_decoder_checkpoint_of_another_recipe_is_not_continued(tmp_path, slow_
 def test_deeper_decoder_splits_take_the_logit_distillation_recipe():
     assert decoder_recipe(2) == DecoderCalibrationConfig()
     assert (decoder_recipe(8).weight_logits, decoder_recipe(8).steps) == (1.0, 300)
+
+
+def test_a_finished_decoder_calibration_run_again_returns_its_artifact_at_once_and_makes_it_current(
+        tmp_path, slow_machine, monkeypatch):
+    """``hmi calibrate --decoder`` after a finished run (on the packaged SmolLM2) trains and
+    measures nothing: it serves the artifact its ``done`` file names and points the home at it
+    again; another recipe calibrates."""
+    import hmi.training.calibrate_decoder as cdec
+
+    cfg = DecoderCalibrationConfig(steps=2, batch_size=2, max_len=32, eval_texts=2)
+    first, meta = cdec.calibrate_and_save(tmp_path, 2, cfg, progress=False)
+    folder = f"{first.name}-l2"
+    (tmp_path / "roots" / "current_decoder").write_text("another-l2")
+    measured = {"n": 0}
+
+    def counted(*args, _orig=cdec.perplexity, **kw):
+        measured["n"] += 1
+        return _orig(*args, **kw)
+
+    monkeypatch.setattr(cdec, "perplexity", counted)
+    slow_machine["n"] = 0
+    again, meta_again = cdec.calibrate_and_save(tmp_path, 2, cfg, progress=False)
+    assert (slow_machine["n"], measured["n"]) == (0, 0)
+    assert meta_again == meta and again.name == first.name
+    assert (tmp_path / "roots" / "current_decoder").read_text() == folder
+    for (name, a), b in zip(first.windowed.state_dict().items(), again.windowed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    cdec.calibrate_and_save(tmp_path, 2, DecoderCalibrationConfig(**{**cfg.__dict__, "steps": 3}), progress=False)
+    assert slow_machine["n"] == 3  # another recipe: its own run
