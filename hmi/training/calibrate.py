@@ -40,6 +40,7 @@ from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
 from hmi.timelimit import OutOfTime, TimeLimit
 from hmi.training.fit import Fit, deterministic
+from hmi.training.recipe_folder import recipe_folder
 
 
 @dataclass
@@ -267,9 +268,18 @@ def finished_run(work_dir: Path, cfg: CalibrationConfig, fingerprint: str, home:
 
 def default_work_dir(root: Root, cfg: CalibrationConfig, home: Path | None) -> Path:
     """Where a calibration of ``root`` keeps its checkpoint and ``done`` file: one folder per
-    root, split and seed under ``$HMI_HOME/calibration``."""
+    root, split, seed and recipe under ``$HMI_HOME/calibration`` (:mod:`recipe_folder`)."""
     run = f"l{root.spec.l_low}" if root.spec.source is None else root.spec.pointer.removeprefix("current-")
-    return (home or hmi_home()) / "calibration" / f"{run}-seed{cfg.seed}"
+    return recipe_folder((home or hmi_home()) / "calibration", f"{run}-seed{cfg.seed}", cfg, CalibrationConfig(),
+                         lambda folder: holds_recipe(folder / "checkpoint.pt", cfg))
+
+
+def holds_recipe(ckpt_path: Path, cfg: CalibrationConfig) -> bool:
+    """Whether ``ckpt_path`` is a checkpoint of recipe ``cfg`` (read memory-mapped: its config only)."""
+    try:
+        return same_recipe(torch.load(ckpt_path, weights_only=True, mmap=True)["config"], asdict(cfg))
+    except (OSError, RuntimeError, KeyError):
+        return False
 
 
 def reuse_finished_run(root: Root, work_dir: Path, cfg: CalibrationConfig, fingerprint: str,

@@ -28,6 +28,7 @@ from hmi.model.windows import causal_windows, unique_windows
 from hmi.timelimit import TimeLimit
 from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.fit import Fit
+from hmi.training.recipe_folder import recipe_folder
 
 CHECKPOINT_EVERY = 25  # steps between checkpoints (and one at an invocation's time limit)
 
@@ -217,6 +218,14 @@ def finished_decoder_run(work: Path, cfg: DecoderCalibrationConfig, root: Decode
     return root, {k: v for k, v in meta.items() if k not in ("name", "l_low", "weights_sha256")}
 
 
+def holds_decoder_recipe(folder: Path, cfg: DecoderCalibrationConfig) -> bool:
+    """Whether work ``folder`` holds a stopped run of recipe ``cfg`` (its checkpoint's configuration)."""
+    try:
+        return torch.load(folder / "checkpoint.pt", weights_only=True, mmap=True)["config"] == asdict(cfg)
+    except (OSError, RuntimeError, KeyError):
+        return False
+
+
 def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, progress: bool = True,
                        max_minutes: float | None = None) -> tuple[DecoderRoot, dict]:
     """The whole ``hmi calibrate --decoder``: calibrate on the general corpus, measure, save.
@@ -224,7 +233,8 @@ def calibrate_and_save(home: Path, l_low: int, cfg: DecoderCalibrationConfig, pr
     once finished, the same call returns its artifact at once (made current again)."""
     limit = TimeLimit(max_minutes)
     root = load_decoder(l_low=l_low)
-    work = Path(home) / "calibration" / f"decoder-l{l_low}-seed{cfg.seed}"
+    work = recipe_folder(Path(home) / "calibration", f"decoder-l{l_low}-seed{cfg.seed}", cfg,
+                         DecoderCalibrationConfig(), lambda folder: holds_decoder_recipe(folder, cfg))
     if finished := finished_decoder_run(work, cfg, root, home):
         return finished
     texts = held_out_texts(cfg.eval_texts)

@@ -328,6 +328,77 @@ def test_a_finished_calibration_run_again_returns_its_artifact_at_once_and_makes
     assert work["loss"] == 4 and (tmp_path / "roots" / aid / "config.json").exists()
 
 
+def test_another_recipe_keeps_its_own_state_and_the_first_recipe_run_again_returns_at_once(tmp_path, monkeypatch):
+    """Two recipes calibrated in one home, each in its default work folder: the second does not
+    overwrite the first's checkpoint and ``done`` file, so the first, run again, trains nothing."""
+    import hmi.training.calibrate as cal
+
+    first = CalibrationConfig(steps=4, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2)
+    second = CalibrationConfig(**{**first.__dict__, "steps": 5})
+    run = {"home": tmp_path, "log": lambda *_: None}
+    aid, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], first, **run)
+    other, _ = calibrate(tiny_root(), TEXTS, TEXTS[:2], second, **run)
+    assert other != aid and current_artifact_id(tmp_path) == other
+    steps = {"n": 0}
+
+    def counted(*args, _orig=cal.calibration_loss, **kw):
+        steps["n"] += 1
+        return _orig(*args, **kw)
+
+    monkeypatch.setattr(cal, "calibration_loss", counted)
+    assert calibrate(tiny_root(), TEXTS, TEXTS[:2], first, **run) == (aid, meta)
+    assert steps["n"] == 0 and current_artifact_id(tmp_path) == aid
+    assert len(list((tmp_path / "calibration").iterdir())) == 2
+
+
+def test_a_work_folder_of_the_earlier_layout_holding_this_recipe_is_taken_over_and_one_of_another_recipe_is_left(
+        tmp_path, monkeypatch):
+    """Before recipes had folders of their own, every recipe of a root and split used
+    ``calibration/<run>-seed<N>``: a checkpoint there of this recipe is continued from (the folder
+    renamed to the recipe's), one of another recipe is left where it is."""
+    import hmi.training.calibrate as cal
+    from hmi.training.calibrate import default_work_dir
+
+    cfg = CalibrationConfig(steps=4, batch_size=4, max_len=16, lr=1e-3, warmup=1, eval_texts=2, checkpoint_every=2)
+    root = tiny_root()
+    earlier = tmp_path / "calibration" / "l2-seed0"
+    keyed = default_work_dir(root, cfg, tmp_path)
+    assert keyed.parent == earlier.parent and keyed.name.startswith("l2-seed0-")
+    with pytest.raises(cal.CalibrationUnfinished):
+        calibrate(root, TEXTS, TEXTS[:2], cfg, home=tmp_path, log=lambda *_: None, max_minutes=1e-9)
+    keyed.rename(earlier)  # a run stopped at step 1 under the earlier layout
+    other = CalibrationConfig(**{**cfg.__dict__, "lr": 3e-3})
+    assert default_work_dir(root, other, tmp_path) != earlier and earlier.is_dir()  # not its state: left
+    steps = {"n": 0}
+
+    def counted(*args, _orig=cal.calibration_loss, **kw):
+        steps["n"] += 1
+        return _orig(*args, **kw)
+
+    monkeypatch.setattr(cal, "calibration_loss", counted)
+    calibrate(tiny_root(), TEXTS, TEXTS[:2], cfg, home=tmp_path, log=lambda *_: None)
+    assert steps["n"] == 3 and keyed.is_dir() and not earlier.exists()  # continued at step 2 of 4
+
+
+def test_a_recipe_key_names_only_the_settings_that_differ_from_the_default():
+    from dataclasses import dataclass
+
+    from hmi.training.recipe_folder import recipe_key
+
+    @dataclass
+    class Before:
+        steps: int = 100
+        lr: float = 1e-3
+
+    @dataclass
+    class After(Before):
+        bf16: bool = False  # a setting added later; its default keeps the earlier behaviour
+
+    assert recipe_key(Before(), Before()) == recipe_key(After(), After()) == ""
+    assert recipe_key(Before(steps=800), Before()) == recipe_key(After(steps=800), After()) != ""
+    assert recipe_key(After(steps=800, bf16=True), After()) != recipe_key(After(steps=800), After())
+
+
 @pytest.fixture
 def slow_machine(monkeypatch) -> dict:
     """A slow machine: each calibration step takes 1 s of the time limit's clock.  Returns the

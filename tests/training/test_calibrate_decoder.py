@@ -97,4 +97,6 @@ def test_a_finished_decoder_calibration_run_again_returns_its_artifact_at_once_a
         assert torch.equal(a, b), name
 
     cdec.calibrate_and_save(tmp_path, 2, DecoderCalibrationConfig(**{**cfg.__dict__, "steps": 3}), progress=False)
-    assert slow_machine["n"] == 3  # another recipe: its own run
+    assert slow_machine["n"] == 3  # another recipe: its own run, in a folder of its own
+    assert cdec.calibrate_and_save(tmp_path, 2, cfg, progress=False)[1] == meta
+    assert slow_machine["n"] == 3  # the first recipe's state was kept: it returned at once again
