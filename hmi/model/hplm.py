@@ -204,8 +204,8 @@ class WindowedEncoder(nn.Module):
         uniq, inverse = unique_windows(encoder_windows(ids.cpu().numpy(), mask.cpu().numpy()), mask.cpu().numpy())
         served = serve(uniq)
         if served_once:
-            served, back = np.unique(served, axis=0, return_inverse=True)
-            inverse = np.where(inverse >= 0, back.reshape(-1)[inverse], -1)
+            served, back = unique_windows(served[None], np.ones((1, len(served)), dtype=bool))
+            inverse = np.where(inverse >= 0, back[0][inverse], -1)
         rep = self.lower(torch.from_numpy(served).to(ids.device), masked)
         return self.merge.forward_unique(rep, torch.from_numpy(inverse).to(ids.device))
 
