@@ -328,7 +328,8 @@ def main() -> None:
             res["avg_gap_learned_backoff_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED], 2)
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
-                res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]
+                res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]  # on average
+                res[f"hbert_below_{other}_on"] = [t for t in done if res["tasks"][t]["hBERT"] < res["tasks"][t][other]]
         res["root"] = root.spec.name
         res["l_low"] = l_low
         res["root_artifact"] = root.artifact_id
