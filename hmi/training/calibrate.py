@@ -259,7 +259,7 @@ def finished_run(work_dir: Path, cfg: CalibrationConfig, fingerprint: str, home:
         recorded = meta["calibration"], meta["quality"]
     except (OSError, ValueError, RuntimeError, KeyError):
         return None
-    recipe = {k: v for k, v in recorded[0].items() if k in asdict(cfg) or k == "max_minutes"}
+    recipe = {k: v for k, v in recorded[0].items() if k in asdict(cfg)}  # the settings, not what the run recorded
     if (meta.get("root_fingerprint") != fingerprint or not same_recipe(recipe, asdict(cfg))
             or recorded[0].get("steps_done") != cfg.steps):
         return None
