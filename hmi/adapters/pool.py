@@ -93,9 +93,9 @@ class SlotPool:
 
     @classmethod
     def for_spec(cls, spec, n_slots: int, n_layers: int, hidden: int, intermediate: int, max_labels: int = 32,
-                 device: str | torch.device = "cpu") -> "SlotPool":
+                 device: str | torch.device = "cpu", dtype=torch.float32) -> "SlotPool":
         """The pool of tenants of ``spec``'s ``pool_key`` (an encoder spec: adapter and head)."""
-        return cls(spec.signature(hidden), n_slots, n_layers, hidden, intermediate, max_labels, device,
+        return cls(spec.signature(hidden), n_slots, n_layers, hidden, intermediate, max_labels, device, dtype,
                    scaling=spec.scaling, head_layers=spec.head_layers,
                    head_activation=spec.head_activation if spec.head_layers > 1 else None)
 

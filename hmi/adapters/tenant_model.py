@@ -26,12 +26,15 @@ HEAD_DROPOUT = 0.1  # on the upper layers' output while training, before the hea
 class TenantModel:
     """``layers``: the root's upper layers (shared, never written; their frozen projections are
     only read through ``sites``); ``relative_bias``: an MPNet root's; ``weights``: the adapter and
-    head in the canonical layout (``hmi.adapters.spec``)."""
+    head in the canonical layout (``hmi.adapters.spec``). The adapter's tensors take the layers'
+    dtype (float32 as served; float64 for a reference computed in higher precision)."""
 
     def __init__(self, layers: nn.ModuleList, spec: AdapterSpec, weights: dict[str, torch.Tensor],
                  hidden: int, intermediate: int, relative_bias=None):
         self.layers, self.spec, self.relative_bias = layers, spec, relative_bias
-        self.pool = SlotPool.for_spec(spec, 1, len(layers), hidden, intermediate, max(2, spec.num_labels))
+        self.dtype = next(layers.parameters()).dtype
+        self.pool = SlotPool.for_spec(spec, 1, len(layers), hidden, intermediate, max(2, spec.num_labels),
+                                      dtype=self.dtype)
         self.load(weights)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -40,7 +43,7 @@ class TenantModel:
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            self.pool.write(0, {k: v.float() for k, v in weights.items()})
+            self.pool.write(0, {k: v.to(self.dtype) for k, v in weights.items()})
 
     def parameters(self) -> list[torch.Tensor]:
         """The adapter's and head's tensors (the pool's one slot), made trainable."""
