@@ -14,10 +14,12 @@ Reported: requests/s, p50/p99 latency, round trips and bytes per request, at 1, 
 
 Then the provider as an attacker (``hmi.split.attack``): a private LoRA tenant (rank 8 on every
 upper layer's FFN input, B drawn at random so that the update is of a trained one's size) answers
-held-out texts while the server records every call; three attackers fit the update of each upper
+held-out texts while the server records every call; four attackers fit the update of each upper
 layer by least squares (on a sample of its output units), against no noise, the paper's noise
-(effects computed by the server) and the shipped noise (effects computed by the client).  And
-what the shipped noise costs a request.
+(effects computed by the server) and the shipped noise (effects computed by the client).  The
+strongest, ``predicted``, knows the token ids and the public root: it predicts each layer's
+activations and takes the pooled noise's directions out where the observations depart from the
+prediction (``hmi.split.attack``).  And what the shipped noise costs a request.
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results):
             models.append((tenant, Client(url, token), None))
         else:
             base = BaseClient(url, token)
+            blind = mode == "private, blind"
             models.append((tenant, base, PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
-                                                      noise=ClientNoise(default_spec().model_dir),
-                                                      max_len=64)))
+                                                      noise=None if blind else ClientNoise(default_spec().model_dir),
+                                                      max_len=64, split="blind" if blind else "projections")))
     out = []
 
     def run(tenant, conn, model):
@@ -211,6 +214,10 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
                 model.infer(texts[i:i + 16], truncate=True)
         finally:
             server.executor.observers.remove(recording)
+        pool = {"none": 0, "paper": noise.count if noise else 0, "shipped": noise.count if noise else 0}[scheme]
+        strongest = attack.predicted(recording, lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float(),
+                                     bert.encoder.layer[l_low:], l_low, pool, getattr(bert, "relative_bias", None),
+                                     units=sample)
         for li, layer in enumerate(layers):
             w = frozen[layer, "ffn_in"][0]
             norm = bert.encoder.layer[layer].attention.output.LayerNorm
@@ -218,7 +225,8 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
             ratio.append(float(true.norm() / w.norm()))
             fits = {"naive": attack.naive(recording, layer, w, norm.weight, units=sample),
                     "informed": attack.informed(recording, layer, w, norm.weight, norm.bias, units=sample),
-                    "subspace": attack.subspace(recording, layer, w, norm.weight, 16, units=sample)}
+                    "subspace": attack.subspace(recording, layer, w, norm.weight, 16, units=sample),
+                    "predicted": strongest[layer]}
             if scheme == "shipped":  # told the pools' values, so the exact subspaces the noise lies in
                 fits["subspace, told"] = attack.subspace(recording, layer, w, norm.weight, 16, units=sample,
                                                          told=(noise.values[layer, "ffn_in"][0],
@@ -229,7 +237,10 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
                 errors[key] = max(errors.get(key, 0.0), err)
                 covered = errors.setdefault((scheme, name, "covered"), units)
                 errors[scheme, name, "covered"] = min(covered, int(est.covered.sum()))
-        names = ("naive", "informed", "subspace") + (("subspace, told",) if scheme == "shipped" else ())
+            if scheme == "shipped":
+                floor = attack.noise_floor(true, noise.values[layer, "ffn_out"][0], strongest[layer])
+                errors["shipped", "floor"] = max(errors.get(("shipped", "floor"), 0.0), floor)
+        names = ("naive", "informed", "subspace", "predicted") + (("subspace, told",) if scheme == "shipped" else ())
         rows.extend((scheme, name, f"{errors[scheme, name]:.3g}", errors[scheme, name, "covered"]) for name in names)
         print(rows[-len(names):], flush=True)
     res = {"extraction_error_without_noise": round(errors["none", "informed"], 6),
@@ -238,6 +249,14 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
            "extraction_error_paper_noise_informed": round(errors["paper", "informed"], 6),
            "extraction_error_with_noise_subspace": round(errors["shipped", "subspace"], 6),
            "extraction_error_with_noise_subspace_told": round(errors["shipped", "subspace, told"], 6),
+           "extraction_error_with_noise_predicted": round(errors["shipped", "predicted"], 6),
+           "extraction_error_paper_noise_predicted": round(errors["paper", "predicted"], 6),
+           "extraction_error_without_noise_predicted": round(errors["none", "predicted"], 6),
+           # the update's share within the shipped noise's 16 directions: what the predicting attacker cannot see
+           "extraction_floor_with_noise_predicted": round(errors["shipped", "floor"], 6),
+           "strongest_attacker": "predicted",
+           "extraction_error_strongest": round(min(errors["shipped", name] for name in
+                                                   ("naive", "informed", "subspace", "predicted")), 6),
            "attack_texts": len(texts), "attack_units_per_layer": units,
            "update_over_weight": round(max(ratio), 4)}
     # What the shipped noise costs: its effects once (the projections' weights read, the pool's
@@ -296,7 +315,7 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
     # requests of one text (small calls: where batching across clients can pay on a CPU).
     for n, batch, tag in [(n, texts, "") for n in CLIENTS] + [(max(CLIENTS), texts[:1], "_one_text")]:
         for mode, tenants, batching in (("hosted", hosted, True), ("private", private, True),
-                                        ("private, unbatched", private, False)):
+                                        ("private, unbatched", private, False), ("private, blind", private, True)):
             server.executor.batching = batching
             before = dict(server.executor.stats)
             reqs = requests * (4 if tag else 1)  # small requests: more of them, for a stable rate
@@ -329,6 +348,7 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
                                requests, args.processes))
     print({k: v for k, v in res.items() if k.startswith(("inference", "training"))}, flush=True)
     res["private_over_hosted_32"] = round(res["private_32_rps"] / res["hosted_32_rps"], 3)
+    res["blind_over_hosted_32"] = round(res["private_blind_32_rps"] / res["hosted_32_rps"], 3)
     res["batched_over_unbatched_32"] = round(res["private_32_rps"] / res["private_unbatched_32_rps"], 3)
     res["private_over_hosted_32_one_text"] = round(res["private_32_one_text_rps"] / res["hosted_32_one_text_rps"], 3)
     res["batched_over_unbatched_32_one_text"] = round(res["private_32_one_text_rps"]
@@ -379,7 +399,8 @@ def main() -> None:
             "client, once, before the clock starts). Executor busy: the executor thread's seconds in GEMMs over the "
             "run's wall time (its count includes the clients' warm-up requests, so it can pass 100%).\n\n"
             + table(rows, THROUGHPUT_HEADERS)
-            + f"\n\nprivate / hosted at 32 clients: {res['private_over_hosted_32']} (one text a request: "
+            + f"\n\nprivate (blind split) / hosted at 32 clients: {res['blind_over_hosted_32']}; "
+              f"private / hosted at 32 clients: {res['private_over_hosted_32']} (one text a request: "
               f"{res['private_over_hosted_32_one_text']}); cross-client batching / none at 32 clients: "
               f"{res['batched_over_unbatched_32']} (one text a request: {res['batched_over_unbatched_32_one_text']}); "
               "largest score difference private (with noise) vs "

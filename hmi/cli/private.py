@@ -30,13 +30,17 @@ def _model(args, verb: str) -> PrivateModel:
     if not path.exists():
         raise SystemExit(f"hmi private {verb}: no adapter archive {path}")
     spec = root_spec(args.root, args.l_low)
+    if args.split == "blind" and args.noise:
+        raise SystemExit(f"hmi private {verb}: --noise hides the activations that --split projections sends; "
+                         "the blind split sends none")
     base = BaseClient(args.url, token)
     noise = None
-    if args.noise > 0:
-        noise = (ServerNoise(base, scale=args.noise) if args.noise_effects == "server"
-                 else ClientNoise(spec.model_dir, scale=args.noise))
+    scale = 1.0 if args.noise is None else args.noise
+    if args.split == "projections" and scale > 0:
+        noise = (ServerNoise(base, scale=scale) if args.noise_effects == "server"
+                 else ClientNoise(spec.model_dir, scale=scale))
     return PrivateModel(base, spec.model_dir, spec.l_low, PrivateModel.files_of(path.read_bytes()),
-                        noise=noise, max_len=args.max_len)
+                        noise=noise, max_len=args.max_len, split=args.split)
 
 
 def cmd_private_infer(args) -> int:
@@ -73,8 +77,15 @@ def _common(p) -> None:
     p.add_argument("adapter", help="the adapter's folder as a zip (what `hmi tenant export` writes)")
     p.add_argument("--url", default=os.environ.get("HMI_URL", "http://127.0.0.1:8080"))
     p.add_argument("--token", default=None, help="the private tenant's token (default: HMI_TOKEN)")
-    p.add_argument("--noise", type=float, default=1.0,
-                   help="standard deviation of the noise that hides what the server sees (0: none; default 1)")
+    p.add_argument("--split", choices=("blind", "projections"), default="blind",
+                   help="what the server runs: blind (default), the PLOT lookup alone, this machine the upper layers "
+                        "whole from the public root, so nothing the server receives depends on the adapter or the "
+                        "labels; projections, the upper layers' frozen projections too (less work here, but a "
+                        "provider that predicts the activations recovers the adapter through the noise: "
+                        "docs/private.md)")
+    p.add_argument("--noise", type=float, default=None,
+                   help="with --split projections: standard deviation of the noise on what the server sees "
+                        "(0: none; default 1)")
     p.add_argument("--noise-effects", choices=("client", "server"), default="client",
                    help="who computes the noise's effect on each projection: this machine from the root's public "
                         "weights, the server never seeing a noise value (default), or the server (the Symbiosis "

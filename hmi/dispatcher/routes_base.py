@@ -70,7 +70,7 @@ async def lower(request: web.Request) -> web.Response:
         raise ApiError(422, "wrong_tensor", f"token ids must lie in [0, {vocab})")
     if not bool(((mask == 0) | (mask == 1)).all()):
         raise ApiError(422, "wrong_tensor", "the mask holds 0 and 1 only")
-    s.executor.observe(who, ("lower",), ids)
+    s.executor.observe(who, ("lower",), torch.stack([ids.long(), mask.long()]))
 
     def run() -> torch.Tensor:
         with torch.no_grad():

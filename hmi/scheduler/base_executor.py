@@ -82,7 +82,7 @@ class BaseExecutor:
     ``stats``: calls, batches (GEMMs), rows, and seconds the thread spent running them.
 
     ``observers``: callables told of every call the routes accept, ``(caller, call, tensor)``
-    with ``call`` = ``("lower",)`` (the token ids) or ``(layer, projection, operation)`` (the
+    with ``call`` = ``("lower",)`` (the token ids and mask stacked, (2, B, T)) or ``(layer, projection, operation)`` (the
     rows): the provider's view of a private tenant, for audits of what it reveals
     (``hmi.split.attack``).  None by default."""
 

@@ -14,6 +14,16 @@ that unit fired; W is the public root's, so delta W follows.
   row has mean 0 and variance 1 once the norm's public scale and shift are undone) and its
   activated output never falls below GELU's minimum, so the right value is the one that leaves
   rows with that structure.
+- ``predicted``, the strongest here: knows what every provider knows, the token ids (the PLOT
+  lookup's input) and the public root. Layer by layer it predicts the FFN's input exactly (the
+  update sits on the FFN's first projection, so everything before it is the public root's) and
+  its activated output as the root alone would give it; the observed activated outputs depart
+  from that prediction by the update's effect (small, spread over every direction) and by the
+  noise, which a pool of K values confines to K directions: those are the K directions the
+  departures vary most in. It replaces the observed rows' component there by the prediction's
+  and fits the update on the predicted inputs, then carries the corrected outputs to the next
+  layer. The noise's scale and the pool's values do not matter; what it loses is the update's own
+  effect within those K directions.
 - ``subspace``: against noise it never saw, drawn from a pool of K values per projection (so
   confined to a K-dimensional subspace): it finds that subspace as the directions in which the
   rows it received vary most and replaces each row's component there by the rows' mean, losing
@@ -36,6 +46,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hmi.model.encoder_layers import Sites, layer_forward
+from hmi.model.root import attention_mask
+
 GELU_MIN = -0.17  # GELU's minimum is -0.16997 (at x = -0.7518)
 
 
@@ -54,6 +67,10 @@ class Recording:
     def rows(self, layer: int, projection: str, operation: str) -> list[torch.Tensor]:
         """The bodies of that projection's calls, in the order they came."""
         return [t for call, t in self.calls if call == (layer, projection, operation)]
+
+    def lowers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(token ids (B, T), mask (B, T)) of each ``lower`` call, in the order they came."""
+        return [(t[0], t[1]) for call, t in self.calls if call == ("lower",)]
 
     def registered(self, layer: int, projection: str) -> torch.Tensor | None:
         """The noise values the client registered for a projection (its ``nobias`` inputs), (K, D)."""
@@ -177,6 +194,72 @@ def subspace(recording: Recording, layer: int, w: torch.Tensor, gamma: torch.Ten
         d_in = varied_most(torch.cat([y for y, _ in pairs]), k)
         d_out = varied_most(torch.cat([a for _, a in pairs]), k)
     return ffn_update([(flattened(y, d_in), flattened(a, d_out)) for y, a in pairs], w, gamma, **fit)
+
+
+class _Substitute(Sites):
+    """The public root's layer, with the FFN's activated output replaced by given rows (the
+    attacker's corrected observation) and the FFN's input and predicted activation kept."""
+
+    def __init__(self, real: torch.Tensor, activated: torch.Tensor | None = None):
+        self.real, self.activated = real, activated
+        self.ffn_input = self.predicted = None
+
+    def projections(self, li, sites, x, linears):
+        if sites == ("ffn_in",):
+            self.ffn_input = x[self.real]
+        if sites == ("ffn_out",):
+            self.predicted = x[self.real]
+            if self.activated is not None:
+                x = x.clone()
+                x[self.real] = self.activated.to(x.dtype)
+        return super().projections(li, sites, x, linears)
+
+
+def predicted(recording: Recording, lower, layers, l_low: int, k: int, relative_bias=None,
+              units: torch.Tensor | None = None, **fit) -> dict[int, Estimate]:
+    """delta W of every upper layer's ``ffn_in`` (the ``predicted`` attacker above): ``lower(ids,
+    mask)`` is the server's own lookup (what it answered the ``lower`` calls with, (B, T, H));
+    ``layers`` the public root's upper layers (``l_low`` the first one's index); ``k`` the noise's
+    pool size (the scheme is public; 0 for rows sent without noise).  One client's calls, in order.
+    What it cannot recover is about the update's component within the noise's K directions (its
+    effect there is indistinguishable from noise: ``noise_floor``; through GELU a little more).  Returns {layer: Estimate}."""
+    lowers = recording.lowers()
+    hidden = [lower(ids, mask) for ids, mask in lowers]
+    reals = [mask.bool() for _, mask in lowers]
+    out = {}
+    with torch.no_grad():
+        for li, layer in enumerate(layers):
+            index = l_low + li
+            exts = [attention_mask(mask, h.dtype, relative_bias) for (_, mask), h in zip(lowers, hidden)]
+            seen = recording.rows(index, "ffn_out", "forward")
+            inputs, guesses = [], []
+            for h, ext, real in zip(hidden, exts, reals):
+                probe = _Substitute(real)
+                layer_forward(li, layer, h, ext, probe)
+                inputs.append(probe.ffn_input)
+                guesses.append(probe.predicted)
+            dense, gamma = layer.intermediate.dense, layer.attention.output.LayerNorm.weight
+            y, a = torch.cat(inputs).double(), torch.cat(seen).double()
+            guess = torch.cat(guesses).double()
+            if k:
+                directions = torch.linalg.svd(a - guess, full_matrices=False).Vh[:k]  # (k, I)
+                clean = a - ((a - guess) @ directions.T) @ directions
+            else:
+                clean = a
+            out[index] = ffn_update([(y, clean)], dense.weight, gamma, units=units, **fit)
+            parts = clean.split([len(t) for t in inputs])
+            hidden = [layer_forward(li, layer, h, ext, _Substitute(real, part))
+                      for h, ext, real, part in zip(hidden, exts, reals, parts)]
+    return out
+
+
+def noise_floor(true: torch.Tensor, directions: torch.Tensor, estimate: Estimate) -> float:
+    """The extraction error of an attacker that recovers all of the update ``true`` (I, H) but its
+    component within the noise's ``directions`` (k, I), on the units ``estimate`` covers: no fit
+    of the activated outputs separates that component's effect from the noise."""
+    q = torch.linalg.qr(directions.double().T).Q  # (I, k) orthonormal
+    seen = true.double() - q @ (q.T @ true.double())
+    return extraction_error(Estimate(seen.float(), estimate.covered, estimate.hidden_direction), true)
 
 
 def extraction_error(estimate: Estimate, true: torch.Tensor, units: torch.Tensor | None = None) -> float:

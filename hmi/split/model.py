@@ -45,9 +45,10 @@ class OnServer(nn.Module):
         raise RuntimeError("a frozen projection runs on the server's base executor")
 
 
-def upper_layers(model_dir: str | Path, l_low: int) -> tuple[nn.ModuleList, BertConfig]:
+def upper_layers(model_dir: str | Path, l_low: int, frozen_here: bool = False) -> tuple[nn.ModuleList, BertConfig]:
     """The root's upper layers with their non-linear parameters only: the LayerNorms read from the
-    checkpoint, every linear projection an ``OnServer`` stand-in (its weights are never read)."""
+    checkpoint, every linear projection an ``OnServer`` stand-in (its weights are never read);
+    with ``frozen_here``, every parameter read from the (public) checkpoint: the whole layers."""
     config = BertConfig.from_pretrained(str(model_dir), local_files_only=True)
     config._attn_implementation = "eager"
     layers = nn.ModuleList()
@@ -55,13 +56,12 @@ def upper_layers(model_dir: str | Path, l_low: int) -> tuple[nn.ModuleList, Bert
         keys = set(f.keys())
         for i in range(l_low, config.num_hidden_layers):
             layer = BertLayer(config)
-            att = layer.attention.self
-            att.query = att.key = att.value = OnServer()
-            layer.attention.output.dense = layer.intermediate.dense = layer.output.dense = OnServer()
-            for norm, name in ((layer.attention.output.LayerNorm, "attention.output.LayerNorm"),
-                               (layer.output.LayerNorm, "output.LayerNorm")):
-                for p in ("weight", "bias"):
-                    getattr(norm, p).data.copy_(checkpoint_tensor(f, keys, f"encoder.layer.{i}.{name}.{p}"))
+            if not frozen_here:
+                att = layer.attention.self
+                att.query = att.key = att.value = OnServer()
+                layer.attention.output.dense = layer.intermediate.dense = layer.output.dense = OnServer()
+            for name, param in layer.named_parameters():
+                param.data.copy_(checkpoint_tensor(f, keys, f"encoder.layer.{i}.{name}"))
             layers.append(layer.eval().requires_grad_(False))
     return layers, config
 
@@ -119,14 +119,27 @@ class RemoteSites(GroupSites):
         return self.base.linear(layer, projection, "forward", hidden, training=self.grad) - effect
 
 
+SPLITS = ("projections", "blind")
+
+
 class PrivateModel(TenantModel):
     """A private tenant's hPLM: ``infer(texts)`` answers as the hosted route does; trained by the
-    hosted fine-tune's loop (``hmi.split.train``)."""
+    hosted fine-tune's loop (``hmi.split.train``).
+
+    ``split`` says what the server runs for it: ``projections``, the PLOT lookup and every frozen
+    linear projection of the upper layers (hidden by ``noise``, which does not stop a provider that
+    predicts the activations: ``hmi.split.attack.predicted``); ``blind``, the PLOT lookup alone,
+    the client running the upper layers whole from the public root's weights, so that nothing the
+    server receives or computes depends on the adapter (it still sees the token ids)."""
 
     def __init__(self, base: BaseClient, model_dir: str | Path, l_low: int, adapter_files: dict[str, bytes],
-                 noise: ClientNoise | ServerNoise | None = None, max_len: int = 128):
-        self.base, self.l_low, self.noise, self.max_len = base, l_low, noise, max_len
-        layers, config = upper_layers(model_dir, l_low)
+                 noise: ClientNoise | ServerNoise | None = None, max_len: int = 128, split: str = "projections"):
+        if split not in SPLITS:
+            raise ValueError(f"split is one of {', '.join(SPLITS)}, not {split!r}")
+        if split == "blind" and noise is not None:
+            raise ValueError("the blind split sends the server no activation: there is nothing for noise to hide")
+        self.base, self.l_low, self.noise, self.max_len, self.split = base, l_low, noise, max_len, split
+        layers, config = upper_layers(model_dir, l_low, frozen_here=split == "blind")
         self.config = config
         self.tokenizer = load_tokenizer(str(model_dir))
         shape = RootShape(config.model_type, config.hidden_size, config.num_hidden_layers, l_low, config.hidden_size)
@@ -140,8 +153,11 @@ class PrivateModel(TenantModel):
         with zipfile.ZipFile(io.BytesIO(archive)) as zf:
             return {Path(n).name: zf.read(n) for n in zf.namelist() if not n.endswith("/")}
 
-    def sites(self, group: Group, mask: torch.Tensor, train: bool) -> RemoteSites:
-        """The frozen projections on the server; differentiable through it when ``train``."""
+    def sites(self, group: Group, mask: torch.Tensor, train: bool) -> GroupSites:
+        """The frozen projections on the server, differentiable through it when ``train``; with
+        the blind split, here (the hosted sites over the client's own copy of the layers)."""
+        if self.split == "blind":
+            return GroupSites([group])
         return RemoteSites([group], self.base, self.l_low, mask, self.noise, grad=train)
 
     def text_logits(self, texts: list[str], truncate: bool = False):
