@@ -24,7 +24,6 @@ prediction (``hmi.split.attack``).  And what the shipped noise costs a request.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -360,7 +359,7 @@ def main() -> None:
     args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
                                      ap.add_argument("--texts", type=int, default=8),
                                      ap.add_argument("--part", choices=("all", "throughput", "privacy"), default="all",
-                                                     help="run one part only (prints it; docs/ is written by all)")))
+                                                     help="run one part only (its page: docs/bench_private_<part>.md)")))
     from hmi.bootstrap import prepare_default
     from hmi.dispatcher.serve import build_server, run_in_thread
     from hmi.dispatcher.server import ServerConfig
@@ -388,10 +387,11 @@ def main() -> None:
     finally:
         clean()
         stop()
-    if args.part != "all":
-        print(table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted")
-                    if attack_rows else THROUGHPUT_HEADERS))
-        print(json.dumps(res))
+    command = "python benchmarks/bench_private.py" + (" --quick" if args.quick else "")
+    if args.part != "all":  # one part: its own page, docs/bench_private_<part>.md
+        finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`).\n\n"
+               + table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)")
+                       if attack_rows else THROUGHPUT_HEADERS), res, f"{command} --part {args.part}")
         return
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
             f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
@@ -425,7 +425,7 @@ def main() -> None:
               f"effects computed once), then p50 {res['noise_shipped_p50_ms']} ms against {res['noise_none_p50_ms']} "
               f"ms; round trips a request {res['noise_shipped_round_trips']:.2f} against "
               f"{res['noise_none_round_trips']:.2f}.")
-    finish("bench_private", text, res, "python benchmarks/bench_private.py" + (" --quick" if args.quick else ""))
+    finish("bench_private", text, res, command)
 
 
 if __name__ == "__main__":

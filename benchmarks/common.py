@@ -119,10 +119,26 @@ def cut_texts(tokenizer, texts: list[str], length: int, exact: bool = False) -> 
     return [t for t, n in zip(cut, sizes) if (n == length if exact else n <= length)]
 
 
+def provenance() -> str:
+    """When and from which commit a result was measured: the UTC date and ``git describe``'s
+    commit (``-dirty`` when the work tree had changes)."""
+    import datetime
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parents[1],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown"
+    return f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}"
+
+
 def finish(name: str, text: str, result: dict, command: str) -> None:
-    """Prints the table and writes docs/<name>.md; the last printed line is the JSON result."""
+    """Prints the table and writes docs/<name>.md (its command, machine, date and commit); the last
+    printed line is the JSON result."""
     DOCS.mkdir(exist_ok=True)
-    doc = f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{text}\n\n```json\n{json.dumps(result, indent=1)}\n```\n"
+    doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{provenance()}\n\n{text}\n\n"
+           f"```json\n{json.dumps(result, indent=1)}\n```\n")
     (DOCS / f"{name}.md").write_text(doc)
     print(text)
     print(json.dumps(result))

@@ -222,7 +222,11 @@ def predicted(recording: Recording, lower, layers, l_low: int, k: int, relative_
     ``layers`` the public root's upper layers (``l_low`` the first one's index); ``k`` the noise's
     pool size (the scheme is public; 0 for rows sent without noise).  One client's calls, in order.
     What it cannot recover is about the update's component within the noise's K directions (its
-    effect there is indistinguishable from noise: ``noise_floor``; through GELU a little more).  Returns {layer: Estimate}."""
+    effect there is indistinguishable from noise: ``noise_floor``; through GELU a little more).
+    The corrected rows carry that component as an error of a few hundredths, which could take a
+    unit's row from GELU's far branch (z well below -0.75, GELU(z) just under 0) to just over 0:
+    a unit counts as fired above ``fired`` = 0.1 unless told otherwise.  Returns {layer: Estimate}."""
+    fit.setdefault("fired", 0.1)
     lowers = recording.lowers()
     hidden = [lower(ids, mask) for ids, mask in lowers]
     reals = [mask.bool() for _, mask in lowers]
