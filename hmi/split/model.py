@@ -1,15 +1,19 @@
 """A private tenant's model on its own side: its adapter and head (the ``adapters`` library's
-saved folder, as ``GET /v1/tenants/{t}/adapter`` exports it), the non-linear parts of the root's
-upper layers (LayerNorms, activations, attention's softmax, an MPNet root's relative position
-bias) and the tokenizer; every frozen linear projection, and the lower layers' PLOT lookup, run
-on the server's base executor (``BaseClient``).
+saved folder, as ``GET /v1/tenants/{t}/adapter`` exports it) and the tokenizer; the lower layers'
+PLOT lookup runs on the server's base executor (``BaseClient``).  The upper layers run here whole
+(the ``blind`` split: the server sees the token ids alone), or here only in their non-linear parts
+(LayerNorms, activations, attention's softmax, an MPNet root's relative position bias) with every
+frozen linear projection on the server (the ``projections`` split).
 
 The model is a hosted fine-tune's (``hmi.adapters.tenant_model``: ``hmi.model.encoder_layers``
-with the hosted batched kernels' sites over a pool of one slot) with the frozen projections moved
-to the server: a private tenant computes, and trains, as the same adapter hosted does.
+with the hosted batched kernels' sites over a pool of one slot), with the frozen projections
+moved to the server in the ``projections`` split: a private tenant computes, and trains, as the
+same adapter hosted does.
 
-With noise (``hmi.split.noise``), what the server sees of each projection's input is hidden:
-the client sends ``x + n``, receives ``(x + n) W^T + b`` and subtracts ``n W^T``.
+With noise (``hmi.split.noise``), the ``projections`` split changes what the server sees of each
+projection's input: the client sends ``x + n``, receives ``(x + n) W^T + b`` and subtracts
+``n W^T``.  That does not hide the adapter from a provider that predicts the activations
+(``hmi.split.attack.predicted``).
 """
 
 from __future__ import annotations
