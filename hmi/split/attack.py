@@ -230,11 +230,11 @@ def predicted(recording: Recording, lower, layers, l_low: int, k: int, relative_
     lowers = recording.lowers()
     hidden = [lower(ids, mask) for ids, mask in lowers]
     reals = [mask.bool() for _, mask in lowers]
+    exts = [attention_mask(mask, h.dtype, relative_bias) for (_, mask), h in zip(lowers, hidden)]  # every layer's
     out = {}
     with torch.no_grad():
         for li, layer in enumerate(layers):
             index = l_low + li
-            exts = [attention_mask(mask, h.dtype, relative_bias) for (_, mask), h in zip(lowers, hidden)]
             seen = recording.rows(index, "ffn_out", "forward")
             inputs, guesses = [], []
             for h, ext, real in zip(hidden, exts, reals):
