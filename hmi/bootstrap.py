@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from hmi.allocator import tune_allocator
-from hmi.data import data_dir, held_out_texts, load_corpus
+from hmi.data import corpus_texts, data_dir, held_out_texts
 from hmi.data.prepare import prepare
 from hmi.model.aliases import DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, calibration_recipe, default_l_low, pointer_name, source_of
 
@@ -47,7 +47,7 @@ def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = T
                       home: Path | None = None, root: str = DEFAULT_ROOT, max_minutes: float | None = None,
                       **config) -> tuple[str, dict]:
     """Calibrates a root's windowed lower layers (by default the packaged MiniLM-L6's, split 3+3)
-    on the general corpus (resumable) with the root's recipe (``calibration_recipe``); ``config``
+    on the recipe's corpus (``CalibrationConfig.corpus``, resumable) with the root's recipe (``calibration_recipe``); ``config``
     overrides it. ``max_minutes`` limits this call (``hmi.training.calibrate.calibrate``).
     Returns (artifact id, its metadata)."""
     from hmi.model.artifact import uncalibrated_root
@@ -57,7 +57,7 @@ def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = T
     ensure_data()
     cfg = CalibrationConfig(seed=seed, backoff=backoff, **{**calibration_recipe(root), **config})
     spec = root_spec(root, l_low, home)
-    return calibrate(uncalibrated_root(spec), load_corpus("general"), held_out_texts(eval_texts), cfg, home=home,
+    return calibrate(uncalibrated_root(spec), corpus_texts(cfg.corpus), held_out_texts(eval_texts), cfg, home=home,
                      max_minutes=max_minutes)
 
 

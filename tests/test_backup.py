@@ -14,7 +14,7 @@ import pytest
 from hmi.backup import MANIFEST, BackupError, backup, restore, verify
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, LONG_JOB, TAGS, TRAIN, domain_corpus, tiny_server
+from tests.helpers.servers import ADMIN, LONG_JOB, TAGS, TRAIN, domain_corpus, tiny_server
 
 TEXTS = ["a great film", "an awful, boring mess", "the dog runs"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hmi.bootstrap import ensure_data
 from hmi.client import ApiError, Client
-from hmi.data import CORPORA, load_corpus
+from hmi.data import CORPORA, corpus_texts
 from hmi.model.aliases import ALIASES, DEFAULT_ROOT
 
 
@@ -33,9 +33,10 @@ def run_client(fn):
 
 
 def read_corpus_arg(corpus: str) -> list[str]:
-    if corpus in CORPORA:
+    """A prepared corpus, several joined by commas or ``all`` (``hmi.data.corpus_texts``), or a text file."""
+    if corpus == "all" or all(name.strip() in CORPORA for name in corpus.split(",")):
         ensure_data()
-        return load_corpus(corpus)
+        return corpus_texts(corpus)
     path = Path(corpus)
     if not path.exists():
         raise SystemExit(f"hmi: corpus {corpus!r} is neither a prepared corpus ({', '.join(CORPORA)}) nor a file")

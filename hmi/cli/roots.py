@@ -22,7 +22,7 @@ from hmi.bootstrap import (
     quiet_transformers,
 )
 from hmi.cli.common import add_root_options, read_corpus_arg, refuse_encoder_root_with_decoder
-from hmi.data import held_out_texts
+from hmi.data import CORPORA, held_out_texts
 from hmi.home import hmi_home
 from hmi.model.aliases import ALIASES, DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
 from hmi.model.artifact import (
@@ -80,12 +80,18 @@ def report_check(shipped: str | None, made: str) -> int:
 def cmd_calibrate(args) -> int:
     refuse_encoder_root_with_decoder(args, "calibrate", l_low_too=False)  # --l-low: the decoder's split
     # Options left out keep CalibrationConfig's defaults, stated there only.
-    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr") if getattr(args, k) is not None}
+    given = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "corpus") if getattr(args, k) is not None}
     for k, v in {**given, "max_minutes": args.max_minutes}.items():
-        if v is not None and not v > 0:
+        if k != "corpus" and v is not None and not v > 0:
             raise SystemExit(f"hmi calibrate: --{k.replace('_', '-')} must be positive, got {v}")
     if args.bf16 is not None:
         given["bf16"] = args.bf16
+    if args.corpus is not None:
+        if args.decoder:
+            raise SystemExit("hmi calibrate --decoder: the decoder's recipe fixes its text; --corpus is for encoder roots")
+        if args.corpus != "all" and any(n.strip() not in CORPORA for n in args.corpus.split(",")):
+            raise SystemExit(f"hmi calibrate: --corpus {args.corpus!r}: use all, or prepared corpus names among "
+                             f"{', '.join(CORPORA)} joined by commas")
     quiet_transformers()
 
     if args.threads:
@@ -324,6 +330,9 @@ def _calibrate_args(cal) -> None:
     cal.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                      help="the training steps' matrix products in bf16 where the CPU computes bf16 natively "
                           "(AVX512_BF16, AMX), fp32 elsewhere (default: the root's recipe, on for mpnet-base)")
+    cal.add_argument("--corpus", default=None,
+                     help="the text to distil on: general (default: an equal share of every domain, 1.8M characters), "
+                          "all (every domain corpus, about 34M) or prepared corpus names joined by commas")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

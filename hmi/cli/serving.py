@@ -9,6 +9,7 @@ from hmi.cli.common import add_root_options
 from hmi.dispatcher.gate import GateError
 from hmi.dispatcher.serve import serve
 from hmi.dispatcher.server import ServerConfig, ServerConfigError
+from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.scaleout.ray_serve import serve as serve_ray
 from hmi.scheduler.pipeline import check_precision, pick_device
 
@@ -23,6 +24,9 @@ def cmd_serve(args) -> int:
     except ValueError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
+    if not args.plot_keep_mb > 0:
+        print(f"hmi serve: --plot-keep-mb must be above 0, got {args.plot_keep_mb}", file=sys.stderr)
+        return 2
     if not args.plot_hot_mb >= 0:
         print(f"hmi serve: --plot-hot-mb must be 0 or more, got {args.plot_hot_mb}", file=sys.stderr)
         return 2
@@ -31,7 +35,8 @@ def cmd_serve(args) -> int:
               f"{args.job_memory_mb}", file=sys.stderr)
         return 2
     cfg = ServerConfig(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, pool_slots=args.pool_slots,
-                       miss_policy=args.miss_policy, device=args.device, max_len=args.max_len,
+                       miss_policy=args.miss_policy, plot_keep_mb=args.plot_keep_mb, device=args.device,
+                       max_len=args.max_len,
                        plot_hot_mb=args.plot_hot_mb, upper_precision=args.upper_precision,
                        job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb)
     try:
@@ -71,10 +76,15 @@ def arguments(command: str, srv) -> None:
                      help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
                           "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
                           "measures the cost)")
-    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute", "learned"],
-                     help="backoff (fast, the paper's), compute (exact windowed layers on misses) or learned (the "
-                          "back-off turned into an estimate of the missed window by a small model trained on the "
+    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute", "compute+insert", "learned"],
+                     help="backoff (fast, the paper's), compute (exact windowed layers on misses), compute+insert "
+                          "(computed once, then kept in the domain's PLOT, bounded by --plot-keep-mb: the next text "
+                          "holding the window hits; a tenant's training texts are kept by its fine-tune) or learned "
+                          "(the back-off turned into an estimate of the missed window by a small model trained on the "
                           "root PLOT: `hmi plot learn-backoff`)")
+    srv.add_argument("--plot-keep-mb", type=float, default=DEFAULT_BUDGET_MB,
+                     help="compute+insert: MB of kept windows each PLOT may hold; past it the least used go "
+                          f"(default {DEFAULT_BUDGET_MB:g})")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -73,6 +73,15 @@ def load_corpus(name: str, max_lines: int | None = None) -> list[str]:
     return out
 
 
+def corpus_texts(spec: str) -> list[str]:
+    """The lines of a corpus choice: one prepared corpus's name, several joined by commas (in that
+    order), or ``all``: every domain corpus (``general`` is a sample of them, so it is left out)."""
+    names = [n for n in CORPORA if n != "general"] if spec == "all" else [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no corpus named in {spec!r}; use all, or names among {', '.join(CORPORA)}")
+    return [line for name in names for line in load_corpus(name)]
+
+
 def held_out_texts(n: int = 256) -> list[str]:
     """Real text never used for calibration: test texts of the four text tasks, in turn."""
     per = [load_task(t, "test", n) for t in ("news-topic", "review-sentiment", "tweet-sentiment", "license-category")]

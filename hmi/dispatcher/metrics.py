@@ -19,6 +19,11 @@ class Metrics:
         self.stage_seconds = Gauge("hmi_stage_seconds_total", "time spent per pipeline stage", ["stage"], registry=r)
         self.plot_hits = Gauge("hmi_plot_hits_total", "distinct windows served per PLOT level (level:version) for the "
                                "tenants of each domain", ["domain", "level"], registry=r)
+        self.plot_kept = Gauge("hmi_plot_kept_entries", "windows the miss policy compute+insert keeps in each "
+                               "domain's PLOT (its first version's)", ["domain"], registry=r)
+        self.plot_keeper = Gauge("hmi_plot_keeper_windows_total", "windows of compute+insert by what became of them: "
+                                 "queued to be kept, added to a PLOT, evicted past the budget, failed to be written",
+                                 ["event"], registry=r)
         self.adapter_hits = Gauge("hmi_adapter_residency_total", "adapter lookups per tier", ["tier"], registry=r)
         self.host_cache = Gauge("hmi_adapter_host_cache_bytes", "adapter weights held in host memory (bounded by "
                                 "ServerConfig.host_cache_mb)", registry=r)

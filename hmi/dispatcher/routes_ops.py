@@ -61,6 +61,11 @@ async def metrics(request: web.Request) -> web.Response:
     for domain, lookup in s.lookups().items():
         for level, n in dict(lookup.hits).items():
             m.plot_hits.labels(domain, level).set(n)
+        if lookup.keeper is not None:
+            m.plot_kept.labels(domain).set(lookup.chain[0].store.kept_count())
+    if s.lookup.keeper is not None:
+        for event in ("queued", "added", "evicted", "failed"):
+            m.plot_keeper.labels(event).set(s.lookup.keeper.stats[event])
     res = s.scheduler.residency.stats()
     m.adapter_hits.labels("device").set(res["device_hits"])
     m.adapter_hits.labels("host").set(s.store.stats["host_hits"])

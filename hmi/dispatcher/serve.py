@@ -28,6 +28,7 @@ from hmi.dispatcher.server import Server, ServerConfig, ServerConfigError
 from hmi.home import hmi_home
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
+from hmi.plot.kept import Keeper
 from hmi.plot.learned import LearnedBackoffMissingError
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
@@ -41,10 +42,11 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_lau
     ``registry`` (default: the home's own)."""
     home = home or hmi_home()
     root = root or load_root(home=home)
-    version = open_root_version(root, home)
+    keeps = cfg.miss_policy == "compute+insert"
+    version = open_root_version(root, home, writable=keeps)
     version.store = serving_store(version.store, version.encoder)  # a build in progress: served as it will be
     try:
-        lookup = PlotLookup([version], policy=cfg.miss_policy)
+        lookup = PlotLookup([version], policy=cfg.miss_policy, keeper=Keeper(cfg.plot_keep_mb) if keeps else None)
     except LearnedBackoffMissingError as exc:
         raise ServerConfigError(str(exc)) from exc
     return Server(home, root, lookup, cfg, root_plot_path(root, home), plot_meta(root), job_launcher, registry)

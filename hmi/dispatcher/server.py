@@ -26,6 +26,7 @@ from hmi.dispatcher.usage import Usage
 from hmi.dispatcher.workers import WorkerContext
 from hmi.model.root import SentencePooling, sentence_pooling, weights_fingerprint
 from hmi.plot.hot import attach_hot_tier
+from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.plot.pending import PendingStore, build_state
 from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
@@ -47,6 +48,7 @@ class ServerConfig:
     pool_slots: int = 64
     host_cache_mb: float = 1024
     miss_policy: str = "backoff"
+    plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
     max_pending: int = 256
     # Fair shares (hmi.dispatcher.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.
@@ -93,6 +95,8 @@ def check_config(cfg: ServerConfig, root) -> None:
     limit = root.bert.config.max_position_embeddings
     if not 8 <= cfg.max_len <= limit:
         raise ServerConfigError(f"max_len {cfg.max_len} is outside [8, {limit}] (the root's position limit)")
+    if not cfg.plot_keep_mb > 0:
+        raise ServerConfigError(f"plot_keep_mb must be above 0, got {cfg.plot_keep_mb:g}")
     if not cfg.lease_s > 0:
         raise ServerConfigError(f"lease_s must be above 0, got {cfg.lease_s:g}")
 
@@ -119,7 +123,7 @@ class Server:
         admin, self.admin_token_new = admin_token(home)
         self.auth = Auth(self.registry, admin, cfg.shared_home)
         self.decoders = Decoders()
-        self.tree = VersionTree(root, home, root_version=lookup.chain[0])
+        self.tree = VersionTree(root, home, root_version=lookup.chain[0], writable=lookup.keeper is not None)
         self._lookups: dict[str, object] = {"root": lookup}
         try:  # the root's own sentence pooling; a root whose pooling is not served embeds nothing
             pooling, self.embedding_error = sentence_pooling(root.spec.model_dir), None
@@ -149,7 +153,7 @@ class Server:
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
                             plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
-                            source=root.spec.source)
+                            source=root.spec.source, keep_mb=cfg.plot_keep_mb)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher,
                                memory_mb=cfg.job_memory_mb)
@@ -258,7 +262,7 @@ class Server:
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
         lk = self._lookups.get(domain)
         if lk is None:
-            lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy)
+            lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy, self.lookup.keeper)
         return lk
 
     def lookups(self) -> dict:
@@ -294,5 +298,7 @@ class Server:
             except Exception:  # noqa: BLE001 - the lease then expires instead
                 log.warning("releasing this process's lease failed", exc_info=True)
         self.scheduler.shutdown(cancel=True)
+        if self.lookup.keeper is not None:  # what lookups computed is written before the PLOTs close
+            self.lookup.keeper.close()
         self.tree.close()
         self.registry.close()

@@ -25,6 +25,7 @@ from hmi.data import job_lines, job_rows, job_texts
 from hmi.lifetime import die_with_parent
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
+from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
@@ -60,17 +61,25 @@ class WorkerContext:
     home: str = ""
     gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
     source: str | None = None  # RootSpec.source: the root's name (None: the default root)
+    keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the server's budget of kept misses per PLOT
 
     def root(self) -> Root:
         spec = RootSpec(self.tokenizer_dir, self.l_low, self.source)
         return Root(spec, self.bert, load_tokenizer(self.tokenizer_dir), self.windowed, self.artifact_id, {})
 
     def tree(self) -> VersionTree:
-        store = serving_store(PlotStore(self.plot_path, readonly=True, expect=self.plot_meta), self.windowed)
-        return VersionTree(self.root(), Path(self.home), root_version=PlotVersion("root", store, self.windowed))
+        keeps = self.miss_policy == "compute+insert"
+        store = serving_store(PlotStore(self.plot_path, readonly=not keeps, expect=self.plot_meta), self.windowed)
+        return VersionTree(self.root(), Path(self.home), root_version=PlotVersion("root", store, self.windowed),
+                           writable=keeps)
 
     def lookup(self, domain: str) -> PlotLookup:
-        return self.tree().lookup(domain, self.miss_policy)
+        """The domain's lookup with the server's miss policy.  With ``compute+insert``, what a job reads
+        (the tenant's training texts) is kept in the domain's PLOT like a request's misses: the texts
+        it will be asked about hit from its first request; the job calls ``keeper.close()`` before it
+        reports done, so the windows are written by then."""
+        keeper = Keeper(self.keep_mb) if self.miss_policy == "compute+insert" else None
+        return self.tree().lookup(domain, self.miss_policy, keeper)
 
 
 def rss_kib() -> dict[str, int]:
@@ -151,9 +160,13 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         # Jobs queued before tenants chose how long texts are read kept the old rule: cut at 128.
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
+        lookup = ctx.lookup(job.get("domain", "root"))
         weights, metrics = finetune(
-            ctx.bert, ctx.l_low, ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir), spec,
+            ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec,
             train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
+        if lookup.keeper is not None:
+            lookup.keeper.close()
+            metrics["windows_kept"] = lookup.keeper.stats["added"]
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
                       version=job["id"], publish=False)
         return metrics

@@ -4,7 +4,8 @@ Order for each distinct window of a batch: the tri-gram in each version of the c
 (branch, parent, ..., root), then the bi-gram ``(0, c, r)`` along the chain, then the uni-gram
 ``(0, c, 0)``, then zeros.  Miss policies: ``backoff`` (the paper's), ``compute`` (run the
 first version's windowed lower layers on the windows no version holds, exact) and
-``compute+insert`` (also write them to the first version's PLOT) and ``learned`` (the back-off's
+``compute+insert`` (also keep them in the first version's PLOT, written off the request path and
+bounded: ``hmi.plot.kept``) and ``learned`` (the back-off's
 rows of a missed tri-gram ``(l, c, r)``, l and r real tokens, turned into an estimate of its states
 by the learned back-off of the first version that has one, ``hmi.plot.learned``).
 """
@@ -21,6 +22,7 @@ import torch
 from hmi.model.hplm import WindowedEncoder
 from hmi.plot import learned
 from hmi.plot.hot import HotTier
+from hmi.plot.kept import Keeper
 from hmi.plot.keys import (
     bigram_backoff,
     causal_unigram_backoff,
@@ -88,13 +90,23 @@ def place(out: torch.Tensor, located: list[tuple[HotTier, np.ndarray, torch.Tens
 class PlotLookup:
     """Batched PLOT lookup along a chain. Thread-safe: counters are guarded by a lock."""
 
-    def __init__(self, chain: list[PlotVersion], policy: str = "backoff"):
+    def __init__(self, chain: list[PlotVersion], policy: str = "backoff", keeper: Keeper | None = None):
+        """``keeper``: the writer of ``compute+insert``'s kept misses (one per process, shared by
+        its lookups; a new one when none is given).  That policy needs the first version's PLOT
+        opened writable (a PLOT still being built is read as the build will leave it: nothing is
+        kept in it until the build is complete)."""
         if not chain:
             raise ValueError("a lookup chain needs at least one version")
         if policy not in POLICIES:
             raise ValueError(f"unknown miss policy {policy!r}; use one of {', '.join(POLICIES)}")
         self.chain = chain
         self.policy = policy
+        self.keeper = None
+        if policy == "compute+insert":
+            if getattr(chain[0].store, "store", chain[0].store).readonly:
+                raise ValueError(f"the miss policy 'compute+insert' keeps misses in the PLOT of {chain[0].name!r}, "
+                                 "which is open read-only")
+            self.keeper = keeper or Keeper()
         # A decoder's chain (``CausalLower``) reads causal windows; an encoder's, centred ones.
         self.causal = bool(getattr(chain[0].encoder, "causal", False))
         self.hits: Counter = Counter()
@@ -127,6 +139,7 @@ class PlotLookup:
         todo = np.ones(len(keys), dtype=bool)
         hits: Counter = Counter()
         located: list[tuple[HotTier, np.ndarray, torch.Tensor]] = []  # (tier, rows, positions in it)
+        read_first: list[np.ndarray] = []  # tri-grams read from the first version's LMDB (uses of kept entries)
 
         # Each version's tiers, the hot one first; LMDB is not read where the hot tier holds all of it.
         tiers = [(v, (v.hot,) if v.hot.covers(v.store) else (v.hot, v.store)) if v.hot is not None else (v, (v.store,))
@@ -145,12 +158,16 @@ class PlotLookup:
                     else:
                         vals, found = tier.get_many(lookup_keys[idx])
                         out[idx[found]] = vals[found]
+                        if self.keeper is not None and level == "trigram" and v is self.chain[0]:
+                            read_first.append(lookup_keys[idx[found]])
                     todo[idx[found]] = False
                     hits[f"{level}:{v.name}"] += int(found.sum())
 
         serve("trigram", keys)
         # tri-grams of real tokens no version holds: the learned back-off's to estimate
         estimated = np.flatnonzero(todo & (windows[:, 0] > 0) & (windows[:, 2] > 0)) if self.learned else None
+        if read_first:
+            self.keeper.used(self.chain[0].store, np.concatenate(read_first))
         if todo.any() and self.policy in ("compute", "compute+insert"):
             self._compute(keys, out, todo, hits)
         if todo.any():
@@ -170,17 +187,19 @@ class PlotLookup:
 
     def _compute(self, keys: np.ndarray, out: np.ndarray, todo: np.ndarray, hits: Counter) -> None:
         """The first version's windowed lower layers on the windows ``todo`` marks, written into
-        ``out`` (and, with ``compute+insert``, into its PLOT); clears their ``todo``."""
+        ``out`` (with ``compute+insert`` in its PLOT's value format, and queued to be kept there);
+        clears their ``todo``."""
         idx = np.flatnonzero(todo)
         with torch.no_grad():
             computed = self.chain[0].encoder.lower(torch.from_numpy(unpack(keys[idx])))
         out[idx] = computed.numpy().astype(np.float16)
         todo[idx] = False
         hits["computed"] += int(idx.size)
-        if self.policy == "compute+insert":
-            store = self.chain[0].store
-            store.put_many(keys[idx], out[idx])
-            out[idx] = store.as_stored(out[idx])  # what every later lookup reads: the same answer each time
+        if self.keeper is not None:
+            store, exact = self.chain[0].store, computed.numpy()
+            out[idx] = store.as_stored(exact)  # what every later lookup reads: the same answer each time
+            if not store.readonly:  # a PLOT still being built (hmi.plot.pending) keeps nothing
+                self.keeper.keep(store, keys[idx], exact)  # encoded once, from the exact values, as a build does
 
     def record(self, hits: Counter) -> None:
         """Adds a lookup's hits per level to the running counters."""

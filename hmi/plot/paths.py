@@ -46,9 +46,10 @@ def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = N
         store.close()
 
 
-def open_root_store(root, home: Path | None = None) -> PlotStore:
-    return PlotStore(root_plot_path(root, home), readonly=True, expect=plot_meta(root))
+def open_root_store(root, home: Path | None = None, writable: bool = False) -> PlotStore:
+    """``writable``: for the miss policy ``compute+insert``, which keeps misses in it (``hmi.plot.kept``)."""
+    return PlotStore(root_plot_path(root, home), readonly=not writable, expect=plot_meta(root))
 
 
-def open_root_version(root, home: Path | None = None) -> PlotVersion:
-    return PlotVersion("root", open_root_store(root, home), root.plot_lower)
+def open_root_version(root, home: Path | None = None, writable: bool = False) -> PlotVersion:
+    return PlotVersion("root", open_root_store(root, home, writable), root.plot_lower)

@@ -38,6 +38,8 @@ class PendingStore:
     ``get_many`` and ``stamp`` is the store's own.  ``computed`` counts the values computed on
     demand."""
 
+    readonly = True  # nothing but its build writes into a PLOT being built (``hmi.plot.kept``)
+
     def __init__(self, store: PlotStore, plan: np.ndarray, encoder):
         self.store, self.plan, self.encoder = store, np.sort(np.asarray(plan, dtype=np.uint64)), encoder
         self.computed = 0

@@ -2,13 +2,15 @@
 the PLOT's value format (``hmi.plot.codec``: fp16 or int8 rows with scales, in one or more records).
 
 Named databases: ``entries`` (the table), ``meta`` (JSON records: the metadata checked on open,
-build progress, statistics).  Readers open read-only and many at once; the writer grows the map
-when it fills.
+build progress, statistics) and ``kept`` (the entries serving computed and kept, not the build:
+key -> their uses and when last used; ``hmi.plot.kept``).  Readers open read-only and many at
+once; the writer grows the map when it fills.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,9 +19,10 @@ import numpy as np
 
 from hmi.io import disk_writes
 from hmi.plot import codec
-from hmi.plot.keys import from_bytes, ngram_order
+from hmi.plot.keys import from_bytes, ngram_order, to_bytes
 
 INITIAL_MAP_SIZE = 1 << 30
+KEPT_RECORD = struct.Struct(">QQ")  # a kept entry's uses, then the time it was last used (ms since the epoch)
 
 
 class PlotMismatchError(RuntimeError):
@@ -69,6 +72,10 @@ class PlotStore:
             self._grow_to_fit()
         self._entries = self.env.open_db(b"entries", create=not readonly)
         self._meta = self.env.open_db(b"meta", create=not readonly)
+        try:  # a PLOT no server has kept entries in, opened read-only, has none
+            self._kept = self.env.open_db(b"kept", create=not readonly)
+        except lmdb.NotFoundError:
+            self._kept = None
         stored = self.get_record("plot")
         if stored is None:
             if meta is None:
@@ -154,10 +161,74 @@ class PlotStore:
         inverse = inverse.reshape(-1)
         return vals_u[inverse], found_u[inverse]
 
+    # -- kept entries (hmi.plot.kept) ----------------------------------------------------------
+    def update_kept(self, new_keys: np.ndarray, new_values: np.ndarray, new_uses: np.ndarray, used_keys: np.ndarray,
+                    used_counts: np.ndarray, budget: int | None, low_water: float = 0.9, now_ms: int = 0) -> dict:
+        """One write transaction of kept entries (all or nothing):
+
+        - each of ``new_keys`` this PLOT does not hold yet (another process may have kept it, or
+          a build written it) is written with its value and ``new_uses`` uses;
+        - each of ``used_keys`` that is a kept entry gains ``used_counts`` uses (built entries
+          are not counted: they are never removed);
+        - past ``budget`` kept entries, the least used (the least recently used among equals) are
+          removed until ``low_water`` of the budget remain: the most frequent windows stay.
+
+        Shapes: new_keys (N,) uint64 distinct, new_values (N, n, H), new_uses (N,) int; used_keys
+        (M,) uint64 distinct, used_counts (M,) int.  Returns ``{"added", "evicted", "kept"}``.
+        """
+        m = self.meta
+        new_keys = np.asarray(new_keys, dtype=np.uint64)
+        raw = codec.encode(np.asarray(new_values), m.dtype) if len(new_keys) else None
+        size = -(-raw.shape[1] // m.chunks) if raw is not None else 0
+        out = {"added": 0, "evicted": 0, "kept": 0}
+
+        def write(txn):
+            entries, chunk_keys = txn.cursor(db=self._entries), codec.chunk_keys(new_keys, m.chunks)
+            for i, key in enumerate(to_bytes(new_keys)):
+                if entries.set_key(chunk_keys[i * m.chunks]):
+                    continue
+                for j in range(m.chunks):
+                    txn.put(chunk_keys[i * m.chunks + j], raw[i, j * size:(j + 1) * size].tobytes(), db=self._entries)
+                txn.put(key, KEPT_RECORD.pack(int(new_uses[i]), now_ms), db=self._kept)
+                out["added"] += 1
+            for key, n in zip(to_bytes(np.asarray(used_keys, dtype=np.uint64)), used_counts):
+                rec = txn.get(key, db=self._kept)
+                if rec is not None:
+                    txn.put(key, KEPT_RECORD.pack(KEPT_RECORD.unpack(rec)[0] + int(n), now_ms), db=self._kept)
+            kept = txn.stat(self._kept)["entries"]
+            if budget is not None and kept > budget:
+                records = [(KEPT_RECORD.unpack(v), bytes(k)) for k, v in txn.cursor(db=self._kept).iternext()]
+                records.sort()
+                for _, key in records[:kept - int(budget * low_water)]:
+                    for chunk_key in codec.chunk_keys(from_bytes([key]), m.chunks):
+                        txn.delete(chunk_key, db=self._entries)
+                    txn.delete(key, db=self._kept)
+                    out["evicted"] += 1
+                kept = txn.stat(self._kept)["entries"]
+            out["kept"] = kept
+
+        self._write(write)
+        return out
+
+    def kept(self) -> dict[int, tuple[int, int]]:
+        """The kept entries: key -> (uses, last used, ms since the epoch)."""
+        if self._kept is None:
+            return {}
+        with self._begin(db=self._kept, buffers=True) as txn:
+            return {int(from_bytes([bytes(k)])[0]): KEPT_RECORD.unpack(bytes(v)) for k, v in txn.cursor().iternext()}
+
+    def kept_count(self) -> int:
+        if self._kept is None:
+            return 0
+        with self._begin(db=self._kept) as txn:
+            return txn.stat(self._kept)["entries"]
+
     def clear(self) -> None:
-        """Removes every entry (and the build and statistics records) in one transaction."""
+        """Removes every entry, kept ones too (and the build and statistics records) in one transaction."""
         def wipe(txn):
             txn.drop(self._entries, delete=False)
+            if self._kept is not None:
+                txn.drop(self._kept, delete=False)
             txn.delete(b"build", db=self._meta)
             txn.delete(b"stats", db=self._meta)
 
@@ -185,7 +256,7 @@ class PlotStore:
         order = ngram_order(self.keys())
         n = int(order.size)
         return {"entries": n, "trigrams": int((order == 3).sum()), "bigrams": int((order == 2).sum()),
-                "unigrams": int((order == 1).sum()), "value_bytes": n * self.meta.value_bytes,
+                "unigrams": int((order == 1).sum()), "kept": self.kept_count(), "value_bytes": n * self.meta.value_bytes,
                 "file_bytes": (self.path / "data.mdb").stat().st_size}
 
     def close(self) -> None:

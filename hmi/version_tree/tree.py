@@ -60,8 +60,12 @@ class DomainNode:
 
 
 class VersionTree:
-    def __init__(self, root: Root, home: Path | None = None, root_version: PlotVersion | None = None):
+    def __init__(self, root: Root, home: Path | None = None, root_version: PlotVersion | None = None,
+                 writable: bool = False):
+        """``writable``: the branches' PLOTs are opened writable, for the miss policy
+        ``compute+insert`` (it keeps misses in them: ``hmi.plot.kept``)."""
         self.root = root
+        self.writable = writable
         self.home = home or hmi_home()
         self.dir = self.home / "domains" / root.artifact_id
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +148,7 @@ class VersionTree:
         key = (name, node.version)
         if key not in self._versions:
             self.forget(name)
-            store = PlotStore(self.node_dir(node) / "plot", readonly=True, expect=plot_meta(self.root))
+            store = PlotStore(self.node_dir(node) / "plot", readonly=not self.writable, expect=plot_meta(self.root))
             self._versions[key] = PlotVersion(name, store, self.encoder(name))
         return self._versions[key]
 
@@ -161,9 +165,10 @@ class VersionTree:
             version.store.close()
         self._versions.clear()
 
-    def lookup(self, name: str, policy: str = "backoff") -> PlotLookup:
-        """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off."""
-        return PlotLookup([self.version(n) for n in self.chain(name)], policy=policy)
+    def lookup(self, name: str, policy: str = "backoff", keeper=None) -> PlotLookup:
+        """Lookup along the domain's chain: the branch, its ancestors, the root, then back-off
+        (``keeper``: ``PlotLookup``'s)."""
+        return PlotLookup([self.version(n) for n in self.chain(name)], policy=policy, keeper=keeper)
 
     def listing(self) -> list[dict]:
         nodes = self.nodes()

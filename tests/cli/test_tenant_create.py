@@ -8,7 +8,7 @@ import pytest
 from hmi.cli import main
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TAGS, TRAIN, tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.hplm import UpperLayers
 from tests.adapters.test_portable import HEADS, library_folder, library_head
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 BN = BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu", leave_out=[0, 1])
 

@@ -13,7 +13,7 @@ import pytest
 
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 # Screenshots go to HMI_CONSOLE_SHOTS when set (`make console-shots`: docs/console/), else to a

@@ -10,7 +10,7 @@ import torch
 
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.root import SentencePooling, extended_mask
-from tests.dispatcher.test_server import ADMIN, TRAIN, live, raw  # noqa: F401 - live is a fixture
+from tests.helpers.servers import ADMIN, TRAIN, raw  # noqa: F401 - live is a fixture
 
 TEXTS = ["a great film with wonderful acting", "the bank raised its rates", "boring"]
 

@@ -16,7 +16,7 @@ from hmi.model.decoder import DecoderRoot
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.decoder_runtime import HgptRuntime
 from hmi.scheduler.generation import EngineConfig
-from tests.dispatcher.test_server import ADMIN, TRAIN, raw, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, raw, tiny_server
 from tests.scheduler.test_generation import CharTokenizer
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day long"] * 3

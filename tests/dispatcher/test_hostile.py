@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hmi.dispatcher.gate import free_port
-from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, live, raw  # noqa: F401 - fixture
+from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, raw  # noqa: F401 - fixture
 
 LABELS = {"type": "classification", "labels": ["neg", "pos"]}
 
@@ -192,7 +192,7 @@ def small_server(live, tmp_path):
     from hmi.adapters.store import AdapterStore
     from hmi.dispatcher.registry import Registry
     from hmi.dispatcher.serve import run_in_thread
-    from tests.dispatcher.test_server import tiny_server
+    from tests.helpers.servers import tiny_server
 
     src = live["server"]
     AdapterStore(tmp_path / "tenants").save("alpha", src.store.spec("alpha"), src.store.load("alpha"))
@@ -244,7 +244,7 @@ import os, sys
 from pathlib import Path
 from aiohttp import web
 from hmi.dispatcher.app import make_app
-from tests.dispatcher.test_server import tiny_server
+from tests.helpers.servers import tiny_server
 server = tiny_server(Path(sys.argv[1]))
 web.run_app(make_app(server), host="127.0.0.1", port=int(sys.argv[2]), print=lambda *a: print("READY", flush=True))
 """

@@ -8,7 +8,7 @@ import time
 from hmi.client import Client
 from hmi.dispatcher.jobs import JOB_PEAK_MB
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 
 def two_jobs(tmp_path, budget_mb: float) -> tuple[dict, dict, list[str], dict]:

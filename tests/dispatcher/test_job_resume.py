@@ -13,13 +13,13 @@ import time
 from hmi.client import Client
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
 
 CHILD = """
 import sys, time
 from pathlib import Path
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import tiny_server
+from tests.helpers.servers import tiny_server
 url, stop = run_in_thread(tiny_server(Path(sys.argv[1])))
 print(url, flush=True)
 time.sleep(3600)

@@ -10,7 +10,7 @@ import pytest
 from hmi.client import Client
 from hmi.dispatcher.launch import DEMO_TENANTS, create_demo_tenants, over_http, startup_report
 from hmi.dispatcher.serve import in_process, run_in_thread
-from tests.dispatcher.test_server import ADMIN, tiny_server
+from tests.helpers.servers import ADMIN, tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_the_decoder_demo_tenant_whose_adapter_ships_for_this_decoder_and_its_pl
     from hmi.scheduler.generation import EngineConfig
     from hmi.training.demo import DEMO_DECODER_TENANTS, train_demo_decoder
     from tests.dispatcher.test_generate import tiny_decoder_root
-    from tests.dispatcher.test_server import raw
+    from tests.helpers.servers import raw
 
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     monkeypatch.setattr("hmi.adapters.shipped.SHIPPED_DIR", tmp_path / "shipped")

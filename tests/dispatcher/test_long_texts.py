@@ -10,7 +10,7 @@ from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.textlimit import TooLongError, fit_ids
 from hmi.training.finetune import encode
-from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TAGS, TRAIN, tiny_server
 
 LIMIT = 16
 LONG = "good " * 40  # 40 one-token words: 42 tokens with [CLS] and [SEP]

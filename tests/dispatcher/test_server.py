@@ -10,62 +10,7 @@ from hmi.client import ApiError, Client
 from hmi.dispatcher.app import ROUTES
 from hmi.dispatcher.openapi import ROUTE_DOCS
 from hmi.dispatcher.serve import run_in_thread
-from hmi.dispatcher.server import Server, ServerConfig
-from hmi.model.artifact import Root
-from hmi.model.hplm import WindowedEncoder
-from hmi.model.root import RootSpec, default_spec, load_tokenizer
-from hmi.plot.lookup import PlotLookup, PlotVersion
-from hmi.plot.store import PlotMeta, PlotStore
-from tests.conftest import tiny_bert
-
-ADMIN = "admin-secret-for-tests"
-TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting", "great fun", "superb story")] + \
-        [{"text": t, "label": "neg"} for t in ("a dull film", "awful acting", "boring mess", "terrible story")]
-# A fine-tune that trains for about a minute on the tiny config: long enough for a test to act on it while
-# it runs (cancel it, kill its worker), however fast the machine.
-LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
-TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
-
-
-def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, **cfg):
-    spec = RootSpec(default_spec().model_dir, 2, source)
-    bert = tiny_bert(layers=4, hidden=32, vocab=30522, seed=seed)
-    root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
-    meta = PlotMeta("tiny", 2, 32)
-    path = home / "plot"
-    if not path.exists():
-        PlotStore(path, meta=meta, readonly=False).close()
-    lookup = PlotLookup([PlotVersion("root", PlotStore(path, readonly=True, expect=meta), root.windowed)], "compute")
-    cfg = {"max_inputs": 8, "max_input_chars": 2000, "max_body_mb": 1, **cfg}
-    return Server(home, root, lookup, ServerConfig(**cfg), path, meta, job_launcher, registry)
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    import os
-
-    os.environ["HMI_ADMIN_TOKEN"] = ADMIN
-    home = tmp_path_factory.mktemp("home")
-    server = tiny_server(home)
-    url, stop = run_in_thread(server)
-    admin = Client(url, ADMIN)
-    out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN * 2, "dev": TRAIN}, epochs=2)
-    out_b = admin.create_tenant("beta", ["D", "N", "V"], task_type="tagging", training_data={"train": TAGS * 3},
-                                adapter={"kind": "lora", "rank": 4}, epochs=1)
-    assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
-    assert admin.wait_job(out_b["job"], 300)["state"] == "succeeded"
-    yield {"url": url, "stop": stop, "admin": admin, "alpha": Client(url, out["token"]), "beta": Client(url, out_b["token"]),
-           "home": home, "server": server}
-    stop()
-
-
-def domain_corpus(n=700, seed=0):
-    import numpy as np
-
-    words = ("the license grants permission to copy modify merge publish distribute and sell copies of the "
-             "software subject to the following conditions warranty liability damages").split()
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(words, size=rng.integers(30, 60))) for _ in range(n)]
+from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, domain_corpus, raw, tiny_server
 
 
 def test_domain_lifecycle_create_tenant_on_branch_update_delete(live):
@@ -153,20 +98,6 @@ def test_auth_matrix(live):
             except ApiError as exc:
                 got = exc.status
             assert got == status, (who, status, got)
-
-
-def raw(url, method, path, body=None, token=ADMIN, ctype="application/json"):
-    data = body if isinstance(body, bytes) else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url + path, data=data, method=method)
-    if ctype and data is not None:
-        req.add_header("Content-Type", ctype)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 BAD = [  # (method, path, body, status, code)

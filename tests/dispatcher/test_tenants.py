@@ -5,7 +5,7 @@ import pytest
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.scheduler.types import RequestError
-from tests.dispatcher.test_server import tiny_server
+from tests.helpers.servers import tiny_server
 
 
 def test_a_deleted_tenant_leaves_no_usage_token_or_entry_behind(tmp_path):

@@ -9,7 +9,7 @@ from hmi.adapters.spec import AdapterSpec
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.validation import ApiError
 from hmi.scheduler.types import RequestError
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 
 def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):

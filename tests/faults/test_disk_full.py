@@ -13,7 +13,7 @@ import pytest
 from hmi.adapters.store import TMP
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_server import ADMIN, TRAIN, domain_corpus, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
 
 
 @pytest.fixture

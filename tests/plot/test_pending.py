@@ -92,7 +92,7 @@ def test_a_server_on_a_plot_being_built_says_so_and_reads_it_alone_once_built(tm
     from hmi.dispatcher.server import Server, ServerConfig
     from hmi.model.artifact import Root
     from hmi.model.root import RootSpec
-    from tests.dispatcher.test_server import ADMIN
+    from tests.helpers.servers import ADMIN
 
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
     spec = RootSpec(default_spec().model_dir, 2)
@@ -157,7 +157,7 @@ def test_a_server_on_a_decoder_plot_being_built_says_so_and_reads_it_alone_once_
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
     from tests.dispatcher.test_generate import tiny_decoder_root
-    from tests.dispatcher.test_server import ADMIN, tiny_server
+    from tests.helpers.servers import ADMIN, tiny_server
 
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
     root = tiny_decoder_root()

@@ -98,6 +98,7 @@ def test_compute_policy_is_exact_and_compute_insert_is_idempotent(tmp_path, enco
     win = np.array([[1, 2, 3], [0, 4, 5], [6, 7, 0]])
     lk = PlotLookup([PlotVersion("root", store, encoder)], policy="compute+insert")
     first, hits1 = lk.window_reps(win)
+    assert lk.keeper.flush(10)
     assert hits1["computed"] == 3 and len(store) == 3
     second, hits2 = lk.window_reps(win)
     assert hits2["trigram:root"] == 3 and hits2["computed"] == 0 and len(store) == 3

@@ -13,7 +13,7 @@ from hmi.client import ROUTING_HEADER, Client
 from hmi.dispatcher.gate import MARK_AFTER, REFUSED_BY, free_port, haproxy_binary
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start_behind_gate, stop
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 from tests.scaleout.test_ray_serve import REPO, call
 
 ray = pytest.importorskip("ray")

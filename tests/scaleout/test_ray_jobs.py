@@ -11,7 +11,7 @@ import pytest
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
 from tests.dispatcher.test_job_resume import wait_state
-from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
 REPO = str(Path(__file__).resolve().parents[2])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hmi.dispatcher.registry import Leases, Registry
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
 REPO = str(Path(__file__).resolve().parents[2])

@@ -18,7 +18,7 @@ from hmi.client import ROUTING_HEADER, Client
 from hmi.dispatcher.gate import free_port
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
-from tests.dispatcher.test_server import ADMIN, LONG_JOB, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
 REPO = str(Path(__file__).resolve().parents[2])

@@ -10,7 +10,7 @@ from collections import Counter
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.scaleout.ray_serve import Forwarded, ReplicaCore
-from tests.dispatcher.test_server import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 FLOOD = 300  # requests at once: more than a pooled connection limit (aiohttp's default is 100)
 TENANT_QUEUE = 150

@@ -18,7 +18,7 @@ from hmi.dispatcher.auth import hash_token, new_token
 from hmi.dispatcher.registry import Leases, Registry, owner_alive, process_owner
 from hmi.dispatcher.serve import run_in_thread
 from hmi.training.finetune import tenant_model
-from tests.dispatcher.test_server import ADMIN, tiny_server
+from tests.helpers.servers import ADMIN, tiny_server
 
 SPEC = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
 TEXTS = ["a wonderful film", "a dull and boring story"]
@@ -138,7 +138,7 @@ def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
     registry, which does not run the job."""
     from hmi.dispatcher.jobs import JobManager
     from tests.dispatcher.test_job_resume import wait_state
-    from tests.dispatcher.test_server import LONG_JOB
+    from tests.helpers.servers import LONG_JOB
 
     server, url = live
     admin = Client(url, ADMIN)

@@ -17,7 +17,7 @@ from hmi.split.client import BaseClient, BaseExecutorError
 from hmi.split.model import OnServer, PrivateModel
 from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.split.wire import encode
-from tests.dispatcher.test_server import ADMIN, TAGS, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TAGS, TRAIN, tiny_server
 
 TEXTS = ["a great film", "an awful boring mess of a story", "the dog runs"]
 HOSTED = {  # tenant -> (labels, task type, adapter)
