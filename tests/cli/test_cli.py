@@ -46,6 +46,13 @@ def test_calibrate_refuses_non_positive_settings_before_any_work():
             main(["calibrate", *argv])
 
 
+def test_calibrate_refuses_an_unknown_corpus_and_a_corpus_for_the_decoder_before_any_work():
+    with pytest.raises(SystemExit, match="--corpus 'news,poetry': use all, or prepared corpus names"):
+        main(["calibrate", "--corpus", "news,poetry"])
+    with pytest.raises(SystemExit, match="--corpus is for encoder roots"):
+        main(["calibrate", "--decoder", "--corpus", "all"])
+
+
 def test_decoder_commands_refuse_an_encoder_root_before_any_work():
     """``--root`` (and ``--l-low`` where only the decoder's shipped split is served) would name an
     encoder root that ``--decoder`` ignores: refused before data, models or PLOTs are touched."""

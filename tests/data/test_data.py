@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from hmi.data import TASKS, data_dir, load_corpus, load_task, task_labels
+from hmi.data import CORPORA, TASKS, corpus_texts, data_dir, load_corpus, load_task, task_labels
 from hmi.data.parsers import (
     coarse_tag,
     fix_tweet,
@@ -128,3 +128,11 @@ def test_no_dev_or_test_text_leaks_into_any_corpus(prepared):
     news = set(load_corpus("news"))
     some_test_article = load_task("news-topic", "test", 1)[0]["text"]
     assert not any(line in some_test_article and len(line) > 200 for line in news)
+
+
+def test_the_corpus_all_is_every_domain_corpus_and_not_the_general_sample_of_them(prepared):
+    domains = [c for c in CORPORA if c != "general"]
+    assert corpus_texts("all") == [line for c in domains for line in load_corpus(c)]
+    assert corpus_texts("news, legal") == load_corpus("news") + load_corpus("legal")
+    with pytest.raises(ValueError, match="no corpus named"):
+        corpus_texts(" , ")
