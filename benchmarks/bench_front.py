@@ -1,0 +1,357 @@
+"""The accuracy-throughput front: every way hBERT can serve a root as one point (average test
+accuracy on the four tasks against requests / s at 100 tenants through the scheduler), beside
+hBERT-adapter (the full root with a per-tenant adapter: the plain alternative) and the frozen root
+with a head per tenant.
+
+Throughput is measured here, every configuration side by side in one run: rounds in which the
+configurations alternate, each round on requests of its own (batches of 32 texts of the four
+tasks' test and dev splits, at most 128 tokens, from 100 tenants drawn uniformly), never a text
+twice in the run; the median round is the point.  Configurations of hBERT (the miss policy, what
+the PLOT has kept, the hot tier):
+
+- ``backoff``: the paper's, the root PLOT as built (hot tier off, and on: ``backoff+hot``);
+- ``learned``: each missed tri-gram estimated by the root PLOT's learned back-off (when trained);
+- ``compute``: every miss computed, nothing kept;
+- ``compute+insert cold``: misses computed and kept (``hmi.plot.kept``), on a copy of the root
+  PLOT that has kept nothing yet;
+- ``compute+insert tenants``: after the tenants' training texts were kept (their fine-tunes
+  keep them);
+- ``compute+insert warm``: after also a stream of unlabeled text from the tasks' own domains
+  (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain.
+
+Accuracy is not measured here: it is the eval_accuracy record of the same root artifact (the fair
+bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-base 6+6,
+``eval_accuracy.py --quick --train 640 --test 1000 --pooling mean --exact --learned --grid`` for
+the default root).  A miss policy fixes what a text is answered with: ``compute`` and every
+``compute+insert`` state answer every text with its exact windows (the kept ones in the PLOT's
+value format, which is how eval_accuracy's exact-windows column reads them too only up to int8
+rounding: 0.0002 of pooled cosine, ``docs/bench_plot_formats.md``), so they share that column;
+how warm the PLOT is changes their speed alone.  Also the hit-rate curve: the share of the test
+texts' distinct tri-grams the PLOT holds as the stream goes on.
+
+Usage: python benchmarks/bench_front.py [--quick] [--stream N] [--rounds N] [--accuracy PAGE]
+                                        [--root minilm-l6|mpnet-base|PATH] [--l-low N]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_tenants import FullContextLower, SharedRoot, direct_rps, scheduler_rps  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    DOCS,
+    adapter_variants,
+    cut_texts,
+    finish,
+    prepared_root,
+    result_name,
+    root_flags,
+    root_options,
+    start,
+    table,
+)
+
+TENANTS, B, MAX_LEN = 100, 32, 128
+TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
+DOMAIN = {"news-topic": "news", "review-sentiment": "reviews", "tweet-sentiment": "social", "pos-tagging": "literature"}
+TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
+COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": "hBERT, learned back-off",
+          "compute": "hBERT, exact windows", "compute+insert cold": "hBERT, exact windows",
+          "compute+insert tenants": "hBERT, exact windows", "compute+insert warm": "hBERT, exact windows",
+          "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
+SERVED_DEFAULT = "backoff"  # what `hmi serve` serves without flags
+RECORDS = Path(__file__).resolve().parents[1] / "docs"  # the accuracy records read (DOCS is where this run writes)
+NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows")
+
+
+def accuracy_record(artifact: str, page: str | None) -> tuple[str, dict]:
+    """(page name, its JSON) of the eval_accuracy record with every column the front needs for
+    ``artifact``: the one named, else the page with the most of them (the learned back-off's too)."""
+    pages = [RECORDS / f"{page}.md"] if page else sorted(RECORDS.glob("eval_accuracy*.md"))
+    found = []
+    for path in pages:
+        m = re.search(r"```json\n(.*?)\n```", path.read_text(), re.S) if path.exists() else None
+        rec = json.loads(m.group(1)) if m else {}
+        avg = rec.get("average", {})
+        if rec.get("root_artifact") == artifact and all(c in avg for c in NEEDED) and "unfinished" not in rec \
+                and set(TASKS) <= set(rec.get("tasks", {})):
+            found.append((len(avg), rec.get("lr_grid", False), path.stem, rec))
+    if not found:
+        raise SystemExit(f"no finished eval_accuracy record of artifact {artifact} with the columns {', '.join(NEEDED)} "
+                         "in docs/: run `python benchmarks/eval_accuracy.py --quick --train 640 --test 1000 --pooling "
+                         "mean --exact --learned --grid` (with this root's --root/--l-low) first")
+    _, _, name, rec = max(found, key=lambda f: (f[1], f[0]))
+    return name, rec
+
+
+def request_texts(tokenizer, seed: int) -> dict[str, list[str]]:
+    """Per task, its test and dev texts cut to ``MAX_LEN`` tokens, shuffled: requests never repeat."""
+    from hmi.data import load_task
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for task in TASKS:
+        rows = load_task(task, "test") + load_task(task, "dev")
+        texts = [r["text"] if "text" in r else " ".join(r["tokens"]) for r in rows]
+        texts = cut_texts(tokenizer, texts, MAX_LEN)
+        out[task] = [texts[i] for i in rng.permutation(len(texts))]
+    return out
+
+
+def make_traces(texts: dict[str, list[str]], n_batches: int, n: int, seed: int) -> list[tuple[list[list[int]], list[str]]]:
+    """``n`` traces of ``n_batches`` batches of tenant indices (uniform over ``TENANTS``; tenant
+    ``t`` serves task ``t % 4``) with one text per request: each text in one request of one trace."""
+    rng = np.random.default_rng(seed)
+    used = dict.fromkeys(TASKS, 0)
+    out = []
+    for _ in range(n):
+        tenants = rng.integers(0, TENANTS, size=n_batches * B)
+        reqs = []
+        for t in tenants:
+            task = TASKS[t % len(TASKS)]
+            if used[task] >= len(texts[task]):
+                raise SystemExit(f"{task}: its {len(texts[task])} test and dev texts do not cover the rounds; use fewer")
+            reqs.append(texts[task][used[task]])
+            used[task] += 1
+        out.append(([tenants[i * B:(i + 1) * B].tolist() for i in range(n_batches)], reqs))
+    return out
+
+
+def copy_plot(src, dst: Path):
+    """A copy of the open PLOT ``src`` (LMDB's own, compacted), opened writable: what
+    compute+insert may keep in."""
+    from hmi.plot.store import PlotStore
+
+    dst.mkdir(parents=True)
+    src.env.copy(str(dst), compact=True)
+    return PlotStore(dst, readonly=False)
+
+
+def hit_rate(store, keys: np.ndarray) -> float:
+    """The share of ``keys`` (distinct tri-grams) ``store`` holds."""
+    return float(store.get_many(keys)[1].mean()) if len(keys) else 0.0
+
+
+def main() -> None:
+    def options(ap):
+        ap.add_argument("--stream", type=int, default=None,
+                        help="unlabeled lines per task domain kept before 'compute+insert warm' (default 4000; 200 "
+                             "with --quick)")
+        ap.add_argument("--rounds", type=int, default=None, help="rounds of alternating configurations (default 3)")
+        ap.add_argument("--batches", type=int, default=None, help="measured batches per configuration and round "
+                                                                  "(default 8; 2 with --quick)")
+        ap.add_argument("--accuracy", help="the eval_accuracy page (docs/<PAGE>.md) whose record gives the accuracy "
+                                           "(default: the finished one of this artifact with the most columns)")
+        root_options(ap)
+
+    args = start(__doc__, options)
+    stream = args.stream if args.stream is not None else (200 if args.quick else 4000)
+    rounds = args.rounds or 3
+    n_batches = (args.batches or (2 if args.quick else 8)) + 1  # the first batch of each warms the scheduler
+    if stream < 0 or rounds < 1 or n_batches < 2:
+        raise SystemExit("--stream must be 0 or more, --rounds and --batches at least 1")
+
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.adapters.store import AdapterStore
+    from hmi.data import load_corpus, load_task
+    from hmi.plot import learned
+    from hmi.plot.hot import attach_hot_tier
+    from hmi.plot.kept import Keeper
+    from hmi.plot.keys import encoder_windows, pack, unique_windows
+    from hmi.plot.lookup import PlotLookup, PlotVersion
+    from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+    from hmi.scheduler.types import TenantEntry
+
+    root, version = prepared_root(root=args.root, l_low=args.l_low)
+    acc_page, acc = accuracy_record(root.artifact_id, args.accuracy)
+    tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
+    texts = request_texts(tok, seed=0)
+    *traces, first = make_traces(texts, n_batches, rounds + 1, seed=1)  # the last: the process's first batches
+    tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
+    lookups: dict = {}
+    out: dict = {"root": root.spec.name, "l_low": l_low, "artifact": root.artifact_id, "accuracy_record": acc_page,
+                 "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
+    try:
+        spec = AdapterSpec.for_task("classification", tuple("abcde"))
+        store = AdapterStore(tmp / "adapters", host_cache_mb=1024)
+        variants = adapter_variants(bert, l_low, spec, 8, seed=1)
+        entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(TENANTS)}
+        for i in range(TENANTS):
+            store.save(f"t{i:05d}", spec, variants[i % len(variants)])
+            store.load(f"t{i:05d}")  # adapters in host memory; each scheduler's device pool starts cold
+
+        def windows_of(lines: list[str]) -> np.ndarray:
+            enc = tok(lines, truncation=True, max_length=MAX_LEN, padding=True, return_tensors="np")
+            uniq, _ = unique_windows(encoder_windows(enc["input_ids"], enc["attention_mask"]), enc["attention_mask"])
+            return pack(uniq)
+
+        def keep_lines(lookup, lines: list[str], chunk: int = 256) -> None:
+            """What a compute+insert server keeps of ``lines`` (looked up as its requests are)."""
+            for s in range(0, len(lines), chunk):
+                enc = tok(lines[s:s + chunk], truncation=True, max_length=MAX_LEN, padding=True, return_tensors="np")
+                lookup.distinct(enc["input_ids"], enc["attention_mask"])
+            lookup.keeper.flush()
+
+        # Lookups of every configuration, each over the PLOT state it names.
+        test_keys = windows_of([t for _, reqs in traces for t in reqs])  # what the rounds will ask
+        lookups.update({"backoff": PlotLookup([version], "backoff"), "compute": PlotLookup([version], "compute")})
+        hot_version = PlotVersion("root", version.store, version.encoder)
+        t0 = time.perf_counter()
+        hot = attach_hot_tier(hot_version, tok, load_corpus("general", 20_000), 512.0)
+        out["hot_tier"] = {"entries": len(hot), "mb": round(hot.nbytes / 2**20, 1),
+                           "seconds": round(time.perf_counter() - t0, 1)}
+        lookups["backoff+hot"] = PlotLookup([hot_version], "backoff")
+        if learned.load(version.store.path) is not None:
+            lookups["learned"] = PlotLookup([version], "learned")
+        else:
+            out["learned"] = f"not measured: the root PLOT has no learned back-off (`hmi plot learn-backoff{root_flags(args)}`)"
+        train = [r["text"] if "text" in r else " ".join(r["tokens"])
+                 for task in TASKS for r in load_task(task, "train", TRAIN_PER_TASK)]
+        curve, kept_cost = [], {}
+        for state in ("cold", "tenants", "warm"):
+            plot = copy_plot(version.store, tmp / f"plot-{state}")
+            lk = PlotLookup([PlotVersion("root", plot, version.encoder)], "compute+insert", keeper=Keeper())
+            if state == "cold":
+                curve.append({"stream_lines": 0, "tenant_texts": False, "hit_rate": round(hit_rate(plot, test_keys), 4)})
+            if state in ("tenants", "warm"):
+                t0, before = time.perf_counter(), len(plot)
+                keep_lines(lk, train)
+                kept_cost = {"texts": len(train), "entries": len(plot) - before,
+                             "bytes": (len(plot) - before) * plot.meta.value_bytes,
+                             "seconds": round(time.perf_counter() - t0, 1)}
+                if state == "tenants":
+                    curve.append({"stream_lines": 0, "tenant_texts": True, "hit_rate": round(hit_rate(plot, test_keys), 4)})
+            if state == "warm":
+                lines = {task: load_corpus(DOMAIN[task], stream) for task in TASKS}
+                step = max(1, stream // 4)
+                for s in range(0, stream, step):
+                    keep_lines(lk, [ln for task in TASKS for ln in lines[task][s:s + step]])
+                    curve.append({"stream_lines": min(stream, s + step), "tenant_texts": True,
+                                  "hit_rate": round(hit_rate(plot, test_keys), 4)})
+            lookups[f"compute+insert {state}"] = lk
+            print(f"compute+insert {state}: {len(plot)} entries, {plot.kept_count()} kept", flush=True)
+        out["hit_rate_curve"] = curve
+        out["tenant_windows_cost"] = kept_cost
+
+        full_lower = FullContextLower(bert, l_low)
+        shared = SharedRoot(bert, TENANTS)
+
+        def rps(config: str, trace) -> float:
+            batches, reqs = trace
+            if config == "shared":
+                return direct_rps(shared, tok, reqs, batches, 1)
+            lower = full_lower if config == "hBERT-adapter" else lookups[config]
+            s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d: lower,
+                          SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=config != "hBERT-adapter"))
+            try:
+                return scheduler_rps(s, reqs, batches, 1)
+            finally:
+                s.shutdown()
+
+        configs = list(lookups) + ["hBERT-adapter", "shared"]
+        # the process's first batches pay one-off costs (kernels, allocator, first PLOT pages)
+        for config in ("backoff", "hBERT-adapter"):
+            rps(config, first)
+        measured: dict = {c: [] for c in configs}
+        for r in range(rounds):
+            order = configs if r % 2 == 0 else configs[::-1]
+            for config in order:
+                measured[config].append(round(rps(config, traces[r]), 2))
+            print(f"round {r + 1}: " + ", ".join(f"{c} {measured[c][-1]}" for c in configs), flush=True)
+    finally:
+        for lk in lookups.values():
+            if lk.keeper is not None:
+                lk.keeper.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    adapter_rps = statistics.median(measured["hBERT-adapter"])
+    avg, tasks = acc["average"], acc["tasks"]
+    points = []
+    for config in configs:
+        col = COLUMN[config]
+        point = {"config": config, "rps": round(statistics.median(measured[config]), 2), "rounds": measured[config],
+                 "accuracy": avg.get(col), "accuracy_column": col,
+                 "per_task": {t: tasks[t].get(col) for t in TASKS}}
+        point["over_adapter"] = round(point["rps"] / adapter_rps, 3)
+        points.append(point)
+    out["points"] = points
+    fair = avg["dedicated"]
+    fast = [p for p in points if p["config"] not in ("hBERT-adapter", "shared") and p["accuracy"] is not None
+            and p["over_adapter"] >= 1.5]
+    best = max(fast, key=lambda p: p["accuracy"], default=None)
+    out["fair_bar"] = fair
+    out["best_at_1_5x"] = best["config"] if best else None
+    out["gap_to_adapter_at_1_5x"] = round(avg["hBERT-adapter"] - best["accuracy"], 2) if best else None
+    default = next(p for p in points if p["config"] == SERVED_DEFAULT)
+    out["default_config"] = SERVED_DEFAULT
+    out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
+    out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[SERVED_DEFAULT]] < tasks[t]["shared"]]
+    out["warm_hit_rate"] = curve[-1]["hit_rate"]
+
+    rows = [(p["config"], f"{p['rps']:.1f}", f"{p['over_adapter']:.2f}", f"{p['accuracy']:.2f}" if p["accuracy"] else "-",
+             f"{p['accuracy'] - fair:+.2f}" if p["accuracy"] else "-",
+             *(f"{p['per_task'][t]:.1f}" if p["per_task"][t] is not None else "-" for t in TASKS)) for p in points]
+    text = (f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low} (artifact {root.artifact_id}); "
+            f"{TENANTS} tenants drawn uniformly, batches of {B} texts of at most {MAX_LEN} tokens.\n\n"
+            + table(rows, ("configuration", "requests/s", "over hBERT-adapter", "avg accuracy", "vs fair bar",
+                           *TASKS)) + "\n\n")
+    text += (f"Requests / s: the median of {rounds} rounds of {n_batches - 1} measured batches each (after one), the "
+             "configurations alternating, every round on texts of its own (test and dev texts of the four tasks, none "
+             "twice). Accuracy: test accuracy in % from the record of `docs/{acc_page}.md` (the fair bar, dedicated: "
+             f"{fair}); every compute and compute+insert state answers a text with its exact windows "
+             "(column 'hBERT, exact windows'), however warm the PLOT is.\n\n")
+    text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
+             f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({SERVED_DEFAULT}): "
+             f"{out['default_served_gap_vs_full_ft']} points under the fair bar; below the frozen root with a head on "
+             f"{out['below_shared_on'] or 'no task'}.\n\n")
+    text += ("### Hit rate of the test texts' distinct tri-grams in the PLOT\n\n"
+             + table([(c["stream_lines"], "yes" if c["tenant_texts"] else "no", f"{c['hit_rate']:.3f}") for c in curve],
+                     ("unlabeled lines per domain kept", "tenants' training texts kept", "hit rate")) + "\n\n")
+    text += (f"The tenants' training texts ({kept_cost.get('texts')} of the four tasks, {TRAIN_PER_TASK} each) added "
+             f"{kept_cost.get('entries')} windows ({(kept_cost.get('bytes') or 0) / 2**20:.1f} MiB) in "
+             f"{kept_cost.get('seconds')} s; tenants of one domain share its PLOT, so what one tenant's texts keep "
+             "serves the others' requests too.")
+    if "learned" in out:
+        text += f"\n\nlearned: {out['learned']}."
+    command = ("python benchmarks/bench_front.py" + (" --quick" if args.quick else "")
+               + (f" --stream {args.stream}" if args.stream is not None else "")
+               + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
+               + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
+    plot_front(points, DOCS / (result_name("bench_front", args) + ".png"), root.spec.name, fair)
+    finish(result_name("bench_front", args), text, out, command)
+
+
+def plot_front(points: list[dict], png: Path, root: str, fair: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for p in points:
+        if p["accuracy"] is None:
+            continue
+        ours = p["config"] not in ("hBERT-adapter", "shared")
+        ax.scatter(p["rps"], p["accuracy"], marker="o" if ours else "s", color="C0" if ours else "C3")
+        ax.annotate(p["config"], (p["rps"], p["accuracy"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(fair, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("requests / s at 100 tenants")
+    ax.set_ylabel("average test accuracy, % (four tasks)")
+    ax.set_title(f"{root}: accuracy against throughput (dotted: full fine-tuning)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
