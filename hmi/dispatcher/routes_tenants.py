@@ -128,6 +128,8 @@ def _training_data(body, spec: AdapterSpec) -> dict:
     missing = sorted(seen - set(spec.labels))
     if missing:
         raise ApiError(422, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
+    if body.training_data.unlabeled:
+        data["unlabeled"] = list(body.training_data.unlabeled)
     return data
 
 

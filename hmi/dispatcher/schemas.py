@@ -142,6 +142,10 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         train: Examples = Field(min_length=1, max_length=limits.max_examples)
         dev: Examples = Field([], max_length=limits.max_examples)
         test: Examples = Field([], max_length=limits.max_examples)
+        unlabeled: list[Text] = Field([], max_length=limits.max_examples, description=(
+            "texts like those the tenant will be asked about, without labels: with the miss policy "
+            "compute+insert the fine-tune keeps their windows in the domain's PLOT (with its training "
+            "texts'), so they hit from the first request; not trained on, and ignored by other policies"))
 
     class EncoderUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_of("training_data", "dataset"))

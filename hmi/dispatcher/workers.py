@@ -149,6 +149,14 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     _run(job, progress, cancel, work)
 
 
+def keep_texts(lookup: PlotLookup, tokenizer, texts: list[str], max_len: int, chunk: int = 64) -> None:
+    """Looks ``texts`` up as requests would (cut at ``max_len`` tokens): with compute+insert, their
+    missed windows are kept in the domain's PLOT."""
+    for s in range(0, len(texts), chunk):
+        enc = tokenizer(texts[s:s + chunk], truncation=True, max_length=max_len, padding=True, return_tensors="np")
+        lookup.distinct(enc["input_ids"], enc["attention_mask"])
+
+
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Fine-tunes one encoder tenant and stores its adapter (unpublished, named by the job id)."""
 
@@ -165,6 +173,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec,
             train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
         if lookup.keeper is not None:
+            keep_texts(lookup, load_tokenizer(ctx.tokenizer_dir), job["data"].get("unlabeled", []), cfg.max_len)
             lookup.keeper.close()
             metrics["windows_kept"] = lookup.keeper.stats["added"]
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},

@@ -52,7 +52,7 @@ def tiny_root_model(family: str, tmp_path_factory):
         return tiny_bert(layers=4, hidden=H)
     from hmi.model.convert import convert_checkpoint
     from hmi.model.root import load_bert
-    from tests.model.test_convert import tiny_checkpoint
+    from tests.helpers.checkpoints import tiny_checkpoint
 
     tmp = tmp_path_factory.mktemp(family)
     convert_checkpoint(tiny_checkpoint(tmp, family), tmp / "bert")

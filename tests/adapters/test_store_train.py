@@ -11,7 +11,7 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.training.finetune import FinetuneConfig, encode, finetune, tenant_model
 from tests.conftest import tiny_bert
-from tests.training.test_calibrate import CharTokenizer
+from tests.helpers.tokenizers import CharTokenizer
 
 H, L_LOW = 32, 2
 

@@ -15,7 +15,7 @@ from hmi.archive import zip_files, zip_folder
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.hplm import UpperLayers
-from tests.adapters.test_portable import HEADS, library_folder, library_head
+from tests.helpers.adapters import HEADS, library_folder, library_head
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 BN = BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu", leave_out=[0, 1])

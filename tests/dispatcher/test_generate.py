@@ -8,28 +8,14 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.dispatcher.serve import run_in_thread
-from hmi.model.decoder import DecoderRoot
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.decoder_runtime import HgptRuntime
 from hmi.scheduler.generation import EngineConfig
+from tests.helpers.decoders import TEXTS, tiny_decoder_root  # noqa: F401
 from tests.helpers.servers import ADMIN, TRAIN, raw, tiny_server
-from tests.scheduler.test_generation import CharTokenizer
-
-TEXTS = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day long"] * 3
-
-
-def tiny_decoder_root():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    return DecoderRoot(LlamaForCausalLM(cfg).eval().requires_grad_(False), CharTokenizer(), 2, name="tiny-decoder")
 
 
 @pytest.fixture(scope="module")

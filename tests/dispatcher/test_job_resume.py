@@ -13,6 +13,7 @@ import time
 from hmi.client import Client
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.serve import run_in_thread
+from tests.helpers.jobs import wait_state  # noqa: F401
 from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
 
 CHILD = """
@@ -24,16 +25,6 @@ url, stop = run_in_thread(tiny_server(Path(sys.argv[1])))
 print(url, flush=True)
 time.sleep(3600)
 """
-
-
-def wait_state(client, job, states, timeout=120):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = client.job(job)
-        if got["state"] in states and (got["state"] != "running" or got.get("progress", 0) > 0):
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"job {job} never reached {states}: {got}")
 
 
 def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tenant_is_served(tmp_path, monkeypatch):

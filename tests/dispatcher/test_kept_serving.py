@@ -1,5 +1,5 @@
-"""A server with the miss policy compute+insert: a tenant's training texts are kept by its
-fine-tune, misses by the requests; the answers are the same cold and warm, and what is kept is in
+"""A server with the miss policy compute+insert: a tenant's training texts (and the unlabeled
+ones it uploads with them) are kept by its fine-tune, misses by the requests; the answers are the same cold and warm, and what is kept is in
 /metrics, survives a restart and is in a backup."""
 
 import urllib.request
@@ -10,6 +10,7 @@ from hmi.dispatcher.serve import run_in_thread
 from hmi.plot.store import PlotStore
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
+UPLOADED = ["a lighthouse keeper writes letters", "snow fell on the quiet market square"]
 UNSEEN = ["an unexpected twist in a quiet village", "the orchestra tuned its violins", "rain over the harbour"]
 
 
@@ -27,12 +28,13 @@ def test_compute_insert_keeps_training_windows_and_misses_answers_alike_and_keep
     server = tiny_server(home, miss_policy="compute+insert")
     url, stop = run_in_thread(server)
     admin = Client(url, ADMIN)
-    out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+    out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN, "unlabeled": UPLOADED}, epochs=1)
     done = admin.wait_job(out["job"], 300)
     assert done["state"] == "succeeded" and done["metrics"]["windows_kept"] > 0
     lookup = server.lookup
     computed = lookup.hits["computed"]
     admin.infer("alpha", [r["text"] for r in TRAIN])
+    admin.infer("alpha", UPLOADED)
     assert lookup.hits["computed"] == computed  # the tenant's own texts hit from its first request
 
     cold = admin.infer("alpha", UNSEEN)

@@ -121,7 +121,7 @@ def test_the_decoder_demo_tenant_whose_adapter_ships_for_this_decoder_and_its_pl
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
     from hmi.training.demo import DEMO_DECODER_TENANTS, train_demo_decoder
-    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.helpers.decoders import tiny_decoder_root
     from tests.helpers.servers import raw
 
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
@@ -161,7 +161,7 @@ def test_a_decoder_demo_adapter_shipped_for_another_decoder_is_trained_by_its_jo
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
     from hmi.training.demo import DEMO_DECODER_TENANTS
-    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.helpers.decoders import tiny_decoder_root
 
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     monkeypatch.setattr("hmi.adapters.shipped.SHIPPED_DIR", tmp_path / "shipped")

@@ -2,24 +2,15 @@
 old version or the new one is served, never neither (and never a mix)."""
 
 import pytest
-import torch
 
-from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
 from tests.faults.killpoints import run_until_complete
-
-SPEC = AdapterSpec("bottleneck", labels=("a", "b"))
-
-
-def weights(value: float) -> dict:
-    return {"layers.0.bn.down_w": torch.full((32, 2), value), "head.w": torch.full((32, 2), value),
-            "head.b": torch.full((2,), value)}
-
+from tests.helpers.crash import SPEC, open_tree, weights  # noqa: F401
 
 ADAPTER_CHILD = """
 import sys, torch
 from tests.faults.killpoints import arm
-from tests.faults.test_crash_safety import SPEC, weights
+from tests.helpers.crash import SPEC, weights
 from hmi.adapters.store import AdapterStore
 counter = arm(int(sys.argv[1]))
 store = AdapterStore(sys.argv[2])
@@ -67,9 +58,9 @@ def test_kill_at_every_write_step_of_an_adapter_replacement_leaves_old_or_new(tm
 DOMAIN_CHILD = """
 import sys
 from tests.faults.killpoints import arm
-from tests.faults.test_crash_safety import open_tree
+from tests.helpers.crash import open_tree
 from hmi.version_tree.tree import VersionTree
-from tests.version_tree.test_tree import FAST, corpus
+from tests.helpers.domains import FAST, corpus
 counter = arm(int(sys.argv[1]))
 tree = open_tree(sys.argv[2])
 place = VersionTree._place
@@ -83,26 +74,11 @@ print("COMPLETED")
 """
 
 
-def open_tree(home):
-    from pathlib import Path
-
-    from hmi.model.artifact import Root
-    from hmi.model.hplm import WindowedEncoder
-    from hmi.model.root import RootSpec, default_spec, load_tokenizer
-    from hmi.version_tree.tree import VersionTree
-    from tests.conftest import tiny_bert
-
-    spec = RootSpec(default_spec().model_dir, 2)
-    bert = tiny_bert(layers=4, hidden=32, vocab=30522)
-    root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tinyroot", {})
-    return VersionTree(root, Path(home))
-
-
 def test_kill_at_every_write_step_of_a_domain_update_leaves_old_or_new(tmp_path):
     import shutil
 
     from hmi.plot.paths import ensure_root_plot
-    from tests.version_tree.test_tree import FAST, corpus
+    from tests.helpers.domains import FAST, corpus
 
     base = tmp_path / "base"
     tree = open_tree(base)

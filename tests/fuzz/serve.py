@@ -18,7 +18,7 @@ def main(home: Path, port: int) -> None:
     from hmi.plot.store import PlotMeta, PlotStore
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
-    from tests.dispatcher.test_generate import TEXTS, tiny_decoder_root
+    from tests.helpers.decoders import TEXTS, tiny_decoder_root
     from tests.helpers.servers import TAGS, TRAIN, tiny_server
 
     server = tiny_server(home, max_inputs=8, max_input_chars=2000, max_body_mb=1, max_examples=200, job_time_limit_s=60)

@@ -1,0 +1,1 @@
+"""What several test modules share: fixtures, tiny models and servers, requests (no test module imports another)."""

@@ -5,7 +5,7 @@ import pytest
 from hmi.model.aliases import pointer_name, source_of
 from hmi.model.catalog import RootUnavailableError, resolve_root, root_spec
 from hmi.model.root import default_spec
-from tests.model.test_convert import tiny_checkpoint
+from tests.helpers.checkpoints import tiny_checkpoint
 
 
 def test_the_default_alias_is_the_packaged_minilm_with_its_first_names():

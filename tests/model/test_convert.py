@@ -6,44 +6,12 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import AutoModel, AutoTokenizer, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
+from transformers import AutoModel, AutoTokenizer
 
 from hmi.model.convert import CheckpointError, convert_checkpoint
 from hmi.model.hplm import WindowedLower
 from hmi.model.root import full_forward, load_bert, load_tokenizer
-
-WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "stocks", "fell", "today", "##s"]
-SPECIAL = ["<s>", "<pad>", "</s>", "<unk>", "[UNK]"]
-TEXTS = ["the cat sat on the mat", "a dog ran", "stocks fell today in the park", "cats"]
-
-
-def mpnet_style_tokenizer(folder):
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS + ["<mask>"])}
-    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "sep_token": "</s>",
-        "cls_token": "<s>", "unk_token": "[UNK]", "pad_token": "<pad>", "mask_token": "<mask>"}))
-    return len(vocab)
-
-
-def tiny_checkpoint(tmp_path, family: str):
-    folder = tmp_path / family
-    folder.mkdir()
-    vocab = mpnet_style_tokenizer(folder)
-    torch.manual_seed(0)
-    kw = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
-              max_position_embeddings=66, pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = MPNetModel(MPNetConfig(**kw)) if family == "mpnet" else RobertaModel(RobertaConfig(**kw, type_vocab_size=1))
-    with torch.no_grad():  # a random relative bias that matters (its init is zeros-ish)
-        for p in model.parameters():
-            p.normal_(0, 0.2) if p.dim() == 2 else None
-    model.eval().save_pretrained(folder, safe_serialization=True)
-    return folder
+from tests.helpers.checkpoints import TEXTS, tiny_checkpoint  # noqa: F401
 
 
 @pytest.mark.parametrize("family", ["mpnet", "roberta"])
@@ -88,7 +56,7 @@ def test_a_folder_of_another_architecture_is_refused(tmp_path):
 
 def test_a_converted_root_keeps_the_sentence_pooling_of_its_checkpoint(tmp_path):
     from hmi.model.root import SentencePooling, sentence_pooling
-    from tests.model.test_pooling import st_folder
+    from tests.helpers.checkpoints import st_folder
 
     src = tiny_checkpoint(tmp_path, "mpnet")
     st_folder(src, ("pooling_mode_cls_token",), normalize=False)

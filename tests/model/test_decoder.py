@@ -1,18 +1,9 @@
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hmi.model.decoder import DecoderRoot, full_hidden, perplexity, upper_logits, window_states, windowed_hidden
-
-
-def tiny_decoder(l_low: int = 2) -> DecoderRoot:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    return DecoderRoot(model, None, l_low)
+from tests.helpers.decoders import tiny_decoder  # noqa: F401
 
 
 def reference_window(root: DecoderRoot, window: list[int]) -> torch.Tensor:

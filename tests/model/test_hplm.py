@@ -47,7 +47,7 @@ def family_model(family: str, tmp_path, real_root=None):
     if family == "mpnet":
         from hmi.model.convert import convert_checkpoint
         from hmi.model.root import load_bert
-        from tests.model.test_convert import tiny_checkpoint
+        from tests.helpers.checkpoints import tiny_checkpoint
 
         convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "bert")
         return load_bert(str(tmp_path / "bert"))

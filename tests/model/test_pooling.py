@@ -1,25 +1,11 @@
 """The root's sentence pooling, read from its sentence-transformers folder."""
 
-import json
 
 import pytest
 import torch
 
 from hmi.model.root import SentencePooling, default_spec, sentence_pooling
-
-
-def st_folder(path, modes, normalize):
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-    (path / "1_Pooling").mkdir(parents=True)
-    (path / "modules.json").write_text(json.dumps(modules))
-    keys = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
-            "pooling_mode_mean_sqrt_len_tokens")
-    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 4,
-                                                                 **{k: k in modes for k in keys}}))
-    return path
+from tests.helpers.checkpoints import st_folder  # noqa: F401
 
 
 def test_the_packaged_root_pools_by_the_mean_and_normalizes():

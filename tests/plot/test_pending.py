@@ -134,7 +134,7 @@ def partial_causal_build(path, root, chunks_written: int):
 
 
 def test_a_decoders_causal_plot_served_while_it_is_built_answers_as_the_finished_plot_bit_for_bit(tmp_path):
-    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.helpers.decoders import tiny_decoder_root
 
     store, plan, lower = partial_causal_build(tmp_path / "plot", tiny_decoder_root(), chunks_written=2)
     assert 0 < len(store) < len(plan)
@@ -156,7 +156,7 @@ def test_a_server_on_a_decoder_plot_being_built_says_so_and_reads_it_alone_once_
     from hmi.dispatcher.serve import run_in_thread
     from hmi.scheduler.decoder_runtime import HgptRuntime
     from hmi.scheduler.generation import EngineConfig
-    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.helpers.decoders import tiny_decoder_root
     from tests.helpers.servers import ADMIN, tiny_server
 
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN

@@ -13,8 +13,8 @@ from hmi.client import ROUTING_HEADER, Client
 from hmi.dispatcher.gate import MARK_AFTER, REFUSED_BY, free_port, haproxy_binary
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start_behind_gate, stop
+from tests.helpers.ray import REPO, call
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
-from tests.scaleout.test_ray_serve import REPO, call
 
 ray = pytest.importorskip("ray")
 

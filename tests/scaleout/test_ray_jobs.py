@@ -10,7 +10,7 @@ import pytest
 
 from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
-from tests.dispatcher.test_job_resume import wait_state
+from tests.helpers.jobs import wait_state
 from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")

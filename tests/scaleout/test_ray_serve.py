@@ -4,10 +4,8 @@ by every replica, and a tenant's requests (naming it in the routing header, as h
 stay on the replica that holds it.  Each test runs on two clusters: HAProxy's ingress with the
 registry actor (replicas on any node), Ray Serve's proxy with the home's own registry."""
 
-import http.client
 import json
 import os
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +16,10 @@ from hmi.client import ROUTING_HEADER, Client
 from hmi.dispatcher.gate import free_port
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scaleout.ray_serve import start, stop
+from tests.helpers.ray import REPO, call  # noqa: F401
 from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")
-REPO = str(Path(__file__).resolve().parents[2])
 TEXTS = ["a wonderful film", "a dull and boring story"]
 
 
@@ -39,21 +37,6 @@ class TinyReplica:
 
         return tiny_server(Path(self.home), shared_home=True, job_launcher=RayLauncher(),
                            registry=RemoteRegistry() if self.registry == "actor" else None)
-
-
-def call(url: str, method: str, path: str, body=None, token=ADMIN, headers=None) -> tuple[int, object, dict]:
-    """(status, headers (case-insensitive), JSON body) of one request (no routing header unless given)."""
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {}),
-               **(headers or {})}
-    req = urllib.request.Request(url + path, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, r.headers, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, e.headers, json.loads(e.read())
-    except (ConnectionError, http.client.RemoteDisconnected) as e:  # a connection closed with no answer
-        return 0, {}, {"error": type(e).__name__}
 
 
 @pytest.fixture(scope="module", params=[("haproxy", "actor"), ("proxy", "home")], ids=["haproxy-actor", "proxy-home"])
@@ -210,7 +193,7 @@ def test_behind_haproxy_a_replica_holds_its_most_recently_used_tenants_loading_e
 
 
 def test_a_job_is_cancelled_through_any_replica(cluster):
-    from tests.dispatcher.test_job_resume import wait_state
+    from tests.helpers.jobs import wait_state
 
     admin, url = cluster["admin"], cluster["url"]
     out = admin.create_tenant("quitter", ["neg", "pos"], **LONG_JOB)

@@ -137,7 +137,7 @@ def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
     job's owner stops its worker.  The other replica is played by a second job manager on the
     registry, which does not run the job."""
     from hmi.dispatcher.jobs import JobManager
-    from tests.dispatcher.test_job_resume import wait_state
+    from tests.helpers.jobs import wait_state
     from tests.helpers.servers import LONG_JOB
 
     server, url = live

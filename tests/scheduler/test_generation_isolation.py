@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
-from tests.scheduler.test_generation import PROMPTS, engine, world  # noqa: F401 - fixture
+from tests.helpers.generation import PROMPTS, engine, world  # noqa: F401 - fixture
 
 
 def with_tenants(world, extra, **kw):

@@ -6,7 +6,7 @@ import torch
 from hmi.adapters.spec import AdapterSpec
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import RequestError, TenantEntry
-from tests.scheduler.test_pipeline import L_LOW, TEXTS, make, same, world  # noqa: F401 - fixture
+from tests.helpers.worlds import L_LOW, TEXTS, make, same, world  # noqa: F401 - fixture
 
 
 def scheduler_with(world, extra: dict, lookups=None, tokenizer=None, **cfg):

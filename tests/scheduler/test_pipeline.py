@@ -8,83 +8,14 @@ import torch
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
 from hmi.model.hplm import WindowedEncoder
-from hmi.model.root import default_spec, load_tokenizer
+from hmi.model.root import load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, split_by_length
 from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
 from hmi.training.finetune import tenant_model
-from tests.conftest import DEVICES, tiny_bert
-
-H, L_LOW = 32, 2
-KINDS = [AdapterSpec("bottleneck", labels=("a", "b", "c")), AdapterSpec("lora", rank=4, labels=("x", "y")),
-         AdapterSpec("ia3", labels=("p", "q", "r", "s")),
-         AdapterSpec("bottleneck", head="tagging", labels=("N", "V", "D"))]
-
-TEXTS = [
-    "Shares in the bank fell sharply after the results were published on Monday.",
-    "A tender, funny film that never quite finds its footing.",
-    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software.",
-    "I would never trust a self-driving car to take my kid to school.",
-    "The jury said the election was conducted well.",
-    "Return the number of items in the container.",
-    "The prime minister defended the budget in parliament yesterday evening.",
-    "Redistribution and use in source and binary forms, with or without modification, are permitted.",
-]
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    return tenant_world(tmp_path_factory.mktemp("sched"), tiny_bert(layers=4, hidden=H, vocab=30522))
-
-
-def tenant_world(tmp, bert):
-    """Twelve tenants of the four kinds on ``bert`` (split at L_LOW), their adapters perturbed
-    so that no two answer alike, a PLOT computed on demand, and a registered "ghost" tenant
-    whose adapter is missing: ``(bert, tokenizer, adapter store, resolve, lookup)``."""
-    tok = load_tokenizer(default_spec().model_dir)
-    enc = WindowedEncoder(bert, L_LOW).eval()
-    store = PlotStore(tmp / "plot", meta=PlotMeta("tiny", L_LOW, bert.config.hidden_size), readonly=False)
-    lookup = PlotLookup([PlotVersion("root", store, enc)], policy="compute+insert")
-    adapters = AdapterStore(tmp / "tenants")
-    entries = {}
-    for i in range(12):
-        spec = KINDS[i % len(KINDS)]
-        t = tenant_model(bert, L_LOW, spec, seed=i)
-        with torch.no_grad():
-            for p in t.parameters():
-                p.add_(0.2 * torch.randn(p.shape))
-        name = f"t{i}"
-        adapters.save(name, spec, t.weights())
-        entries[name] = TenantEntry(name, spec)
-    entries["ghost"] = TenantEntry("ghost", KINDS[0])  # registered but its adapter is missing
-
-    def resolve(name):
-        if name not in entries:
-            raise RequestError("unknown_tenant", f"unknown tenant {name!r}", 404)
-        return entries[name]
-
-    return bert, tok, adapters, resolve, lookup
-
-
-def make(world, **kw):
-    bert, tok, adapters, resolve, lookup = world
-    return Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(**kw))
-
-
-def workload(n=40, seed=0):
-    rng = random.Random(seed)
-    return [(f"t{rng.randrange(12)}", rng.choice(TEXTS)) for _ in range(n)]
-
-
-def same(a, b):
-    if "label" in a:
-        assert a["label"] == b["label"]
-        for k in a["scores"]:
-            assert abs(a["scores"][k] - b["scores"][k]) < 1e-5
-    else:
-        assert [t["tag"] for t in a["tokens"]] == [t["tag"] for t in b["tokens"]]
-        assert [t["token"] for t in a["tokens"]] == [t["token"] for t in b["tokens"]]
+from tests.conftest import DEVICES
+from tests.helpers.worlds import L_LOW, TEXTS, H, make, same, workload, world  # noqa: F401
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -288,8 +219,8 @@ def test_served_scores_equal_the_fine_tune_model_on_an_mpnet_root(tmp_path, kind
     from hmi.model.convert import convert_checkpoint
     from hmi.model.hplm import as_numpy_ids
     from hmi.model.root import load_bert
-    from tests.model.test_convert import TEXTS as WORD_TEXTS
-    from tests.model.test_convert import tiny_checkpoint
+    from tests.helpers.checkpoints import TEXTS as WORD_TEXTS
+    from tests.helpers.checkpoints import tiny_checkpoint
 
     convert_checkpoint(tiny_checkpoint(tmp_path, "mpnet"), tmp_path / "root")
     bert, tok = load_bert(str(tmp_path / "root")), load_tokenizer(str(tmp_path / "root"))

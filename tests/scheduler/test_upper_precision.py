@@ -8,7 +8,7 @@ from hmi.model import kernels
 from hmi.scheduler import pipeline
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from tests.conftest import tiny_bert
-from tests.scheduler.test_pipeline import L_LOW, TEXTS, tenant_world, workload
+from tests.helpers.worlds import L_LOW, TEXTS, tenant_world, workload
 
 native = pytest.mark.skipif(not kernels.NATIVE_BF16, reason="the CPU has no native bf16 (avx512_bf16 or amx_bf16)")
 

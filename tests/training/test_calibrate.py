@@ -6,21 +6,8 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec
 from hmi.training.calibrate import CalibrationConfig, calibrate, quality
 from tests.conftest import tiny_bert
+from tests.helpers.tokenizers import CharTokenizer  # noqa: F401
 from tests.training.slow import slow_steps
-
-
-class CharTokenizer:
-    """A tiny real tokenizer for a tiny model: characters to ids, with [CLS]=1 and [SEP]=2."""
-
-    def __call__(self, texts, truncation=True, max_length=32, padding=True, return_tensors="pt"):
-        rows = [[1] + [3 + (ord(c) % 100) for c in t][: max_length - 2] + [2] for t in texts]
-        T = max(map(len, rows))
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        mask = torch.zeros(len(rows), T, dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-        return {"input_ids": ids, "attention_mask": mask}
 
 
 def tiny_root() -> Root:

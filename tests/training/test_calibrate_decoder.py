@@ -9,8 +9,8 @@ import hmi.timelimit
 import hmi.training.calibrate_decoder as cd
 from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_decoder, decoder_recipe
-from tests.model.test_decoder import tiny_decoder
-from tests.scheduler.test_generation import CharTokenizer
+from tests.helpers.decoders import tiny_decoder
+from tests.helpers.generation import CharTokenizer
 from tests.training.slow import slow_steps
 
 LINES = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day",

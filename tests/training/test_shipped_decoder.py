@@ -16,7 +16,7 @@ from hmi.training.calibrate_decoder import (
     load_calibrated_decoder,
     save_decoder_artifact,
 )
-from tests.model.test_decoder import tiny_decoder
+from tests.helpers.decoders import tiny_decoder
 
 
 def shipped_tiny(tmp_path, root):
@@ -86,7 +86,7 @@ def test_a_fine_tune_worker_reads_the_calibrated_windows_not_the_decoders_own_la
     from hmi.model.decoder import CausalLower
     from hmi.plot.store import PlotMeta, PlotStore
     from hmi.scheduler.decoder_runtime import HgptRuntime
-    from tests.dispatcher.test_generate import tiny_decoder_root
+    from tests.helpers.decoders import tiny_decoder_root
 
     root = tiny_decoder_root()
     _, lower = shipped_tiny(tmp_path, root)

@@ -12,14 +12,7 @@ from hmi.plot.paths import ensure_root_plot
 from hmi.training.further_pretrain import OBJECTIVES, FPTConfig, further_pretrain, mask_tokens, summary
 from hmi.version_tree.tree import DomainError, VersionTree
 from tests.conftest import tiny_bert
-
-WORDS = ("the license grants permission to copy modify merge publish distribute sublicense and sell copies "
-         "of the software subject to the following conditions warranty liability damages").split()
-
-
-def corpus(n=600, seed=0):
-    rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, size=rng.integers(30, 60))) for _ in range(n)]
+from tests.helpers.domains import FAST, corpus  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +31,6 @@ def root(shared_root, tmp_path):
     r, home = shared_root
     (tmp_path / "plots").symlink_to(home / "plots")
     return r
-
-
-FAST = FPTConfig(steps=6, batch_size=8, max_len=64, lr=1e-3, eval_lines=16)  # distill, the default objective
 
 
 def test_masking_follows_80_10_10_on_real_tokens_only(root):
