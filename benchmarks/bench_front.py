@@ -238,6 +238,8 @@ def main() -> None:
                     keep_lines(lk, [ln for task in TASKS for ln in lines[task][s:s + step]])
                     curve.append({"stream_lines": min(stream, s + step), "tenant_texts": True,
                                   "hit_rate": round(hit_rate(plot, test_keys), 4)})
+                    print(f"stream: {curve[-1]['stream_lines']} of {stream} lines per domain kept, hit rate "
+                          f"{curve[-1]['hit_rate']}", flush=True)
             lookups[f"compute+insert {state}"] = lk
             print(f"compute+insert {state}: {len(plot)} entries, {plot.kept_count()} kept", flush=True)
         out["hit_rate_curve"] = curve

@@ -76,8 +76,11 @@ def arguments(command: str, srv) -> None:
                      help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
                           "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
                           "measures the cost)")
-    srv.add_argument("--miss-policy", default="backoff", choices=["backoff", "compute", "compute+insert", "learned"],
-                     help="backoff (fast, the paper's), compute (exact windowed layers on misses), compute+insert "
+    srv.add_argument("--miss-policy", default="auto",
+                     choices=["auto", "backoff", "compute", "compute+insert", "learned"],
+                     help="auto (the default: learned where the root PLOT has a learned back-off, as the default root "
+                          "has, shipped with hmi; else backoff: docs/front.md), backoff (fast, the paper's), compute "
+                          "(exact windowed layers on misses), compute+insert "
                           "(computed once, then kept in the domain's PLOT, bounded by --plot-keep-mb: the next text "
                           "holding the window hits; a tenant's training texts are kept by its fine-tune) or learned "
                           "(the back-off turned into an estimate of the missed window by a small model trained on the "

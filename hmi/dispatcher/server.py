@@ -47,7 +47,9 @@ class ServerConfig:
     max_body_mb: float = 32.0
     pool_slots: int = 64
     host_cache_mb: float = 1024
-    miss_policy: str = "backoff"
+    # The PLOT's miss policy (hmi.plot.lookup.POLICIES), or auto: learned where the root PLOT has a
+    # learned back-off, else backoff (``resolve_policy``; the front's choice: docs/front.md).
+    miss_policy: str = "auto"
     plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
     max_pending: int = 256
     # Fair shares (hmi.dispatcher.batcher): batches formed ahead of the scheduler, and the requests
@@ -152,7 +154,7 @@ class Server:
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
-                            plot_meta, str(home / "tenants"), cfg.miss_policy, root.artifact_id, str(home),
+                            plot_meta, str(home / "tenants"), lookup.policy, root.artifact_id, str(home),
                             source=root.spec.source, keep_mb=cfg.plot_keep_mb)
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher,
@@ -262,7 +264,7 @@ class Server:
         """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
         lk = self._lookups.get(domain)
         if lk is None:
-            lk = self._lookups[domain] = self.tree.lookup(domain, self.cfg.miss_policy, self.lookup.keeper)
+            lk = self._lookups[domain] = self.tree.lookup(domain, self.lookup.policy, self.lookup.keeper)
         return lk
 
     def lookups(self) -> dict:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from hmi.io import sha256_file
+from hmi.io import atomic_write_bytes, sha256_file
 from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls
 from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
 from hmi.plot.store import PlotStore
@@ -119,6 +119,27 @@ def trained(path: Path | str) -> bool:
     """Whether the PLOT at ``path`` has a whole model: its record is written after its weights, so
     weights a training left without one (stopped while writing them) do not count."""
     return (Path(path) / CONFIG).is_file()
+
+
+class ShippedBackoffDamagedError(RuntimeError):
+    """A learned back-off shipped with the package does not match its recorded sha256."""
+
+
+def install(path: Path | str, shipped: Path) -> bool:
+    """Places the model shipped in the folder ``shipped`` (trained on the PLOT that folder's
+    artifact builds from the general corpus) beside the PLOT at ``path`` when that PLOT has none:
+    the weights checked against their recorded sha256, then written, then the record (``trained``
+    reads the record).  Returns whether it placed one."""
+    path, shipped = Path(path), Path(shipped)
+    if trained(path) or not (shipped / CONFIG).is_file():
+        return False
+    record = json.loads((shipped / CONFIG).read_text())
+    if sha256_file(shipped / WEIGHTS) != record.get("weights_sha256"):
+        raise ShippedBackoffDamagedError(f"the learned back-off shipped in {shipped} is damaged (its sha256 differs)")
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path / WEIGHTS, (shipped / WEIGHTS).read_bytes())
+    atomic_write_bytes(path / CONFIG, (shipped / CONFIG).read_bytes())
+    return True
 
 
 def fingerprint(path: Path | str) -> str | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,6 +65,7 @@ class PlotStore:
                  expect: PlotMeta | None = None):
         self.path = Path(path)
         self.readonly = readonly
+        self._guard = MapGuard()
         if readonly and not (self.path / "data.mdb").exists():
             raise PlotMissingError(f"no PLOT at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -260,18 +263,26 @@ class PlotStore:
                 "file_bytes": (self.path / "data.mdb").stat().st_size}
 
     def close(self) -> None:
-        self.env.close()
+        self._guard.exclusive(self.env.close)
 
     # -- internals -----------------------------------------------------------------------------
+    @contextmanager
     def _begin(self, **kw):
-        """A read transaction; when a writer in another process grew the file past this process's
+        """A transaction of this store (read-only unless ``write=True``), held against a resize of
+        the map (``MapGuard``); when a writer in another process grew the file past this process's
         map (a PLOT read while it is built), the map is first grown to the file (LMDB's
         MDB_MAP_RESIZED)."""
-        try:
-            return self.env.begin(**kw)
-        except lmdb.MapResizedError:
-            self.env.set_mapsize(0)
-            return self.env.begin(**kw)
+        while True:
+            with self._guard.using():
+                try:
+                    txn = self.env.begin(**kw)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            self._guard.exclusive(lambda: self.env.set_mapsize(0))
 
     def _grow_to_fit(self) -> None:
         used = (self.path / "data.mdb").stat().st_size if (self.path / "data.mdb").exists() else 0
@@ -283,8 +294,46 @@ class PlotStore:
             raise PermissionError(f"PLOT at {self.path} is open read-only")
         while True:
             try:
-                with disk_writes(self.path), self.env.begin(write=True) as txn:
+                with disk_writes(self.path), self._begin(write=True) as txn:
                     fn(txn)
                 return
             except lmdb.MapFullError:
-                self.env.set_mapsize(self.env.info()["map_size"] * 2)
+                self._guard.exclusive(lambda: self.env.set_mapsize(self.env.info()["map_size"] * 2))
+
+
+class MapGuard:
+    """LMDB may resize (or close) an environment's map only while no transaction of the process
+    uses it: a read's buffers point into the map, and a remap under them is a crash.  A store
+    read by request threads while a writer thread grows it (the kept misses of compute+insert,
+    ``hmi.plot.kept``) therefore takes this guard: transactions share it (``using``), a resize
+    waits for them to end and holds new ones back meanwhile (``exclusive``)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._using = 0
+        self._exclusive = False
+
+    @contextmanager
+    def using(self):
+        with self._cond:
+            while self._exclusive:
+                self._cond.wait()
+            self._using += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._using -= 1
+                self._cond.notify_all()
+
+    def exclusive(self, fn):
+        with self._cond:
+            while self._exclusive or self._using:
+                self._cond.wait()
+            self._exclusive = True
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()

@@ -104,3 +104,46 @@ def test_a_write_that_fails_costs_no_answer(tmp_path, encoder, monkeypatch):
     again, _ = lk.window_reps(windows(10, 3))  # computed again, kept this time
     np.testing.assert_array_equal(reps, again)
     assert lk.keeper.flush(10) and len(store) == 3
+
+
+GROWTH = """
+import sys, threading
+import numpy as np
+import hmi.plot.store as store_mod
+from hmi.plot.keys import pack
+from hmi.plot.store import PlotMeta, PlotStore
+
+store_mod.INITIAL_MAP_SIZE = 1 << 20  # a map that the writer below outgrows many times
+s = PlotStore(sys.argv[1], meta=PlotMeta("tiny-a", 2, 64), readonly=False)
+read_keys = pack(np.stack([np.full(64, 7), np.arange(64), np.full(64, 9)], 1))
+s.put_many(read_keys, np.ones((64, 3, 64), dtype=np.float16))
+done, bad = threading.Event(), []
+
+def read():
+    while not done.is_set():
+        vals, found = s.get_many(read_keys)
+        if not found.all() or not (vals == 1).all():
+            bad.append(1)
+
+readers = [threading.Thread(target=read) for _ in range(3)]
+for t in readers:
+    t.start()
+for i in range(60):
+    keys = pack(np.stack([np.full(400, 8), np.arange(i * 400, (i + 1) * 400), np.full(400, 9)], 1))
+    s.update_kept(keys, np.full((400, 3, 64), 0.5, dtype=np.float32), np.ones(400, dtype=int), keys[:0], [], None)
+done.set()
+for t in readers:
+    t.join()
+print("ok", len(s), s.env.info()["map_size"] >= 1 << 23, len(bad))
+"""
+
+
+def test_request_threads_read_a_plot_safely_while_the_keeper_grows_its_map(tmp_path):
+    """LMDB remaps a growing environment; a read whose buffers point into the old map would crash
+    the process (a segfault: run in a child so that it fails this test and nothing else)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GROWTH, str(tmp_path / "p")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["ok", str(64 + 60 * 400), "True", "0"]
