@@ -54,6 +54,7 @@ from benchmarks.common import (  # noqa: E402
     cut_texts,
     finish,
     prepared_root,
+    provenance,
     result_name,
     root_flags,
     root_options,
@@ -69,7 +70,6 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": "hBERT, learned
           "compute": "hBERT, exact windows", "compute+insert cold": "hBERT, exact windows",
           "compute+insert tenants": "hBERT, exact windows", "compute+insert warm": "hBERT, exact windows",
           "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
-SERVED_DEFAULT = "backoff"  # what `hmi serve` serves without flags
 RECORDS = Path(__file__).resolve().parents[1] / "docs"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows")
 
@@ -150,11 +150,15 @@ def main() -> None:
         ap.add_argument("--rounds", type=int, default=None, help="rounds of alternating configurations (default 3)")
         ap.add_argument("--batches", type=int, default=None, help="measured batches per configuration and round "
                                                                   "(default 8; 2 with --quick)")
+        ap.add_argument("--render", action="store_true",
+                        help="write the page again from its record (docs/bench_front*.md): no measuring")
         ap.add_argument("--accuracy", help="the eval_accuracy page (docs/<PAGE>.md) whose record gives the accuracy "
                                            "(default: the finished one of this artifact with the most columns)")
         root_options(ap)
 
     args = start(__doc__, options)
+    if args.render:
+        return render(result_name("bench_front", args))
     stream = args.stream if args.stream is not None else (200 if args.quick else 4000)
     rounds = args.rounds or 3
     n_batches = (args.batches or (2 if args.quick else 8)) + 1  # the first batch of each warms the scheduler
@@ -276,6 +280,21 @@ def main() -> None:
                 lk.keeper.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
+    out.update({"configs": configs, "measured": measured, "root_name": root.spec.name,
+                "split": [l_low, bert.config.num_hidden_layers - l_low], "measured_at": provenance(),
+                # what `hmi serve` serves on this root without flags (hmi.plot.learned.resolve_policy)
+                "default_config": learned.resolve_policy("auto", version, root.artifact_id)})
+    command = ("python benchmarks/bench_front.py" + (" --quick" if args.quick else "")
+               + (f" --stream {args.stream}" if args.stream is not None else "")
+               + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
+               + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
+    report(out, acc, result_name("bench_front", args), command)
+
+
+def report(out: dict, acc: dict, name: str, command: str) -> None:
+    """The page and record of a run: its measured requests/s (``out["measured"]``) against the
+    accuracy record ``acc``, and the keys derived from both."""
+    measured, configs = out["measured"], out["configs"]
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
     points = []
@@ -294,28 +313,30 @@ def main() -> None:
     out["fair_bar"] = fair
     out["best_at_1_5x"] = best["config"] if best else None
     out["gap_to_adapter_at_1_5x"] = round(avg["hBERT-adapter"] - best["accuracy"], 2) if best else None
-    default = next(p for p in points if p["config"] == SERVED_DEFAULT)
-    out["default_config"] = SERVED_DEFAULT
+    served = out["default_config"]
+    default = next(p for p in points if p["config"] == served)
     out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
-    out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[SERVED_DEFAULT]] < tasks[t]["shared"]]
+    out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[served]] < tasks[t]["shared"]]
+    curve, kept_cost = out["hit_rate_curve"], out["tenant_windows_cost"]
     out["warm_hit_rate"] = curve[-1]["hit_rate"]
 
     rows = [(p["config"], f"{p['rps']:.1f}", f"{p['over_adapter']:.2f}", f"{p['accuracy']:.2f}" if p["accuracy"] else "-",
              f"{p['accuracy'] - fair:+.2f}" if p["accuracy"] else "-",
              *(f"{p['per_task'][t]:.1f}" if p["per_task"][t] is not None else "-" for t in TASKS)) for p in points]
-    text = (f"Root: {root.spec.name}, split {l_low}+{bert.config.num_hidden_layers - l_low} (artifact {root.artifact_id}); "
-            f"{TENANTS} tenants drawn uniformly, batches of {B} texts of at most {MAX_LEN} tokens.\n\n"
+    low, up = out["split"]
+    text = (f"Root: {out['root_name']}, split {low}+{up} (artifact {out['artifact']}); {TENANTS} tenants drawn "
+            f"uniformly, batches of {B} texts of at most {MAX_LEN} tokens. Measured: {out['measured_at']}.\n\n"
             + table(rows, ("configuration", "requests/s", "over hBERT-adapter", "avg accuracy", "vs fair bar",
                            *TASKS)) + "\n\n")
-    text += (f"Requests / s: the median of {rounds} rounds of {n_batches - 1} measured batches each (after one), the "
-             "configurations alternating, every round on texts of its own (test and dev texts of the four tasks, none "
-             "twice). Accuracy: test accuracy in % from the record of `docs/{acc_page}.md` (the fair bar, dedicated: "
-             f"{fair}); every compute and compute+insert state answers a text with its exact windows "
-             "(column 'hBERT, exact windows'), however warm the PLOT is.\n\n")
+    text += (f"Requests / s: the median of {out['rounds']} rounds of {out['measured_batches']} measured batches each "
+             "(after one), the configurations alternating, every round on texts of its own (test and dev texts of the "
+             f"four tasks, none twice). Accuracy: test accuracy in % from the record of `docs/{out['accuracy_record']}.md` "
+             f"(the fair bar, dedicated: {fair}); every compute and compute+insert state answers a text with its exact "
+             "windows (column 'hBERT, exact windows'), however warm the PLOT is.\n\n")
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
-             f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({SERVED_DEFAULT}): "
+             f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}): "
              f"{out['default_served_gap_vs_full_ft']} points under the fair bar; below the frozen root with a head on "
-             f"{out['below_shared_on'] or 'no task'}.\n\n")
+             f"{', '.join(out['below_shared_on']) or 'no task'}.\n\n")
     text += ("### Hit rate of the test texts' distinct tri-grams in the PLOT\n\n"
              + table([(c["stream_lines"], "yes" if c["tenant_texts"] else "no", f"{c['hit_rate']:.3f}") for c in curve],
                      ("unlabeled lines per domain kept", "tenants' training texts kept", "hit rate")) + "\n\n")
@@ -325,12 +346,18 @@ def main() -> None:
              "serves the others' requests too.")
     if "learned" in out:
         text += f"\n\nlearned: {out['learned']}."
-    command = ("python benchmarks/bench_front.py" + (" --quick" if args.quick else "")
-               + (f" --stream {args.stream}" if args.stream is not None else "")
-               + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
-               + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
-    plot_front(points, DOCS / (result_name("bench_front", args) + ".png"), root.spec.name, fair)
-    finish(result_name("bench_front", args), text, out, command)
+    plot_front(points, DOCS / f"{name}.png", out["root_name"], fair)
+    finish(name, text, out, command)
+
+
+def render(name: str) -> None:
+    """``--render``: the page written again from its record (the measured requests/s kept, the
+    accuracy record read again, the derived keys and text as this code makes them)."""
+    page = (DOCS / f"{name}.md").read_text()
+    out = json.loads(re.search(r"```json\n(.*?)\n```", page, re.S).group(1))
+    command = re.search(r"Command: `(.*?)`", page).group(1)
+    _, acc = accuracy_record(out["artifact"], out["accuracy_record"])
+    report(out, acc, name, command)
 
 
 def plot_front(points: list[dict], png: Path, root: str, fair: float) -> None:

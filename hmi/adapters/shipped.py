@@ -70,24 +70,25 @@ def read_shipped(name: str, dest: Path | None = None) -> ShippedAdapter | None:
     return ShippedAdapter(name, AdapterSpec.from_dict(meta["spec"]), weights, meta)
 
 
-def trained_on(root_artifact: str, root_fingerprint: str, store) -> dict:
+def trained_on(root_artifact: str, root_fingerprint: str, store, miss_policy: str) -> dict:
     """What a shipped adapter records it was trained on, and what it must find to be served: the
-    root artifact, the root's weights fingerprint and the build fingerprint of the root PLOT
-    ``store`` its features come from (``shipped_for``'s keywords)."""
+    root artifact, the root's weights fingerprint, the build fingerprint of the root PLOT
+    ``store`` its features come from and the miss policy they were read with (``shipped_for``'s
+    keywords)."""
     state = store.get_record("build") or {}
     return {"root_artifact": root_artifact, "root_fingerprint": root_fingerprint,
-            "plot_fingerprint": state.get("fingerprint")}
+            "plot_fingerprint": state.get("fingerprint"), "miss_policy": miss_policy}
 
 
 def shipped_for(name: str, root_artifact: str, root_fingerprint: str, plot_fingerprint: str | None,
-                dest: Path | None = None) -> ShippedAdapter | None:
+                miss_policy: str, dest: Path | None = None) -> ShippedAdapter | None:
     """The shipped adapter of ``name`` when it was trained on this root artifact, root and root
-    PLOT (its build's fingerprint), else None."""
+    PLOT (its build's fingerprint) read with this miss policy, else None."""
     found = read_shipped(name, dest)
     if found is None:
         return None
     m = found.meta
-    if (m.get("root_artifact"), m.get("root_fingerprint"), m.get("plot_fingerprint")) != \
-            (root_artifact, root_fingerprint, plot_fingerprint):
+    if (m.get("root_artifact"), m.get("root_fingerprint"), m.get("plot_fingerprint"), m.get("miss_policy")) != \
+            (root_artifact, root_fingerprint, plot_fingerprint, miss_policy):
         return None
     return found

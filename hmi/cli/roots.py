@@ -36,7 +36,7 @@ from hmi.model.catalog import root_spec
 from hmi.model.decoder import CausalLower
 from hmi.model.root import full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import Selection, build_from_corpus
-from hmi.plot.learned import TRAIN_STEPS
+from hmi.plot.learned import TRAIN_STEPS, resolve_policy
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotMissingError, PlotStore
@@ -248,12 +248,12 @@ def demo_trainings(home: Path, decoder: bool):
         gpt = prepare_decoder(home, plot=True)
         store = open_root_store(gpt, home)
         lookup = PlotLookup([PlotVersion("root", store, CausalLower(gpt))], policy="compute")  # as a server's
-        identity = trained_on(gpt.artifact_id, weights_fingerprint(gpt.model), store)
+        identity = trained_on(gpt.artifact_id, weights_fingerprint(gpt.model), store, lookup.policy)
         return [(d, lambda d=d: train_demo_decoder(d, gpt, lookup, DEFAULT_RANK), identity) for d in DEMO_DECODER_TENANTS]
     root = prepare_default(home)
     version = open_root_version(root)
-    lookup = PlotLookup([version], policy="backoff")
-    identity = trained_on(root.artifact_id, weights_fingerprint(root.bert), version.store)
+    lookup = PlotLookup([version], policy=resolve_policy("auto", version, root.artifact_id))  # a default server's
+    identity = trained_on(root.artifact_id, weights_fingerprint(root.bert), version.store, lookup.policy)
     return [(d, lambda d=d: train_demo(d, root.bert, root.l_low, lookup, root.tokenizer), identity) for d in DEMO_TENANTS]
 
 

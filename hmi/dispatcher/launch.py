@@ -43,16 +43,16 @@ def create_demo_tenants(home: Path, exists: Callable[[str], bool], create: Calla
 
 def shipped_identity(server, model: str = "encoder") -> dict | None:
     """What a shipped adapter of a ``model`` tenant must have been trained on to serve here: the
-    root artifact, the root's weights and the root PLOT's build (``hmi.adapters.shipped``); None
+    root artifact, the root's weights, the root PLOT's build and the miss policy (``hmi.adapters.shipped``); None
     for a decoder tenant on a server without decoder tenants."""
     if model == "decoder":
         runtime = server.decoders.runtime
         if runtime is None:
             return None
-        artifact, fingerprint, store = runtime.root.artifact_id, runtime.fingerprint, runtime.lookup.chain[0].store
+        lookup, artifact, fingerprint = runtime.lookup, runtime.root.artifact_id, runtime.fingerprint
     else:
-        artifact, fingerprint, store = server.root.artifact_id, server.tenants.root_fingerprint, server.lookup.chain[0].store
-    return trained_on(artifact, fingerprint, store)
+        lookup, artifact, fingerprint = server.lookup, server.root.artifact_id, server.tenants.root_fingerprint
+    return trained_on(artifact, fingerprint, lookup.chain[0].store, lookup.policy)
 
 
 def import_shipped_demo(server, name: str, model: str = "encoder") -> dict | None:

@@ -27,25 +27,13 @@ from hmi.dispatcher.routes_tenants import create_from_body
 from hmi.dispatcher.server import Server, ServerConfig, ServerConfigError
 from hmi.home import hmi_home
 from hmi.model.aliases import DEFAULT_ROOT
-from hmi.model.artifact import SHIPPED_DIR, load_root
-from hmi.plot import learned
+from hmi.model.artifact import load_root
 from hmi.plot.kept import Keeper
-from hmi.plot.learned import LearnedBackoffMissingError
+from hmi.plot.learned import LearnedBackoffMissingError, resolve_policy
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 from hmi.plot.pending import serving_store
 from hmi.scheduler.decoder_runtime import HgptRuntime
-
-
-def resolve_policy(policy: str, version, artifact_id: str) -> str:
-    """The miss policy a server serves: ``policy``, or for ``auto`` ``learned`` where the root
-    PLOT (``version``) has a learned back-off, else ``backoff``.  The package ships the learned
-    back-off of its shipped default artifact: it is placed beside that artifact's root PLOT first."""
-    if policy != "auto":
-        return policy
-    path = getattr(version.store, "store", version.store).path
-    learned.install(path, SHIPPED_DIR / artifact_id)
-    return "learned" if learned.trained(path) else "backoff"
 
 
 def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_launcher=None, registry=None) -> Server:

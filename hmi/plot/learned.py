@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hmi.io import atomic_write_bytes, sha256_file
+from hmi.model.artifact import SHIPPED_DIR
 from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls
 from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
 from hmi.plot.store import PlotStore
@@ -140,6 +141,18 @@ def install(path: Path | str, shipped: Path) -> bool:
     atomic_write_bytes(path / WEIGHTS, (shipped / WEIGHTS).read_bytes())
     atomic_write_bytes(path / CONFIG, (shipped / CONFIG).read_bytes())
     return True
+
+
+def resolve_policy(policy: str, version, artifact_id: str) -> str:
+    """The miss policy a server serves: ``policy``, or for ``auto`` ``learned`` where the root
+    PLOT (``version``'s store) has a learned back-off, else ``backoff``.  The package ships the
+    learned back-off of its shipped default artifact: it is placed beside that artifact's root
+    PLOT first (``install``)."""
+    if policy != "auto":
+        return policy
+    path = getattr(version.store, "store", version.store).path  # a PLOT being built: hmi.plot.pending
+    install(path, SHIPPED_DIR / artifact_id)
+    return "learned" if trained(path) else "backoff"
 
 
 def fingerprint(path: Path | str) -> str | None:

@@ -249,16 +249,15 @@ def test_learn_backoff_refuses_a_plot_too_small_to_train_on_and_writes_nothing(t
 def test_the_default_policy_serves_the_shipped_learned_backoff_of_the_shipped_artifact(tmp_path):
     """``auto`` (the server's default): the learned back-off shipped beside the default root's
     artifact is placed beside its PLOT (checked by sha256) and served; a PLOT with none backs off."""
-    from hmi.dispatcher.serve import resolve_policy
     from hmi.model.artifact import SHIPPED_DIR, find_shipped
     from hmi.model.root import default_spec, load_bert
 
     artifact = find_shipped(load_bert(default_spec().model_dir), 3)
     assert artifact is not None and learned.trained(artifact), "the default artifact ships its learned back-off"
     version = SimpleNamespace(store=SimpleNamespace(path=tmp_path / "plot"))  # only the PLOT's path is read
-    assert resolve_policy("auto", version, "minilm-l3-not-shipped") == "backoff" and not learned.trained(tmp_path / "plot")
-    assert resolve_policy("backoff", version, artifact.name) == "backoff" and not learned.trained(tmp_path / "plot")
-    assert resolve_policy("auto", version, artifact.name) == "learned"
+    assert learned.resolve_policy("auto", version, "minilm-l3-not-shipped") == "backoff" and not learned.trained(tmp_path / "plot")
+    assert learned.resolve_policy("backoff", version, artifact.name) == "backoff" and not learned.trained(tmp_path / "plot")
+    assert learned.resolve_policy("auto", version, artifact.name) == "learned"
     assert learned.fingerprint(tmp_path / "plot") == learned.fingerprint(SHIPPED_DIR / artifact.name)
     damaged = tmp_path / "damaged"
     shutil.copytree(artifact, damaged)
