@@ -35,7 +35,7 @@ def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(
 
     seen = []
     monkeypatch.setattr(bootstrap, "ensure_data", lambda: None)
-    monkeypatch.setattr(bootstrap, "load_corpus", lambda name: ["a text"])
+    monkeypatch.setattr(bootstrap, "corpus_texts", lambda name: ["a text"])
     monkeypatch.setattr(bootstrap, "held_out_texts", lambda n: ["another"])
     monkeypatch.setattr("hmi.model.catalog.root_spec", lambda root, l_low, home: root)
     monkeypatch.setattr("hmi.model.artifact.uncalibrated_root", lambda spec: spec)
@@ -49,6 +49,7 @@ def test_calibrating_a_packaged_root_follows_its_recipe_and_options_override_it(
     assert (r1, mpnet.steps, mpnet.lr, mpnet.bf16, limit) == ("mpnet-base", 800, 3e-4, True, 60)
     assert (mpnet_5.steps, mpnet_5.lr) == (5, 3e-4)
     assert (r3, minilm.steps, minilm.lr, minilm.bf16, no_limit) == ("minilm-l6", 600, 5e-4, False, None)
+    assert mpnet.corpus == minilm.corpus == "general"  # the shipped recipes' text
 
 
 class Exits:
