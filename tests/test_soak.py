@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("soak")
 def test_two_minutes_of_the_soak_end_without_a_server_error_a_lost_job_or_an_unclean_stop(tmp_path):
     pytest.importorskip("gguf")

@@ -12,6 +12,7 @@ from hmi.home import hmi_home
 CHUNK = 4096
 
 
+@pytest.mark.slow
 def test_a_local_domain_create_stopped_in_its_plot_build_continues_there_when_run_again(
         real_root, tmp_path, monkeypatch, capsys):
     """Ctrl+C during the branch's PLOT build: the command says how to go on; run again, it takes the

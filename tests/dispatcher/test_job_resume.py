@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hmi.client import Client
 from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.serve import run_in_thread
@@ -55,6 +57,7 @@ def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tena
         stop()
 
 
+@pytest.mark.slow
 def test_a_domain_job_whose_server_was_killed_continues_from_its_last_checkpoint_at_the_next_start(
         tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)

@@ -74,6 +74,7 @@ print("COMPLETED")
 """
 
 
+@pytest.mark.slow
 def test_kill_at_every_write_step_of_a_domain_update_leaves_old_or_new(tmp_path):
     import shutil
 

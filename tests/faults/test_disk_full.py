@@ -48,6 +48,7 @@ def fill(disk) -> "os.PathLike":
     return filler
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_work_that_writes_clearly_and_the_same_work_succeeds_once_space_is_freed(small_disk):
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
     home = small_disk / "home"

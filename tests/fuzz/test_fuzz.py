@@ -14,6 +14,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("run.sh")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("HMI_FUZZ_SECONDS"), reason="set HMI_FUZZ_SECONDS to fuzz the live server")
 def test_fuzzing_the_live_server_finds_no_failure_and_no_unhandled_error():
     run = subprocess.run(

@@ -123,6 +123,7 @@ def test_causal_plot_lookup_equals_computing_the_causal_windows(tmp_path):
     assert backoff.hits["unigram:root"] > 0
 
 
+@pytest.mark.slow
 def test_the_kept_fp32_copy_of_the_decoder_loads_the_same_weights_and_tokenizer_as_its_gguf(tmp_path):
     pytest.importorskip("gguf")
     from hmi.model.decoder import _from_gguf, dequantized_dir, load_decoder, packaged_decoder_file

@@ -70,6 +70,7 @@ def test_deeper_decoder_splits_take_the_logit_distillation_recipe():
     assert (decoder_recipe(8).weight_logits, decoder_recipe(8).steps) == (1.0, 300)
 
 
+@pytest.mark.slow
 def test_a_finished_decoder_calibration_run_again_returns_its_artifact_at_once_and_makes_it_current(
         tmp_path, slow_machine, monkeypatch):
     """``hmi calibrate --decoder`` after a finished run (on the packaged SmolLM2) trains and

@@ -51,6 +51,7 @@ def test_shipped_decoder_windows_are_installed_only_for_their_decoder_and_split_
         install_shipped_decoder(tmp_path / "c", root, shipped)
 
 
+@pytest.mark.slow
 def test_the_packaged_decoder_finds_its_shipped_windows_and_a_fresh_home_installs_them_without_calibrating(
         tmp_path, capsys):
     """``hmi plot build --decoder`` on a fresh home installs the shipped windows (it used to ask for
