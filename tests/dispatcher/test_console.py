@@ -187,6 +187,22 @@ def test_the_server_view_charts_requests_latency_plot_hits_residency_and_jobs_li
         live["admin"].wait_job(job, 120)
 
 
+def test_chart_axes_read_plainly_with_zero_tiny_and_large_values(live, browser):
+    """A chart whose series are all zero reads 0 to 1 (it read 0 to 1.1e-9); tops are 1, 2 or 5 times
+    a power of ten; labels carry no float noise."""
+    login(browser, live["url"], ADMIN)
+    wait_for(browser, "#who", "admin")
+    tops = browser.execute_script("return [0, 3e-10, 0.37, 1, 37, 4100].map(niceMax)")
+    assert tops == [1, 5e-10, 0.5, 1, 50, 5000]
+    labels = browser.execute_script("return [0, 0.5, 1, 0.1 + 0.2, 2.5e-4, 2500, 25].map(axisLabel)")
+    assert labels == ["0", "0.5", "1", "0.3", "3e-4", "2.5k", "25"]
+    open_view(browser, "server")
+    time.sleep(3)
+    ticks = browser.execute_script("return [...document.querySelectorAll('svg text[text-anchor=end]')]"
+                                   ".map((t) => t.textContent)")
+    assert ticks and not [t for t in ticks if "e-9" in t or "e-10" in t], ticks
+
+
 def test_a_tenant_token_sees_only_its_own_tenant_and_a_bad_token_is_told(live, browser):
     from selenium.webdriver.common.by import By
 

@@ -169,6 +169,22 @@ function svgEl(tag, attrs) {
   return e;
 }
 
+function niceMax(v) {
+  // The top of a y axis for values up to v: the smallest of 1, 2, 5 x 10^k at or above it; 1 when
+  // every value is 0 (an empty chart reads 0 to 1, not 0 to a billionth).
+  if (!(v > 0)) return 1;
+  const p = 10 ** Math.floor(Math.log10(v));
+  return [1, 2, 5, 10].map((m) => +(m * p).toPrecision(12)).find((m) => m >= v);
+}
+
+function axisLabel(v) {
+  // 0, 0.5, 25, 1.5k, 2e-4: short, and never a float's rounding noise.
+  if (v === 0) return "0";
+  if (Math.abs(v) >= 1000) return `${+(v / 1000).toPrecision(3)}k`;
+  if (Math.abs(v) < 0.01) return v.toExponential(0);
+  return `${+v.toPrecision(3)}`;
+}
+
 function draw(id, series, unit) {
   // series: {name: [[t, value], ...]} -> lines over the sampled span, a y axis from 0, a legend.
   const svg = $(id);
@@ -176,14 +192,14 @@ function draw(id, series, unit) {
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   const points = Object.values(series).flat().filter((p) => p[1] != null);
   const t1 = Date.now() / 1000, t0 = Math.min(t1 - 60, ...points.map((p) => p[0]));
-  const ymax = Math.max(unit === "%" ? 100 : 1e-9, ...points.map((p) => p[1])) * (unit === "%" ? 1 : 1.1);
+  const ymax = unit === "%" ? 100 : niceMax(Math.max(0, ...points.map((p) => p[1])) * 1.1);
   const x = (t) => L + ((t - t0) / Math.max(1, t1 - t0)) * (W - L - R);
   const y = (v) => T + (1 - v / ymax) * (H - T - B);
   const kids = [];
   for (const f of [0, 0.5, 1]) {
     kids.push(svgEl("line", { x1: L, x2: W - R, y1: y(f * ymax), y2: y(f * ymax), class: "grid" }));
     const label = svgEl("text", { x: L - 4, y: y(f * ymax) + 4, "text-anchor": "end" });
-    label.textContent = `${+(f * ymax).toPrecision(3)}${unit === "%" ? "%" : ""}`;
+    label.textContent = `${axisLabel(f * ymax)}${unit === "%" ? "%" : ""}`;
     kids.push(label);
   }
   const span = svgEl("text", { x: L, y: H - 6 });
