@@ -332,7 +332,7 @@ def _calibrate_args(cal) -> None:
                           "(AVX512_BF16, AMX), fp32 elsewhere (default: the root's recipe, on for mpnet-base)")
     cal.add_argument("--corpus", default=None,
                      help="the text to distil on: general (default: an equal share of every domain, 1.8M characters), "
-                          "all (every domain corpus, about 34M) or prepared corpus names joined by commas")
+                          "all (every domain corpus, about 32M) or prepared corpus names joined by commas")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",
