@@ -121,3 +121,16 @@ def test_serve_refuses_bf16_upper_layers_on_a_device_that_would_not_run_them_fas
     assert main(["serve", "--device", "cpu", "--upper-precision", "bf16"]) == 2
     err = capsys.readouterr().err
     assert "bf16 runs on CPUs that multiply bf16 natively" in err and "use fp32" in err
+
+
+def test_a_plot_builds_corpus_argument_reads_prepared_corpora_joined_or_all_or_a_file(tmp_path):
+    from hmi.cli.common import read_corpus_arg
+    from hmi.data import corpus_texts, load_corpus
+
+    assert read_corpus_arg("news") == load_corpus("news")
+    assert read_corpus_arg("news,software") == load_corpus("news") + load_corpus("software")
+    assert len(read_corpus_arg("all")) == len(corpus_texts("all"))
+    (tmp_path / "mine.txt").write_text("one line\n\n  another  \n")
+    assert read_corpus_arg(str(tmp_path / "mine.txt")) == ["one line", "another"]
+    with pytest.raises(SystemExit, match="neither a prepared corpus"):
+        read_corpus_arg("news,poetry")
