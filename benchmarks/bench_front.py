@@ -170,7 +170,7 @@ def main() -> None:
     from hmi.data import load_corpus, load_task
     from hmi.plot import learned
     from hmi.plot.hot import attach_hot_tier
-    from hmi.plot.kept import Keeper
+    from hmi.plot.kept import Keeper, keep_texts
     from hmi.plot.keys import encoder_windows, pack, unique_windows
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
@@ -199,13 +199,6 @@ def main() -> None:
             uniq, _ = unique_windows(encoder_windows(enc["input_ids"], enc["attention_mask"]), enc["attention_mask"])
             return pack(uniq)
 
-        def keep_lines(lookup, lines: list[str], chunk: int = 256) -> None:
-            """What a compute+insert server keeps of ``lines`` (looked up as its requests are)."""
-            for s in range(0, len(lines), chunk):
-                enc = tok(lines[s:s + chunk], truncation=True, max_length=MAX_LEN, padding=True, return_tensors="np")
-                lookup.distinct(enc["input_ids"], enc["attention_mask"])
-            lookup.keeper.flush()
-
         # Lookups of every configuration, each over the PLOT state it names.
         test_keys = windows_of([t for _, reqs in traces for t in reqs])  # what the rounds will ask
         lookups.update({"backoff": PlotLookup([version], "backoff"), "compute": PlotLookup([version], "compute")})
@@ -229,7 +222,7 @@ def main() -> None:
                 curve.append({"stream_lines": 0, "tenant_texts": False, "hit_rate": round(hit_rate(plot, test_keys), 4)})
             if state in ("tenants", "warm"):
                 t0, before = time.perf_counter(), len(plot)
-                keep_lines(lk, train)
+                keep_texts(lk, tok, train, MAX_LEN, chunk=256)
                 kept_cost = {"texts": len(train), "entries": len(plot) - before,
                              "bytes": (len(plot) - before) * plot.meta.value_bytes,
                              "seconds": round(time.perf_counter() - t0, 1)}
@@ -239,7 +232,7 @@ def main() -> None:
                 lines = {task: load_corpus(DOMAIN[task], stream) for task in TASKS}
                 step = max(1, stream // 4)
                 for s in range(0, stream, step):
-                    keep_lines(lk, [ln for task in TASKS for ln in lines[task][s:s + step]])
+                    keep_texts(lk, tok, [ln for task in TASKS for ln in lines[task][s:s + step]], MAX_LEN, chunk=256)
                     curve.append({"stream_lines": min(stream, s + step), "tenant_texts": True,
                                   "hit_rate": round(hit_rate(plot, test_keys), 4)})
                     print(f"stream: {curve[-1]['stream_lines']} of {stream} lines per domain kept, hit rate "

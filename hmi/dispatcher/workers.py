@@ -25,7 +25,7 @@ from hmi.data import job_lines, job_rows, job_texts
 from hmi.lifetime import die_with_parent
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
-from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper
+from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper, keep_texts
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
@@ -149,14 +149,6 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     _run(job, progress, cancel, work)
 
 
-def keep_texts(lookup: PlotLookup, tokenizer, texts: list[str], max_len: int, chunk: int = 64) -> None:
-    """Looks ``texts`` up as requests would (cut at ``max_len`` tokens): with compute+insert, their
-    missed windows are kept in the domain's PLOT."""
-    for s in range(0, len(texts), chunk):
-        enc = tokenizer(texts[s:s + chunk], truncation=True, max_length=max_len, padding=True, return_tensors="np")
-        lookup.distinct(enc["input_ids"], enc["attention_mask"])
-
-
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Fine-tunes one encoder tenant and stores its adapter (unpublished, named by the job id)."""
 
@@ -168,12 +160,12 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         # Jobs queued before tenants chose how long texts are read kept the old rule: cut at 128.
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
-        lookup = ctx.lookup(job.get("domain", "root"))
+        lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
         weights, metrics = finetune(
-            ctx.bert, ctx.l_low, lookup, load_tokenizer(ctx.tokenizer_dir), spec,
+            ctx.bert, ctx.l_low, lookup, tokenizer, spec,
             train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
         if lookup.keeper is not None:
-            keep_texts(lookup, load_tokenizer(ctx.tokenizer_dir), job["data"].get("unlabeled", []), cfg.max_len)
+            keep_texts(lookup, tokenizer, job["data"].get("unlabeled", []), cfg.max_len)
             lookup.keeper.close()
             metrics["windows_kept"] = lookup.keeper.stats["added"]
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},

@@ -31,6 +31,16 @@ DEFAULT_BUDGET_MB = 512.0  # per PLOT: about 230k windows of MiniLM (int8 rows, 
 LOW_WATER = 0.9
 
 
+def keep_texts(lookup, tokenizer, texts: list[str], max_len: int, chunk: int = 64) -> None:
+    """Looks ``texts`` up as requests would (cut at ``max_len`` tokens) and waits until what the
+    lookup's keeper queued is written: with compute+insert, their missed windows are then kept."""
+    for s in range(0, len(texts), chunk):
+        enc = tokenizer(texts[s:s + chunk], truncation=True, max_length=max_len, padding=True, return_tensors="np")
+        lookup.distinct(enc["input_ids"], enc["attention_mask"])
+    if lookup.keeper is not None:
+        lookup.keeper.flush()
+
+
 class Keeper:
     """The one writer of kept misses in a process; thread-safe.  ``keep`` and ``used`` only queue
     (the request path); the writer thread drains the queue every ``flush_s`` into one transaction
