@@ -31,6 +31,7 @@ import time
 from common import adapter_variants, finish, machine, start, table, timeit
 
 CLIENTS = (1, 8, 32)
+LOCAL = "private, blind, lower on client"  # the blind split with the lower layers on the client: no server call
 GEMM_ROWS = (16, 64, 310, 923, 4096)  # 310: one request of 8 texts; 923: what 32 clients gathered
 THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
                       "MiB / request", "rows / executor GEMM", "executor busy")
@@ -47,19 +48,23 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results):
     from hmi.client import Client
     from hmi.model.root import default_spec
     from hmi.split.client import BaseClient
+    from hmi.split.lower import LocalLower
     from hmi.split.model import PrivateModel
     from hmi.split.noise import ClientNoise
 
     models = []
+    # the blind split with the lower layers here: one copy per process (read-only), no server call
+    shared_lower = LocalLower.load(default_spec().model_dir, 3) if mode == LOCAL else None
     for tenant, token, archive in jobs:
         if mode == "hosted":
             models.append((tenant, Client(url, token), None))
         else:
             base = BaseClient(url, token)
-            blind = mode == "private, blind"
+            blind = mode.startswith("private, blind")
             models.append((tenant, base, PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
                                                       noise=None if blind else ClientNoise(default_spec().model_dir),
-                                                      max_len=64, split="blind" if blind else "projections")))
+                                                      max_len=64, split="blind" if blind else "projections",
+                                                      lower=shared_lower)))
     out = []
 
     def run(tenant, conn, model):
@@ -280,6 +285,81 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
     return rows, res
 
 
+# Private fine-tuning options, as the label attacker sees them: (split, noise, where the lower layers run).
+FINE_TUNE_OPTIONS = {"projections, shipped noise": ("projections", "shipped", "server"),
+                     "blind (the default)": ("blind", None, "server"),
+                     "blind, lower layers on the client": ("blind", None, "client")}
+DEFAULT_FINE_TUNE_OPTION = "blind (the default)"
+
+
+def labels(server, url, root, n_examples: int, seed: int = 0) -> tuple[list[tuple], dict]:
+    """The label attacker (``attack.labels_from_gradients``) against a private fine-tune of each
+    option: LoRA on every linear layer, review sentiment, one epoch of ``n_examples`` in batches of
+    16; the share of labels it recovers (up to one global flip) against the majority class's."""
+    import numpy as np
+    import torch
+
+    from hmi.adapters.portable import RootShape, write_encoder
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.archive import zip_files
+    from hmi.data import load_task
+    from hmi.split import attack
+    from hmi.split.client import BaseClient
+    from hmi.split.lower import LocalLower
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise
+    from hmi.split.train import finetune_private
+    from hmi.training.finetune import FinetuneConfig, initial_weights
+
+    rows = load_task("review-sentiment", "train", n_examples)
+    names = sorted({r["label"] for r in rows})
+    c = root.bert.config
+    spec = AdapterSpec.for_task("classification", tuple(names), "lora", targets="all")
+    shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, root.l_low, c.hidden_size, root.spec.name)
+    files = PrivateModel.files_of(zip_files(write_encoder(spec, initial_weights(c, root.l_low, spec, seed), shape,
+                                                          "bench-labels"), "bench-labels"))
+    token = server.tenants.create_private("bench-labels")
+    model_dir, cfg = root.spec.model_dir, FinetuneConfig(epochs=1, batch_size=16, max_len=64, seed=seed)
+    order = np.random.default_rng(seed).permutation(len(rows))  # the epoch's batches, as the fine-tune runs them
+    truth = torch.tensor([names.index(rows[i]["label"]) for i in order])
+    out, table_rows = {}, []
+    for option, (split, noise, lower) in FINE_TUNE_OPTIONS.items():
+        local = LocalLower.load(model_dir, root.l_low) if lower == "client" else None
+        base = None if split == "blind" and local is not None else BaseClient(url, token)
+        model = PrivateModel(base, model_dir, root.l_low, files, noise=ClientNoise(model_dir) if noise else None,
+                             max_len=64, split=split, lower=local)
+        recording = attack.Recording("bench-labels")
+        server.executor.observers.append(recording)
+        t = time.perf_counter()
+        try:
+            finetune_private(model, rows, [], cfg)
+        finally:
+            server.executor.observers.remove(recording)
+        seconds = time.perf_counter() - t
+        guesses = attack.labels_from_gradients(recording, c.num_hidden_layers - 1)
+        rate = attack.label_recovery(guesses, truth)
+        if split == "projections" and rate < 0.9:  # the attack works there: anything less is a broken ground truth
+            raise SystemExit(f"the label attacker recovered {rate:.2f} through the projections split: check the order")
+        key = option.split(" (")[0].replace(", ", "_").replace(" ", "_")
+        out[f"label_recovery_{key}"] = round(rate, 4)
+        out[f"fine_tune_seconds_{key}"] = round(seconds, 1)
+        calls = sum(1 for call, _ in recording.calls)
+        table_rows.append((option, f"{rate:.3f}", calls, "none" if guesses is None else len(guesses), f"{seconds:.0f}"))
+        print(table_rows[-1], flush=True)
+    server.tenants.delete("bench-labels", server.registry.get("tenants", "bench-labels"))
+    majority = attack.label_recovery(None, truth)
+    default_key = DEFAULT_FINE_TUNE_OPTION.split(" (")[0]
+    out.update({"label_recovery_majority": round(majority, 4),
+                "label_recovery_strongest": out[f"label_recovery_{default_key}"],
+                "label_strongest_attacker": "gradients (labels_from_gradients)",
+                "label_default_option": DEFAULT_FINE_TUNE_OPTION, "label_attack_examples": len(rows)})
+    return table_rows, out
+
+
+LABEL_HEADERS = ("private fine-tune option", "labels recovered", "calls the server saw",
+                 "examples the attacker could read", "fine-tune s")
+
+
 def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dict]:
     """Hosted, private and private-unbatched tenants at 1, 8 and 32 clients; and how far a private
     tenant's answers (with the shipped noise) are from the same adapter's hosted ones."""
@@ -314,7 +394,8 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
     # requests of one text (small calls: where batching across clients can pay on a CPU).
     for n, batch, tag in [(n, texts, "") for n in CLIENTS] + [(max(CLIENTS), texts[:1], "_one_text")]:
         for mode, tenants, batching in (("hosted", hosted, True), ("private", private, True),
-                                        ("private, unbatched", private, False), ("private, blind", private, True)):
+                                        ("private, unbatched", private, False), ("private, blind", private, True),
+                                        (LOCAL, private, True)):
             server.executor.batching = batching
             before = dict(server.executor.stats)
             reqs = requests * (4 if tag else 1)  # small requests: more of them, for a stable rate
@@ -326,7 +407,7 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
             rows.append((f"{n}" + (" (1 text)" if tag else ""), mode, f"{rps:.2f}", f"{p50:.0f}", f"{p99:.0f}",
                          f"{trips:.1f}", f"{nbytes / 2**20:.2f}", private_only(f"{gemm_rows:.0f}"),
                          private_only(f"{100 * busy:.0f}%")))
-            res[f"{mode.replace(', ', '_')}_{n}{tag}_rps"] = round(rps, 3)
+            res[f"{mode.replace(', ', '_').replace(' ', '_')}_{n}{tag}_rps"] = round(rps, 3)
             print(rows[-1], flush=True)
     server.executor.batching = True
     # What a bigger GEMM buys on this CPU: microseconds a row of one layer's four projections, by
@@ -348,6 +429,10 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
     print({k: v for k, v in res.items() if k.startswith(("inference", "training"))}, flush=True)
     res["private_over_hosted_32"] = round(res["private_32_rps"] / res["hosted_32_rps"], 3)
     res["blind_over_hosted_32"] = round(res["private_blind_32_rps"] / res["hosted_32_rps"], 3)
+    res["blind_lower_on_client_over_hosted_32"] = round(res["private_blind_lower_on_client_32_rps"]
+                                                        / res["hosted_32_rps"], 3)
+    res["blind_lower_on_client_over_blind_1"] = round(res["private_blind_lower_on_client_1_rps"]
+                                                      / res["private_blind_1_rps"], 3)
     res["batched_over_unbatched_32"] = round(res["private_32_rps"] / res["private_unbatched_32_rps"], 3)
     res["private_over_hosted_32_one_text"] = round(res["private_32_one_text_rps"] / res["hosted_32_one_text_rps"], 3)
     res["batched_over_unbatched_32_one_text"] = round(res["private_32_one_text_rps"]
@@ -358,7 +443,7 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
 def main() -> None:
     args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
                                      ap.add_argument("--texts", type=int, default=8),
-                                     ap.add_argument("--part", choices=("all", "throughput", "privacy"), default="all",
+                                     ap.add_argument("--part", choices=("all", "throughput", "privacy", "labels"), default="all",
                                                      help="run one part only (its page: docs/bench_private_<part>.md)")))
     from hmi.bootstrap import prepare_default
     from hmi.dispatcher.serve import build_server, run_in_thread
@@ -377,21 +462,32 @@ def main() -> None:
                 server.tenants.delete(name, rec)
 
     clean()
-    rows, res, attack_rows = [], {}, []
+    rows, res, attack_rows, label_rows = [], {}, [], []
     try:
         if args.part in ("all", "throughput"):
             rows, res = throughput(server, url, root, args, requests)
         if args.part in ("all", "privacy"):
             attack_rows, attack_res = privacy(server, url, root, 200 if args.quick else 800, 96 if args.quick else 384)
             res.update(attack_res)
+        if args.part in ("all", "labels"):
+            label_rows, label_res = labels(server, url, root, 480 if args.quick else 1920)
+            res.update(label_res)
     finally:
         clean()
         stop()
     command = "python benchmarks/bench_private.py" + (" --quick" if args.quick else "")
+    label_text = (f"The provider reads a private fine-tune's labels (review sentiment, {res.get('label_attack_examples')} "
+                  "examples, one epoch in batches of 16, LoRA on every linear layer) from the backward calls it "
+                  "served (`attack.labels_from_gradients`: each example's gradient row along the direction they "
+                  "vary most; recovered up to one global flip). The majority class holds "
+                  f"{res.get('label_recovery_majority')} of the labels: what a provider knowing only how labels are "
+                  "spread recovers.\n\n" + table(label_rows, LABEL_HEADERS)) if label_rows else ""
     if args.part != "all":  # one part: its own page, docs/bench_private_<part>.md
+        body = (label_text if args.part == "labels" else
+                table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)")
+                      if attack_rows else THROUGHPUT_HEADERS))
         finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`).\n\n"
-               + table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)")
-                       if attack_rows else THROUGHPUT_HEADERS), res, f"{command} --part {args.part}")
+               + body, res, f"{command} --part {args.part}")
         return
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
             f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
@@ -424,7 +520,7 @@ def main() -> None:
               f"{res['noise_shipped_first_ms']} ms against {res['noise_none_first_ms']} ms without noise (the "
               f"effects computed once), then p50 {res['noise_shipped_p50_ms']} ms against {res['noise_none_p50_ms']} "
               f"ms; round trips a request {res['noise_shipped_round_trips']:.2f} against "
-              f"{res['noise_none_round_trips']:.2f}.")
+              f"{res['noise_none_round_trips']:.2f}.\n\n" + label_text)
     finish("bench_private", text, res, command)
 
 

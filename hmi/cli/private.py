@@ -12,8 +12,10 @@ from hmi.archive import zip_files
 from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options, show
 from hmi.client import load_rows
+from hmi.model.artifact import ArtifactMismatchError, ArtifactMissingError
 from hmi.model.catalog import root_spec
 from hmi.split.client import BaseClient, BaseExecutorError
+from hmi.split.lower import LocalLower
 from hmi.split.model import PrivateModel
 from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.split.train import finetune_private
@@ -24,7 +26,7 @@ def _model(args, verb: str) -> PrivateModel:
     """The private tenant's model from the command's adapter archive, root and noise."""
     quiet_transformers()
     token = args.token or os.environ.get("HMI_TOKEN")
-    if not token:
+    if not token and not (args.split == "blind" and args.lower == "client"):  # that one calls no server
         raise SystemExit(f"hmi private {verb}: give the private tenant's --token (or HMI_TOKEN)")
     path = Path(args.adapter)
     if not path.exists():
@@ -33,20 +35,29 @@ def _model(args, verb: str) -> PrivateModel:
     if args.split == "blind" and args.noise:
         raise SystemExit(f"hmi private {verb}: --noise hides the activations that --split projections sends; "
                          "the blind split sends none")
-    base = BaseClient(args.url, token)
+    if args.artifact and args.lower != "client":
+        raise SystemExit(f"hmi private {verb}: --artifact calibrates the lower layers that --lower client runs here")
+    lower = None
+    if args.lower == "client":
+        try:
+            lower = LocalLower.load(spec.model_dir, spec.l_low, args.artifact)
+        except (ArtifactMissingError, ArtifactMismatchError, ValueError, OSError) as exc:
+            raise SystemExit(f"hmi private {verb}: {exc}") from exc
+    base = None if args.split == "blind" and lower is not None else BaseClient(args.url, token)
     noise = None
     scale = 1.0 if args.noise is None else args.noise
     if args.split == "projections" and scale > 0:
         noise = (ServerNoise(base, scale=scale) if args.noise_effects == "server"
                  else ClientNoise(spec.model_dir, scale=scale))
     return PrivateModel(base, spec.model_dir, spec.l_low, PrivateModel.files_of(path.read_bytes()),
-                        noise=noise, max_len=args.max_len, split=args.split)
+                        noise=noise, max_len=args.max_len, split=args.split, lower=lower)
 
 
 def cmd_private_infer(args) -> int:
     try:
         model = _model(args, "infer")
-        show({"outputs": model.infer(args.texts, truncate=args.truncate), **model.base.stats})
+        outputs = model.infer(args.texts, truncate=args.truncate)
+        show({"outputs": outputs, **(model.base.stats if model.base is not None else {"round_trips": 0})})
     except (BaseExecutorError, ConnectionError) as exc:
         print(f"hmi: {exc}", file=sys.stderr)
         return 1
@@ -83,6 +94,13 @@ def _common(p) -> None:
                         "labels; projections, the upper layers' frozen projections too (less work here, but a "
                         "provider that predicts the activations recovers the adapter through the noise: "
                         "docs/private.md)")
+    p.add_argument("--lower", choices=("server", "client"), default="server",
+                   help="where the lower layers run: the server's PLOT lookup (default: it receives the token ids), "
+                        "or this machine from the public root and its calibrated artifact, so no token id leaves it "
+                        "(with --split blind the server is not called at all)")
+    p.add_argument("--artifact", default=None,
+                   help="with --lower client: the calibrated artifact folder the server serves (HMI_HOME/roots/<id>; "
+                        "default: the one shipped for the root)")
     p.add_argument("--noise", type=float, default=None,
                    help="with --split projections: standard deviation of the noise on what the server sees "
                         "(0: none; default 1)")

@@ -30,6 +30,9 @@ that unit fired; W is the public root's, so delta W follows.
   the true rows' own variation there along with the noise; ``told`` the exact subspaces, it
   bounds what finding them can give.
 
+- ``labels_from_gradients``: a private fine-tune's labels from the backward calls of its steps
+  (the gradients through the frozen projections, which no noise hides): one guess per example.
+
 Two parts of delta W no observation shows.  An output unit the observed tokens never made fire
 cannot be fitted from them: an estimate covers the units with enough firing tokens
 (``Estimate.covered``).  And every LayerNorm output y satisfies y . (1/gamma) = sum(beta/gamma),
@@ -279,3 +282,36 @@ def extraction_error(estimate: Estimate, true: torch.Tensor, units: torch.Tensor
 def lora_update(weights: dict[str, torch.Tensor], li: int, site: str, scaling: float) -> torch.Tensor:
     """The true update scaling * B A of a LoRA site of upper layer ``li`` (canonical weights)."""
     return scaling * weights[f"layers.{li}.lora.{site}_B"] @ weights[f"layers.{li}.lora.{site}_A"]
+
+
+def labels_from_gradients(recording: Recording, layer: int) -> torch.Tensor | None:
+    """The provider's guess of a private fine-tune's labels (binary classification) from the
+    backward calls it served: one 0/1 guess per training example, in the order it saw them, up to
+    one global flip; None where it saw no backward call (nothing to read them from).
+
+    The backward call of the last upper layer's ``ffn_out`` carries dL/dy for each real token's
+    row.  With a head on [CLS], only [CLS]'s row is non-zero (the LayerNorm after it works row by
+    row), one per example in batch order; there dL/dy = J (softmax(z) - onehot(y)) W_head, which
+    for two labels is (p - y) J (w_1 - w_0): rows of one label lie on one side of the direction
+    they vary most along.  The guess is the sign of each row along the top singular direction of
+    all of them (uncentred).  Shapes: calls' rows (N_rows, H) -> guesses (N_examples,) int64."""
+    calls = recording.rows(layer, "ffn_out", "backward")
+    if not calls:
+        return None
+    rows = torch.cat([c[c.norm(dim=-1) > 0] for c in calls]).double()
+    direction = torch.linalg.svd(rows, full_matrices=False).Vh[0]
+    return (rows @ direction > 0).long()
+
+
+def label_recovery(guesses: torch.Tensor | None, labels: torch.Tensor) -> float:
+    """The share of ``labels`` (N,) a provider's ``guesses`` (N,) recover, up to one global flip
+    (the better of the two readings); without guesses, the majority class's share (the best a
+    provider does knowing only how labels are spread)."""
+    labels = labels.long()
+    majority = float(max(labels.float().mean(), 1 - labels.float().mean()))
+    if guesses is None:
+        return majority
+    if guesses.shape != labels.shape:
+        raise ValueError(f"{guesses.shape[0]} guesses for {labels.shape[0]} labels: the calls were not one example a row")
+    same = float((guesses == labels).float().mean())
+    return max(same, 1 - same)

@@ -1,6 +1,7 @@
 """A private tenant's model on its own side: its adapter and head (the ``adapters`` library's
 saved folder, as ``GET /v1/tenants/{t}/adapter`` exports it) and the tokenizer; the lower layers'
-PLOT lookup runs on the server's base executor (``BaseClient``).  The upper layers run here whole
+PLOT lookup runs on the server's base executor (``BaseClient``), or here (``hmi.split.lower``: no
+token id leaves the client).  The upper layers run here whole
 (the ``blind`` split: the server sees the token ids alone), or here only in their non-linear parts
 (LayerNorms, activations, attention's softmax, an MPNet root's relative position bias) with every
 frozen linear projection on the server (the ``projections`` split).
@@ -36,6 +37,7 @@ from hmi.model.convert import load_relative_bias
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.root import load_tokenizer
 from hmi.split.client import BaseClient
+from hmi.split.lower import LocalLower
 from hmi.split.noise import ClientNoise, ServerNoise, checkpoint_tensor
 from hmi.textlimit import fit_ids
 
@@ -134,15 +136,23 @@ class PrivateModel(TenantModel):
     linear projection of the upper layers (hidden by ``noise``, which does not stop a provider that
     predicts the activations: ``hmi.split.attack.predicted``); ``blind``, the PLOT lookup alone,
     the client running the upper layers whole from the public root's weights, so that nothing the
-    server receives or computes depends on the adapter (it still sees the token ids)."""
+    server receives or computes depends on the adapter (it still sees the token ids).
 
-    def __init__(self, base: BaseClient, model_dir: str | Path, l_low: int, adapter_files: dict[str, bytes],
-                 noise: ClientNoise | ServerNoise | None = None, max_len: int = 128, split: str = "projections"):
+    ``lower`` says where the lower layers run: None, the server's PLOT lookup (it receives the
+    token ids); a ``LocalLower``, here, so the server sees no token id (with the blind split, no
+    call at all: ``base`` may then be None)."""
+
+    def __init__(self, base: BaseClient | None, model_dir: str | Path, l_low: int, adapter_files: dict[str, bytes],
+                 noise: ClientNoise | ServerNoise | None = None, max_len: int = 128, split: str = "projections",
+                 lower: LocalLower | None = None):
         if split not in SPLITS:
             raise ValueError(f"split is one of {', '.join(SPLITS)}, not {split!r}")
         if split == "blind" and noise is not None:
             raise ValueError("the blind split sends the server no activation: there is nothing for noise to hide")
+        if base is None and not (split == "blind" and lower is not None):
+            raise ValueError("only the blind split with the lower layers here calls no server: give a BaseClient")
         self.base, self.l_low, self.noise, self.max_len, self.split = base, l_low, noise, max_len, split
+        self.lower = lower
         layers, config = upper_layers(model_dir, l_low, frozen_here=split == "blind")
         self.config = config
         self.tokenizer = load_tokenizer(str(model_dir))
@@ -171,7 +181,14 @@ class PrivateModel(TenantModel):
         ids_list = [fit_ids(ids, self.max_len, truncate)[0] for ids in enc["input_ids"]]
         ids, mask = (torch.from_numpy(a) for a in as_numpy_ids(ids_list))
         with torch.no_grad():
-            return self.forward(self.base.lower(ids, mask), mask), enc, ids_list
+            return self.forward(self.lower_layers(ids, mask), mask), enc, ids_list
+
+    def lower_layers(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The upper layers' input: the server's PLOT lookup, or ``LocalLower`` here.
+        Shapes: ids, mask (B, T) -> (B, T, H)."""
+        if self.lower is not None:
+            return self.lower.merged(ids.numpy(), mask.numpy())
+        return self.base.lower(ids, mask)
 
     def infer(self, texts: list[str], truncate: bool = False) -> list[dict]:
         """The answers of ``POST /v1/tenants/{t}/infer`` for ``texts``."""

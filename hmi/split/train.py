@@ -12,13 +12,14 @@ from hmi.training.finetune import FinetuneConfig, fit
 
 
 class RemoteLookup:
-    """The server's PLOT lookup as ``featurize`` reads a lookup (``merged(ids, mask)``)."""
+    """The model's lower layers (the server's PLOT lookup, or ``LocalLower`` here) as ``featurize``
+    reads a lookup (``merged(ids, mask)``)."""
 
-    def __init__(self, base):
-        self.base = base
+    def __init__(self, model):
+        self.model = model
 
     def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        return self.base.lower(torch.from_numpy(ids), torch.from_numpy(mask))
+        return self.model.lower_layers(torch.from_numpy(ids), torch.from_numpy(mask))
 
 
 def finetune_private(model, train: list[dict], dev: list[dict], cfg: FinetuneConfig | None = None,
@@ -27,7 +28,7 @@ def finetune_private(model, train: list[dict], dev: list[dict], cfg: FinetuneCon
     ``train``, early-stopping on ``dev``; returns (canonical weights of the best epoch, metrics).
     The model keeps the best weights.  ``on_progress``, ``should_stop``: as ``fit`` takes them
     (``should_stop()`` true ends the run with ``hmi.training.fit.Cancelled``)."""
-    weights, metrics = fit(model, RemoteLookup(model.base), model.tokenizer, train, dev, None, cfg, progress,
+    weights, metrics = fit(model, RemoteLookup(model), model.tokenizer, train, dev, None, cfg, progress,
                            on_progress, should_stop)
-    metrics["round_trips"] = model.base.stats["round_trips"]
+    metrics["round_trips"] = model.base.stats["round_trips"] if model.base is not None else 0
     return weights, metrics

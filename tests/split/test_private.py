@@ -8,12 +8,14 @@ import urllib.request
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.scheduler.base_executor import FrozenLinears
 from hmi.split.client import BaseClient, BaseExecutorError
+from hmi.split.lower import LocalLower
 from hmi.split.model import OnServer, PrivateModel
 from hmi.split.noise import ClientNoise, ServerNoise
 from hmi.split.wire import encode
@@ -48,7 +50,12 @@ def live(tmp_path_factory):
     for job in jobs:
         assert admin.wait_job(job, 300)["state"] == "succeeded"
     token = admin.request("POST", "/v1/tenants", {"name": "priv", "model": "private"})["token"]
-    yield {"admin": admin, "url": url, "server": server, "root_dir": root_dir, "token": token}
+    # The served root's calibrated windows as an artifact folder: what a client computing the lower
+    # layers itself loads (``hmi.split.lower``).
+    artifact = tmp_path_factory.mktemp("artifact")
+    save_file(server.root.windowed.state_dict(), str(artifact / "windowed.safetensors"))
+    (artifact / "config.json").write_text('{"l_low": 2}')
+    yield {"admin": admin, "url": url, "server": server, "root_dir": root_dir, "token": token, "artifact": artifact}
     stop()
 
 
@@ -110,6 +117,49 @@ def test_the_blind_split_answers_as_hosted_and_shows_the_server_the_same_with_a_
     assert [call for call, _ in received[1]] == [("lower",)]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(received[0], received[1]))
     assert model.base.stats["round_trips"] == 2  # the lookup, once a request
+
+
+@pytest.mark.parametrize("split", ["blind", "projections"])
+@pytest.mark.parametrize("tenant", ["bn", "tagger"])
+def test_with_the_lower_layers_on_the_client_no_token_id_reaches_the_server_and_answers_equal_hosted(live, tenant,
+                                                                                                    split):
+    """The client computes the lower layers from the public root and the served artifact: the
+    server receives no lookup (no token id); with the blind split, no call at all. The answers are
+    a server's that computes every window (the tiny server's miss policy is ``compute``)."""
+    from hmi.split import attack
+
+    files = PrivateModel.files_of(live["admin"].export_adapter(tenant))
+    lower = LocalLower.load(live["root_dir"], 2, live["artifact"])
+    base = None if split == "blind" else BaseClient(live["url"], live["token"])
+    noise = ClientNoise(live["root_dir"], scale=3.0, seed=0) if split == "projections" else None
+    model = PrivateModel(base, live["root_dir"], 2, files, noise=noise, split=split, lower=lower)
+    recording = attack.Recording("priv")
+    live["server"].executor.observers.append(recording)
+    try:
+        answers = model.infer(TEXTS)
+    finally:
+        live["server"].executor.observers.remove(recording)
+    assert_same_answers(live["admin"].infer(tenant, TEXTS), answers)
+    calls = [call for call, _ in recording.calls]
+    assert ("lower",) not in calls
+    assert all(t.is_floating_point() for _, t in recording.calls)  # activations only: no id of any kind
+    assert (not calls) == (split == "blind")  # the projections split still sends its projections' inputs
+
+
+def test_the_lower_layers_on_the_client_equal_the_servers_computed_lookup(live):
+    """``LocalLower`` is the server's lookup when it computes every window: the same float16
+    window states, merged the same way."""
+    from hmi.model.hplm import as_numpy_ids
+
+    tok = load_tokenizer(default_spec().model_dir)
+    ids, mask = as_numpy_ids(tok(TEXTS * 2)["input_ids"])
+    here = LocalLower.load(live["root_dir"], 2, live["artifact"]).merged(ids, mask)
+    served = live["server"].lookup.merged(ids, mask)
+    torch.testing.assert_close(here, served, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="splits at 2, not 1"):
+        LocalLower.load(live["root_dir"], 1, live["artifact"])
+    with pytest.raises(ValueError, match="calls no server"):
+        PrivateModel(None, live["root_dir"], 2, PrivateModel.files_of(live["admin"].export_adapter("bn")))
 
 
 def test_the_blind_split_refuses_noise_it_would_not_use(live):
@@ -333,6 +383,17 @@ def test_hmi_private_infer_answers_as_the_hosted_tenant(live, tmp_path, capsys):
     assert out["round_trips"] == 1 + 4 * 2 + 4 * 2
     with pytest.raises(SystemExit, match="no adapter archive"):
         main([*argv[:2], str(tmp_path / "missing.zip"), "x", "--token", "t"])
+    # The lower layers here too: no server at all (no token needed), the same answers.
+    local = ["private", "infer", str(archive), *TEXTS, "--url", "http://127.0.0.1:9", "--root", str(live["root_dir"]),
+             "--l-low", "2", "--lower", "client", "--artifact", str(live["artifact"])]
+    assert main(local) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert_same_answers(live["admin"].infer("bn", TEXTS), out["outputs"])
+    assert out["round_trips"] == 0
+    with pytest.raises(SystemExit, match="no calibrated artifact ships"):
+        main(local[:-2])  # the tiny root: the package ships no artifact for it
+    with pytest.raises(SystemExit, match="--artifact calibrates"):
+        main([*argv, "--artifact", str(live["artifact"])])
 
 
 @pytest.mark.parametrize("tenant", ["bn", "lora", "ia3", "tagger"])
@@ -385,6 +446,38 @@ def test_a_private_fine_tune_trains_its_adapter_and_served_hosted_it_answers_as_
     live["admin"].import_adapter("back-home", zip_files(write_encoder(model.spec, weights, shape, "back-home"),
                                                        "back-home"))
     assert_same_answers(live["admin"].infer("back-home", TEXTS), model.infer(TEXTS))
+
+
+@pytest.mark.parametrize("split", ["projections", "blind"])
+def test_a_provider_reads_a_private_fine_tunes_labels_from_its_backward_calls_unless_the_split_is_blind(live, split):
+    """The projections split sends each step's gradients through the frozen projections: their
+    sign along the direction they vary most gives every label (the shipped noise hides forward
+    calls only). The blind split sends no backward call: the provider is left with the majority
+    class's share."""
+    import numpy as np
+
+    from hmi.split import attack
+    from hmi.split.train import finetune_private
+    from hmi.training.finetune import FinetuneConfig
+
+    base = BaseClient(live["url"], live["token"])
+    files = PrivateModel.files_of(live["admin"].export_adapter("lora"))
+    noise = ClientNoise(live["root_dir"], scale=3.0, seed=0) if split == "projections" else None
+    model = PrivateModel(base, live["root_dir"], 2, files, noise=noise, split=split)
+    rows = (TRAIN * 6)[:44]  # 24 pos, 20 neg: the majority class holds 24/44
+    recording = attack.Recording("priv")
+    live["server"].executor.observers.append(recording)
+    try:
+        finetune_private(model, rows, [], FinetuneConfig(epochs=1, batch_size=8, seed=3))
+    finally:
+        live["server"].executor.observers.remove(recording)
+    order = np.random.default_rng(3).permutation(len(rows))  # the fine-tune's batches, in the order it ran them
+    labels = torch.tensor([model.spec.labels.index(rows[i]["label"]) for i in order])
+    guesses = attack.labels_from_gradients(recording, 3)
+    if split == "projections":
+        assert attack.label_recovery(guesses, labels) == 1.0
+    else:
+        assert guesses is None and attack.label_recovery(guesses, labels) == pytest.approx(24 / 44)
 
 
 @pytest.mark.parametrize("tenant", ["lora", "tagger"])
