@@ -175,36 +175,147 @@ def beside_training(url, private, trainer, rows, texts, requests, processes) -> 
 SCHEMES = ("none", "paper", "shipped")
 
 
-def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[list[tuple], dict]:
-    """Each attacker's extraction error against each noise scheme, over ``units`` sampled output
-    units of every upper layer (the largest over layers), and what the shipped noise costs."""
+def blind_check(server, url, token, model_dir, l_low, files, texts) -> dict:
+    """The default private option (the blind split) against every attacker: the server's received
+    tensors with the tenant's adapter and with a zero adapter, compared bit for bit.  Identical,
+    nothing the provider sees depends on the adapter: any estimate it makes scores as guessing 0
+    (1.0) whatever the number of texts."""
+    import torch
+
+    from hmi.split import attack
+    from hmi.split.client import BaseClient
+    from hmi.split.model import PrivateModel
+
+    model = PrivateModel(BaseClient(url, token), model_dir, l_low, files, max_len=64, split="blind")
+    seen = []
+    for zero in (False, True):
+        if zero:
+            model.load({k: torch.zeros_like(v) for k, v in model.weights().items()})
+        recording = attack.Recording("bench-attack")
+        server.executor.observers.append(recording)
+        try:
+            for i in range(0, len(texts), 16):
+                model.infer(texts[i:i + 16], truncate=True)
+        finally:
+            server.executor.observers.remove(recording)
+        seen.append(recording.calls)
+    same = len(seen[0]) == len(seen[1]) and all(a[0] == b[0] and torch.equal(a[1], b[1])
+                                                for a, b in zip(seen[0], seen[1]))
+    return {"default_private_option": "blind", "server_inputs_identical_with_zero_adapter": same,
+            "extraction_error_strongest": 1.0 if same else None,
+            "strongest_attacker": "any (the blind split's server inputs do not depend on the adapter)" if same
+            else "not established: the server's inputs differ with the adapter"}
+
+
+def noise_curve(server, url, token, model_dir, l_low, files, texts, lower, bert, weights, spec,
+                sample) -> tuple[list[tuple], dict]:
+    """The predicting attacker's extraction error on the first upper layer (its input known
+    exactly from the token ids: only the noise stands in the way) against the number of texts
+    it observed, for each noise setting; with what the setting costs in answers (largest score
+    difference from the noiseless model) and the texts a 1/sqrt(n) fit of the curve needs for an
+    error of 0.5."""
+    import math
+
+    from hmi.split import attack
+    from hmi.split.client import BaseClient
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise, FreshNoise
+
+    settings = (("shipped: pool of 16", lambda: ClientNoise(model_dir), 16),
+                ("pool of 64", lambda: ClientNoise(model_dir, count=64), 64),
+                ("fresh, every direction", lambda: FreshNoise(model_dir), None),
+                ("fresh, every direction, x10", lambda: FreshNoise(model_dir, scale=10.0), None))
+    batches = [b for b in (1, 2, 4, 8, 12, 16, 32, 50) if 16 * b <= len(texts)]
+    true = attack.lora_update(weights, 0, "ffn_in", spec.alpha / spec.rank)
+    plain = PrivateModel(BaseClient(url, token), model_dir, l_low, files, max_len=64).infer(texts[:16], truncate=True)
+    rows, out = [], {}
+    for label, make, k in settings:
+        model = PrivateModel(BaseClient(url, token), model_dir, l_low, files, noise=make(), max_len=64)
+        recording = attack.Recording("bench-attack")
+        server.executor.observers.append(recording)
+        try:
+            answers = [a for i in range(0, 16 * batches[-1], 16) for a in model.infer(texts[i:i + 16], truncate=True)]
+        finally:
+            server.executor.observers.remove(recording)
+        diff = max(abs(a["scores"][c] - b["scores"][c]) for a, b in zip(plain, answers[:16]) for c in a["scores"])
+        curve = []
+        for b in batches:
+            est = attack.predicted(recording.first(b), lower, bert.encoder.layer[l_low:l_low + 1], l_low, k,
+                                   getattr(bert, "relative_bias", None), units=sample)[l_low]
+            curve.append((16 * b, attack.extraction_error(est, true)))
+        key = label.split(":")[0].replace(", ", "_").replace(" ", "_").replace("x10", "scale_10")
+        # the first observed count at which the error is under 0.5; past the curve, an extrapolation of
+        # error ~ c / sqrt(n) from its last point (where the fit covers the units)
+        n_last, e_last = curve[-1]
+        needed = next((n for n, e in curve if e < 0.5), None)
+        if needed is None and e_last < 1:
+            needed = n_last * (e_last / 0.5) ** 2
+        out[f"noise_curve_{key}"] = [[n, round(e, 4)] for n, e in curve]
+        out[f"noise_max_abs_diff_{key}"] = round(diff, 8)
+        out[f"texts_for_error_0_5_{key}"] = None if needed is None else int(math.ceil(needed))
+        rows.append((label, *(f"{e:.3g}" for _, e in curve), f"{diff:.1e}",
+                     "-" if needed is None else f"{needed:,.0f}"))
+        print(rows[-1], flush=True)
+    out["noise_curve_texts"] = [16 * b for b in batches]
+    return rows, out
+
+
+def attack_setup(server, root, n_texts: int, units: int, seed: int):
+    """The attacked tenant: a private LoRA of rank 8 on each upper layer's ``ffn_in`` with random
+    B (so an update to find), its archive's files, token, held-out texts and sampled units."""
     import torch
 
     from hmi.adapters.portable import RootShape, write_encoder
     from hmi.adapters.spec import AdapterSpec
     from hmi.archive import zip_files
     from hmi.data import held_out_texts
-    from hmi.scheduler.base_executor import FrozenLinears
-    from hmi.split import attack
-    from hmi.split.client import BaseClient
     from hmi.split.model import PrivateModel
-    from hmi.split.noise import ClientNoise, ServerNoise
     from hmi.training.finetune import initial_weights
 
-    bert, l_low, c = root.bert, root.l_low, root.bert.config
+    c, l_low = root.bert.config, root.l_low
     spec = AdapterSpec(kind="lora", rank=8, alpha=8.0, targets=("ffn_in",), labels=("neg", "pos"))
     weights = initial_weights(c, l_low, spec, seed)
     gen = torch.Generator().manual_seed(seed)
-    frozen = FrozenLinears(bert, l_low).weights
-    layers = range(l_low, c.num_hidden_layers)
-    for li in range(len(layers)):
+    for li in range(c.num_hidden_layers - l_low):
         weights[f"layers.{li}.lora.ffn_in_B"] = 0.05 * torch.randn(weights[f"layers.{li}.lora.ffn_in_B"].shape,
                                                                    generator=gen)
     shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, l_low, c.hidden_size, root.spec.name)
     files = PrivateModel.files_of(zip_files(write_encoder(spec, weights, shape, "bench-attack"), "bench-attack"))
     token = server.tenants.create_private("bench-attack")
-    texts = held_out_texts(n_texts)
     sample = torch.randperm(c.intermediate_size, generator=gen)[:units].sort().values
+    return spec, weights, files, token, held_out_texts(n_texts), sample
+
+
+def curve(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[list[tuple], dict]:
+    """The default option's check (``blind_check``) and the projections split's noise curve."""
+    from hmi.split import attack
+
+    spec, weights, files, token, texts, sample = attack_setup(server, root, n_texts, units, seed)
+    model_dir, l_low, bert = root.spec.model_dir, root.l_low, root.bert
+    lower = lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float()  # noqa: E731
+    res = blind_check(server, url, token, model_dir, l_low, files, texts[:32])
+    rows, curve_res = noise_curve(server, url, token, model_dir, l_low, files, texts, lower, bert, weights, spec,
+                                  sample)
+    true = attack.lora_update(weights, 0, "ffn_in", spec.alpha / spec.rank)
+    res.update(curve_res, attack_units_per_layer=units, update_over_weight_first_layer=round(float(
+        true.norm() / bert.encoder.layer[l_low].intermediate.dense.weight.norm()), 4))
+    server.tenants.delete("bench-attack", server.registry.get("tenants", "bench-attack"))
+    return rows, res
+
+
+def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[list[tuple], dict]:
+    """Each attacker's extraction error against each noise scheme, over ``units`` sampled output
+    units of every upper layer (the largest over layers), and what the shipped noise costs."""
+    from hmi.scheduler.base_executor import FrozenLinears
+    from hmi.split import attack
+    from hmi.split.client import BaseClient
+    from hmi.split.model import PrivateModel
+    from hmi.split.noise import ClientNoise, ServerNoise
+
+    bert, l_low, c = root.bert, root.l_low, root.bert.config
+    spec, weights, files, token, texts, sample = attack_setup(server, root, n_texts, units, seed)
+    frozen = FrozenLinears(bert, l_low).weights
+    layers = range(l_low, c.num_hidden_layers)
     model_dir = root.spec.model_dir
     rows, errors, ratio = [], {}, []
     for scheme in SCHEMES:
@@ -259,8 +370,9 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
            # the update's share within the shipped noise's 16 directions: what the predicting attacker cannot see
            "extraction_floor_with_noise_predicted": round(errors["shipped", "floor"], 6),
            "strongest_attacker": "predicted",
-           "extraction_error_strongest": round(min(errors["shipped", name] for name in
-                                                   ("naive", "informed", "subspace", "predicted")), 6),
+           "extraction_error_strongest_projections_shipped_noise": round(min(errors["shipped", name] for name in
+                                                                             ("naive", "informed", "subspace",
+                                                                              "predicted")), 6),
            "attack_texts": len(texts), "attack_units_per_layer": units,
            "update_over_weight": round(max(ratio), 4)}
     # What the shipped noise costs: its effects once (the projections' weights read, the pool's
@@ -443,7 +555,7 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
 def main() -> None:
     args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
                                      ap.add_argument("--texts", type=int, default=8),
-                                     ap.add_argument("--part", choices=("all", "throughput", "privacy", "labels"), default="all",
+                                     ap.add_argument("--part", choices=("all", "throughput", "privacy", "curve", "labels"), default="all",
                                                      help="run one part only (its page: docs/bench_private_<part>.md)")))
     from hmi.bootstrap import prepare_default
     from hmi.dispatcher.serve import build_server, run_in_thread
@@ -462,13 +574,16 @@ def main() -> None:
                 server.tenants.delete(name, rec)
 
     clean()
-    rows, res, attack_rows, label_rows = [], {}, [], []
+    rows, res, attack_rows, label_rows, curve_rows = [], {}, [], [], []
     try:
         if args.part in ("all", "throughput"):
             rows, res = throughput(server, url, root, args, requests)
         if args.part in ("all", "privacy"):
             attack_rows, attack_res = privacy(server, url, root, 200 if args.quick else 800, 96 if args.quick else 384)
             res.update(attack_res)
+        if args.part in ("all", "curve"):
+            curve_rows, curve_res = curve(server, url, root, 200 if args.quick else 800, 96 if args.quick else 384)
+            res.update(curve_res)
         if args.part in ("all", "labels"):
             label_rows, label_res = labels(server, url, root, 480 if args.quick else 1920)
             res.update(label_res)
@@ -482,10 +597,21 @@ def main() -> None:
                   "vary most; recovered up to one global flip). The majority class holds "
                   f"{res.get('label_recovery_majority')} of the labels: what a provider knowing only how labels are "
                   "spread recovers.\n\n" + table(label_rows, LABEL_HEADERS)) if label_rows else ""
+    curve_text = ("The default private option: the blind split. The server's inputs with the tenant's adapter and with "
+                  f"a zero adapter, bit for bit the same: {res.get('server_inputs_identical_with_zero_adapter')}; so "
+                  f"every attacker's extraction error is {res.get('extraction_error_strongest')} (guessing 0) however "
+                  "many texts it observes.\n\nThe projections split's noise against the number of texts observed: "
+                  "the predicting attacker's extraction error on the first upper layer (its input known exactly from "
+                  "the token ids: the noise alone stands in the way), the largest score difference the noise makes "
+                  "(exactly subtracted: float32 rounding), and the texts a c / sqrt(n) fit of the last point needs "
+                  "for an error of 0.5 (an extrapolation).\n\n"
+                  + table(curve_rows, ("noise", *(f"{n} texts" for n in res.get("noise_curve_texts", [])),
+                                       "score difference", "texts for error 0.5"))) if curve_rows else ""
     if args.part != "all":  # one part: its own page, docs/bench_private_<part>.md
-        body = (label_text if args.part == "labels" else
-                table(attack_rows or rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)")
-                      if attack_rows else THROUGHPUT_HEADERS))
+        body = {"labels": label_text, "curve": curve_text,
+                "privacy": table(attack_rows, ("noise", "attacker", "extraction error",
+                                               "units fitted (fewest over layers)")) if attack_rows else "",
+                "throughput": table(rows, THROUGHPUT_HEADERS)}[args.part]
         finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`).\n\n"
                + body, res, f"{command} --part {args.part}")
         return
@@ -520,7 +646,7 @@ def main() -> None:
               f"{res['noise_shipped_first_ms']} ms against {res['noise_none_first_ms']} ms without noise (the "
               f"effects computed once), then p50 {res['noise_shipped_p50_ms']} ms against {res['noise_none_p50_ms']} "
               f"ms; round trips a request {res['noise_shipped_round_trips']:.2f} against "
-              f"{res['noise_none_round_trips']:.2f}.\n\n" + label_text)
+              f"{res['noise_none_round_trips']:.2f}.\n\n" + curve_text + "\n\n" + label_text)
     finish("bench_private", text, res, command)
 
 

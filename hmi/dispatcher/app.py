@@ -27,7 +27,9 @@ from hmi.dispatcher.routes_ops import (
     list_jobs,
     me,
     metrics,
+    metrics_history,
     openapi,
+    refresh_metrics,
 )
 from hmi.dispatcher.routes_tenants import (
     create_tenant,
@@ -44,6 +46,7 @@ from hmi.dispatcher.server import Server
 from hmi.dispatcher.validation import ApiError, error_response
 
 log = logging.getLogger("hmi.server")
+HISTORY_TASK = web.AppKey("history_task", asyncio.Task)
 
 
 @web.middleware
@@ -127,6 +130,7 @@ ROUTES = [
     ("POST", "/v1/base/layers/{layer}/{projection}/{operation}", linear),
     ("GET", "/healthz", healthz),
     ("GET", "/metrics", metrics),
+    ("GET", "/v1/metrics/history", metrics_history),
     ("GET", "/openapi.json", openapi),
     ("GET", "/v1/me", me),
     ("GET", "/", console_index),
@@ -140,8 +144,21 @@ def make_app(server: Server) -> web.Application:
     for method, path, handler in ROUTES:
         app.router.add_route(method, path, handler)
 
+    async def keep_history():  # the console's last hour, sampled here whether or not a console is open
+        while True:
+            try:
+                server.history.record(server.metrics, await refresh_metrics(server))
+            except Exception:  # a sample missed (the registry closing at shutdown) costs nothing else
+                log.exception("could not sample the metrics' history")
+            await asyncio.sleep(server.history.interval_s)
+
+    async def on_startup(app):
+        app[HISTORY_TASK] = asyncio.get_running_loop().create_task(keep_history())
+
     async def on_cleanup(app):
+        app[HISTORY_TASK].cancel()
         await asyncio.get_running_loop().run_in_executor(None, server.shutdown)
 
+    app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 MAX_TENANT_LABELS = 100
@@ -40,3 +43,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The series the console charts (hmi/dispatcher/console/console.js, ``snapshot``).
+CHARTED = ("hmi_http_requests_total", "hmi_http_request_seconds_bucket", "hmi_plot_hits_total",
+           "hmi_adapter_residency_total")
+
+
+class History:
+    """The last ``span_s`` seconds of the series the console charts, one sample every
+    ``interval_s`` (a ring buffer in memory: a restart starts it empty), so that a console opened
+    now draws the last hour at once.  A sample: ``{"t": unix seconds, "metrics": [[name, labels,
+    value], ...], "jobs": {"<kind> <tenant or domain>": progress of each running job}}``."""
+
+    def __init__(self, interval_s: float = 10.0, span_s: float = 3600.0):
+        if not interval_s > 0:
+            raise ValueError(f"the history's interval must be above 0 s, got {interval_s:g}")
+        self.interval_s = interval_s
+        self.samples: deque[dict] = deque(maxlen=max(1, int(span_s / interval_s)))
+
+    def record(self, metrics: Metrics, jobs: dict[str, float], t: float | None = None) -> None:
+        charted = [[sample.name, dict(sample.labels), sample.value] for family in metrics.registry.collect()
+                   for sample in family.samples if sample.name in CHARTED]
+        self.samples.append({"t": time.time() if t is None else t, "metrics": charted, "jobs": dict(jobs)})
+
+    def as_json(self) -> dict:
+        return {"interval_s": self.interval_s, "samples": list(self.samples)}

@@ -62,6 +62,10 @@ ROUTE_DOCS: dict[tuple[str, str], tuple[str, tuple[str, ...], bool]] = {
         "private tenants; hmi.split.wire's format (private tenant or admin)", (), False),
     ("GET", "/healthz"): ("Liveness", (), True),
     ("GET", "/metrics"): ("Prometheus metrics", (), True),
+    ("GET", "/v1/metrics/history"): (
+        "The last hour of the series the console charts, a sample every ServerConfig.metrics_history_s seconds: "
+        "{interval_s, samples: [{t, metrics: [[name, labels, value]], jobs: {'<kind> <tenant or domain>': progress}}]}",
+        (), True),
     ("GET", "/openapi.json"): ("This document", (), True),
     ("GET", "/v1/me"): ("Who the token belongs to: 'admin' or a tenant's name", (), False),
     ("GET", "/"): ("The web console (HTML; type a token into it)", (), True),

@@ -52,8 +52,9 @@ async def healthz(request: web.Request) -> web.Response:
                               "upper_precision": s.scheduler.cfg.upper_precision})
 
 
-async def metrics(request: web.Request) -> web.Response:
-    s: Server = request.app[SERVER]
+async def refresh_metrics(s: Server) -> dict[str, float]:
+    """Sets the gauges that read the server's state (queue, stages, PLOT hits, residency, jobs);
+    returns each running job's progress by ``"<kind> <tenant or domain>"``."""
     m = s.metrics
     m.queue_depth.set(s.scheduler.queue_depth())
     for stage, secs in s.scheduler.tracer.stage_seconds().items():
@@ -72,11 +73,26 @@ async def metrics(request: web.Request) -> web.Response:
     m.adapter_hits.labels("disk").set(s.store.stats["disk_loads"])
     m.host_cache.set(s.store.host_bytes)
     counts = {st: 0 for st in ("queued", "running", "succeeded", "failed", "cancelled")}
+    running = {}
     for _, j in await s.registry.aitems("jobs"):
         counts[j["state"]] = counts.get(j["state"], 0) + 1
+        if j["state"] == "running":
+            running[f"{j.get('kind')} {j.get('tenant') or j.get('domain')}"] = j.get("progress") or 0
     for st, n in counts.items():
         m.jobs.labels(st).set(n)
-    return web.Response(body=m.render(), content_type="text/plain")
+    return running
+
+
+async def metrics(request: web.Request) -> web.Response:
+    s: Server = request.app[SERVER]
+    await refresh_metrics(s)
+    return web.Response(body=s.metrics.render(), content_type="text/plain")
+
+
+async def metrics_history(request: web.Request) -> web.Response:
+    """The last hour of the series the console charts (``hmi.dispatcher.metrics.History``)."""
+    s: Server = request.app[SERVER]
+    return web.json_response(s.history.as_json())
 
 
 async def openapi(request: web.Request) -> web.Response:

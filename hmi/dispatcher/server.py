@@ -17,7 +17,7 @@ from hmi.dispatcher.auth import Auth, admin_token
 from hmi.dispatcher.batcher import Batcher
 from hmi.dispatcher.decoders import Decoders
 from hmi.dispatcher.jobs import JobManager
-from hmi.dispatcher.metrics import Metrics
+from hmi.dispatcher.metrics import History, Metrics
 from hmi.dispatcher.registry import UNFINISHED, Leases, Registry, RegistryOps
 from hmi.dispatcher.schemas import build_models
 from hmi.dispatcher.tenants import Tenants
@@ -85,6 +85,7 @@ class ServerConfig:
     # server's device, built in the background after start; 0: none (LMDB alone).
     plot_hot_mb: float = 0.0
     hot_tier_lines: int = 20_000  # general-corpus lines that order the hot tier's entries
+    metrics_history_s: float = 10.0  # seconds between the samples of the last hour the console draws at once
 
 
 class ServerConfigError(ValueError):
@@ -99,6 +100,8 @@ def check_config(cfg: ServerConfig, root) -> None:
         raise ServerConfigError(f"max_len {cfg.max_len} is outside [8, {limit}] (the root's position limit)")
     if not cfg.plot_keep_mb > 0:
         raise ServerConfigError(f"plot_keep_mb must be above 0, got {cfg.plot_keep_mb:g}")
+    if not cfg.metrics_history_s > 0:
+        raise ServerConfigError(f"metrics_history_s must be above 0, got {cfg.metrics_history_s:g}")
     if not cfg.lease_s > 0:
         raise ServerConfigError(f"lease_s must be above 0, got {cfg.lease_s:g}")
 
@@ -115,6 +118,7 @@ class Server:
         check_config(cfg, root)
         self.home, self.root, self.lookup, self.cfg = home, root, lookup, cfg
         self.metrics = Metrics()
+        self.history = History(cfg.metrics_history_s)
         # The home's own LMDB registry, or one that serving processes on several hosts share.
         self.registry = registry if registry is not None else Registry(home / "registry")
         self.device = pick_device(cfg.device)

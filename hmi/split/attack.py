@@ -30,6 +30,9 @@ that unit fired; W is the public root's, so delta W follows.
   the true rows' own variation there along with the noise; ``told`` the exact subspaces, it
   bounds what finding them can give.
 
+- ``predicted`` against fresh noise over every direction (``hmi.split.noise.FreshNoise``): there
+  is no subspace to take off, so it fits through the noise (``ffn_update_through_noise``),
+  linearised around the root's own output; the noise averages out as texts are observed.
 - ``labels_from_gradients``: a private fine-tune's labels from the backward calls of its steps
   (the gradients through the frozen projections, which no noise hides): one guess per example.
 
@@ -66,6 +69,17 @@ class Recording:
     def __call__(self, caller: str, call: tuple, tensor: torch.Tensor) -> None:
         if caller == self.caller:
             self.calls.append((call, tensor.detach().clone()))
+
+    def first(self, batches: int) -> Recording:
+        """What the server had received by the end of the client's first ``batches`` requests
+        (each begins with its ``lower`` call): the same attacks on fewer observed texts."""
+        out, seen = Recording(self.caller), 0
+        for call, tensor in self.calls:
+            seen += call == ("lower",)
+            if seen > batches:
+                break
+            out.calls.append((call, tensor))
+        return out
 
     def rows(self, layer: int, projection: str, operation: str) -> list[torch.Tensor]:
         """The bodies of that projection's calls, in the order they came."""
@@ -132,6 +146,34 @@ def ffn_update(pairs: list[tuple[torch.Tensor, torch.Tensor]], w: torch.Tensor, 
         if int(rows.sum()) < rows_per_weight * design.shape[1]:
             continue
         est[j] = torch.linalg.lstsq(design[rows], z[rows, j:j + 1], driver="gelsd").solution[:-1, 0] - w[j].double()
+        covered[j] = True
+    return Estimate(est.float(), covered, 1.0 / gamma.detach().float())
+
+
+def gelu_slope(x: torch.Tensor) -> torch.Tensor:
+    """GELU'(x) = Phi(x) + x phi(x).  Shapes: (...) -> (...)."""
+    return 0.5 * (1 + torch.erf(x / 2 ** 0.5)) + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
+
+
+def ffn_update_through_noise(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor,
+                             units: torch.Tensor | None = None) -> Estimate:
+    """The least-squares estimate of delta W from inputs ``y`` known exactly (predicted) and
+    activated outputs ``a`` observed through zero-mean noise that spans every direction (nothing
+    to take off): linearised around the root's own output, a - GELU(y W^T + b) = GELU'(y W^T + b)
+    (y delta W^T) + noise + O(delta W^2), each unit a weighted regression over every token.  The
+    noise averages out as tokens are added.  Shapes: y (N, H); a (N, I); w (I, H); b (I,); gamma
+    (H,) -> Estimate."""
+    y, a = y.double(), a.double()
+    pre = y @ w.double().T + b.double()
+    resid, slope = a - F.gelu(pre), gelu_slope(pre)
+    design = torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], dim=1)
+    est = torch.zeros_like(w, dtype=torch.float64)
+    covered = torch.zeros(w.shape[0], dtype=torch.bool)
+    for j in range(w.shape[0]) if units is None else units.tolist():
+        if len(y) < 2 * design.shape[1]:
+            break
+        g = slope[:, j:j + 1]
+        est[j] = torch.linalg.lstsq(g * design, resid[:, j:j + 1], driver="gelsd").solution[:-1, 0]
         covered[j] = True
     return Estimate(est.float(), covered, 1.0 / gamma.detach().float())
 
@@ -223,7 +265,9 @@ def predicted(recording: Recording, lower, layers, l_low: int, k: int, relative_
     """delta W of every upper layer's ``ffn_in`` (the ``predicted`` attacker above): ``lower(ids,
     mask)`` is the server's own lookup (what it answered the ``lower`` calls with, (B, T, H));
     ``layers`` the public root's upper layers (``l_low`` the first one's index); ``k`` the noise's
-    pool size (the scheme is public; 0 for rows sent without noise).  One client's calls, in order.
+    pool size (the scheme is public; 0 for rows sent without noise; None for fresh noise over every
+    direction: then it fits through the noise, ``ffn_update_through_noise``, and carries the root's
+    output with its estimate to the next layer).  One client's calls, in order.
     What it cannot recover is about the update's component within the noise's K directions (its
     effect there is indistinguishable from noise: ``noise_floor``; through GELU a little more).
     The corrected rows carry that component as an error of a few hundredths, which could take a
@@ -248,12 +292,17 @@ def predicted(recording: Recording, lower, layers, l_low: int, k: int, relative_
             dense, gamma = layer.intermediate.dense, layer.attention.output.LayerNorm.weight
             y, a = torch.cat(inputs).double(), torch.cat(seen).double()
             guess = torch.cat(guesses).double()
-            if k:
-                directions = torch.linalg.svd(a - guess, full_matrices=False).Vh[:k]  # (k, I)
-                clean = a - ((a - guess) @ directions.T) @ directions
+            if k is None:  # nothing to take off: fit through it, carry the estimate's own output
+                est = ffn_update_through_noise(y, a, dense.weight, dense.bias, gamma, units)
+                out[index] = est
+                clean = F.gelu(y @ (dense.weight.double() + est.update.double()).T + dense.bias.double())
             else:
-                clean = a
-            out[index] = ffn_update([(y, clean)], dense.weight, gamma, units=units, **fit)
+                if k:
+                    directions = torch.linalg.svd(a - guess, full_matrices=False).Vh[:k]  # (k, I)
+                    clean = a - ((a - guess) @ directions.T) @ directions
+                else:
+                    clean = a
+                out[index] = ffn_update([(y, clean)], dense.weight, gamma, units=units, **fit)
             parts = clean.split([len(t) for t in inputs])
             hidden = [layer_forward(li, layer, h, ext, _Substitute(real, part))
                       for h, ext, real, part in zip(hidden, exts, reals, parts)]

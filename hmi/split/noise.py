@@ -13,7 +13,10 @@ subtracts n W^T: exact in exact arithmetic, for linear layers only.  Two ways to
   offset, so rows cannot be grouped by the value they drew, and a row costs the client K (D_in +
   D_out) multiply-adds, against D_in D_out for running the projection itself.
 
-Both: per (layer, projection) a pool of ``count`` (K) vectors N of standard deviation ``scale``
+``FreshNoise`` draws every row afresh over the whole space (no pool), at the price of running
+each projection on the noise here: it measures what noise could hide at best.
+
+Both pools: per (layer, projection) a pool of ``count`` (K) vectors N of standard deviation ``scale``
 drawn once from the client's own generator, seeded from the operating system's randomness
 unless a ``seed`` is given (a fixed seed makes the noise anyone's who runs this code with it:
 for tests only).  ``hide(layer, projection, x)`` -> (x + n, n W^T)
@@ -107,3 +110,29 @@ class ClientNoise(_Pool):
         n, effects = self.pool(layer, projection, x.shape[-1])
         c = torch.randn(*x.shape[:-1], self.count, generator=self.gen) / self.count ** 0.5
         return x + c @ n, c @ effects
+
+
+class FreshNoise:
+    """Noise spanning every direction: each row its own fresh draw from N(0, scale^2 I), its
+    effect ``n W^T`` computed here from the root checkpoint's weights, which are therefore kept
+    (one projection's weights per (layer, projection) called).  No subspace to find: an attacker
+    can only fit through it, whose error falls as more texts are observed (about as one over the
+    square root of their number).  The price: the effect costs D_in D_out multiply-adds a row,
+    the projection's own work, so a client paying it saves nothing by having the server run the
+    projection (``hmi.split.model``'s ``projections`` split); it is here to measure that curve
+    (``benchmarks/bench_private.py``), not shipped as a default.  ``count`` is None: no pool.
+    Shapes: ``hide`` x (N, D_in) -> (x + n (N, D_in), n W^T (N, D_out))."""
+
+    count = None
+
+    def __init__(self, model_dir: str | Path, scale: float = 1.0, seed: int | None = None):
+        self.model_dir, self.scale = Path(model_dir), scale
+        self.gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+        self.weights: dict[tuple[int, str], torch.Tensor] = {}
+
+    def hide(self, layer: int, projection: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, projection)
+        if key not in self.weights:
+            self.weights[key] = read_projection(self.model_dir, layer, projection)
+        n = torch.randn(x.shape, generator=self.gen) * self.scale
+        return x + n, n @ self.weights[key].T

@@ -610,6 +610,46 @@ def test_a_provider_that_predicts_from_the_token_ids_recovers_a_lora_update_thro
         assert attack.extraction_error(naive, true) > 0.9  # where the shipped attackers stopped
 
 
+def test_fresh_noise_over_every_direction_is_subtracted_exactly_and_only_slows_the_predicting_attacker(live):
+    """Fresh noise over every direction (``FreshNoise``) leaves no subspace to take off: the
+    attacker fits through it (``attack.ffn_update_through_noise``), and its error falls as it
+    observes more texts. The answers stay the hosted tenant's."""
+    from hmi.split import attack
+    from hmi.split.noise import FreshNoise
+
+    base = BaseClient(live["url"], live["token"])
+    files = PrivateModel.files_of(live["admin"].export_adapter("tagger"))
+    model = PrivateModel(base, live["root_dir"], 2, files, noise=FreshNoise(live["root_dir"], scale=1.0, seed=0),
+                         split="projections")
+    assert_same_answers(live["admin"].infer("tagger", TEXTS), model.infer(TEXTS))
+    gen = torch.Generator().manual_seed(0)
+    weights = model.weights()
+    for key in weights:  # the update on the FFN's first projection alone
+        if key.endswith("_B"):
+            weights[key] = (0.3 * torch.randn(weights[key].shape, generator=gen) if ".ffn_in_" in key
+                            else torch.zeros_like(weights[key]))
+    model.load(weights)
+    vocab = [t for t in model.tokenizer.convert_ids_to_tokens(list(range(2000, 29000))) if t.isalpha()]
+    draw = torch.Generator().manual_seed(1)
+    texts = [" ".join(vocab[int(k)] for k in torch.randint(0, len(vocab), (8,), generator=draw)) for _ in range(400)]
+    recording = attack.Recording("priv")
+    server = live["server"]
+    server.executor.observers.append(recording)
+    try:
+        for i in range(0, len(texts), 25):
+            model.infer(texts[i:i + 25])
+    finally:
+        server.executor.observers.remove(recording)
+    bert = server.root.bert
+    lower = lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float()  # noqa: E731
+    true = attack.lora_update(weights, 0, "ffn_in", model.spec.scaling)
+    errors = [attack.extraction_error(attack.predicted(recording.first(b), lower, bert.encoder.layer[2:3], 2, None)[2],
+                                      true) for b in (2, 16)]
+    assert errors[1] < 0.6 * errors[0], errors  # 50 -> 400 texts: towards 1/sqrt(8) = 0.35 as rows outnumber weights
+    pooled = attack.predicted(recording, lower, bert.encoder.layer[2:3], 2, 4)[2]  # as if it were a pool: no use
+    assert attack.extraction_error(pooled, true) > errors[1]
+
+
 def test_hmi_private_train_writes_an_archive_that_serves_hosted_as_it_trained(live, tmp_path, capsys):
     import json
 

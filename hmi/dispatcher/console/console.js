@@ -102,7 +102,7 @@ async function loadJobs() {
 }
 
 // -- the Server view: charts of the server's own metrics over time, drawn as SVG -------------------
-const HISTORY = 600; // samples kept (one a second: ten minutes)
+const HISTORY_S = 3600; // the span drawn: the server's last hour (GET /v1/metrics/history), then a sample a second
 const INFERENCE = /^\/v1\/(tenants\/\{tenant\}\/(infer|generate)|embeddings|completions)$/;
 const COLORS = ["#295fa6", "#1b7f3b", "#b3261e", "#8a5a00", "#7b3fa6", "#00808a", "#c2571a", "#4a5563"];
 const samples = [];
@@ -120,9 +120,10 @@ function parseMetrics(text) {
   return out;
 }
 
-function snapshot(metrics, jobs) {
-  // One sample: cumulative counts the charts turn into rates, and each running job's progress.
-  const s = { t: Date.now() / 1000, requests: 0, buckets: {}, plot: {}, tiers: {}, jobs: {} };
+function snapshot(metrics, running, t) {
+  // One sample: cumulative counts the charts turn into rates, and each running job's progress
+  // (running: {"<kind> <tenant or domain>": progress}, as the server's history keeps it).
+  const s = { t, requests: 0, buckets: {}, plot: {}, tiers: {}, jobs: { ...running } };
   for (const { name, labels, value } of metrics) {
     if (name === "hmi_http_requests_total" && INFERENCE.test(labels.route)) s.requests += value;
     else if (name === "hmi_http_request_seconds_bucket" && INFERENCE.test(labels.route)) {
@@ -132,7 +133,6 @@ function snapshot(metrics, jobs) {
         (s.plot[`${labels.domain} ${labels.level.split(":")[0]}`] || 0) + value;
     } else if (name === "hmi_adapter_residency_total") s.tiers[labels.tier] = value;
   }
-  for (const j of jobs) if (j.state === "running") s.jobs[`${j.kind} ${j.tenant || j.domain}`] = j.progress || 0;
   return s;
 }
 
@@ -219,11 +219,22 @@ function draw(id, series, unit) {
   svg.replaceChildren(...kids);
 }
 
+async function loadHistory() {
+  // The server's own samples of the last hour, so the charts start full rather than empty.
+  const { samples: past } = await api("GET", "/v1/metrics/history");
+  for (const p of past) {
+    samples.push(snapshot(p.metrics.map(([name, labels, value]) => ({ name, labels, value })), p.jobs, p.t));
+  }
+}
+
 async function loadServer() {
+  if (!samples.length) await loadHistory();
   const resp = await fetch("/metrics");
   const [metrics, jobs] = [parseMetrics(await resp.text()), (await api("GET", "/v1/jobs")).jobs];
-  samples.push(snapshot(metrics, jobs));
-  if (samples.length > HISTORY) samples.shift();
+  const running = {};
+  for (const j of jobs) if (j.state === "running") running[`${j.kind} ${j.tenant || j.domain}`] = j.progress || 0;
+  samples.push(snapshot(metrics, running, Date.now() / 1000));
+  while (samples.length && samples[0].t < Date.now() / 1000 - HISTORY_S) samples.shift();
   const pairs = samples.slice(1).map((b, i) => [samples[i], b]);
   const names = (key) => [...new Set(samples.flatMap((s) => Object.keys(s[key])))].sort();
   const rates = (key) => Object.fromEntries(names(key).map((n) => [n, pairs.map(([a, b]) => [b.t, rate(a, b, key, n)])]));
