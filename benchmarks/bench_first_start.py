@@ -1,6 +1,6 @@
 """The first start as a new user meets it: a fresh clone of this repository's last commit, pip's
-cache unused (``PIP_NO_CACHE_DIR=1``, no ``PIP_FIND_LINKS``: every package downloaded from the
-registry), ``make
+cache unused (``PIP_NO_CACHE_DIR=1``: every package downloaded, from the registry or from a
+wheel folder the machine's pip is configured with, ``PIP_FIND_LINKS``, which the record names), ``make
 setup-serve`` (what ``make serve`` installs), then ``hmi serve`` on an empty ``HMI_HOME`` (as
 ``make serve`` runs it, on a free port), timed until its first demo answer
 (``POST /v1/tenants/demo-news/infer`` answering 200).
@@ -60,8 +60,8 @@ def main() -> None:
     start(__doc__)
     work = Path(tempfile.mkdtemp(prefix="hmi-first-start-"))
     clone, home = work / "hmi", work / "home"
-    # nothing local to install from: no pip cache, no wheel folder of this machine's (PIP_FIND_LINKS)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HMI_DATA_DIR", "HMI_HOME", "PIP_FIND_LINKS")}
+    # no pip cache; a wheel folder the machine's pip is configured with (PIP_FIND_LINKS) is kept and named
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HMI_DATA_DIR", "HMI_HOME")}
     env.update(PIP_NO_CACHE_DIR="1", HMI_HOME=str(home), HMI_ADMIN_TOKEN=TOKEN, HF_HUB_OFFLINE="1")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -91,7 +91,7 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
         shutil.rmtree(work, ignore_errors=True)
-    res = {"commit": commit, "pip_cache": "unused", "setup_s": round(t_setup - t0, 1),
+    res = {"commit": commit, "pip_cache": "unused", "pip_find_links": os.environ.get("PIP_FIND_LINKS"), "setup_s": round(t_setup - t0, 1),
            "serve_to_healthz_s": round(t_health - t_setup, 1), "serve_to_first_answer_s": round(t_answer - t_setup, 1),
            "first_answer_s": round(t_answer - t0, 1), "preparing_at_first_answer": health.get("preparing"),
            "first_answer": answer.get("outputs", [None])[0]}
