@@ -248,7 +248,7 @@ def noise_curve(server, url, token, model_dir, l_low, files, texts, lower, bert,
         # error ~ c / sqrt(n) from its last point (where the fit covers the units)
         n_last, e_last = curve[-1]
         needed = next((n for n, e in curve if e < 0.5), None)
-        if needed is None and e_last < 1:
+        if needed is None and e_last != 1.0:  # 1.0 exactly: the fit covered no unit yet
             needed = n_last * (e_last / 0.5) ** 2
         out[f"noise_curve_{key}"] = [[n, round(e, 4)] for n, e in curve]
         out[f"noise_max_abs_diff_{key}"] = round(diff, 8)
