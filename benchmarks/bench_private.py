@@ -608,10 +608,12 @@ def main() -> None:
                   + table(curve_rows, ("noise", *(f"{n} texts" for n in res.get("noise_curve_texts", [])),
                                        "score difference", "texts for error 0.5"))) if curve_rows else ""
     if args.part != "all":  # one part: its own page, docs/bench_private_<part>.md
-        body = {"labels": label_text, "curve": curve_text,
-                "privacy": table(attack_rows, ("noise", "attacker", "extraction error",
-                                               "units fitted (fewest over layers)")) if attack_rows else "",
-                "throughput": table(rows, THROUGHPUT_HEADERS)}[args.part]
+        if args.part in ("labels", "curve"):
+            body = label_text if args.part == "labels" else curve_text
+        elif args.part == "privacy":
+            body = table(attack_rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)"))
+        else:
+            body = table(rows, THROUGHPUT_HEADERS)
         finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`).\n\n"
                + body, res, f"{command} --part {args.part}")
         return
