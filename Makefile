@@ -35,11 +35,11 @@ browser:
 	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }; }; } || \
 	  echo "chromium and chromium-driver are not installed: the console's browser test will be skipped"
 
-# Every test, including two minutes of fuzzing a live server (tests/fuzz/test_fuzz.py): two workers
+# Every test, including a minute of fuzzing a live server (tests/fuzz/test_fuzz.py): two workers
 # (each test file on one), then the tests that start a Ray cluster, alone.
 # Each prints its ten slowest tests at the end.
 test: setup browser
-	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=120 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
+	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=60 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster --durations=10
 
 # A contributor's quick loop: every test but those marked slow (a minute or more: the soak, the fuzz,

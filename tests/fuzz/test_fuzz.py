@@ -1,6 +1,6 @@
 """Property-based fuzzing of a live server from its OpenAPI document (schemathesis, every check).
 
-It runs for HMI_FUZZ_SECONDS seconds when that is set (`make test` sets 120) and is skipped
+It runs for HMI_FUZZ_SECONDS seconds when that is set (`make test` sets 60; `make fuzz` runs 120 by default) and is skipped
 otherwise, so that a plain `pytest` stays quick; `make fuzz` runs the same script on its own.
 """
 
