@@ -175,6 +175,21 @@ def beside_training(url, private, trainer, rows, texts, requests, processes) -> 
 SCHEMES = ("none", "paper", "shipped")
 
 
+def observed(server, model, texts: list[str], caller: str = "bench-attack"):
+    """(everything the server received from ``caller`` while ``model`` answered ``texts`` in
+    requests of 16, the answers)."""
+    from hmi.split import attack
+
+    recording, answers = attack.Recording(caller), []
+    server.executor.observers.append(recording)
+    try:
+        for i in range(0, len(texts), 16):
+            answers += model.infer(texts[i:i + 16], truncate=True)
+    finally:
+        server.executor.observers.remove(recording)
+    return recording, answers
+
+
 def blind_check(server, url, token, model_dir, l_low, files, texts) -> dict:
     """The default private option (the blind split) against every attacker: the server's received
     tensors with the tenant's adapter and with a zero adapter, compared bit for bit.  Identical,
@@ -182,7 +197,6 @@ def blind_check(server, url, token, model_dir, l_low, files, texts) -> dict:
     (1.0) whatever the number of texts."""
     import torch
 
-    from hmi.split import attack
     from hmi.split.client import BaseClient
     from hmi.split.model import PrivateModel
 
@@ -191,14 +205,7 @@ def blind_check(server, url, token, model_dir, l_low, files, texts) -> dict:
     for zero in (False, True):
         if zero:
             model.load({k: torch.zeros_like(v) for k, v in model.weights().items()})
-        recording = attack.Recording("bench-attack")
-        server.executor.observers.append(recording)
-        try:
-            for i in range(0, len(texts), 16):
-                model.infer(texts[i:i + 16], truncate=True)
-        finally:
-            server.executor.observers.remove(recording)
-        seen.append(recording.calls)
+        seen.append(observed(server, model, texts)[0].calls)
     same = len(seen[0]) == len(seen[1]) and all(a[0] == b[0] and torch.equal(a[1], b[1])
                                                 for a, b in zip(seen[0], seen[1]))
     return {"default_private_option": "blind", "server_inputs_identical_with_zero_adapter": same,
@@ -231,12 +238,7 @@ def noise_curve(server, url, token, model_dir, l_low, files, texts, lower, bert,
     rows, out = [], {}
     for label, make, k in settings:
         model = PrivateModel(BaseClient(url, token), model_dir, l_low, files, noise=make(), max_len=64)
-        recording = attack.Recording("bench-attack")
-        server.executor.observers.append(recording)
-        try:
-            answers = [a for i in range(0, 16 * batches[-1], 16) for a in model.infer(texts[i:i + 16], truncate=True)]
-        finally:
-            server.executor.observers.remove(recording)
+        recording, answers = observed(server, model, texts[:16 * batches[-1]])
         diff = max(abs(a["scores"][c] - b["scores"][c]) for a, b in zip(plain, answers[:16]) for c in a["scores"])
         curve = []
         for b in batches:
@@ -322,13 +324,7 @@ def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple
         base = BaseClient(url, token)
         noise = {"none": None, "paper": ServerNoise(base), "shipped": ClientNoise(model_dir)}[scheme]
         model = PrivateModel(base, model_dir, l_low, files, noise=noise, max_len=64)
-        recording = attack.Recording("bench-attack")
-        server.executor.observers.append(recording)
-        try:
-            for i in range(0, len(texts), 16):
-                model.infer(texts[i:i + 16], truncate=True)
-        finally:
-            server.executor.observers.remove(recording)
+        recording = observed(server, model, texts)[0]
         pool = {"none": 0, "paper": noise.count if noise else 0, "shipped": noise.count if noise else 0}[scheme]
         strongest = attack.predicted(recording, lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float(),
                                      bert.encoder.layer[l_low:], l_low, pool, getattr(bert, "relative_bias", None),

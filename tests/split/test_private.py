@@ -557,6 +557,37 @@ def test_the_provider_recovers_a_lora_update_from_what_it_served_unless_the_clie
         assert errors["naive"] > 0.5 and errors["informed"] > 0.5, errors
 
 
+def observed_lora_update(live, noise, n_texts: int):
+    """The tagger's adapter as a private model through the projections split with ``noise``, a
+    random update on the FFN's first projection alone (the other sites' B at 0), and what the
+    server received while it answered ``n_texts`` random texts of 8 words in requests of 25:
+    (model, its weights, the recording)."""
+    from hmi.split import attack
+
+    base = BaseClient(live["url"], live["token"])
+    files = PrivateModel.files_of(live["admin"].export_adapter("tagger"))
+    model = PrivateModel(base, live["root_dir"], 2, files, noise=noise, split="projections")
+    gen = torch.Generator().manual_seed(0)
+    weights = model.weights()
+    for key in weights:
+        if key.endswith("_B"):
+            weights[key] = (0.3 * torch.randn(weights[key].shape, generator=gen) if ".ffn_in_" in key
+                            else torch.zeros_like(weights[key]))
+    model.load(weights)
+    vocab = [t for t in model.tokenizer.convert_ids_to_tokens(list(range(2000, 29000))) if t.isalpha()]
+    draw = torch.Generator().manual_seed(1)
+    texts = [" ".join(vocab[int(k)] for k in torch.randint(0, len(vocab), (8,), generator=draw))
+             for _ in range(n_texts)]
+    recording = attack.Recording("priv")
+    live["server"].executor.observers.append(recording)
+    try:
+        for i in range(0, len(texts), 25):
+            model.infer(texts[i:i + 25])
+    finally:
+        live["server"].executor.observers.remove(recording)
+    return model, weights, recording
+
+
 @pytest.mark.parametrize("scale", [0.0, 3.0, 300.0])
 def test_a_provider_that_predicts_from_the_token_ids_recovers_a_lora_update_through_the_shipped_noise(live, scale):
     """The strongest attacker (``attack.predicted``): it knows the token ids and the public root,
@@ -568,28 +599,9 @@ def test_a_provider_that_predicts_from_the_token_ids_recovers_a_lora_update_thro
     keeps that share (16 would hide a quarter of every row)."""
     from hmi.split import attack
 
-    base = BaseClient(live["url"], live["token"])
-    files = PrivateModel.files_of(live["admin"].export_adapter("tagger"))
     noise = ClientNoise(live["root_dir"], scale=scale, count=4, seed=0) if scale else None
-    model = PrivateModel(base, live["root_dir"], 2, files, noise=noise, split="projections")
-    gen = torch.Generator().manual_seed(0)
-    weights = model.weights()
-    for key in weights:  # the update on the FFN's first projection alone (the other sites' B at 0)
-        if key.endswith("_B"):
-            weights[key] = (0.3 * torch.randn(weights[key].shape, generator=gen) if ".ffn_in_" in key
-                            else torch.zeros_like(weights[key]))
-    model.load(weights)
-    vocab = [t for t in model.tokenizer.convert_ids_to_tokens(list(range(2000, 29000))) if t.isalpha()]
-    draw = torch.Generator().manual_seed(1)
-    texts = [" ".join(vocab[int(k)] for k in torch.randint(0, len(vocab), (8,), generator=draw)) for _ in range(200)]
-    recording = attack.Recording("priv")
+    model, weights, recording = observed_lora_update(live, noise, 200)
     server = live["server"]
-    server.executor.observers.append(recording)
-    try:
-        for i in range(0, len(texts), 25):
-            model.infer(texts[i:i + 25])
-    finally:
-        server.executor.observers.remove(recording)
     bert = server.root.bert
     lower = lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float()
     found = attack.predicted(recording, lower, bert.encoder.layer[2:], 2, 4 if scale else 0)
@@ -617,29 +629,12 @@ def test_fresh_noise_over_every_direction_is_subtracted_exactly_and_only_slows_t
     from hmi.split import attack
     from hmi.split.noise import FreshNoise
 
-    base = BaseClient(live["url"], live["token"])
-    files = PrivateModel.files_of(live["admin"].export_adapter("tagger"))
-    model = PrivateModel(base, live["root_dir"], 2, files, noise=FreshNoise(live["root_dir"], scale=1.0, seed=0),
-                         split="projections")
-    assert_same_answers(live["admin"].infer("tagger", TEXTS), model.infer(TEXTS))
-    gen = torch.Generator().manual_seed(0)
-    weights = model.weights()
-    for key in weights:  # the update on the FFN's first projection alone
-        if key.endswith("_B"):
-            weights[key] = (0.3 * torch.randn(weights[key].shape, generator=gen) if ".ffn_in_" in key
-                            else torch.zeros_like(weights[key]))
-    model.load(weights)
-    vocab = [t for t in model.tokenizer.convert_ids_to_tokens(list(range(2000, 29000))) if t.isalpha()]
-    draw = torch.Generator().manual_seed(1)
-    texts = [" ".join(vocab[int(k)] for k in torch.randint(0, len(vocab), (8,), generator=draw)) for _ in range(400)]
-    recording = attack.Recording("priv")
+    hosted = PrivateModel(BaseClient(live["url"], live["token"]), live["root_dir"], 2,
+                          PrivateModel.files_of(live["admin"].export_adapter("tagger")),
+                          noise=FreshNoise(live["root_dir"], scale=1.0, seed=1), split="projections")
+    assert_same_answers(live["admin"].infer("tagger", TEXTS), hosted.infer(TEXTS))
+    model, weights, recording = observed_lora_update(live, FreshNoise(live["root_dir"], scale=1.0, seed=0), 400)
     server = live["server"]
-    server.executor.observers.append(recording)
-    try:
-        for i in range(0, len(texts), 25):
-            model.infer(texts[i:i + 25])
-    finally:
-        server.executor.observers.remove(recording)
     bert = server.root.bert
     lower = lambda ids, mask: server.lookup.merged(ids.numpy(), mask.numpy()).float()  # noqa: E731
     true = attack.lora_update(weights, 0, "ffn_in", model.spec.scaling)
