@@ -100,15 +100,18 @@ class Recording:
         return list(zip(self.rows(layer, "ffn_in", "forward"), self.rows(layer, "ffn_out", "forward")))
 
 
+def gelu_slope(x: torch.Tensor) -> torch.Tensor:
+    """GELU'(x) = Phi(x) + x phi(x).  Shapes: (...) -> (...)."""
+    return 0.5 * (1 + torch.erf(x / 2 ** 0.5)) + x * (torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5)
+
+
 def gelu_inverse(a: torch.Tensor, iterations: int = 40) -> torch.Tensor:
     """x >= -0.75 with GELU(x) = a (the branch where GELU is one-to-one), by Newton's method in
     float64.  Shapes: a (...) -> (...)."""
     a = a.double()
     x = a.clone().clamp_min(0.0)
     for _ in range(iterations):
-        cdf = 0.5 * (1 + torch.erf(x / 2 ** 0.5))
-        pdf = torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
-        x = x - (F.gelu(x) - a) / (cdf + x * pdf)
+        x = x - (F.gelu(x) - a) / gelu_slope(x)
     return x
 
 
@@ -150,11 +153,6 @@ def ffn_update(pairs: list[tuple[torch.Tensor, torch.Tensor]], w: torch.Tensor, 
     return Estimate(est.float(), covered, 1.0 / gamma.detach().float())
 
 
-def gelu_slope(x: torch.Tensor) -> torch.Tensor:
-    """GELU'(x) = Phi(x) + x phi(x).  Shapes: (...) -> (...)."""
-    return 0.5 * (1 + torch.erf(x / 2 ** 0.5)) + x * torch.exp(-0.5 * x * x) / (2 * torch.pi) ** 0.5
-
-
 def ffn_update_through_noise(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor, gamma: torch.Tensor,
                              units: torch.Tensor | None = None) -> Estimate:
     """The least-squares estimate of delta W from inputs ``y`` known exactly (predicted) and
@@ -169,9 +167,9 @@ def ffn_update_through_noise(y: torch.Tensor, a: torch.Tensor, w: torch.Tensor, 
     design = torch.cat([y, torch.ones(len(y), 1, dtype=y.dtype)], dim=1)
     est = torch.zeros_like(w, dtype=torch.float64)
     covered = torch.zeros(w.shape[0], dtype=torch.bool)
+    if len(y) < 2 * design.shape[1]:  # fewer tokens than twice the unknowns of a unit: no unit is fitted
+        return Estimate(est.float(), covered, 1.0 / gamma.detach().float())
     for j in range(w.shape[0]) if units is None else units.tolist():
-        if len(y) < 2 * design.shape[1]:
-            break
         g = slope[:, j:j + 1]
         est[j] = torch.linalg.lstsq(g * design, resid[:, j:j + 1], driver="gelsd").solution[:-1, 0]
         covered[j] = True

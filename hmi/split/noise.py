@@ -56,10 +56,16 @@ def read_projection(model_dir: str | Path, layer: int, projection: str) -> torch
                           for module in PROJECTION_MODULES[projection]])
 
 
+def private_generator(seed: int | None) -> torch.Generator:
+    """The client's own generator: seeded from the operating system's randomness unless ``seed``
+    is given (tests only)."""
+    return torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+
+
 class _Pool:
     def __init__(self, scale: float, count: int, seed: int | None):
         self.scale, self.count = scale, count
-        self.gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+        self.gen = private_generator(seed)
         self.values: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def pool(self, layer: int, projection: str, d_in: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,14 +126,12 @@ class FreshNoise:
     square root of their number).  The price: the effect costs D_in D_out multiply-adds a row,
     the projection's own work, so a client paying it saves nothing by having the server run the
     projection (``hmi.split.model``'s ``projections`` split); it is here to measure that curve
-    (``benchmarks/bench_private.py``), not shipped as a default.  ``count`` is None: no pool.
+    (``benchmarks/bench_private.py``), not shipped as a default.
     Shapes: ``hide`` x (N, D_in) -> (x + n (N, D_in), n W^T (N, D_out))."""
-
-    count = None
 
     def __init__(self, model_dir: str | Path, scale: float = 1.0, seed: int | None = None):
         self.model_dir, self.scale = Path(model_dir), scale
-        self.gen = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
+        self.gen = private_generator(seed)
         self.weights: dict[tuple[int, str], torch.Tensor] = {}
 
     def hide(self, layer: int, projection: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
