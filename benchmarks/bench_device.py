@@ -107,7 +107,7 @@ def hot_tier_us_per_key(device: torch.device, repeat: int, entries: int = 500_00
 def executor_calls_per_s(bert, device: torch.device, batching: bool, rounds: int) -> tuple[float, float]:
     """Calls per second of ``CLIENTS`` clients calling every upper-layer projection at once, and
     the mean rows per GEMM."""
-    from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
+    from hmi.split.base_executor import BaseExecutor, FrozenLinears
 
     linears = FrozenLinears(bert, L_LOW, device)
     executor = BaseExecutor(linears, batching=batching)

@@ -82,6 +82,7 @@ def main() -> None:
     from hmi.model.root import sentence_pooling
     from hmi.plot.lookup import PlotLookup
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+    from hmi.scheduler.types import FixedTenants
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     pooling = sentence_pooling(root.spec.model_dir)
@@ -92,7 +93,7 @@ def main() -> None:
         store = AdapterStore(Path(tmp) / "tenants")
         for policy, name in (("backoff", "served (PLOT as served)"), ("compute", "exact windows (no back-off)")):
             lookup = PlotLookup([version], policy=policy)
-            s = Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, lambda t: None, lambda d, lk=lookup: lk,
+            s = Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, FixedTenants({}), FixedTenants({}, lookup),
                           SchedulerConfig(max_len=MAX_LEN), pooling)
             q = quality(served(s, texts), ref)
             if policy == "backoff":

@@ -174,7 +174,7 @@ def main() -> None:
     from hmi.plot.keys import encoder_windows, pack, unique_windows
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-    from hmi.scheduler.types import TenantEntry
+    from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     acc_page, acc = accuracy_record(root.artifact_id, args.accuracy)
@@ -250,7 +250,7 @@ def main() -> None:
             if config == "shared":
                 return direct_rps(shared, tok, reqs, batches, 1)
             lower = full_lower if config == "hBERT-adapter" else lookups[config]
-            s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d: lower,
+            s = Scheduler(bert, l_low, tok, store, FixedTenants(entries), FixedTenants(entries, lower),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=config != "hBERT-adapter"))
             try:
                 return scheduler_rps(s, reqs, batches, 1)

@@ -8,7 +8,7 @@ the legal corpus (``--lines`` lines, ``--steps`` distillation steps, the default
 temporary home sharing the prepared root PLOT. RSS is read at every progress report (every 5
 steps, and through the branch PLOT's build) and sampled every 0.2 s for the peak:
 
-- **kept**: nothing returned (the worker before ``hmi.dispatcher.workers.TRIM_EVERY_S``);
+- **kept**: nothing returned (the worker before ``hmi.services.workers.TRIM_EVERY_S``);
 - **trimmed**: ``hmi.allocator.release_heap()`` at every report of the distillation (RSS read
   before and after it).
 

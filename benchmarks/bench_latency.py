@@ -169,9 +169,9 @@ def temp_home(tmp: Path, real: Path, n: int):
 
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
-    from hmi.dispatcher.auth import hash_token, new_token
-    from hmi.dispatcher.registry import Registry
     from hmi.model.artifact import load_root
+    from hmi.services.auth import hash_token, new_token
+    from hmi.services.registry import Registry
 
     for part in ("roots", "plots"):
         (tmp / part).symlink_to(real / part)
@@ -230,7 +230,7 @@ def main() -> None:
     args = start(__doc__, lambda ap: ap.add_argument("--client", action="store_true", help=argparse_suppress()))
     from hmi.data import load_task
     from hmi.dispatcher.serve import build_server, run_in_thread
-    from hmi.dispatcher.server import ServerConfig
+    from hmi.services.server import ServerConfig
     seconds = 10 if args.quick else 40
     tmp, token, root, names = bench_home("hmi-bench-latency-", TENANTS)
     try:

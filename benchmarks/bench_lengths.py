@@ -76,7 +76,7 @@ def main() -> None:
     from hmi.plot.lookup import PlotLookup
     from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import PASS_OVERHEAD_TOKENS, Scheduler, SchedulerConfig, split_by_length
-    from hmi.scheduler.types import TenantEntry
+    from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root()
     tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
@@ -106,7 +106,7 @@ def main() -> None:
         cell = {"groups": [], "padded": []}
         for _ in range(rounds):
             for key, on in (("groups", True), ("padded", False)):
-                s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d: lookup,
+                s = Scheduler(bert, l_low, tok, store, FixedTenants(entries), FixedTenants(entries, lookup),
                               SchedulerConfig(max_batch=B, pool_slots=64, length_groups=on))
                 try:
                     cell[key].append(scheduler_rps(s, texts, batches, warm))

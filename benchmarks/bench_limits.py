@@ -63,7 +63,7 @@ def sequence_length_cost(quick: bool) -> tuple[list[tuple], dict]:
     from hmi.data import load_task
     from hmi.plot.lookup import PlotLookup
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-    from hmi.scheduler.types import InferRequest, TenantEntry
+    from hmi.scheduler.types import FixedTenants, InferRequest, TenantEntry
 
     root, version = prepared_root()
     lookup = PlotLookup([version], policy="backoff")
@@ -76,7 +76,7 @@ def sequence_length_cost(quick: bool) -> tuple[list[tuple], dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store = AdapterStore(Path(tmp))
         store.save("t", spec, adapter_variants(root.bert, root.spec.l_low, spec, 1)[0])
-        scheds = {m: Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, lambda _t: entry, lambda _d: lookup,
+        scheds = {m: Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, *[FixedTenants({entry.name: entry}, lookup)] * 2,
                                SchedulerConfig(max_len=m, device="cpu")) for m in limits}
         try:
             for r in range(rounds + 1):  # the first round warms up and is not counted

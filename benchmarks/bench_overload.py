@@ -64,7 +64,7 @@ RAY_NOTE = ("Through Ray Serve each replica runs the whole server (its own fair 
             "before any Python front sees it.")
 NOTE = ("What these figures say on 2 cores. Admission holds the overload's answered p99 near the p99 at "
         "capacity by refusing at once what would wait past about 0.25 s, and the fair queue puts a quiet tenant's "
-        "request before a noisy tenant's backlog (tests/dispatcher/test_batcher.py). A tenant sending more than "
+        "request before a noisy tenant's backlog (tests/scheduler/test_batcher.py). A tenant sending more than "
         "four times its fair rate is refused past its share of that bound among the tenants served lately, though "
         "the batcher is far from full: before, it could queue the whole bound (64 requests, about 0.6 s of work "
         "here) before any refusal, and those rows filled whole batches, which are not preempted. Directly, every "
@@ -203,7 +203,7 @@ def serving(ray: bool, tmp: Path, token: str, root):
     gate (``hmi serve --ray --gate``, which the replicas mark) where HAProxy is installed; ``url``
     is then Ray Serve's own ingress, the gate's URL ``gate.url``."""
     from hmi.dispatcher.serve import build_server, run_in_thread
-    from hmi.dispatcher.server import ServerConfig
+    from hmi.services.server import ServerConfig
 
     cfg = ServerConfig()
     if not ray:

@@ -197,7 +197,7 @@ def main() -> None:
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-    from hmi.scheduler.types import TenantEntry
+    from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root()
     tok, bert, l_low, H = root.tokenizer, root.bert, root.spec.l_low, root.hidden_size
@@ -248,7 +248,7 @@ def main() -> None:
             for r in range(rounds):
                 batches = trace(n, "uniform", warm + measured, seed=n + 7919 * r + length)
                 for key, lk, precision in sides:
-                    s = Scheduler(bert, l_low, tok, store, entries.__getitem__, lambda d, lk=lk: lk,
+                    s = Scheduler(bert, l_low, tok, store, FixedTenants(entries), FixedTenants(entries, lk),
                                   SchedulerConfig(max_batch=B, pool_slots=64, upper_precision=precision))
                     try:
                         cell[key].append(scheduler_rps(s, texts, batches, warm))

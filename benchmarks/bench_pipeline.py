@@ -71,7 +71,7 @@ def main() -> None:
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-    from hmi.scheduler.types import TenantEntry
+    from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root()
     hot_version = PlotVersion(version.name, version.store, version.encoder, hot=HotTier.whole(version.store))
@@ -131,7 +131,7 @@ def main() -> None:
                     store.load(t)  # host tier warm, device pools cold: every run starts the same
                 sw = dict(sw)
                 lk = lookups[sw.pop("hot", False), sw.pop("learned", False)]
-                s = Scheduler(root.bert, l_low, tok, store, entries.__getitem__, lambda d: lk,
+                s = Scheduler(root.bert, l_low, tok, store, FixedTenants(entries), FixedTenants(entries, lk),
                               SchedulerConfig(max_batch=B, pool_slots=64, trace=trace, **sw))
                 try:
                     return run(s, texts, names, n_batches, B, random.Random(seed))

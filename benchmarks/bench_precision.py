@@ -29,8 +29,9 @@ B = 32
 
 def scheduler(root, lookup, store, entries, precision: str):
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
+    from hmi.scheduler.types import FixedTenants
 
-    return Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, entries.__getitem__, lambda d: lookup,
+    return Scheduler(root.bert, root.spec.l_low, root.tokenizer, store, FixedTenants(entries), FixedTenants(entries, lookup),
                      SchedulerConfig(max_batch=B, pool_slots=128, device="cpu", upper_precision=precision))
 
 

@@ -308,8 +308,8 @@ def curve(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[l
 def privacy(server, url, root, n_texts: int, units: int, seed: int = 0) -> tuple[list[tuple], dict]:
     """Each attacker's extraction error against each noise scheme, over ``units`` sampled output
     units of every upper layer (the largest over layers), and what the shipped noise costs."""
-    from hmi.scheduler.base_executor import FrozenLinears
     from hmi.split import attack
+    from hmi.split.base_executor import FrozenLinears
     from hmi.split.client import BaseClient
     from hmi.split.model import PrivateModel
     from hmi.split.noise import ClientNoise, ServerNoise
@@ -555,8 +555,8 @@ def main() -> None:
                                                      help="run one part only (its page: docs/bench_private_<part>.md)")))
     from hmi.bootstrap import prepare_default
     from hmi.dispatcher.serve import build_server, run_in_thread
-    from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
+    from hmi.services.server import ServerConfig
 
     requests = 3 if args.quick else 10
     prepare_default(hmi_home())  # the default root and its root PLOT, when missing

@@ -94,7 +94,7 @@ def replica_kill(url: str, home: Path, token: str, load: dict, seconds: float) -
 
     from hmi.client import ApiError, Client
     from hmi.data import load_task
-    from hmi.dispatcher.registry import Registry
+    from hmi.services.registry import Registry
 
     admin = Client(url, token)
 
@@ -168,11 +168,11 @@ def main() -> None:
 
     from hmi.data import load_task
     from hmi.dispatcher.serve import build_server, run_in_thread
-    from hmi.dispatcher.server import ServerConfig
     from hmi.home import hmi_home
     from hmi.scaleout.ray_registry import RemoteRegistry, start_registry_actor, stop_registry_actor
     from hmi.scaleout.ray_serve import ReplicaServer, stop
     from hmi.scaleout.ray_serve import start as start_ray
+    from hmi.services.server import ServerConfig
 
     real = hmi_home()
     prepared_root(real)

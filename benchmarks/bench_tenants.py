@@ -328,7 +328,7 @@ def main() -> None:
     from hmi.plot.lookup import PlotLookup
     from hmi.plot.paths import root_plot_path
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-    from hmi.scheduler.types import TenantEntry
+    from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     lookup = PlotLookup([version], policy="backoff")
@@ -372,8 +372,8 @@ def main() -> None:
             """Requests / s of a fresh scheduler (cold device pool) serving the trace: hBERT reads the PLOT,
             hBERT-adapter computes the lower layers with full context."""
             cfg = SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=scheme == "hBERT")
-            s = Scheduler(bert, l_low, tok, store, entries.__getitem__,
-                          (lambda d: lookup) if scheme == "hBERT" else (lambda d: full_lower), cfg)
+            s = Scheduler(bert, l_low, tok, store, FixedTenants(entries),
+                          FixedTenants(entries, lookup if scheme == "hBERT" else full_lower), cfg)
             try:
                 return scheduler_rps(s, texts, batches, warm)
             finally:
@@ -395,8 +395,8 @@ def main() -> None:
         # The process's first batches pay one-off costs (kernel selection, allocator growth, first
         # PLOT pages): run a few through each scheduler kind before any point is measured.
         for fast in (True, False):
-            s = Scheduler(bert, l_low, tok, store, entries.__getitem__,
-                          (lambda d: lookup) if fast else (lambda d: full_lower),
+            s = Scheduler(bert, l_low, tok, store, FixedTenants(entries),
+                          FixedTenants(entries, lookup if fast else full_lower),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=fast))
             scheduler_rps(s, texts, trace(min(32, max(counts)), "uniform", 4, seed=0), 1)
             s.shutdown()

@@ -8,16 +8,17 @@ import zipfile
 import zlib
 from pathlib import Path
 
+from hmi.errors import Kind, Refusal
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 MAX_FILES = 16
 
 
-class ArchiveError(ValueError):
-    """An archive that cannot be taken; ``status`` 413 for size, else 422."""
+class ArchiveError(Refusal, ValueError):
+    """An archive that cannot be taken: ``Kind.TOO_LARGE`` for size, else ``UNPROCESSABLE``."""
 
-    def __init__(self, code: str, message: str, status: int = 422):
-        super().__init__(message)
-        self.code, self.message, self.status = code, message, status
+    def __init__(self, code: str, message: str, kind: Kind = Kind.UNPROCESSABLE):
+        super().__init__(kind, code, message)
 
 
 def unzip(data: bytes, max_bytes: int) -> dict[str, bytes]:
@@ -33,7 +34,7 @@ def unzip(data: bytes, max_bytes: int) -> dict[str, bytes]:
         raise ArchiveError("too_many_files", f"the archive has {len(members)} files; an adapter folder has at most "
                             f"{MAX_FILES}")
     if sum(m.file_size for m in members) > max_bytes:
-        raise ArchiveError("body_too_large", f"the archive unpacks to more than {max_bytes} bytes", 413)
+        raise ArchiveError("body_too_large", f"the archive unpacks to more than {max_bytes} bytes", Kind.TOO_LARGE)
     out, budget = {}, max_bytes
     for m in members:
         parts = m.filename.replace("\\", "/").strip("/").split("/")
@@ -52,7 +53,7 @@ def unzip(data: bytes, max_bytes: int) -> dict[str, bytes]:
             raise ArchiveError("bad_archive", f"{name} cannot be unpacked: {exc}") from None
         budget -= len(out[name])
         if budget < 0:
-            raise ArchiveError("body_too_large", f"the archive unpacks to more than {max_bytes} bytes", 413)
+            raise ArchiveError("body_too_large", f"the archive unpacks to more than {max_bytes} bytes", Kind.TOO_LARGE)
     return out
 
 

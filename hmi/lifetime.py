@@ -1,5 +1,5 @@
 """Child processes that die with the process that started them (Linux ``PR_SET_PDEATHSIG``): job
-workers (``hmi.dispatcher.workers``) and the gate's HAProxy (``hmi.dispatcher.gate``)."""
+workers (``hmi.services.workers``) and the gate's HAProxy (``hmi.dispatcher.gate``)."""
 
 from __future__ import annotations
 

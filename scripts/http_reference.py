@@ -22,7 +22,7 @@ def document() -> dict:
     from hmi.dispatcher.app import ROUTES
     from hmi.dispatcher.openapi import openapi_document
     from hmi.dispatcher.schemas import build_models
-    from hmi.dispatcher.server import ServerConfig
+    from hmi.services.server import ServerConfig
 
     app = web.Application()
     for method, path, handler in ROUTES:

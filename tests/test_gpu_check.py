@@ -32,5 +32,5 @@ def test_the_gpu_checks_tests_are_collected_here_and_skipped_without_a_gpu():
     assert all("cuda" in i or "gpu" in i for i in ids)
     if not torch.cuda.is_available():
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                              "tests/scheduler/test_base_executor.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                              "tests/split/test_base_executor.py"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0 and "skipped" in run.stdout and "passed" not in run.stdout, run.stdout[-2000:]

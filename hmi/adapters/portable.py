@@ -45,7 +45,7 @@ PEFT_REQUIRED = {"peft_type": "LORA", "bias": "none", "use_rslora": False, "use_
 
 
 class PortableError(ArchiveError):
-    """An uploaded adapter that cannot be served here; ``status`` 413 for size, else 422."""
+    """An uploaded adapter that cannot be served here (``ArchiveError``'s kinds)."""
 
 
 @dataclass(frozen=True)

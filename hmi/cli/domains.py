@@ -8,8 +8,8 @@ from pathlib import Path
 from hmi.cli.common import client, read_corpus_arg, run_client, show
 from hmi.cli.roots import load_current_root
 from hmi.data import CORPORA
-from hmi.dispatcher.registry import Registry
 from hmi.home import hmi_home
+from hmi.services.registry import Registry
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.further_pretrain import summary as fpt_summary
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help

@@ -8,10 +8,10 @@ from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options
 from hmi.dispatcher.gate import GateError
 from hmi.dispatcher.serve import serve
-from hmi.dispatcher.server import ServerConfig, ServerConfigError
 from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.scaleout.ray_serve import serve as serve_ray
 from hmi.scheduler.pipeline import check_precision, pick_device
+from hmi.services.server import ServerConfig, ServerConfigError
 
 
 def cmd_serve(args) -> int:

@@ -13,7 +13,6 @@ import uuid
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.registry import RegistryUnavailable
 from hmi.dispatcher.routes_base import linear, lower
 from hmi.dispatcher.routes_domains import create_domain, delete_domain, get_domain, list_domains, update_domain
 from hmi.dispatcher.routes_embeddings import embeddings, list_models
@@ -42,8 +41,10 @@ from hmi.dispatcher.routes_tenants import (
     update_tenant,
     upload_adapter,
 )
-from hmi.dispatcher.server import Server
-from hmi.dispatcher.validation import ApiError, error_response
+from hmi.dispatcher.validation import ApiError, as_api_error, error_response
+from hmi.errors import Refusal
+from hmi.services.registry import RegistryUnavailable
+from hmi.services.server import Server
 
 log = logging.getLogger("hmi.server")
 HISTORY_TASK = web.AppKey("history_task", asyncio.Task)
@@ -55,7 +56,10 @@ async def errors_and_logs(request: web.Request, handler):
     start = time.perf_counter()
     route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     try:
-        resp = await handler(request)
+        try:
+            resp = await handler(request)
+        except Refusal as exc:
+            raise as_api_error(exc) from None
     except ApiError as exc:
         resp = error_response(exc.status, exc.code, exc.message, exc.headers)
         if exc.code == "over_share":  # the gate in front, if any, refuses this tenant's next requests itself

@@ -51,7 +51,7 @@ def shipped_identity(server, model: str = "encoder") -> dict | None:
             return None
         lookup, artifact, fingerprint = runtime.lookup, runtime.root.artifact_id, runtime.fingerprint
     else:
-        lookup, artifact, fingerprint = server.lookup, server.root.artifact_id, server.tenants.root_fingerprint
+        lookup, artifact, fingerprint = server.lookup, server.root.artifact_id, server.served.root_fingerprint
     return trained_on(artifact, fingerprint, lookup.chain[0].store, lookup.policy)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from hmi.names import NAME_PATTERN
-from hmi.scheduler.base_executor import OPERATIONS, PROJECTIONS
+from hmi.split.base_executor import OPERATIONS, PROJECTIONS
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["code", "message"],

@@ -5,7 +5,7 @@ of the server.  Bodies and answers are tensors in ``hmi.split.wire``'s binary fo
 - ``POST /v1/base/lower``: token ids (B, T) and their mask (B, T) -> the lower layers' output as
   the PLOT serves it, merged (B, T, H).
 - ``POST /v1/base/layers/{layer}/{projection}/{operation}``: a frozen linear projection of an
-  upper layer on a tensor (..., D) (``hmi.scheduler.base_executor``), batched with every other
+  upper layer on a tensor (..., D) (``hmi.split.base_executor``), batched with every other
   client's calls for the same projection; ``?priority=training`` lets inference go first.
 """
 
@@ -17,9 +17,9 @@ import torch
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.server import Server
-from hmi.dispatcher.validation import ApiError
-from hmi.scheduler.base_executor import INFERENCE, OPERATIONS, PROJECTIONS, TRAINING
+from hmi.dispatcher.validation import ApiError, bearer
+from hmi.services.server import Server
+from hmi.split.base_executor import INFERENCE, OPERATIONS, PROJECTIONS, TRAINING
 from hmi.split.wire import WireError, decode, encode
 
 PRIORITIES = {"inference": INFERENCE, "training": TRAINING}
@@ -28,7 +28,7 @@ PRIORITIES = {"inference": INFERENCE, "training": TRAINING}
 async def _private_caller(s: Server, request: web.Request) -> str:
     """The caller when it is a private tenant or the admin; 403 for a hosted tenant.  The record
     that confirmed the token says which (one registry read a call)."""
-    who, rec = await s.auth.identify(request)
+    who, rec = await s.auth.identify(bearer(request))
     if rec is not None and rec.get("model") != "private":
         raise ApiError(403, "forbidden", f"tenant {who!r} is hosted; the base executor serves private tenants")
     return who

@@ -16,16 +16,16 @@ from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.routes_tenants import run_requests, servable_entry
-from hmi.dispatcher.schemas import ROOT_MODEL, parse
-from hmi.dispatcher.server import Server
-from hmi.dispatcher.validation import ApiError, json_body
+from hmi.dispatcher.schemas import ROOT_MODEL, models_of, parse
+from hmi.dispatcher.validation import ApiError, bearer, json_body
 from hmi.scheduler.types import InferRequest
+from hmi.services.server import Server
 
 
 async def embeddings(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    who = await s.auth.caller(request)  # authenticate before the body is read or parsed
-    body = parse(s.models["EmbeddingBody"], await json_body(request))
+    who = await s.auth.caller(bearer(request))  # authenticate before the body is read or parsed
+    body = parse(models_of(s)["EmbeddingBody"], await json_body(request))
     if s.embedding_error is not None:
         raise ApiError(501, "embeddings_unavailable", f"this root's sentence pooling is not served: {s.embedding_error}")
     width = s.root.bert.config.hidden_size
@@ -60,13 +60,13 @@ async def list_models(request: web.Request) -> web.Response:
     """The models the caller may use: the root (embeddings), and its own tenant (a tenant's token)
     or every servable tenant (the admin's), each with what it serves."""
     s: Server = request.app[SERVER]
-    who = await s.auth.caller(request)
+    who = await s.auth.caller(bearer(request))
     created = int(s.started)
     models = [{"id": ROOT_MODEL, "object": "model", "created": created, "owned_by": "hmi",
                "root": s.root.spec.name, "serves": ["embeddings"]}]
-    names = s.tenants.servable_names() if who == "admin" else [who]
+    names = s.served.names() if who == "admin" else [who]
     for name in sorted(names):
-        kind = s.tenants.serving_kind(name)
+        kind = s.served.kind(name)
         if kind is not None:
             serves = ["completions", "generate"] if kind == "decoder" else ["embeddings", "infer"]
             models.append({"id": name, "object": "model", "created": created, "owned_by": name, "serves": serves})

@@ -13,8 +13,8 @@ import uuid
 from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.schemas import parse
-from hmi.dispatcher.validation import ApiError, json_body, refused
+from hmi.dispatcher.schemas import models_of, parse
+from hmi.dispatcher.validation import ApiError, as_api_error, bearer, json_body, refused
 from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.generation import GenerationError, GenRequest, ServiceClosedError
 
@@ -26,7 +26,7 @@ async def _decoder_tenant(s, tenant: str) -> None:
         raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
     if rec.get("model") != "decoder":
         raise ApiError(422, "not_a_decoder_tenant", f"tenant {tenant!r} is an encoder tenant; use /v1/tenants/{tenant}/infer")
-    if not s.tenants.decoder_ready(tenant):
+    if not s.served.decoder_ready(tenant):
         raise ApiError(409, "tenant_not_ready", f"tenant {tenant!r} is {rec['state']}; it serves once its job succeeds")
 
 
@@ -47,7 +47,7 @@ def _request(s, tenant: str, body, max_new_tokens: int, loop, sink):
     try:
         s.decoders.runtime.service.submit(req)
     except GenerationError as exc:
-        raise ApiError(exc.status, exc.code, str(exc)) from None
+        raise as_api_error(exc) from None
     except TenantQueueFullError as exc:
         raise refused(exc) from None
     except queue.Full:
@@ -99,7 +99,7 @@ def _final(req) -> dict:
     except KeyError:
         raise ApiError(404, "adapter_missing", f"tenant {req.tenant!r} has no stored adapter") from None
     except GenerationError as exc:
-        raise ApiError(exc.status, exc.code, str(exc)) from None
+        raise as_api_error(exc) from None
     except Exception as exc:  # noqa: BLE001 - it failed inside the engine: this request's failure alone
         raise ApiError(500, "generation_failed", f"{type(exc).__name__}: {exc}") from None
 
@@ -146,8 +146,8 @@ async def _stream(request, s, req, sink: asyncio.Queue, content_type: str, encod
 async def generate(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
-    body = parse(s.models["GenerateBody"], await json_body(request))
+    await s.auth.require_owner(bearer(request), tenant)
+    body = parse(models_of(s)["GenerateBody"], await json_body(request))
     req, sink = await _start(s, tenant, body, body.max_new_tokens)
     if sink is None:
         return web.json_response({"tenant": tenant, **await _result(request, s, req)})
@@ -156,8 +156,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     s = request.app[SERVER]
-    who = await s.auth.caller(request)  # authenticate before the body is read or parsed
-    body = parse(s.models["CompletionBody"], await json_body(request))
+    who = await s.auth.caller(bearer(request))  # authenticate before the body is read or parsed
+    body = parse(models_of(s)["CompletionBody"], await json_body(request))
     tenant = body.model
     s.auth.may_act(who, tenant)
     req, sink = await _start(s, tenant, body, body.max_tokens)

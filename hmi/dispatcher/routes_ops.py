@@ -10,14 +10,15 @@ from aiohttp import web
 
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.openapi import openapi_document
-from hmi.dispatcher.server import Server
-from hmi.dispatcher.validation import ApiError
+from hmi.dispatcher.schemas import models_of
+from hmi.dispatcher.validation import ApiError, bearer
+from hmi.services.server import Server
 
 
 async def _job_for(request) -> tuple[Server, dict]:
     s: Server = request.app[SERVER]
     jid = request.match_info["job"]
-    who = await s.auth.caller(request)
+    who = await s.auth.caller(bearer(request))
     job = await s.registry.aget("jobs", jid)
     if job is None:
         raise ApiError(404, "unknown_job", f"no job {jid!r}")
@@ -40,14 +41,14 @@ async def cancel_job(request: web.Request) -> web.Response:
 
 async def list_jobs(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    await s.auth.require_admin(request)
+    await s.auth.require_admin(bearer(request))
     return web.json_response({"jobs": [j for _, j in await s.registry.aitems("jobs")]})
 
 
 async def healthz(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
-                              "tenants_servable": s.tenants.servable_count(), "root_artifact": s.root.artifact_id,
+                              "tenants_servable": s.served.count(), "root_artifact": s.root.artifact_id,
                               "registry": s.registry.where, "preparing": s.preparing(),
                               "upper_precision": s.scheduler.cfg.upper_precision})
 
@@ -59,7 +60,7 @@ async def refresh_metrics(s: Server) -> dict[str, float]:
     m.queue_depth.set(s.scheduler.queue_depth())
     for stage, secs in s.scheduler.tracer.stage_seconds().items():
         m.stage_seconds.labels(stage).set(secs)
-    for domain, lookup in s.lookups().items():
+    for domain, lookup in s.domains.lookups().items():
         for level, n in dict(lookup.hits).items():
             m.plot_hits.labels(domain, level).set(n)
         if lookup.keeper is not None:
@@ -90,20 +91,20 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def metrics_history(request: web.Request) -> web.Response:
-    """The last hour of the series the console charts (``hmi.dispatcher.metrics.History``)."""
+    """The last hour of the series the console charts (``hmi.services.metrics.History``)."""
     s: Server = request.app[SERVER]
     return web.json_response(s.history.as_json())
 
 
 async def openapi(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    return web.json_response(openapi_document(request.app, s.models))
+    return web.json_response(openapi_document(request.app, models_of(s)))
 
 
 async def me(request: web.Request) -> web.Response:
     """Who the token belongs to: ``admin`` or a tenant's name."""
     s: Server = request.app[SERVER]
-    return web.json_response({"caller": await s.auth.caller(request)})
+    return web.json_response({"caller": await s.auth.caller(bearer(request))})
 
 
 CONSOLE = Path(__file__).with_name("console")

@@ -13,12 +13,13 @@ from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.archive import ArchiveError, unzip, zip_files
 from hmi.data import is_tagging, job_rows, task_labels
 from hmi.dispatcher.context import SERVER
-from hmi.dispatcher.schemas import ROOT_MODEL, api_error, parse
-from hmi.dispatcher.server import Server
-from hmi.dispatcher.tenants import is_private, private_error
-from hmi.dispatcher.validation import ApiError, check_rows, json_body, refused
+from hmi.dispatcher.schemas import ROOT_MODEL, api_error, models_of, parse
+from hmi.dispatcher.validation import ApiError, as_api_error, bearer, check_rows, json_body, refused
+from hmi.errors import Refusal
 from hmi.names import is_valid_name
-from hmi.scheduler.types import InferRequest, QueueFullError, RequestError, SchedulerClosedError, TenantEntry
+from hmi.scheduler.types import InferRequest, QueueFullError, SchedulerClosedError, TenantEntry
+from hmi.services.server import Server
+from hmi.services.tenants import is_private, private_error
 from hmi.textlimit import TooLongError
 from hmi.training.finetune import encode
 
@@ -36,9 +37,9 @@ def public_tenant(s: Server, name: str, rec: dict) -> dict:
 async def infer(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
+    await s.auth.require_owner(bearer(request), tenant)
     admit(s, tenant)  # a tenant over its share is refused before its body is read
-    body = parse(s.models["InferBody"], await json_body(request))
+    body = parse(models_of(s)["InferBody"], await json_body(request))
     entry = await servable_entry(s, tenant)
     truncate = body.truncate if body.truncate is not None else entry.truncate
     outputs = await run_requests(s, [InferRequest(tenant, x, truncate=truncate) for x in body.inputs])
@@ -50,7 +51,7 @@ async def servable_entry(s: Server, tenant: str) -> TenantEntry:
     409 for a private tenant or one whose first job has not succeeded, 422 for a decoder tenant."""
     try:
         return await s.tenants.resolve(tenant)
-    except RequestError:
+    except Refusal:
         rec = await s.registry.aget("tenants", tenant)
         if rec is None:
             raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}") from None
@@ -85,8 +86,8 @@ async def run_requests(s: Server, reqs: list[InferRequest]) -> list:
     try:
         outputs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(r.future) for r in reqs)),
                                          s.cfg.infer_timeout_s)
-    except RequestError as exc:
-        raise ApiError(exc.status, exc.code, exc.message) from None
+    except Refusal as exc:
+        raise as_api_error(exc) from None
     except QueueFullError as exc:  # a batch the scheduler refused
         raise refused(exc) from None
     except SchedulerClosedError:
@@ -163,7 +164,7 @@ def _decoder_training(body) -> dict:
 
 
 async def _create_decoder_tenant(s: Server, raw: dict) -> dict:
-    body = parse(s.models["DecoderTenant"], raw)
+    body = parse(models_of(s)["DecoderTenant"], raw)
     gpt = s.decoders.require()
     rank = body.adapter.rank or gpt.rank
     if rank != gpt.rank:
@@ -181,9 +182,9 @@ async def create_from_body(s: Server, raw: dict) -> dict:
     if raw.get("model") == "decoder":
         return await _create_decoder_tenant(s, raw)
     if raw.get("model") == "private":
-        body = parse(s.models["PrivateTenant"], raw)
+        body = parse(models_of(s)["PrivateTenant"], raw)
         return {"tenant": body.name, "token": s.tenants.create_private(body.name), "job": None}
-    body = parse(s.models["EncoderTenant"], raw)
+    body = parse(models_of(s)["EncoderTenant"], raw)
     if body.domain != "root" and body.domain not in s.tree.nodes():
         raise ApiError(404, "unknown_domain", f"no domain {body.domain!r}")
     spec = _spec(body)
@@ -197,7 +198,7 @@ async def create_from_body(s: Server, raw: dict) -> dict:
 
 async def create_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    await s.auth.require_admin(request)
+    await s.auth.require_admin(bearer(request))
     out = await create_from_body(s, await json_body(request))
     return web.json_response({**out, "note": "keep the token: it is shown only once"},
                              status=202 if out["job"] else 201)
@@ -207,10 +208,10 @@ def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
     """The body under the tenant's own update model; a body made for the other kind of tenant
     is a 422 that says so (the document allows both on this route)."""
     try:
-        return s.models[mine].model_validate(raw)
+        return models_of(s)[mine].model_validate(raw)
     except ValidationError as exc:
         try:
-            s.models[other].model_validate(raw)
+            models_of(s)[other].model_validate(raw)
         except ValidationError:
             raise api_error(exc) from None
         raise ApiError(422, "wrong_tenant_kind", f"this body updates a {'decoder' if kind == 'encoder' else 'encoder'} "
@@ -220,7 +221,7 @@ def _parse_for_kind(s: Server, raw: dict, mine: str, other: str, kind: str):
 async def update_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
+    await s.auth.require_owner(bearer(request), tenant)
     rec = await s.tenants.record(tenant)
     if is_private(rec):
         raise private_error(tenant, "there is nothing of it to train here")
@@ -244,9 +245,9 @@ async def update_tenant(request: web.Request) -> web.Response:
 async def set_share(request: web.Request) -> web.Response:
     """``POST /v1/tenants/{tenant}/share``: the tenant's weight in the batches (admin)."""
     s: Server = request.app[SERVER]
-    await s.auth.require_admin(request)
+    await s.auth.require_admin(bearer(request))
     tenant = request.match_info["tenant"]
-    body = parse(s.models["ShareBody"], await json_body(request))
+    body = parse(models_of(s)["ShareBody"], await json_body(request))
     rec = s.tenants.set_weight(tenant, body.weight)
     return web.json_response({"tenant": tenant, "weight": rec["weight"]})
 
@@ -254,7 +255,7 @@ async def set_share(request: web.Request) -> web.Response:
 async def delete_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
+    await s.auth.require_owner(bearer(request), tenant)
     rec = await s.tenants.record(tenant)
     s.tenants.delete(tenant, rec)
     return web.json_response({"tenant": tenant, "deleted": True})
@@ -262,14 +263,14 @@ async def delete_tenant(request: web.Request) -> web.Response:
 
 async def list_tenants(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
-    await s.auth.require_admin(request)
+    await s.auth.require_admin(bearer(request))
     return web.json_response({"tenants": [public_tenant(s, n, r) for n, r in await s.registry.aitems("tenants")]})
 
 
 async def get_tenant(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
+    await s.auth.require_owner(bearer(request), tenant)
     return web.json_response(public_tenant(s, tenant, await s.tenants.record(tenant)))
 
 
@@ -290,12 +291,12 @@ async def upload_adapter(request: web.Request) -> web.Response:
     if truncate not in ("true", "false"):
         raise ApiError(400, "invalid_truncate", f"truncate must be true or false, not {truncate!r}")
     if rec is None:
-        await s.auth.require_admin(request)
+        await s.auth.require_admin(bearer(request))
         if tenant == ROOT_MODEL:
             raise ApiError(400, "invalid_name", "'root' names the shared root model; choose another name")
         model = asked or "encoder"
     else:
-        await s.auth.require_owner(request, tenant)
+        await s.auth.require_owner(bearer(request), tenant)
         if is_private(rec):
             raise private_error(tenant, "its adapter stays on its own side")
         model = rec.get("model", "encoder")
@@ -314,7 +315,7 @@ async def upload_adapter(request: web.Request) -> web.Response:
     try:
         spec, weights = await asyncio.get_running_loop().run_in_executor(None, read)
     except ArchiveError as exc:  # a PortableError too
-        raise ApiError(exc.status, exc.code, exc.message) from None
+        raise as_api_error(exc) from None
     if model == "encoder" and spec.num_labels > s.cfg.max_labels:
         raise ApiError(422, "too_many_labels", f"the head has {spec.num_labels} labels; this server serves at most "
                        f"{s.cfg.max_labels}")
@@ -331,7 +332,7 @@ async def download_adapter(request: web.Request) -> web.Response:
     adapters library's saved folder (encoder) or PEFT's LoRA folder (decoder); owner or admin."""
     s: Server = request.app[SERVER]
     tenant = request.match_info["tenant"]
-    await s.auth.require_owner(request, tenant)
+    await s.auth.require_owner(bearer(request), tenant)
     rec = await s.tenants.record(tenant)
     if is_private(rec):
         raise private_error(tenant, "its adapter is not on the server")

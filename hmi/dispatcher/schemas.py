@@ -11,6 +11,7 @@ a corpus too small for a domain, a prompt over the token limit is 413).
 
 from __future__ import annotations
 
+import weakref
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -207,6 +208,18 @@ def _decoder_models(limits) -> list[type[BaseModel]]:
         user: str = Absent()
 
     return [DecoderUpdate, DecoderTenant, GenerateBody, CompletionBody]
+
+
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def models_of(server) -> dict[str, type[BaseModel]]:
+    """The request models of a server's limits (``server.cfg``), built on first use and kept
+    while the server lives."""
+    models = _MODELS.get(server)
+    if models is None:
+        models = _MODELS[server] = build_models(server.cfg)
+    return models
 
 
 def build_models(limits) -> dict[str, type[BaseModel]]:

@@ -6,14 +6,41 @@ import json
 
 from aiohttp import web
 
+from hmi.errors import Kind, Refusal
 from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.types import QueueFullError
 
 
 class ApiError(Exception):
+    """An HTTP error response: what the edge itself refuses, or a service's ``Refusal`` mapped."""
+
     def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
         super().__init__(message)
         self.status, self.code, self.message, self.headers = status, code, message, headers or {}
+
+
+def bearer(request: web.Request) -> str:
+    """The request's bearer token (401 without one, or with one that is not UTF-8)."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer ") or not header[7:].strip():
+        raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
+    token = header[7:].strip()
+    try:
+        token.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
+        raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
+    return token
+
+
+# The status code of each kind of refusal a service raises (hmi.errors): the one place it is decided.
+STATUS = {Kind.INVALID: 400, Kind.UNAUTHENTICATED: 401, Kind.FORBIDDEN: 403, Kind.NOT_FOUND: 404, Kind.CONFLICT: 409,
+          Kind.TOO_LARGE: 413, Kind.UNPROCESSABLE: 422, Kind.BUSY: 429, Kind.UNAVAILABLE: 503, Kind.FAILED: 500}
+
+
+def as_api_error(exc: Refusal) -> ApiError:
+    """A service's refusal as the HTTP error the client gets (``Retry-After`` where it says when)."""
+    headers = {"Retry-After": f"{exc.retry_after_s:g}"} if exc.retry_after_s is not None else None
+    return ApiError(STATUS[exc.kind], exc.code, exc.message, headers)
 
 
 def error_response(status: int, code: str, message: str, headers: dict | None = None) -> web.Response:

@@ -1,11 +1,11 @@
 """Jobs as Ray tasks (``hmi serve --ray``): a replica's fine-tune and domain jobs run where the
 Ray cluster has the resources for them, not as processes of the replica.
 
-``RayLauncher`` is a job launcher for ``hmi.dispatcher.jobs.JobManager``: the manager keeps
+``RayLauncher`` is a job launcher for ``hmi.services.jobs.JobManager``: the manager keeps
 doing everything else (the job record, its kept inputs, progress, time limit, cancellation,
 publishing, the take-over of a dead replica's jobs).  Per job:
 
-- the worker (``hmi.dispatcher.workers``) runs in a Ray task that reserves ``cpus`` CPUs
+- the worker (``hmi.services.workers``) runs in a Ray task that reserves ``cpus`` CPUs
   (``max_retries=0``: a job is run again by the manager's take-over, from its kept inputs, never
   by Ray behind its back);
 - the root's weights reach the task through Ray's object store (put once per replica), so a task

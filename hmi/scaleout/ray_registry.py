@@ -12,7 +12,7 @@ each a compare-and-set, so processes on any node may recover one home at once.
 The actor is detached and restarted by Ray if its process dies (the registry is on disk, so
 nothing is lost): an operation in flight then fails with ``RegistryUnavailable`` (the HTTP API
 answers 503 with ``Retry-After``), a read is tried once more.  Liveness of job owners on other
-hosts is by leases (``hmi.dispatcher.registry.Leases``), stamped by the actor's clock.
+hosts is by leases (``hmi.services.registry.Leases``), stamped by the actor's clock.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from hmi.dispatcher.registry import Registry, RegistryOps, RegistryUnavailable
+from hmi.services.registry import Registry, RegistryOps, RegistryUnavailable
 
 ACTOR_NAME = "hmi-registry"
 NAMESPACE = "hmi"

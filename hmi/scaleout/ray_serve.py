@@ -52,17 +52,17 @@ from typing import Callable
 
 from hmi.bootstrap import prepare_in_child
 from hmi.client import ROUTING_HEADER, Client, tenant_of
-from hmi.dispatcher.auth import admin_token
 from hmi.dispatcher.gate import GATE_SOCKET_ENV, Gate, GateMarks, free_port
 from hmi.dispatcher.launch import banner, create_demo_tenants, over_http, startup_report
 from hmi.dispatcher.serve import build_server, start_app
-from hmi.dispatcher.server import Server, ServerConfig
 from hmi.home import hmi_home
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.model.catalog import root_spec
 from hmi.scaleout.ray_jobs import RayLauncher
 from hmi.scaleout.ray_registry import RemoteRegistry, start_registry_actor, stop_registry_actor
+from hmi.services.auth import admin_token
+from hmi.services.server import Server, ServerConfig
 
 INGRESSES = ("haproxy", "proxy")
 # HAProxy's layer-7 retries (ingress_env): what it sends again to another replica, and how often.

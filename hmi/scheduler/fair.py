@@ -5,7 +5,7 @@ Each request gets the tag ``max(V, tag of its tenant's previous request) + 1 / w
 tag of the last request taken), and requests are taken smallest tag first.  A tenant that sends
 ten times its share therefore waits behind itself, not in front of the others; a tenant of weight
 2 is taken twice as often as one of weight 1 while both have requests waiting.  The encoder's
-batcher (``hmi.dispatcher.batcher``) and the decoder's generation service
+batcher (``hmi.scheduler.batcher``) and the decoder's generation service
 (``hmi.scheduler.generation``) both take their requests from one of these.  Not thread-safe: its
 owner serializes the calls (the event loop; a lock).
 """

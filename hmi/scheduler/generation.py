@@ -26,6 +26,7 @@ import torch
 from hmi.adapters.batched import batched_lora, segment_plan
 from hmi.adapters.pool import SlotPool
 from hmi.adapters.spec import SpecError
+from hmi.errors import Kind, Refusal
 from hmi.model import decoder_layers
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.model.decoder_layers import KVCache, Step
@@ -40,12 +41,12 @@ log = logging.getLogger("hmi.generation")
 SEED_LIMIT = 2**63  # torch.Generator seeds are signed 64-bit
 
 
-class GenerationError(ValueError):
-    """A generation request is invalid; ``code`` names the problem for the API."""
+class GenerationError(Refusal, ValueError):
+    """A generation request that is refused (``Kind.INVALID`` unless said) or failed alone;
+    ``code`` names the problem for the API."""
 
-    def __init__(self, code: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.status = code, status
+    def __init__(self, code: str, message: str, kind: Kind = Kind.INVALID):
+        super().__init__(kind, code, message)
 
 
 @dataclass
@@ -141,10 +142,10 @@ class GenerationEngine:
             raise GenerationError("bad_stop", "stop must be a list of up to 8 non-empty strings")
         limit = self.cfg.max_len - 1
         if words_exceed(req.prompt, limit):  # refused before any tokenization work
-            raise GenerationError("input_too_long", f"the prompt has more than {limit} tokens; the limit is {limit}", 413)
+            raise GenerationError("input_too_long", f"the prompt has more than {limit} tokens; the limit is {limit}", Kind.TOO_LARGE)
         ids = self.root.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
         if len(ids) > limit:
-            raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {limit}", 413)
+            raise GenerationError("input_too_long", f"the prompt has {len(ids)} tokens; the limit is {limit}", Kind.TOO_LARGE)
         req.prompt_ids = ids
         return ids
 
@@ -304,7 +305,7 @@ class GenerationEngine:
         """Samples request ``a``'s next token from its logits (V,) and streams the new text."""
         r = a.req
         if not bool(torch.isfinite(lg).all()):
-            raise GenerationError("generation_failed", "the model produced non-finite scores for this request", 500)
+            raise GenerationError("generation_failed", "the model produced non-finite scores for this request", Kind.FAILED)
         t = next_token(lg, r.temperature, r.top_p, None if r.greedy else a.gen)
         self.stats["tokens"] += 1
         if t in self.stop_ids:

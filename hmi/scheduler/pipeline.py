@@ -26,7 +26,6 @@ import threading
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -35,20 +34,21 @@ from hmi.adapters.batched import batched_heads, upper_forward
 from hmi.adapters.heads import decode, word_starts
 from hmi.adapters.pool import PoolExhaustedError
 from hmi.adapters.store import AdapterStore, TenantMissingError
+from hmi.errors import Kind, Refusal
 from hmi.model.hplm import as_numpy_ids
 from hmi.model.kernels import NATIVE_BF16, bf16_matmuls
 from hmi.model.root import SentencePooling
-from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.residency import ResidencyManager
 from hmi.scheduler.trace import Tracer
 from hmi.scheduler.types import (
     ROOT,
     InferRequest,
+    LookupSource,
     Prepared,
     QueueFullError,
-    RequestError,
     SchedulerClosedError,
     TenantEntry,
+    TenantView,
 )
 from hmi.textlimit import TooLongError, fit_ids, words_exceed
 
@@ -116,7 +116,7 @@ def pick_device(name: str) -> torch.device:
 
 class Scheduler:
     def __init__(self, bert, l_low: int, tokenizer, store: AdapterStore,
-                 tenants: Callable[[str], TenantEntry], lookups: Callable[[str], PlotLookup],
+                 tenants: TenantView, lookups: LookupSource,
                  cfg: SchedulerConfig | None = None, pooling: SentencePooling = SentencePooling()):
         self.cfg = cfg or SchedulerConfig()
         self.pooling = pooling  # the root's sentence embedding (embedding requests)
@@ -259,16 +259,16 @@ class Scheduler:
             rows = []  # (request, entry, ids, word starts, truncated?)
             for i, r in enumerate(todo):
                 try:
-                    entry = ROOT if r.tenant is None else self.tenants(r.tenant)
+                    entry = ROOT if r.tenant is None else self.tenants.entry(r.tenant)
                     try:
                         ids, cut = fit_ids(enc["input_ids"][i], self.cfg.max_len, r.truncate)
                     except TooLongError as exc:
-                        raise RequestError("input_too_long", f"the input has {exc}; {TRUNCATE_HINT}", 413) from None
+                        raise Refusal(Kind.TOO_LARGE, "input_too_long", f"the input has {exc}; {TRUNCATE_HINT}") from None
                     if r.tenant in bad:
                         raise bad[r.tenant]
                     if entry.spec is not None and r.tenant not in weights:
                         weights[r.tenant] = self._load(entry)
-                except RequestError as exc:
+                except Refusal as exc:
                     if exc.code in ("adapter_missing", "adapter_unreadable"):
                         bad[r.tenant] = exc  # read once per batch, not once per request
                     _fail(r, exc)
@@ -295,26 +295,26 @@ class Scheduler:
     def _fits(self, r: InferRequest) -> bool:
         """Refuses a text that certainly exceeds the limit before any tokenization work."""
         if not r.truncate and words_exceed(r.text, self.cfg.max_len - 2):
-            _fail(r, RequestError("input_too_long", f"the input has more than {self.cfg.max_len} tokens; the limit is "
-                                  f"{self.cfg.max_len}; {TRUNCATE_HINT}", 413))
+            _fail(r, Refusal(Kind.TOO_LARGE, "input_too_long", f"the input has more than {self.cfg.max_len} tokens; the "
+                             f"limit is {self.cfg.max_len}; {TRUNCATE_HINT}"))
             return False
         return True
 
     def _load(self, entry: TenantEntry) -> dict:
         """A tenant's host weights, checked against its spec and the pools when read from disk;
-        RequestError otherwise."""
+        a Refusal otherwise."""
         try:
             return self.store.load(entry.name, check=lambda w: self.residency.check(entry, w))
         except TenantMissingError:
-            raise RequestError("adapter_missing", f"tenant {entry.name!r} has no stored adapter", 404) from None
+            raise Refusal(Kind.NOT_FOUND, "adapter_missing", f"tenant {entry.name!r} has no stored adapter") from None
         except ValueError as exc:
             log.error("adapter of tenant %r does not fit: %s", entry.name, exc)
-            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} does not fit "
-                               f"its spec: {exc}", 500) from None
+            raise Refusal(Kind.FAILED, "adapter_unreadable", f"the stored adapter of tenant {entry.name!r} does not "
+                          f"fit its spec: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file fails its own tenant only
             log.error("adapter of tenant %r is unreadable: %s", entry.name, exc)
-            raise RequestError("adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be read; "
-                               "update or re-create the tenant", 500) from None
+            raise Refusal(Kind.FAILED, "adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be "
+                          "read; update or re-create the tenant") from None
 
     def _lookup_by_domain(self, rows: list, ids: np.ndarray, mask: np.ndarray, hidden: torch.Tensor) -> list[int]:
         """Writes each row's merged lower representation into ``hidden`` (B, T, H), one PLOT chain
@@ -326,10 +326,10 @@ class Scheduler:
         ok = []
         for domain, js in by_domain.items():
             try:
-                hidden[js] = self.lookups(domain).merged(ids[js], mask[js])
+                hidden[js] = self.lookups.lookup_for(domain).merged(ids[js], mask[js])
             except Exception as exc:  # noqa: BLE001 - one domain's store fails its own tenants only
                 log.error("PLOT lookup of domain %r failed: %s", domain, exc)
-                err = RequestError("domain_unavailable", f"the PLOT of domain {domain!r} cannot be read", 503)
+                err = Refusal(Kind.UNAVAILABLE, "domain_unavailable", f"the PLOT of domain {domain!r} cannot be read")
                 for j in js:
                     _fail(rows[j][0], err)
                 continue

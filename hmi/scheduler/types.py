@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from hmi.adapters.spec import AdapterSpec
-
-
-class RequestError(Exception):
-    """A request that cannot be served; it fails alone, the rest of its batch completes."""
-
-    def __init__(self, code: str, message: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.message, self.status = code, message, status
+from hmi.errors import Kind, Refusal
 
 
 class SchedulerClosedError(RuntimeError):
@@ -34,10 +28,50 @@ class TenantEntry:
     domain: str = "root"
     version: int = 0  # bumped on update, so stale device copies are replaced
     truncate: bool = False  # the tenant's choice for texts over the limit (a request may override it)
-    weight: float = 1.0  # the tenant's share of the batches relative to others (hmi.dispatcher.batcher)
+    weight: float = 1.0  # the tenant's share of the batches relative to others (hmi.scheduler.batcher)
 
 
 ROOT = TenantEntry("", None)
+
+
+class TenantView(Protocol):
+    """The scheduler's view of the tenants it serves (``hmi.services.tenants.ServedTenants``)."""
+
+    def entry(self, tenant: str) -> TenantEntry:
+        """The tenant's entry as served now; a ``hmi.errors.Refusal`` when it is not served (the
+        request fails alone, the rest of its batch completes)."""
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's share of the batches relative to the others' (1 unless the admin set it)."""
+
+
+class LookupSource(Protocol):
+    """Where the scheduler finds each domain's PLOT lookup (``hmi.services.domains.Domains``)."""
+
+    def lookup_for(self, domain: str):
+        """The ``hmi.plot.lookup.PlotLookup`` of ``domain``'s chain (branch -> parent -> root)."""
+
+
+@dataclass
+class FixedTenants:
+    """A fixed set of tenants, all served through one PLOT lookup: a ``TenantView`` and a
+    ``LookupSource`` for a scheduler outside a server (benchmarks, tests)."""
+
+    entries: dict[str, TenantEntry]
+    lookup: object = None
+
+    def entry(self, tenant: str) -> TenantEntry:
+        e = self.entries.get(tenant)
+        if e is None:
+            raise Refusal(Kind.NOT_FOUND, "unknown_tenant", f"unknown tenant {tenant!r}")
+        return e
+
+    def weight(self, tenant: str) -> float:
+        e = self.entries.get(tenant)
+        return e.weight if e is not None else 1.0
+
+    def lookup_for(self, domain: str):
+        return self.lookup
 
 
 @dataclass

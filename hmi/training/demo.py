@@ -53,7 +53,7 @@ def train_demo(d: dict, bert, l_low: int, lookup, tokenizer, progress: bool = Tr
 
 
 def job_threads() -> None:
-    """The thread count a server's job worker trains with (``hmi.dispatcher.workers``)."""
+    """The thread count a server's job worker trains with (``hmi.services.workers``)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
 

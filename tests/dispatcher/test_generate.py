@@ -285,6 +285,6 @@ def test_the_admin_sets_a_decoder_tenants_share_of_the_generation_rows(gpt):
     try:
         got, out = raw(gpt["url"], "POST", "/v1/tenants/writer/share", {"weight": 3})
         assert got == 200 and out["weight"] == 3
-        assert s.decoders.runtime.service._fair.weight("writer") == 3.0 == s.tenants.weight("writer")
+        assert s.decoders.runtime.service._fair.weight("writer") == 3.0 == s.served.weight("writer")
     finally:
         raw(gpt["url"], "POST", "/v1/tenants/writer/share", {"weight": 1})

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hmi.dispatcher.gate import free_port
+from hmi.dispatcher.schemas import models_of
 from tests.helpers.servers import ADMIN, LONG_JOB, TRAIN, raw  # noqa: F401 - fixture
 
 LABELS = {"type": "classification", "labels": ["neg", "pos"]}
@@ -190,8 +191,8 @@ def test_a_finished_job_whose_tenant_was_deleted_and_re_created_is_never_served(
 def small_server(live, tmp_path):
     """A server with room for 4 waiting batches, serving a copy of tenant alpha."""
     from hmi.adapters.store import AdapterStore
-    from hmi.dispatcher.registry import Registry
     from hmi.dispatcher.serve import run_in_thread
+    from hmi.services.registry import Registry
     from tests.helpers.servers import tiny_server
 
     src = live["server"]
@@ -298,7 +299,7 @@ def test_the_document_and_the_validator_agree_on_blank_texts(live):
 
     from hmi.dispatcher.schemas import NON_BLANK
 
-    model = live["server"].models["InferBody"]
+    model = models_of(live["server"])["InferBody"]
     for text, ok in (("\u0085", True), ("\u00a0x", True), (" \t\n", False), ("", False)):
         assert bool(re.search(NON_BLANK, text)) == ok
         status, payload = raw(live["url"], "POST", "/v1/tenants/alpha/infer", {"inputs": [text]})
@@ -311,7 +312,7 @@ def test_a_registry_that_cannot_be_reached_answers_503_with_retry_after(live, mo
     restarting: the request gets a 503 that says so and when to try again, not a 500."""
     import urllib.request
 
-    from hmi.dispatcher.registry import RegistryUnavailable
+    from hmi.services.registry import RegistryUnavailable
 
     def down(*args, **kwargs):
         raise RegistryUnavailable("the registry actor is unavailable (get): restarting")
@@ -345,7 +346,7 @@ def test_a_tenant_refused_over_its_share_again_and_again_is_then_held_to_its_fai
     server, hold, rate = live["server"], 3.0, 2
     gate = Gate.start("127.0.0.1", free_port(), live["url"].rsplit("//", 1)[1], hold_s=hold)
     server.gate, queue = gate, server.batcher.tenant_queue
-    server.batcher.fair_rate = lambda tenant: float(rate)  # its share of the answered rate (tests/dispatcher/test_batcher.py)
+    server.batcher.fair_rate = lambda tenant: float(rate)  # its share of the answered rate (tests/scheduler/test_batcher.py)
     try:
         assert _infer(gate.url, "alpha", ["through the gate"])[0] == 200
         server.batcher.tenant_queue = 1  # two texts at once are more than alpha's queue holds

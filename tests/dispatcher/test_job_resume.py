@@ -13,8 +13,8 @@ import time
 import pytest
 
 from hmi.client import Client
-from hmi.dispatcher.registry import Registry
 from hmi.dispatcher.serve import run_in_thread
+from hmi.services.registry import Registry
 from tests.helpers.jobs import wait_state  # noqa: F401
 from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
 
@@ -179,7 +179,7 @@ def test_a_dead_servers_job_is_claimed_by_exactly_one_of_two_recovering_servers(
 def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_its_own(tmp_path, monkeypatch):
     """The periodic take-over on a shared home: a job of a process that is gone (same host, dead
     pid) is run again here; this server's own running job keeps its attempt and goes on."""
-    from hmi.dispatcher.registry import owner_alive, process_owner
+    from hmi.services.registry import owner_alive, process_owner
 
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     server = tiny_server(tmp_path, shared_home=True, orphan_check_s=3600)
@@ -213,7 +213,7 @@ def test_every_file_kept_for_a_job_is_traced_to_that_job_including_a_killed_writ
     import tempfile
     from pathlib import Path
 
-    from hmi.dispatcher.jobs import JobManager, new_job_id
+    from hmi.services.jobs import JobManager, new_job_id
 
     jid = new_job_id()
     fd, tmp = tempfile.mkstemp(dir=tmp_path, prefix=f".{jid}.ckpt.", suffix=".tmp")

@@ -84,7 +84,7 @@ def test_demo_tenants_whose_adapters_ship_for_this_root_serve_at_once_and_the_ot
         news, reviews = DEMO_TENANTS
         spec = demo_spec(news)
         weights = initial_weights(server.root.bert.config, 2, spec, seed=1)
-        identity = {"root_artifact": server.root.artifact_id, "root_fingerprint": server.tenants.root_fingerprint,
+        identity = {"root_artifact": server.root.artifact_id, "root_fingerprint": server.served.root_fingerprint,
                     "plot_fingerprint": None, "miss_policy": server.lookup.policy}  # the tiny server's PLOT has no build
         write_shipped(news["name"], spec, weights, {**identity, "metrics": {"test": {"accuracy": 0.9}}})
         write_shipped(reviews["name"], demo_spec(reviews), initial_weights(server.root.bert.config, 2, demo_spec(reviews)),

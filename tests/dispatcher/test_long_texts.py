@@ -114,7 +114,7 @@ def test_a_job_worker_reads_texts_over_the_model_limit_without_the_tokenizer_war
     import torch
     from transformers.utils import logging as hf_logging
 
-    from hmi.dispatcher.workers import _run
+    from hmi.services.workers import _run
 
     fresh = load_tokenizer(default_spec().model_dir)  # the warning is given once per tokenizer object
     records: list[logging.LogRecord] = []

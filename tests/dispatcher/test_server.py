@@ -229,7 +229,7 @@ def test_restart_serves_finished_tenants_and_fails_interrupted_jobs(live, tmp_pa
 
     home = tmp_path / "copy"
     shutil.copytree(live["home"], home, ignore=shutil.ignore_patterns("lock.mdb"))
-    from hmi.dispatcher.registry import Registry
+    from hmi.services.registry import Registry
 
     reg = Registry(home / "registry")
     reg.create("tenants", "halfbuilt", {"state": "training", "spec": {"labels": ["a", "b"]}, "token_hash": "x"})
@@ -301,7 +301,7 @@ def test_a_tenant_over_its_queue_is_refused_alone_while_another_is_served(live, 
 def test_the_admin_sets_a_tenants_share_and_nobody_else_may(live):
     got, out = raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 2.5})
     assert (got, out["weight"]) == (200, 2.5)
-    assert live["admin"].tenant("alpha")["weight"] == 2.5 and live["server"].tenants.weight("alpha") == 2.5
+    assert live["admin"].tenant("alpha")["weight"] == 2.5 and live["server"].served.weight("alpha") == 2.5
     assert raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 2}, token=live["alpha"].token)[0] == 403
     assert raw(live["url"], "POST", "/v1/tenants/alpha/share", {"weight": 0})[0] == 400
     assert raw(live["url"], "POST", "/v1/tenants/nobody/share", {"weight": 1})[0] == 404

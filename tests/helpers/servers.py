@@ -5,13 +5,13 @@ import json
 import urllib.error
 import urllib.request
 
-from hmi.dispatcher.server import Server, ServerConfig
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_tokenizer
 from hmi.plot.kept import Keeper
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
+from hmi.services.server import Server, ServerConfig
 from tests.conftest import tiny_bert
 
 ADMIN = "admin-secret-for-tests"

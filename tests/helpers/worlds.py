@@ -12,7 +12,7 @@ from hmi.model.root import default_spec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-from hmi.scheduler.types import RequestError, TenantEntry
+from hmi.scheduler.types import FixedTenants, TenantEntry
 from hmi.training.finetune import tenant_model
 from tests.conftest import tiny_bert
 
@@ -44,7 +44,7 @@ def world(tmp_path_factory):
 def tenant_world(tmp, bert):
     """Twelve tenants of the four kinds on ``bert`` (split at L_LOW), their adapters perturbed
     so that no two answer alike, a PLOT computed on demand, and a registered "ghost" tenant
-    whose adapter is missing: ``(bert, tokenizer, adapter store, resolve, lookup)``."""
+    whose adapter is missing: ``(bert, tokenizer, adapter store, tenants, lookup)`` (``tenants``: a ``FixedTenants``)."""
     tok = load_tokenizer(default_spec().model_dir)
     enc = WindowedEncoder(bert, L_LOW).eval()
     store = PlotStore(tmp / "plot", meta=PlotMeta("tiny", L_LOW, bert.config.hidden_size), readonly=False)
@@ -62,17 +62,13 @@ def tenant_world(tmp, bert):
         entries[name] = TenantEntry(name, spec)
     entries["ghost"] = TenantEntry("ghost", KINDS[0])  # registered but its adapter is missing
 
-    def resolve(name):
-        if name not in entries:
-            raise RequestError("unknown_tenant", f"unknown tenant {name!r}", 404)
-        return entries[name]
-
-    return bert, tok, adapters, resolve, lookup
+    tenants = FixedTenants(entries, lookup)
+    return bert, tok, adapters, tenants, lookup
 
 
 def make(world, **kw):
-    bert, tok, adapters, resolve, lookup = world
-    return Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(**kw))
+    bert, tok, adapters, tenants, lookup = world
+    return Scheduler(bert, L_LOW, tok, adapters, tenants, tenants, SchedulerConfig(**kw))
 
 
 def workload(n=40, seed=0):

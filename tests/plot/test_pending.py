@@ -89,9 +89,9 @@ def test_a_server_on_a_plot_being_built_says_so_and_reads_it_alone_once_built(tm
     import os
 
     from hmi.dispatcher.serve import run_in_thread
-    from hmi.dispatcher.server import Server, ServerConfig
     from hmi.model.artifact import Root
     from hmi.model.root import RootSpec
+    from hmi.services.server import Server, ServerConfig
     from tests.helpers.servers import ADMIN
 
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN

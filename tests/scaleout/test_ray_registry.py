@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hmi.dispatcher.registry import Leases, Registry
+from hmi.services.registry import Leases, Registry
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 ray = pytest.importorskip("ray")

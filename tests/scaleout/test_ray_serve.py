@@ -117,7 +117,7 @@ def test_a_replica_killed_while_training_loses_no_job_and_no_answer(cluster):
     import signal
     import time
 
-    from hmi.dispatcher.registry import Registry
+    from hmi.services.registry import Registry
 
     admin, url = cluster["admin"], cluster["url"]
     before = call(url, "POST", "/v1/tenants/alpha/infer", {"inputs": TEXTS}, token=cluster["alpha_token"])[2]["outputs"]

@@ -14,9 +14,9 @@ import torch
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
 from hmi.client import ApiError, Client
-from hmi.dispatcher.auth import hash_token, new_token
-from hmi.dispatcher.registry import Leases, Registry, owner_alive, process_owner
 from hmi.dispatcher.serve import run_in_thread
+from hmi.services.auth import hash_token, new_token
+from hmi.services.registry import Leases, Registry, owner_alive, process_owner
 from hmi.training.finetune import tenant_model
 from tests.helpers.servers import ADMIN, tiny_server
 
@@ -37,7 +37,7 @@ def publish_elsewhere(server, name: str, w: dict, token: str | None = None) -> N
     if rec is None:
         server.registry.create("tenants", name, {"state": "ready", "model": "encoder", "domain": "root",
                                                  "spec": SPEC.to_dict(), "truncate": False, "job": None, "version": 1,
-                                                 "token_hash": hash_token(token), "root": server.tenants.root_fingerprint})
+                                                 "token_hash": hash_token(token), "root": server.served.root_fingerprint})
     else:
         server.registry.update("tenants", name, version=rec["version"] + 1)
 
@@ -136,7 +136,7 @@ def test_a_job_running_in_another_process_is_cancelled_through_this_one(live):
     """A cancel request reaches whichever replica runs the job: it is recorded with the job, and the
     job's owner stops its worker.  The other replica is played by a second job manager on the
     registry, which does not run the job."""
-    from hmi.dispatcher.jobs import JobManager
+    from hmi.services.jobs import JobManager
     from tests.helpers.jobs import wait_state
     from tests.helpers.servers import LONG_JOB
 

@@ -5,6 +5,7 @@ import queue
 import pytest
 import torch
 
+from hmi.errors import Kind
 from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
 from tests.helpers.generation import PROMPTS, engine, world  # noqa: F401 - fixture
 
@@ -121,7 +122,7 @@ def test_an_over_long_prompt_is_refused_before_tokenization(world):
                          EngineConfig(rank=4, max_len=96))
     with pytest.raises(GenerationError) as err:
         e.submit(GenRequest("t0", "word " * 4000))
-    assert err.value.code == "input_too_long" and err.value.status == 413
+    assert err.value.code == "input_too_long" and err.value.kind == Kind.TOO_LARGE
     assert calls == []
 
 

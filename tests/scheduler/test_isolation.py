@@ -4,18 +4,16 @@ over-long text is refused before the tokenizer reads it."""
 import torch
 
 from hmi.adapters.spec import AdapterSpec
+from hmi.errors import Kind, Refusal
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
-from hmi.scheduler.types import RequestError, TenantEntry
+from hmi.scheduler.types import FixedTenants, TenantEntry
 from tests.helpers.worlds import L_LOW, TEXTS, make, same, world  # noqa: F401 - fixture
 
 
 def scheduler_with(world, extra: dict, lookups=None, tokenizer=None, **cfg):
-    bert, tok, adapters, resolve, lookup = world
-
-    def resolve2(name):
-        return extra[name] if name in extra else resolve(name)
-
-    return Scheduler(bert, L_LOW, tokenizer or tok, adapters, resolve2, lookups or (lambda d: lookup), SchedulerConfig(**cfg))
+    bert, tok, adapters, tenants, lookup = world
+    both = FixedTenants({**tenants.entries, **extra}, lookup)
+    return Scheduler(bert, L_LOW, tokenizer or tok, adapters, both, lookups or both, SchedulerConfig(**cfg))
 
 
 def mixed(bad: str) -> list[tuple[str, str]]:
@@ -32,7 +30,7 @@ def reference(world, pairs):
 def check_isolated(got, want, pairs, bad, code):
     for (t, _), g, w in zip(pairs, got, want):
         if t == bad:
-            assert isinstance(g, RequestError) and g.code == code, g
+            assert isinstance(g, Refusal) and g.code == code, g
         else:
             same(g, w)
 
@@ -49,7 +47,7 @@ def test_a_corrupt_adapter_file_fails_only_its_own_tenants_requests(world):
     got = s.infer(pairs)
     s.shutdown()
     check_isolated(got, reference(world, ok_pairs), pairs, "broken", "adapter_unreadable")
-    assert got[1].status == 500
+    assert got[1].kind == Kind.FAILED
 
 
 def test_an_adapter_whose_head_is_wider_than_the_pools_fails_only_its_tenant(world):
@@ -69,17 +67,18 @@ def test_an_adapter_whose_head_is_wider_than_the_pools_fails_only_its_tenant(wor
 
 
 def test_a_domain_whose_plot_cannot_be_opened_fails_only_its_tenants(world):
-    _, _, _, resolve, lookup = world
+    _, _, _, tenants, lookup = world
 
-    def lookups(domain):
-        if domain == "broken":
-            raise OSError("No such file or directory: .../domains/broken/plot/data.mdb")
-        return lookup
+    class Lookups:
+        def lookup_for(self, domain):
+            if domain == "broken":
+                raise OSError("No such file or directory: .../domains/broken/plot/data.mdb")
+            return lookup
 
-    entry = resolve("t3")
+    entry = tenants.entry("t3")
     world[2].save("lawyer", entry.spec, world[2].load("t3"))
     pairs = mixed("lawyer")
-    s = scheduler_with(world, {"lawyer": TenantEntry("lawyer", entry.spec, domain="broken")}, lookups=lookups, max_batch=8)
+    s = scheduler_with(world, {"lawyer": TenantEntry("lawyer", entry.spec, domain="broken")}, lookups=Lookups(), max_batch=8)
     got = s.infer(pairs)
     s.shutdown()
     check_isolated(got, reference(world, [p if p[0] != "lawyer" else ("t3", p[1]) for p in pairs]), pairs, "lawyer",
@@ -99,6 +98,6 @@ def test_over_long_texts_are_refused_before_the_tokenizer_reads_them(world):
     long_text = "word " * 4000  # 20,000 characters, 4,000 words
     got = s.infer([("t0", long_text)] * 63 + [("t0", TEXTS[0])])
     s.shutdown()
-    assert all(isinstance(g, RequestError) and g.code == "input_too_long" and g.status == 413 for g in got[:63])
+    assert all(isinstance(g, Refusal) and g.code == "input_too_long" and g.kind == Kind.TOO_LARGE for g in got[:63])
     assert "label" in got[63]
     assert max(seen) < 200  # only the short text reached the tokenizer

@@ -7,12 +7,13 @@ import torch
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
+from hmi.errors import Refusal
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, split_by_length
-from hmi.scheduler.types import InferRequest, RequestError, SchedulerClosedError, TenantEntry
+from hmi.scheduler.types import FixedTenants, InferRequest, SchedulerClosedError, TenantEntry
 from hmi.training.finetune import tenant_model
 from tests.conftest import DEVICES
 from tests.helpers.worlds import L_LOW, TEXTS, H, make, same, workload, world  # noqa: F401
@@ -83,7 +84,7 @@ def test_a_batch_of_short_and_long_texts_runs_in_length_groups_with_the_answers_
 
 
 def test_results_stay_with_their_requests_under_random_stage_delays(world):
-    bert, tok, adapters, resolve, lookup = world
+    bert, tok, adapters, tenants, lookup = world
     rng = random.Random(1)
 
     class SlowLookup:
@@ -95,7 +96,7 @@ def test_results_stay_with_their_requests_under_random_stage_delays(world):
     ref = make(world)
     want = ref.infer(pairs)
     ref.shutdown()
-    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: SlowLookup(), SchedulerConfig(max_batch=3))
+    s = Scheduler(bert, L_LOW, tok, adapters, tenants, FixedTenants(tenants.entries, SlowLookup()), SchedulerConfig(max_batch=3))
     got = s.infer(pairs)
     s.shutdown()
     for a, b in zip(got, want):
@@ -103,7 +104,7 @@ def test_results_stay_with_their_requests_under_random_stage_delays(world):
 
 
 def test_small_batches_queued_behind_a_busy_pipeline_run_coalesced_with_the_same_results(world):
-    bert, tok, adapters, resolve, lookup = world
+    bert, tok, adapters, tenants, lookup = world
     gate = threading.Event()
 
     class GatedLookup:
@@ -115,7 +116,7 @@ def test_small_batches_queued_behind_a_busy_pipeline_run_coalesced_with_the_same
     ref = make(world)
     want = ref.infer(pairs)
     ref.shutdown()
-    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: GatedLookup(),
+    s = Scheduler(bert, L_LOW, tok, adapters, tenants, FixedTenants(tenants.entries, GatedLookup()),
                   SchedulerConfig(max_batch=8, queue_depth=1, retrieval_threads=1))
     reqs = [InferRequest(t, x) for t, x in pairs]
     for r in reqs:  # one request per batch, as a batcher under light load would send them
@@ -135,9 +136,9 @@ def test_a_failing_request_fails_alone_with_a_clear_error(world):
     out = s.infer(pairs)
     s.shutdown()
     assert "label" in out[0] and "label" in out[4]
-    assert isinstance(out[1], RequestError) and out[1].code == "unknown_tenant"
-    assert isinstance(out[2], RequestError) and out[2].code == "input_too_long"
-    assert isinstance(out[3], RequestError) and out[3].code == "adapter_missing"
+    assert isinstance(out[1], Refusal) and out[1].code == "unknown_tenant"
+    assert isinstance(out[2], Refusal) and out[2].code == "input_too_long"
+    assert isinstance(out[3], Refusal) and out[3].code == "adapter_missing"
 
 
 def test_shutdown_with_cancel_fails_queued_work_and_does_not_hang(world):
@@ -202,7 +203,7 @@ def test_served_scores_equal_the_fine_tune_model_on_the_same_lookup(world, pooli
             p.add_(0.2 * torch.randn(p.shape))
     adapters.save(name, spec, trainer.weights())
     trainer.load(adapters.load(name))  # the fp16 weights that serving reads
-    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig(device=device))
+    s = Scheduler(bert, L_LOW, tok, adapters, *[FixedTenants({name: TenantEntry(name, spec)}, lookup)] * 2, SchedulerConfig(device=device))
     got = s.infer([(name, text) for text in TEXTS])
     s.shutdown()
     ids, mask = as_numpy_ids(tok(TEXTS)["input_ids"])
@@ -235,7 +236,7 @@ def test_served_scores_equal_the_fine_tune_model_on_an_mpnet_root(tmp_path, kind
             p.add_(0.2 * torch.randn(p.shape))
     adapters.save("m", spec, trainer.weights())
     trainer.load(adapters.load("m"))
-    s = Scheduler(bert, L_LOW, tok, adapters, lambda n: TenantEntry(n, spec), lambda d: lookup, SchedulerConfig())
+    s = Scheduler(bert, L_LOW, tok, adapters, *[FixedTenants({"m": TenantEntry("m", spec)}, lookup)] * 2, SchedulerConfig())
     got = s.infer([("m", text) for text in WORD_TEXTS])
     s.shutdown()
     ids, mask = as_numpy_ids(tok(WORD_TEXTS)["input_ids"])
@@ -255,8 +256,8 @@ def test_embeddings_of_the_root_and_of_tenants_batched_with_scoring_equal_their_
     from hmi.model.hplm import as_numpy_ids
     from hmi.model.root import SentencePooling, extended_mask
 
-    bert, tok, adapters, resolve, lookup = world
-    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(device=device))
+    bert, tok, adapters, tenants, lookup = world
+    s = Scheduler(bert, L_LOW, tok, adapters, tenants, tenants, SchedulerConfig(device=device))
     texts = TEXTS[:5]
     reqs = [InferRequest(None, t, embed=True) for t in texts] + [InferRequest("t1", t, embed=True) for t in texts] \
         + [InferRequest("t0", t) for t in texts]
@@ -271,7 +272,7 @@ def test_embeddings_of_the_root_and_of_tenants_batched_with_scoring_equal_their_
         plain = h
         for layer in bert.encoder.layer[L_LOW:]:
             plain = layer(plain, extended_mask(mask_t))[0]
-        tenant = tenant_model(bert, L_LOW, resolve("t1").spec, seed=0)
+        tenant = tenant_model(bert, L_LOW, tenants.entry("t1").spec, seed=0)
         tenant.load(adapters.load("t1"))
         adapted = tenant.upper(h, mask_t)
     pool = SentencePooling("mean", normalize=True)

@@ -20,8 +20,8 @@ def world(tmp_path_factory):
 
 
 def serve(world, pairs, **cfg):
-    bert, tok, adapters, resolve, lookup = world
-    s = Scheduler(bert, L_LOW, tok, adapters, resolve, lambda d: lookup, SchedulerConfig(device="cpu", **cfg))
+    bert, tok, adapters, tenants, lookup = world
+    s = Scheduler(bert, L_LOW, tok, adapters, tenants, tenants, SchedulerConfig(device="cpu", **cfg))
     try:
         return s.infer(pairs)
     finally:

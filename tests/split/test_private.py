@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
-from hmi.scheduler.base_executor import FrozenLinears
+from hmi.split.base_executor import FrozenLinears
 from hmi.split.client import BaseClient, BaseExecutorError
 from hmi.split.lower import LocalLower
 from hmi.split.model import OnServer, PrivateModel

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hmi.dispatcher.validation import ApiError
+from hmi.errors import Kind, Refusal
 
 
 class Decoders:
@@ -18,7 +18,7 @@ class Decoders:
     def require(self):
         """The hGPT runtime, or a 404 telling how to enable it."""
         if self.runtime is None:
-            raise ApiError(404, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
+            raise Refusal(Kind.NOT_FOUND, "hgpt_disabled", "this server does not serve decoder tenants (start it with --hgpt)")
         return self.runtime
 
     def forget(self, tenant: str) -> None:

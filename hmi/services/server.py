@@ -1,6 +1,6 @@
-"""What one serving process holds (``Server``): the root, PLOT lookups, version tree, adapter
-store, scheduler, batcher, registry, jobs and metrics, and the objects the routes call (each
-with one job: authentication, the tenant life cycle, adapter transfer, usage, decoders)."""
+"""What one serving process holds (``Server``): the root, its PLOT, adapter store, scheduler,
+batcher, registry and metrics, and the services the HTTP layer calls (each with one job:
+authentication, the tenant life cycle, domains, jobs, adapter transfer, usage, decoders)."""
 
 from __future__ import annotations
 
@@ -13,23 +13,23 @@ from pathlib import Path
 from hmi.adapters.store import AdapterStore
 from hmi.allocator import release_heap
 from hmi.data import load_corpus
-from hmi.dispatcher.auth import Auth, admin_token
-from hmi.dispatcher.batcher import Batcher
-from hmi.dispatcher.decoders import Decoders
-from hmi.dispatcher.jobs import JobManager
-from hmi.dispatcher.metrics import History, Metrics
-from hmi.dispatcher.registry import UNFINISHED, Leases, Registry, RegistryOps
-from hmi.dispatcher.schemas import build_models
-from hmi.dispatcher.tenants import Tenants
-from hmi.dispatcher.transfer import AdapterTransfer
-from hmi.dispatcher.usage import Usage
-from hmi.dispatcher.workers import WorkerContext
 from hmi.model.root import SentencePooling, sentence_pooling, weights_fingerprint
 from hmi.plot.hot import attach_hot_tier
 from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.plot.pending import PendingStore, build_state
-from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
+from hmi.scheduler.batcher import Batcher
 from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
+from hmi.services.auth import Auth, admin_token
+from hmi.services.decoders import Decoders
+from hmi.services.domains import Domains
+from hmi.services.jobs import JobManager
+from hmi.services.metrics import History, Metrics
+from hmi.services.registry import UNFINISHED, Leases, Registry, RegistryOps
+from hmi.services.tenants import ServedTenants, Tenants
+from hmi.services.transfer import AdapterTransfer
+from hmi.services.usage import Usage
+from hmi.services.workers import WorkerContext
+from hmi.split.base_executor import BaseExecutor, FrozenLinears
 from hmi.version_tree.tree import VersionTree
 
 log = logging.getLogger("hmi.server")
@@ -52,7 +52,7 @@ class ServerConfig:
     miss_policy: str = "auto"
     plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
     max_pending: int = 256
-    # Fair shares (hmi.dispatcher.batcher): batches formed ahead of the scheduler, and the requests
+    # Fair shares (hmi.scheduler.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.
     batches_in_flight: int = 2
     tenant_queue: int = 256
@@ -108,10 +108,11 @@ def check_config(cfg: ServerConfig, root) -> None:
 
 class Server:
     """Everything one serving process holds, wired together; built by ``build_server``.  The
-    routes reach the parts with one job each: ``auth`` (who a request comes from), ``tenants``
-    (their life cycle and what is served), ``transfer`` (adapters uploaded and downloaded),
-    ``usage`` (per-tenant counts), ``decoders`` (the hGPT runtime, when enabled), ``jobs``,
-    ``tree`` (domains), ``scheduler`` and ``batcher``."""
+    HTTP layer reaches the services with one job each: ``auth`` (whom a token belongs to),
+    ``tenants`` (their life cycle), ``served`` (which tenants are answered for now), ``transfer``
+    (adapters uploaded and downloaded), ``usage`` (per-tenant counts), ``decoders`` (the hGPT
+    runtime, when enabled), ``jobs``, ``domains`` (the version tree and its lookups),
+    ``scheduler`` and ``batcher``."""
 
     def __init__(self, home: Path, root, lookup, cfg: ServerConfig, plot_path: Path, plot_meta, job_launcher=None,
                  registry: RegistryOps | None = None):
@@ -130,26 +131,13 @@ class Server:
         self.auth = Auth(self.registry, admin, cfg.shared_home)
         self.decoders = Decoders()
         self.tree = VersionTree(root, home, root_version=lookup.chain[0], writable=lookup.keeper is not None)
-        self._lookups: dict[str, object] = {"root": lookup}
         try:  # the root's own sentence pooling; a root whose pooling is not served embeds nothing
             pooling, self.embedding_error = sentence_pooling(root.spec.model_dir), None
         except ValueError as exc:
             pooling, self.embedding_error = SentencePooling(), str(exc)
-        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store,
-                                   lambda tenant: self.tenants.entry(tenant), self.lookup_for,
-                                   SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
-                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
-                                                   max_labels=cfg.max_labels, device=str(self.device),
-                                                   upper_precision=cfg.upper_precision), pooling)
-        self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
-                               on_close=self.metrics.batch_size.observe, in_flight=cfg.batches_in_flight,
-                               tenant_queue=cfg.tenant_queue, weight=lambda tenant: self.tenants.weight(tenant),
-                               queue_delay=cfg.queue_delay_s or None)
-        self.gate = None  # the HAProxy gate in front of this server (hmi.dispatcher.gate), when it runs behind one
-        self.models = build_models(cfg)
+        self._closing = threading.Event()
         if cfg.plot_hot_mb > 0:
             threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
-        self._closing = threading.Event()
         if cfg.heap_trim_s > 0:
             threading.Thread(target=self._trim_heap, name="heap-trim", daemon=True).start()
         if isinstance(lookup.chain[0].store, PendingStore):
@@ -163,10 +151,22 @@ class Server:
         self.jobs = JobManager(self.registry, ctx, self._job_finished, cfg.job_concurrency, cfg.max_queued_jobs,
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher,
                                memory_mb=cfg.job_memory_mb)
+        self.domains = Domains(self.tree, lookup, self.registry, self.jobs, root.artifact_id)
+        self.served = ServedTenants(weights_fingerprint(root.bert), root.spec.name)
+        self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.served, self.domains,
+                                   SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
+                                                   pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,
+                                                   max_labels=cfg.max_labels, device=str(self.device),
+                                                   upper_precision=cfg.upper_precision), pooling)
+        self.batcher = Batcher(self.scheduler.submit, cfg.max_batch, cfg.max_wait_ms / 1000,
+                               on_close=self.metrics.batch_size.observe, in_flight=cfg.batches_in_flight,
+                               tenant_queue=cfg.tenant_queue, weight=self.served.weight,
+                               queue_delay=cfg.queue_delay_s or None)
+        self.gate = None  # the HAProxy gate in front of this server (hmi.dispatcher.gate), when it runs behind one
         self.usage = Usage(self.scheduler.residency, self.store, self.decoders)
         self.tenants = Tenants(self.registry, self.store, self.scheduler, self.jobs, self.auth, self.decoders,
-                               self.usage, weights_fingerprint(root.bert), root.spec.name,
-                               default_root=root.spec.source is None, shared_home=cfg.shared_home)
+                               self.usage, self.served, default_root=root.spec.source is None,
+                               shared_home=cfg.shared_home)
         self.transfer = AdapterTransfer(root, self.registry, self.store, self.scheduler.residency, self.tenants,
                                         self.decoders)
         self._executor: BaseExecutor | None = None
@@ -212,7 +212,7 @@ class Server:
         if not job["kind"].startswith("domain"):
             self.tenants.job_finished(job, state, info)
         elif state == "succeeded":
-            self.domain_changed(job["domain"])
+            self.domains.changed(job["domain"])
 
     def _build_hot_tier(self) -> None:
         """The root PLOT's hot tier, in the background: lookups read LMDB alone until it is there."""
@@ -263,29 +263,11 @@ class Server:
                               "computed_on_demand": store.computed}
         return out
 
-    # -- domains ---------------------------------------------------------------------------------
-    def lookup_for(self, domain: str):
-        """The PLOT lookup of a domain's chain, opened once and kept until the domain changes."""
-        lk = self._lookups.get(domain)
-        if lk is None:
-            lk = self._lookups[domain] = self.tree.lookup(domain, self.lookup.policy, self.lookup.keeper)
-        return lk
-
-    def lookups(self) -> dict:
-        """The PLOT lookups opened so far, by domain (the root's always)."""
-        return dict(self._lookups)
-
-    def domain_changed(self, name: str) -> None:
-        for d in list(self._lookups):
-            if d != "root":
-                del self._lookups[d]
-        self.tree.forget(name)
-
     # -- decoders --------------------------------------------------------------------------------
     def enable_hgpt(self, runtime) -> None:
         """Serves decoder tenants with ``runtime`` (an HgptRuntime) and lets jobs train them."""
         self.decoders.enable(runtime)
-        runtime.service.set_weight(self.tenants.weight)  # the admin's shares hold for the decoder's rows too
+        runtime.service.set_weight(self.served.weight)  # the admin's shares hold for the decoder's rows too
         self.jobs.ctx.gpt = runtime.worker_view()
         version = runtime.lookup.chain[0]
         if isinstance(version.store, PendingStore):

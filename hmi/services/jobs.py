@@ -1,4 +1,4 @@
-"""Background jobs (tenant fine-tuning, domains) in workers (hmi.dispatcher.workers).
+"""Background jobs (tenant fine-tuning, domains) in workers (hmi.services.workers).
 
 Where a worker runs is its launcher's business: by default (``ProcessLauncher``) a process
 spawned with ``torch.multiprocessing``, which maps the server's root weights from shared memory
@@ -31,10 +31,10 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
-from hmi.dispatcher.registry import UNFINISHED, Registry, process_owner
-from hmi.dispatcher.validation import ApiError
-from hmi.dispatcher.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
+from hmi.errors import Kind, Refusal
 from hmi.io import atomic_write_json
+from hmi.services.registry import UNFINISHED, Registry, process_owner
+from hmi.services.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
 from hmi.version_tree.tree import forget_checkpoint
 
 log = logging.getLogger("hmi.jobs")
@@ -183,10 +183,9 @@ class JobManager:
         return self._queue.qsize() >= self.max_queued
 
     def require_room(self) -> None:
-        """429 with ``Retry-After`` when ``max_queued`` jobs are waiting already."""
+        """Refuses (``BUSY``, retry after 30 s) when ``max_queued`` jobs are waiting already."""
         if self.full():
-            raise ApiError(429, "too_many_jobs", f"{self.max_queued} jobs are waiting; retry later",
-                           {"Retry-After": "30"})
+            raise Refusal(Kind.BUSY, "too_many_jobs", f"{self.max_queued} jobs are waiting; retry later", retry_after_s=30)
 
     def submit(self, kind: str, tenant: str | None, spec: dict | None, data: dict, job_id: str | None = None,
                **extra) -> str:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hmi.dispatcher.metrics import CHARTED, History, Metrics
+from hmi.services.metrics import CHARTED, History, Metrics
 
 
 def test_the_history_keeps_the_last_hour_of_the_charted_series_and_forgets_the_rest():

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import TenantMissingError
-from hmi.dispatcher.jobs import new_job_id
-from hmi.dispatcher.validation import ApiError
-from hmi.scheduler.types import RequestError, TenantEntry
+from hmi.errors import Kind, Refusal
+from hmi.scheduler.types import TenantEntry
+from hmi.services.jobs import new_job_id
 
 log = logging.getLogger("hmi.server")
 
@@ -20,8 +20,8 @@ def is_private(rec: dict) -> bool:
     return rec.get("model") == "private"
 
 
-def private_error(name: str, what: str) -> ApiError:
-    return ApiError(409, "private_tenant", f"tenant {name!r} is private: {what}; it runs its adapter on its own side "
+def private_error(name: str, what: str) -> Refusal:
+    return Refusal(Kind.CONFLICT, "private_tenant", f"tenant {name!r} is private: {what}; it runs its adapter on its own side "
                     "with hmi.split, calling this server's base executor (POST /v1/base/...)")
 
 
@@ -31,63 +31,25 @@ def entry_of(name: str, rec: dict) -> TenantEntry:
                        rec.get("truncate", False), rec.get("weight", 1.0))
 
 
-class Tenants:
-    """The tenants this process serves, kept in step with the registry.
+class ServedTenants:
+    """Which tenants this process answers for now, and how: the scheduler's and the batcher's
+    view of them (``hmi.scheduler.types.TenantView``), kept in step with the registry by
+    ``Tenants``.  Encoder tenants of another root are known but not served (``wrong_root``)."""
 
-    Encoder tenants record the root they were trained on (its fingerprint); those of another root
-    stay in the registry but are not served here (409 ``wrong_root``).  On a home shared with
-    other serving processes, a tenant is brought up to its registry record whenever it is used
-    (``resolve``): a record is known by its creation time and version."""
-
-    def __init__(self, registry, store, scheduler, jobs, auth, decoders, usage, root_fingerprint: str,
-                 root_name: str, default_root: bool, shared_home: bool = False):
-        self.registry, self.store, self.scheduler, self.jobs = registry, store, scheduler, jobs
-        self.auth, self.decoders, self.usage = auth, decoders, usage
-        self.root_fingerprint, self.root_name, self.default_root = root_fingerprint, root_name, default_root
-        self.shared_home = shared_home
+    def __init__(self, root_fingerprint: str, root_name: str):
+        self.root_fingerprint, self.root_name = root_fingerprint, root_name
         self._entries: dict[str, TenantEntry] = {}
         self._foreign: dict[str, str] = {}  # tenant -> fingerprint of the root it was trained on
         self._gpt_ready: dict[str, float] = {}  # decoder tenants that can generate -> their weight
-        self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
-        for name, rec in self.registry.items("tenants"):
-            self.auth.remember(name, rec.get("token_hash", ""))
-            if rec["state"] == "importing":
-                rec = self.recover_import(name, rec)
-            if rec.get("model") != "decoder" and not self._own_root(rec):
-                self._foreign[name] = rec.get("root") or "the default root's"
-            elif rec["state"] in ("ready", "updating") and not is_private(rec):
-                if rec.get("model") == "decoder":
-                    self._gpt_ready[name] = rec.get("weight", 1.0)
-                else:
-                    self._entries[name] = entry_of(name, rec)
 
-    # -- serving ---------------------------------------------------------------------------------
     def entry(self, tenant: str) -> TenantEntry:
-        """The tenant's entry as this process serves it; RequestError when it serves none."""
+        """The tenant's entry as this process serves it; a Refusal when it serves none."""
         e = self._entries.get(tenant)
         if e is None and tenant in self._foreign:
-            raise RequestError("wrong_root", self.foreign_message(tenant), 409)
+            raise Refusal(Kind.CONFLICT, "wrong_root", self.foreign_message(tenant))
         if e is None:
-            raise RequestError("unknown_tenant", f"tenant {tenant!r} is not servable", 404)
+            raise Refusal(Kind.NOT_FOUND, "unknown_tenant", f"tenant {tenant!r} is not servable")
         return e
-
-    async def resolve(self, tenant: str) -> TenantEntry:
-        """The tenant's entry for a request, brought up to its registry record first on a shared
-        home (the read is awaited: a registry kept by another process does not hold up the loop)."""
-        if self.shared_home:
-            self.apply_record(tenant, await self.registry.aget("tenants", tenant))
-        return self.entry(tenant)
-
-    async def record(self, tenant: str) -> dict:
-        """The tenant's registry record; 404 when there is none."""
-        rec = await self.registry.aget("tenants", tenant)
-        if rec is None:
-            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
-        return rec
-
-    def decoder_ready(self, tenant: str) -> bool:
-        """Whether a decoder tenant's LoRA is published and its generations are accepted."""
-        return tenant in self._gpt_ready
 
     def weight(self, tenant: str) -> float:
         """A tenant's share of the batches (or of the decoder's rows) relative to the others (1
@@ -95,31 +57,105 @@ class Tenants:
         e = self._entries.get(tenant)
         return e.weight if e is not None else self._gpt_ready.get(tenant, 1.0)
 
-    def set_weight(self, tenant: str, weight: float) -> dict:
-        """Records and applies a tenant's weight (the admin's); 404 when there is no such tenant."""
-        rec = self.registry.update("tenants", tenant, weight=weight)
-        if rec is None:
-            raise ApiError(404, "unknown_tenant", f"no tenant {tenant!r}")
-        if tenant in self._entries:
-            self._entries[tenant] = replace(self._entries[tenant], weight=weight)
-        elif tenant in self._gpt_ready:
-            self._gpt_ready[tenant] = weight
-        return rec
+    def decoder_ready(self, tenant: str) -> bool:
+        """Whether a decoder tenant's LoRA is published and its generations are accepted."""
+        return tenant in self._gpt_ready
 
-    def servable_count(self) -> int:
+    def count(self) -> int:
+        """The encoder tenants served."""
         return len(self._entries)
 
-    def servable_names(self) -> list[str]:
+    def names(self) -> list[str]:
         """The tenants this process answers for now: encoder and decoder."""
         return [*self._entries, *self._gpt_ready]
 
-    def serving_kind(self, tenant: str) -> str | None:
+    def kind(self, tenant: str) -> str | None:
         """``encoder`` or ``decoder`` when this process answers for the tenant now, else None."""
         return "encoder" if tenant in self._entries else "decoder" if tenant in self._gpt_ready else None
 
     def foreign_message(self, tenant: str) -> str:
         return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "
                 f"server serves {self.root_name} ({self.root_fingerprint[:12]}): serve that root to use it")
+
+    def is_foreign(self, tenant: str) -> bool:
+        return tenant in self._foreign
+
+    # -- changes (``Tenants``) -------------------------------------------------------------------
+    def serve(self, name: str, rec: dict) -> None:
+        """Serves the tenant of a published registry record (encoder or decoder)."""
+        self._foreign.pop(name, None)
+        if rec.get("model") == "decoder":
+            self._gpt_ready[name] = rec.get("weight", 1.0)
+        else:
+            self._entries[name] = entry_of(name, rec)
+
+    def foreign(self, name: str, fingerprint: str | None) -> None:
+        """Records that an encoder tenant was trained on the root of ``fingerprint``, another one:
+        known, not served (None: on this root after all)."""
+        if fingerprint is None:
+            self._foreign.pop(name, None)
+        else:
+            self._foreign[name] = fingerprint
+
+    def drop(self, name: str) -> bool:
+        """Stops serving a tenant; whether it was served."""
+        self._foreign.pop(name, None)
+        return self._entries.pop(name, None) is not None or self._gpt_ready.pop(name, None) is not None
+
+    def set_weight(self, name: str, weight: float) -> None:
+        if name in self._entries:
+            self._entries[name] = replace(self._entries[name], weight=weight)
+        elif name in self._gpt_ready:
+            self._gpt_ready[name] = weight
+
+
+class Tenants:
+    """The tenant life cycle of one serving process, kept in step with the registry: which
+    tenants ``served`` holds, creating, retraining and deleting them, and publishing what their
+    jobs produce.
+
+    Encoder tenants record the root they were trained on (its fingerprint); those of another root
+    stay in the registry but are not served here (``wrong_root``).  On a home shared with
+    other serving processes, a tenant is brought up to its registry record whenever it is used
+    (``resolve``): a record is known by its creation time and version."""
+
+    def __init__(self, registry, store, scheduler, jobs, auth, decoders, usage, served: ServedTenants,
+                 default_root: bool, shared_home: bool = False):
+        self.registry, self.store, self.scheduler, self.jobs = registry, store, scheduler, jobs
+        self.auth, self.decoders, self.usage, self.served = auth, decoders, usage, served
+        self.default_root, self.shared_home = default_root, shared_home
+        self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
+        for name, rec in self.registry.items("tenants"):
+            self.auth.remember(name, rec.get("token_hash", ""))
+            if rec["state"] == "importing":
+                rec = self.recover_import(name, rec)
+            if rec.get("model") != "decoder" and not self._own_root(rec):
+                served.foreign(name, rec.get("root") or "the default root's")
+            elif rec["state"] in ("ready", "updating") and not is_private(rec):
+                served.serve(name, rec)
+
+    # -- serving ---------------------------------------------------------------------------------
+    async def resolve(self, tenant: str) -> TenantEntry:
+        """The tenant's entry for a request, brought up to its registry record first on a shared
+        home (the read is awaited: a registry kept by another process does not hold up the loop)."""
+        if self.shared_home:
+            self.apply_record(tenant, await self.registry.aget("tenants", tenant))
+        return self.served.entry(tenant)
+
+    async def record(self, tenant: str) -> dict:
+        """The tenant's registry record; ``NOT_FOUND`` when there is none."""
+        rec = await self.registry.aget("tenants", tenant)
+        if rec is None:
+            raise Refusal(Kind.NOT_FOUND, "unknown_tenant", f"no tenant {tenant!r}")
+        return rec
+
+    def set_weight(self, tenant: str, weight: float) -> dict:
+        """Records and applies a tenant's weight (the admin's); ``NOT_FOUND`` when there is no such tenant."""
+        rec = self.registry.update("tenants", tenant, weight=weight)
+        if rec is None:
+            raise Refusal(Kind.NOT_FOUND, "unknown_tenant", f"no tenant {tenant!r}")
+        self.served.set_weight(tenant, weight)
+        return rec
 
     def apply_record(self, name: str, rec: dict | None) -> None:
         """Brings this process's view of a tenant up to its registry record ``rec`` (None: there is
@@ -128,14 +164,13 @@ class Tenants:
         in its published version, its cached copies dropped; a deleted one is dropped."""
         if rec is None:
             self._synced.pop(name, None)
-            if self._entries.pop(name, None) is not None or name in self._gpt_ready:
-                self._gpt_ready.pop(name, None)
+            if self.served.drop(name):
                 self.scheduler.forget(name)
             return
         if rec.get("model") != "decoder" and not self._own_root(rec):
-            self._foreign[name] = rec.get("root") or "the default root's"
+            self.served.foreign(name, rec.get("root") or "the default root's")
             return
-        self._foreign.pop(name, None)
+        self.served.foreign(name, None)
         published = rec["state"] in ("ready", "updating") or (rec["state"] == "importing" and rec.get("import_of") == "update")
         if not published:
             return
@@ -146,36 +181,33 @@ class Tenants:
         if self._synced.get(name) != seen:
             self._synced[name] = seen
             self.serve_new_version(name, rec)
-        elif name in self._entries and self._entries[name].weight != rec.get("weight", 1.0):
-            self._entries[name] = replace(self._entries[name], weight=rec.get("weight", 1.0))
-        elif name in self._gpt_ready:
-            self._gpt_ready[name] = rec.get("weight", 1.0)
+        else:
+            self.served.set_weight(name, rec.get("weight", 1.0))
 
     def serve_new_version(self, name: str, rec: dict) -> None:
         """Drops every cached copy of a tenant whose published version changed, and serves it."""
         self.store.invalidate(name)
         if rec.get("model") == "decoder":
             self.decoders.forget(name)
-            self._gpt_ready[name] = rec.get("weight", 1.0)
-            return
-        self.scheduler.forget(name)
-        self._entries[name] = entry_of(name, rec)
+        else:
+            self.scheduler.forget(name)
+        self.served.serve(name, rec)
 
     def is_foreign(self, job: dict) -> bool:
         """Whether a job belongs to a tenant trained on another root (a server of that root runs it)."""
-        return job.get("tenant") in self._foreign
+        return self.served.is_foreign(job.get("tenant"))
 
     def _own_root(self, rec: dict) -> bool:
         """Whether an encoder tenant was trained on this server's root; records from before roots
         were recorded belong to the default root, the only one then."""
         if "root" not in rec:
             return self.default_root
-        return rec["root"] == self.root_fingerprint
+        return rec["root"] == self.served.root_fingerprint
 
     # -- life cycle ------------------------------------------------------------------------------
     def create(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
         """Registers a new tenant and queues its first fine-tune job; returns (token, job id).
-        Raises ApiError: 429 when the job queue is full, 409 when the name is taken."""
+        Refuses (``BUSY``) when the job queue is full, (``CONFLICT``) when the name is taken."""
         self.jobs.require_room()
         jid = new_job_id()
         token = self.register(name, {**rec, "state": "training", "job": jid})
@@ -192,9 +224,9 @@ class Tenants:
         token, digest = self.auth.issue()
         rec = {**rec, "token_hash": digest, "version": 0}
         if rec.get("model") != "decoder":
-            rec["root"] = self.root_fingerprint
+            rec["root"] = self.served.root_fingerprint
         if not self.registry.create("tenants", name, rec):
-            raise ApiError(409, "tenant_exists", f"tenant {name!r} already exists")
+            raise Refusal(Kind.CONFLICT, "tenant_exists", f"tenant {name!r} already exists")
         self.auth.remember(name, digest)
         return token
 
@@ -205,15 +237,15 @@ class Tenants:
     def update(self, name: str, data: dict, **job) -> str:
         """Queues a further fine-tune job of a ready tenant: one at a time per tenant (409 while
         one is queued or running), checked and claimed in one registry transaction."""
-        if name in self._foreign:
-            raise ApiError(409, "wrong_root", self.foreign_message(name))
+        if self.served.is_foreign(name):
+            raise Refusal(Kind.CONFLICT, "wrong_root", self.served.foreign_message(name))
         self.jobs.require_room()
         jid = new_job_id()
         before = (self.registry.get("tenants", name) or {}).get("job")
         rec = self.registry.update_if("tenants", name, ("ready",), state="updating", job=jid)
         if rec is None:
             state = (self.registry.get("tenants", name) or {}).get("state", "deleted")
-            raise ApiError(409, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
+            raise Refusal(Kind.CONFLICT, "tenant_busy", f"tenant {name!r} is {state}; update it once it is ready")
         try:
             self.jobs.submit("update", name, rec["spec"], data, job_id=jid, **job)
         except BaseException:  # not queued: the tenant is ready again, serving what it served
@@ -234,8 +266,7 @@ class Tenants:
     def delete(self, tenant: str, rec: dict) -> None:
         """Stops serving the tenant at once, cancels its job, forgets its record, token, usage,
         resident copies and stored adapter."""
-        self._entries.pop(tenant, None)
-        self._gpt_ready.pop(tenant, None)
+        self.served.drop(tenant)
         self.decoders.forget(tenant)
         if rec.get("job"):
             self.jobs.cancel(rec["job"])

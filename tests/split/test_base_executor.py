@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from hmi.scheduler.base_executor import BaseExecutor, FrozenLinears
+from hmi.split.base_executor import BaseExecutor, FrozenLinears
 from tests.conftest import DEVICES, tiny_bert
 
 L_LOW = 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hmi.adapters.portable import RootShape
 from hmi.adapters.spec import AdapterSpec
-from hmi.dispatcher.validation import ApiError
+from hmi.errors import Kind, Refusal
 from hmi.scheduler.types import TenantEntry
 
 
@@ -45,7 +45,7 @@ class AdapterTransfer:
         try:
             self.pool_check(spec, weights, model)
         except ValueError as exc:
-            raise ApiError(422, "wrong_shape", f"the adapter does not fit this server: {exc}") from None
+            raise Refusal(Kind.UNPROCESSABLE, "wrong_shape", f"the adapter does not fit this server: {exc}") from None
         rec = self.registry.get("tenants", name)
         if rec is None:
             token = self.tenants.register(name, {"state": "importing", "model": model, "domain": "root",
@@ -54,9 +54,9 @@ class AdapterTransfer:
         else:
             token = None
             if rec.get("model", "encoder") != model:
-                raise ApiError(422, "wrong_tenant_kind", f"tenant {name!r} is an {rec.get('model', 'encoder')} tenant")
+                raise Refusal(Kind.UNPROCESSABLE, "wrong_tenant_kind", f"tenant {name!r} is an {rec.get('model', 'encoder')} tenant")
             if self.registry.update_if("tenants", name, ("ready",), state="importing", import_of="update") is None:
-                raise ApiError(409, "tenant_busy", f"tenant {name!r} is {rec['state']}; upload once it is ready")
+                raise Refusal(Kind.CONFLICT, "tenant_busy", f"tenant {name!r} is {rec['state']}; upload once it is ready")
         try:
             version = self.store.save(name, spec, weights, {"model": model, "imported": True}, publish=False)
             self.store.publish(name, version)
@@ -73,7 +73,7 @@ class AdapterTransfer:
         """(spec, canonical weights, model kind) of the published adapter of the tenant whose
         registry record is ``rec``; 409 while it has none."""
         if rec["state"] not in ("ready", "updating"):
-            raise ApiError(409, "tenant_not_ready", f"tenant {name!r} is {rec['state']}; it has no adapter to download yet")
+            raise Refusal(Kind.CONFLICT, "tenant_not_ready", f"tenant {name!r} is {rec['state']}; it has no adapter to download yet")
         return AdapterSpec.from_dict(self.store.info(name)["spec"]), self.store.load(name), rec.get("model", "encoder")
 
     def load_decoder_tenant(self, name: str):

@@ -6,8 +6,8 @@ import os
 import time
 
 from hmi.client import Client
-from hmi.dispatcher.jobs import JOB_PEAK_MB
 from hmi.dispatcher.serve import run_in_thread
+from hmi.services.jobs import JOB_PEAK_MB
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 

@@ -6,9 +6,8 @@ import json
 import pytest
 
 from hmi.adapters.spec import AdapterSpec
-from hmi.dispatcher.registry import Registry
-from hmi.dispatcher.validation import ApiError
-from hmi.scheduler.types import RequestError
+from hmi.errors import Kind, Refusal
+from hmi.services.registry import Registry
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 
@@ -16,23 +15,23 @@ def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):
     rec = {"domain": "root", "spec": AdapterSpec(labels=("neg", "pos")).to_dict(), "state": "ready"}
     first = tiny_server(tmp_path)
     first.tenants.register("alpha", rec)
-    fingerprint = first.tenants.root_fingerprint
+    fingerprint = first.served.root_fingerprint
     first.shutdown()
 
     same = tiny_server(tmp_path)
-    assert same.tenants.entry("alpha").name == "alpha"
+    assert same.served.entry("alpha").name == "alpha"
     same.shutdown()
 
     other = tiny_server(tmp_path, seed=1)
     try:
-        assert other.tenants.root_fingerprint != fingerprint
-        with pytest.raises(RequestError) as e:
-            other.tenants.entry("alpha")
-        assert e.value.status == 409 and e.value.code == "wrong_root"
-        assert fingerprint[:12] in str(e.value) and other.tenants.root_fingerprint[:12] in str(e.value)
-        with pytest.raises(ApiError) as e:
+        assert other.served.root_fingerprint != fingerprint
+        with pytest.raises(Refusal) as e:
+            other.served.entry("alpha")
+        assert e.value.kind == Kind.CONFLICT and e.value.code == "wrong_root"
+        assert fingerprint[:12] in str(e.value) and other.served.root_fingerprint[:12] in str(e.value)
+        with pytest.raises(Refusal) as e:
             other.tenants.update("alpha", {"train": []})
-        assert e.value.status == 409
+        assert e.value.kind == Kind.CONFLICT
     finally:
         other.shutdown()
 
@@ -46,13 +45,13 @@ def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path)
     server.shutdown()
     default = tiny_server(tmp_path)
     try:
-        assert default.tenants.entry("old").name == "old"
+        assert default.served.entry("old").name == "old"
     finally:
         default.shutdown()
     other = tiny_server(tmp_path, source="mpnet-base")  # a server of another root, same weights
     try:
-        with pytest.raises(RequestError) as e:
-            other.tenants.entry("old")
+        with pytest.raises(Refusal) as e:
+            other.served.entry("old")
         assert e.value.code == "wrong_root"
     finally:
         other.shutdown()
@@ -63,7 +62,7 @@ def test_a_job_of_another_roots_tenant_is_left_to_a_server_of_that_root(tmp_path
     runs it (it would train the tenant on B) nor fails it; the next server of root A runs it again."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     first = tiny_server(tmp_path)
-    fingerprint = first.tenants.root_fingerprint
+    fingerprint = first.served.root_fingerprint
     first.shutdown()
     spec = AdapterSpec(labels=("neg", "pos")).to_dict()
 

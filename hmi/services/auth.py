@@ -1,5 +1,6 @@
 """Authentication: an admin token, per-tenant tokens stored only as hashes, and ``Auth``, which
-tells who a request comes from."""
+tells whom a token belongs to (the HTTP layer reads it off the request:
+``hmi.dispatcher.validation.bearer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import secrets
 import time
 from pathlib import Path
 
-from hmi.dispatcher.validation import ApiError
+from hmi.errors import Kind, Refusal
 from hmi.io import atomic_write_text
 
 
@@ -42,7 +43,7 @@ def admin_token(home: Path) -> tuple[str, bool]:
 
 class Auth:
     """Who a request comes from: the admin, a tenant (its token's SHA-256 is in its registry
-    record, confirmed on every request in constant time), or nobody (401).  Keeps the map from
+    record, confirmed on every request in constant time), or nobody (``UNAUTHENTICATED``).  Keeps the map from
     token digests to tenant names that lets a request find its record in one read; on a home
     shared with other serving processes, tokens issued there are read at most once a second.
     Tokens are random 192-bit secrets: looking up their SHA-256 leaks nothing useful."""
@@ -68,52 +69,38 @@ class Auth:
     def forget(self, digest: str) -> None:
         self._owner_by_digest.pop(digest, None)
 
-    # -- requests --------------------------------------------------------------------------------
-    async def caller(self, request) -> str:
-        """``admin`` or the name of the tenant whose token the request bears; 401 otherwise."""
-        return (await self.identify(request))[0]
+    # -- callers -------------------------------------------------------------------------------
+    async def caller(self, token: str) -> str:
+        """``admin`` or the name of the tenant whose token ``token`` is; ``UNAUTHENTICATED`` otherwise."""
+        return (await self.identify(token))[0]
 
-    async def identify(self, request) -> tuple[str, dict | None]:
+    async def identify(self, token: str) -> tuple[str, dict | None]:
         """(``caller``, the tenant's record that confirmed its token; None for the admin).  The
         record is awaited, so a registry kept by another process (a Ray actor's round trip) does
         not hold up the event loop."""
-        digest = self._digest(request)
-        if digest is None:
+        if same(token, self.admin):
             return "admin", None
+        digest = hash_token(token)
         name = self._owner(digest)
         rec = None if name is None else await self.registry.aget("tenants", name)
         if not self._owns(rec, digest):
-            raise ApiError(401, "unauthorized", "the token is not valid")
+            raise Refusal(Kind.UNAUTHENTICATED, "unauthorized", "the token is not valid")
         return name, rec
 
-    async def require_admin(self, request) -> None:
-        if await self.caller(request) != "admin":
-            raise ApiError(403, "forbidden", "this operation needs the admin token")
+    async def require_admin(self, token: str) -> None:
+        if await self.caller(token) != "admin":
+            raise Refusal(Kind.FORBIDDEN, "forbidden", "this operation needs the admin token")
 
-    async def require_owner(self, request, tenant: str) -> str:
-        """The caller, when it is the admin or ``tenant`` itself; 401 or 403 otherwise."""
-        return self.may_act(await self.caller(request), tenant)
+    async def require_owner(self, token: str, tenant: str) -> str:
+        """The caller, when it is the admin or ``tenant`` itself; ``UNAUTHENTICATED`` or ``FORBIDDEN`` otherwise."""
+        return self.may_act(await self.caller(token), tenant)
 
     @staticmethod
     def may_act(who: str, tenant: str) -> str:
-        """``who`` (a ``caller``) if it may act on ``tenant``: the admin or the tenant; 403 otherwise."""
+        """``who`` (a ``caller``) if it may act on ``tenant``: the admin or the tenant; ``FORBIDDEN`` otherwise."""
         if who != "admin" and who != tenant:
-            raise ApiError(403, "forbidden", f"this token may not act on tenant {tenant!r}")
+            raise Refusal(Kind.FORBIDDEN, "forbidden", f"this token may not act on tenant {tenant!r}")
         return who
-
-    def _digest(self, request) -> str | None:
-        """The digest of the request's bearer token, None for the admin token; 401 without a token."""
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
-            raise ApiError(401, "unauthorized", "send 'Authorization: Bearer <token>'")
-        token = header[7:].strip()
-        try:
-            token.encode("utf-8")
-        except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as surrogates
-            raise ApiError(401, "unauthorized", "the token is not valid UTF-8") from None
-        if same(token, self.admin):
-            return None
-        return hash_token(token)
 
     def _owner(self, digest: str) -> str | None:
         """The tenant a digest was issued to as this process knows it; its record still has to

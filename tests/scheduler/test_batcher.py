@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hmi.dispatcher.batcher import FLOOD_FACTOR, FLOOD_WINDOW, MIN_SHARE, Batcher
+from hmi.scheduler.batcher import FLOOD_FACTOR, FLOOD_WINDOW, MIN_SHARE, Batcher
 from hmi.scheduler.fair import TenantQueueFullError
 from hmi.scheduler.types import InferRequest, QueueFullError
 
@@ -226,7 +226,7 @@ def test_a_tenant_that_does_not_flood_fills_whole_batches_beside_a_tenant_served
 
 
 def test_what_a_tenant_sent_is_forgotten_two_windows_after_it_stopped(monkeypatch):
-    import hmi.dispatcher.batcher as batcher
+    import hmi.scheduler.batcher as batcher
 
     monkeypatch.setattr(batcher, "FLOOD_WINDOW", 0.05)
 
