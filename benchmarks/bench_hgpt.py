@@ -57,7 +57,7 @@ def random_lora(base: dict, g: torch.Generator) -> dict:
 
 
 def hgpt_tokens_per_s(runtime, tenants: list[str], texts: list[str], new_tokens: int, seed: int) -> tuple[float, int]:
-    from hmi.scheduler.generation import GenRequest
+    from hmi.hgpt.generation import GenRequest
 
     rng = random.Random(seed)
     reqs = [GenRequest(rng.choice(tenants), t, max_new_tokens=new_tokens) for t in texts]
@@ -155,11 +155,11 @@ def main() -> None:
     from hmi.adapters.store import AdapterStore, weights_bytes
     from hmi.bootstrap import prepare_decoder
     from hmi.data import held_out_texts
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.home import hmi_home
     from hmi.model.decoder import perplexity
     from hmi.plot.paths import ensure_root_plot, open_root_store
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
 
     home = hmi_home()
     model_files = args.model_files or (12 if args.quick else 100)

@@ -53,10 +53,10 @@ def runtime(root, home: Path, tmp: Path, miss_policy: str = "compute", store=Non
     every lookup computes the token's embedding), with ``TENANTS`` random rank-8 LoRA tenants;
     ``miss_policy`` ``backoff``: a tri-gram the PLOT lacks is served from its bi-/uni-gram; ``store``:
     an engine's already open (LMDB opens an environment once per process)."""
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.plot.paths import ensure_root_plot, open_root_store
     from hmi.plot.store import PlotMeta, PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
 
     if store is not None:
         pass
@@ -77,7 +77,7 @@ def runtime(root, home: Path, tmp: Path, miss_policy: str = "compute", store=Non
 
 def generate(rt, texts: list[str], new_tokens: int, seed: int) -> tuple[float, int]:
     """Seconds to generate ``new_tokens`` for every text (greedy, tenants drawn), tokens generated."""
-    from hmi.scheduler.generation import GenRequest
+    from hmi.hgpt.generation import GenRequest
 
     rng = random.Random(seed)
     reqs = [GenRequest(f"t{rng.randrange(TENANTS)}", t, max_new_tokens=new_tokens) for t in texts]

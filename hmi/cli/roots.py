@@ -23,6 +23,7 @@ from hmi.bootstrap import (
 )
 from hmi.cli.common import add_root_options, read_corpus_arg, refuse_encoder_root_with_decoder
 from hmi.data import CORPORA, held_out_texts
+from hmi.hgpt.runtime import DEFAULT_RANK
 from hmi.home import hmi_home
 from hmi.model.aliases import ALIASES, DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
 from hmi.model.artifact import (
@@ -40,7 +41,6 @@ from hmi.plot.learned import TRAIN_STEPS, resolve_policy
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotMissingError, PlotStore
-from hmi.scheduler.decoder_runtime import DEFAULT_RANK
 from hmi.timelimit import EXIT_UNFINISHED
 from hmi.training import backoff
 from hmi.training.calibrate import CalibrationUnfinished

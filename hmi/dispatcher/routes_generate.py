@@ -15,8 +15,8 @@ from aiohttp import web
 from hmi.dispatcher.context import SERVER
 from hmi.dispatcher.schemas import models_of, parse
 from hmi.dispatcher.validation import ApiError, as_api_error, bearer, json_body, refused
+from hmi.hgpt.generation import GenerationError, GenRequest, ServiceClosedError
 from hmi.scheduler.fair import TenantQueueFullError
-from hmi.scheduler.generation import GenerationError, GenRequest, ServiceClosedError
 
 
 async def _decoder_tenant(s, tenant: str) -> None:

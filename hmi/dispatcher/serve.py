@@ -24,6 +24,7 @@ from hmi.dispatcher.app import make_app
 from hmi.dispatcher.gate import HOLD_S, Gate
 from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_demo, startup_report
 from hmi.dispatcher.routes_tenants import create_from_body
+from hmi.hgpt.runtime import HgptRuntime
 from hmi.home import hmi_home
 from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
@@ -32,7 +33,6 @@ from hmi.plot.learned import LearnedBackoffMissingError, resolve_policy
 from hmi.plot.lookup import PlotLookup
 from hmi.plot.paths import open_root_version, plot_meta, root_plot_path
 from hmi.plot.pending import serving_store
-from hmi.scheduler.decoder_runtime import HgptRuntime
 from hmi.services.server import Server, ServerConfig, ServerConfigError
 
 

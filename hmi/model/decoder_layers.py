@@ -1,7 +1,7 @@
 """The forward pass of the decoder root's (Llama's) upper layers over a KV cache, written once,
 with the LoRA sites (query and value projections) left to the caller.
 
-The generation engine (``hmi.scheduler.generation``) runs them for the new tokens of several
+The generation engine (``hmi.hgpt.generation``) runs them for the new tokens of several
 requests at once, each reading and extending its own row of the cache.
 """
 

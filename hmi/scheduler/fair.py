@@ -6,7 +6,7 @@ tag of the last request taken), and requests are taken smallest tag first.  A te
 ten times its share therefore waits behind itself, not in front of the others; a tenant of weight
 2 is taken twice as often as one of weight 1 while both have requests waiting.  The encoder's
 batcher (``hmi.scheduler.batcher``) and the decoder's generation service
-(``hmi.scheduler.generation``) both take their requests from one of these.  Not thread-safe: its
+(``hmi.hgpt.generation``) both take their requests from one of these.  Not thread-safe: its
 owner serializes the calls (the event loop; a lock).
 """
 

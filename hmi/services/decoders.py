@@ -6,7 +6,7 @@ from hmi.errors import Kind, Refusal
 
 
 class Decoders:
-    """Holds the hGPT runtime (``hmi.scheduler.decoder_runtime.HgptRuntime``) when the server
+    """Holds the hGPT runtime (``hmi.hgpt.runtime.HgptRuntime``) when the server
     serves decoder tenants, and answers for it when it does not."""
 
     def __init__(self):

@@ -59,7 +59,7 @@ class WorkerContext:
     miss_policy: str
     artifact_id: str = ""
     home: str = ""
-    gpt: object = None  # hmi.scheduler.decoder_runtime.WorkerDecoder when the server serves decoder tenants
+    gpt: object = None  # hmi.hgpt.runtime.WorkerDecoder when the server serves decoder tenants
     source: str | None = None  # RootSpec.source: the root's name (None: the default root)
     keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the server's budget of kept misses per PLOT
 

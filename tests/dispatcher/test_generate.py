@@ -11,9 +11,9 @@ import pytest
 
 from hmi.adapters.spec import AdapterSpec
 from hmi.dispatcher.serve import run_in_thread
+from hmi.hgpt.generation import EngineConfig
+from hmi.hgpt.runtime import HgptRuntime
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.scheduler.decoder_runtime import HgptRuntime
-from hmi.scheduler.generation import EngineConfig
 from tests.helpers.decoders import TEXTS, tiny_decoder_root  # noqa: F401
 from tests.helpers.servers import ADMIN, TRAIN, raw, tiny_server
 

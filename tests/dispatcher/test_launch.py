@@ -117,9 +117,9 @@ def test_the_decoder_demo_tenant_whose_adapter_ships_for_this_decoder_and_its_pl
 
     from hmi.adapters.shipped import as_shipped, write_shipped
     from hmi.dispatcher.launch import shipped_identity
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.plot.store import PlotMeta, PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
     from hmi.training.demo import DEMO_DECODER_TENANTS, train_demo_decoder
     from tests.helpers.decoders import tiny_decoder_root
     from tests.helpers.servers import raw
@@ -157,9 +157,9 @@ def test_a_decoder_demo_adapter_shipped_for_another_decoder_is_trained_by_its_jo
     from hmi.adapters.shipped import write_shipped
     from hmi.adapters.spec import AdapterSpec
     from hmi.dispatcher.launch import shipped_identity
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.plot.store import PlotMeta, PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
     from hmi.training.demo import DEMO_DECODER_TENANTS
     from tests.helpers.decoders import tiny_decoder_root
 

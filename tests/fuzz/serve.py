@@ -15,9 +15,9 @@ from hmi.dispatcher.app import make_app
 
 
 def main(home: Path, port: int) -> None:
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.plot.store import PlotMeta, PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
     from tests.helpers.decoders import TEXTS, tiny_decoder_root
     from tests.helpers.servers import TAGS, TRAIN, tiny_server
 

@@ -6,10 +6,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hmi.adapters.interop import attach, from_library, library_model
 from hmi.adapters.spec import AdapterSpec
+from hmi.hgpt.generation import EngineConfig, GenerationEngine
 from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.scheduler.generation import EngineConfig, GenerationEngine
 
 L_LOW, VOCAB = 2, 90
 

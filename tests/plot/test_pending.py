@@ -154,8 +154,8 @@ def test_a_server_on_a_decoder_plot_being_built_says_so_and_reads_it_alone_once_
     import os
 
     from hmi.dispatcher.serve import run_in_thread
-    from hmi.scheduler.decoder_runtime import HgptRuntime
-    from hmi.scheduler.generation import EngineConfig
+    from hmi.hgpt.generation import EngineConfig
+    from hmi.hgpt.runtime import HgptRuntime
     from tests.helpers.decoders import tiny_decoder_root
     from tests.helpers.servers import ADMIN, tiny_server
 

@@ -84,9 +84,9 @@ def test_the_packaged_decoder_finds_its_shipped_windows_and_a_fresh_home_install
 
 
 def test_a_fine_tune_worker_reads_the_calibrated_windows_not_the_decoders_own_layers(tmp_path):
+    from hmi.hgpt.runtime import HgptRuntime
     from hmi.model.decoder import CausalLower
     from hmi.plot.store import PlotMeta, PlotStore
-    from hmi.scheduler.decoder_runtime import HgptRuntime
     from tests.helpers.decoders import tiny_decoder_root
 
     root = tiny_decoder_root()

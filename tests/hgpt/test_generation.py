@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from hmi.adapters.spec import AdapterSpec
+from hmi.hgpt.generation import EngineConfig, GenerationEngine, GenerationError, GenRequest
 from hmi.model.decoder import run_layers
-from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenRequest
 from tests.conftest import DEVICES
 from tests.helpers.generation import L_LOW, PROMPTS, VOCAB, CharTokenizer, engine, world  # noqa: F401
 
@@ -132,8 +132,8 @@ def test_decoder_calibration_moves_window_states_toward_the_full_context_states(
 
 
 def test_a_tenant_that_floods_the_generation_service_waits_behind_itself_and_alone_is_refused(world):
+    from hmi.hgpt.generation import GenerationService
     from hmi.scheduler.fair import TenantQueueFullError
-    from hmi.scheduler.generation import GenerationService
 
     service = GenerationService(engine(world, max_active=1), tenant_queue=12)
     done: list[str] = []

@@ -7,13 +7,13 @@ import functools
 from dataclasses import dataclass
 from pathlib import Path
 
+from hmi.hgpt.generation import EngineConfig, GenerationEngine, GenerationService
 from hmi.model.decoder import CausalLower, DecoderRoot
 from hmi.model.root import weights_fingerprint
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store
 from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationService
 
 DEFAULT_RANK = 8
 

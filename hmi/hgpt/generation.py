@@ -27,12 +27,12 @@ from hmi.adapters.batched import batched_lora, segment_plan
 from hmi.adapters.pool import SlotPool
 from hmi.adapters.spec import SpecError
 from hmi.errors import Kind, Refusal
+from hmi.hgpt.sampling import GREEDY_BELOW, next_token, streamable
 from hmi.model import decoder_layers
 from hmi.model.decoder import DecoderRoot, additive_mask
 from hmi.model.decoder_layers import KVCache, Step
 from hmi.plot.lookup import PlotLookup
 from hmi.scheduler.fair import FairQueue, TenantQueueFullError
-from hmi.scheduler.sampling import GREEDY_BELOW, next_token, streamable
 from hmi.textlimit import words_exceed
 
 log = logging.getLogger("hmi.generation")

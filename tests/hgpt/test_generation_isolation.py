@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hmi.errors import Kind
-from hmi.scheduler.generation import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
+from hmi.hgpt.generation import EngineConfig, GenerationEngine, GenerationError, GenerationService, GenRequest
 from tests.helpers.generation import PROMPTS, engine, world  # noqa: F401 - fixture
 
 

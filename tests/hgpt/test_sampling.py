@@ -2,7 +2,7 @@ import torch
 
 from hmi.adapters.heads import decode
 from hmi.adapters.spec import AdapterSpec
-from hmi.scheduler.sampling import next_token, streamable
+from hmi.hgpt.sampling import next_token, streamable
 
 
 def test_next_token_is_the_argmax_without_a_generator_or_below_the_greedy_temperature():
