@@ -6,7 +6,7 @@ setup-serve`` (what ``make serve`` installs), then ``hmi serve`` on an empty ``H
 (``POST /v1/tenants/demo-news/infer`` answering 200).
 
 Usage: python benchmarks/bench_first_start.py
-Results: docs/bench_first_start.md (``HMI_BENCH_DOCS`` elsewhere).  Run it alone: it measures
+Results: docs/results/bench_first_start.md (``HMI_BENCH_DOCS`` elsewhere).  Run it alone: it measures
 the machine's cores and its network.
 """
 

@@ -25,7 +25,7 @@ bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-
 the default root).  A miss policy fixes what a text is answered with: ``compute`` and every
 ``compute+insert`` state answer every text with its exact windows (the kept ones in the PLOT's
 value format, which is how eval_accuracy's exact-windows column reads them too only up to int8
-rounding: 0.0002 of pooled cosine, ``docs/bench_plot_formats.md``), so they share that column;
+rounding: 0.0002 of pooled cosine, ``docs/results/bench_plot_formats.md``), so they share that column;
 how warm the PLOT is changes their speed alone.  Also the hit-rate curve: the share of the test
 texts' distinct tri-grams the PLOT holds as the stream goes on.
 
@@ -70,7 +70,7 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": "hBERT, learned
           "compute": "hBERT, exact windows", "compute+insert cold": "hBERT, exact windows",
           "compute+insert tenants": "hBERT, exact windows", "compute+insert warm": "hBERT, exact windows",
           "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
-RECORDS = Path(__file__).resolve().parents[1] / "docs"  # the accuracy records read (DOCS is where this run writes)
+RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows")
 
 

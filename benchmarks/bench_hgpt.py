@@ -286,7 +286,7 @@ def main() -> None:
             f"({res['dedicated']['file_gib']} GiB), an LRU of {res['dedicated']['capacity']} fp32 models in 2 GiB, page "
             f"cache dropped before each load (median load {res['dedicated']['median_load_s']} s, median generation "
             f"{res['dedicated']['median_generate_s']} s per request); derived points: new tokens / (median generation + "
-            "miss rate x median load). Plot: `docs/hgpt_tokens.png`.")
+            "miss rate x median load). Plot: `docs/results/hgpt_tokens.png`.")
     finish("bench_hgpt", text, res, "python benchmarks/bench_hgpt.py" + (" --quick" if args.quick else "")
            + (f" --model-files {args.model_files}" if args.model_files else ""))
 

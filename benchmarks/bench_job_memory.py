@@ -12,7 +12,7 @@ steps, and through the branch PLOT's build) and sampled every 0.2 s for the peak
 - **trimmed**: ``hmi.allocator.release_heap()`` at every report of the distillation (RSS read
   before and after it).
 
-Prints the table of RSS against steps and writes docs/bench_job_memory.md (and a plot).
+Prints the table of RSS against steps and writes docs/results/bench_job_memory.md (and a plot).
 """
 
 from __future__ import annotations

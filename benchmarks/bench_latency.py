@@ -268,7 +268,7 @@ def main() -> None:
              f"with back-off) in this process with {TENANTS:,} registered tenants drawn uniformly; the load from a "
              f"separate client process on localhost (the same 2 cores), {seconds} s per scenario, one real 128-token "
              "BBC text per request. Constant rate: open loop, requests sent on schedule whatever the answers. Burst: "
-             "64 clients each sending its next request as soon as its answer arrives. CDF: `docs/latency_cdf.png`.")
+             "64 clients each sending its next request as soon as its answer arrives. CDF: `docs/results/latency_cdf.png`.")
     finish("bench_latency", text, {"scenarios": res, "tenants": TENANTS, "seconds": seconds},
            "python benchmarks/bench_latency.py" + (" --quick" if args.quick else ""))
 

@@ -7,9 +7,9 @@ The server runs in this process on the current root and root PLOT with ten ready
 B..J), default configuration (fair shares: 2 batches in flight, 256 requests per tenant queue), or
 with ``--ray`` as two Ray Serve replicas behind the HAProxy ingress (``hmi.scaleout.ray_serve``,
 tenant affinity: each replica runs the whole server with its own fair queue; results in
-docs/bench_overload_ray.md);
+docs/results/bench_overload_ray.md);
 load comes from separate client processes on localhost (the same 2 cores; with ``--apart`` on the
-last core alone, the server and its gate on the others, results in docs/bench_overload_apart.md),
+last core alone, the server and its gate on the others, results in docs/results/bench_overload_apart.md),
 open loop (requests sent on schedule whatever the answers), one real short text (a tweet) per
 request. The scenarios after the capacity run in interleaved rounds (three of 10 s; one with
 ``--quick``), so that the machine's drift falls on all of them alike:

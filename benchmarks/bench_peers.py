@@ -330,7 +330,7 @@ def main() -> None:
 
     plot_rows(result, DOCS / "peers_rows.png")
     text = "\n\n".join([
-        "Plot: `docs/peers_rows.png`.",
+        "Plot: `docs/results/peers_rows.png`.",
         f"Rows per second (median of {rounds} rounds that run every side in turn on the same trace), batches of {B} "
         f"news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
         f"upper layers plus a head per tenant on both sides (the same weights). PEFT holds at most {PEFT_CAP} adapters "
@@ -339,7 +339,7 @@ def main() -> None:
                        "HMI / PEFT", "HMI hot tier / PEFT", "HMI / PEFT on HMI's kernels")),
         ("The same with bf16 products (this CPU multiplies bf16 natively): HMI's shared upper layers in bf16 "
          "(`hmi serve --upper-precision bf16`; the PLOT, adapters and heads fp32; scores within about 5e-3 of fp32, "
-         "`docs/bench_precision.md`), PEFT cast to bf16 whole:\n\n"
+         "`docs/results/bench_precision.md`), PEFT cast to bf16 whole:\n\n"
          + table(bf16_rows, ("tokens", "tenants", "HMI, upper layers bf16", "HMI bf16, whole PLOT in a hot tier",
                              "PEFT in bf16", "HMI bf16 / PEFT", "HMI bf16 hot tier / PEFT", "HMI bf16 / PEFT in bf16"))
          if bf16_rows else "No native bf16 on this CPU: the bf16 columns were not measured."),

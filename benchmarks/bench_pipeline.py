@@ -1,6 +1,6 @@
 """The scheduler's pipeline against its ablations (the paper's Table 6), batch 32 x 128 real text.
 
-Usage: python benchmarks/bench_pipeline.py [--quick] [--trace docs/pipeline_trace.json]
+Usage: python benchmarks/bench_pipeline.py [--quick] [--trace docs/results/pipeline_trace.json]
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def main() -> None:
                 f"per-round ratios: {res['learned_over_backoff_16']} at 16 tenants, {res['learned_over_backoff_1k']} "
                 f"at 1,000; with the whole PLOT in a hot tier {res['learned_hot_over_backoff_16']} and "
                 f"{res['learned_hot_over_backoff_1k']}." if has_learned else "") + "\n"
-             "Timeline of the full pipeline at 1,000 tenants: `docs/pipeline_timeline.png` "
-             "(trace: `docs/pipeline_trace.json`, open in Perfetto or chrome://tracing).")
+             "Timeline of the full pipeline at 1,000 tenants: `docs/results/pipeline_timeline.png` "
+             "(trace: `docs/results/pipeline_trace.json`, open in Perfetto or chrome://tracing).")
     finish("bench_pipeline", text, res, "python benchmarks/bench_pipeline.py" + (" --quick" if args.quick else ""))
 
 

@@ -160,7 +160,7 @@ def main() -> None:
         ap.add_argument("--inputs", type=int, default=1, help="texts per request (default 1)")
         ap.add_argument("--rounds", type=int, help="alternating single-process / Ray rounds (default 3; 1 with --quick)")
         ap.add_argument("--kill-only", action="store_true",
-                        help="phase 4 alone (a replica killed under load), written to docs/bench_scale_kill.md")
+                        help="phase 4 alone (a replica killed under load), written to docs/results/bench_scale_kill.md")
 
     args = start(__doc__, options)
     rounds = args.rounds or (1 if args.quick else 3)

@@ -12,7 +12,7 @@ and leaves this one's cells alone.
 A home can be lost between runs (another machine, a wiped disk), and a table of 12-layer runs
 takes longer than one machine is kept. So a benchmark may also keep its finished cells in a
 *record* that travels with the project: one JSON-lines file per configuration,
-``<record_dir>/<benchmark>-<config hash>.jsonl`` (the benchmarks pass ``docs/cells/``, beside
+``<record_dir>/<benchmark>-<config hash>.jsonl`` (the benchmarks pass ``docs/results/cells/``, beside
 their results pages), its first line the configuration, then one line per finished cell (with the machine that ran it). A cell
 is read back from the home or from the record; every cell a run finishes or reads back from its
 home is added to the record (rewritten atomically), so the same command on a fresh home, with

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-# Where results go: the repository's docs/, or HMI_BENCH_DOCS (a trial run that must not replace them).
-DOCS = Path(os.environ.get("HMI_BENCH_DOCS") or Path(__file__).resolve().parents[1] / "docs")
+# Where results go: the repository's docs/results/, or HMI_BENCH_DOCS (a trial run that must not replace them).
+DOCS = Path(os.environ.get("HMI_BENCH_DOCS") or Path(__file__).resolve().parents[1] / "docs" / "results")
 
 
 def start(doc: str, extra=None):
@@ -134,7 +134,7 @@ def provenance() -> str:
 
 
 def finish(name: str, text: str, result: dict, command: str) -> None:
-    """Prints the table and writes docs/<name>.md (its command, machine, date and commit); the last
+    """Prints the table and writes docs/results/<name>.md (its command, machine, date and commit); the last
     printed line is the JSON result."""
     DOCS.mkdir(exist_ok=True)
     doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{provenance()}\n\n{text}\n\n"

@@ -20,7 +20,7 @@ one with the better dev accuracy (``--pooling cls``, the default with ``--quick`
 one).  A tagging head reads every token.
 
 ``--schemes`` and ``--tasks`` run a subset (e.g. how the gap moves with ``--train``); such a run writes
-docs/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>[_train-N].md) and leaves the full
+docs/results/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>[_train-N].md) and leaves the full
 table alone.
 
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]

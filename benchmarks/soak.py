@@ -31,7 +31,7 @@ connection, a stream that ends without its final message when the client did not
 that does not succeed, or a server that does not stop cleanly on SIGTERM fails the soak (exit 1).
 ``--quick`` (CI: 100 tenants, jobs every 45 s) judges those alone: growth over two minutes is
 warm-up, so it is reported there, not judged.
-Results: ``docs/soak.md`` and ``docs/soak.png`` (``HMI_BENCH_DOCS`` elsewhere).
+Results: ``docs/results/soak.md`` and ``docs/results/soak.png`` (``HMI_BENCH_DOCS`` elsewhere).
 """
 
 from __future__ import annotations

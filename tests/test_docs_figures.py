@@ -1,5 +1,5 @@
-"""Every figure the README quotes comes from the results records it cites: in each paragraph
-that names pages under docs/, every measured number (a decimal, or an integer of two digits or
+"""Every figure the README and the guide quote comes from the results records they cite: in each
+paragraph that names pages under docs/ (or links to them), every measured number (a decimal, or an integer of two digits or
 more; not inside code, not part of a name such as MiniLM-L6 or 3+3) is found, at the precision
 written, among the numbers of those pages' JSON records. A rerun that changes a figure fails
 here instead of leaving a stale sentence."""
@@ -9,7 +9,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ("README.md",)
+PAGES = ("README.md", "docs/index.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guide").glob("*.md")))
+
+
+def cited_pages(name: str, paragraph: str) -> list[Path]:
+    """The pages a paragraph of page ``name`` cites: paths under docs/, and relative links."""
+    out = [ROOT / "docs" / p for p in re.findall(r"docs/([\w/.-]+\.md)", paragraph)]
+    here = (ROOT / name).parent
+    out += [(here / p).resolve() for p in re.findall(r"\]\(([\w/.-]+\.md)(?:#[\w-]*)?\)", paragraph)
+            if not p.startswith("docs/")]
+    return out
 
 
 def record_numbers(page: Path) -> list[float]:
@@ -50,11 +59,11 @@ def paragraphs(text: str) -> list[str]:
     return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
 
 
-def test_every_figure_the_readme_quotes_is_in_a_record_it_cites():
+def test_every_figure_the_readme_and_the_guide_quote_is_in_a_record_they_cite():
     missing = []
     for name in PAGES:
         for paragraph in paragraphs((ROOT / name).read_text()):
-            cited = [ROOT / "docs" / p for p in re.findall(r"docs/([\w/.-]+\.md)", paragraph)]
+            cited = cited_pages(name, paragraph)
             if not cited:
                 continue
             numbers = [n for page in cited if page.exists() for n in record_numbers(page)]
@@ -64,7 +73,7 @@ def test_every_figure_the_readme_quotes_is_in_a_record_it_cites():
 
 def test_the_check_finds_a_figure_no_record_holds():
     """The check itself: a figure that is not in the cited record is caught."""
-    numbers = record_numbers(ROOT / "docs" / "bench_front.md")
+    numbers = record_numbers(ROOT / "docs" / "results" / "bench_front.md")
     assert found("2.49", numbers) and not found("2.48", numbers)
     assert figures("at 2.31 times, 100 tenants on MiniLM-L6 3+3 (`--max-len 128`)") == ["2.31", "100"]
     assert figures("10,000 tenants, then 413, (twice)") == ["10,000", "413"]

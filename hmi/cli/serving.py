@@ -74,7 +74,7 @@ def arguments(command: str, srv) -> None:
     srv.add_argument("--pool-slots", type=int, default=64)
     srv.add_argument("--max-len", type=int, default=128,
                      help="tokens of a text the encoder tenants read (up to the root's position limit, 512 for both "
-                          "roots); longer texts are refused or, for tenants that truncate, cut (docs/bench_limits.md "
+                          "roots); longer texts are refused or, for tenants that truncate, cut (docs/results/bench_limits.md "
                           "measures the cost)")
     srv.add_argument("--miss-policy", default="auto",
                      choices=["auto", "backoff", "compute", "compute+insert", "learned"],
@@ -95,18 +95,18 @@ def arguments(command: str, srv) -> None:
     srv.add_argument("--plot-hot-mb", type=float, default=0.0,
                      help="MB of the root PLOT's most read entries held as tensors on the serving device, in front of "
                           "LMDB (built in the background after start; 0, the default: LMDB alone, which on a CPU with "
-                          "a warm page cache is as fast: docs/bench_plot.md)")
+                          "a warm page cache is as fast: docs/results/bench_plot.md)")
     srv.add_argument("--upper-precision", default="fp32", choices=["fp32", "bf16"],
                      help="the shared upper layers' linear products: fp32 (the default), or bf16 with fp32 "
                           "accumulation on a CPU that multiplies bf16 natively (avx512_bf16 or amx_bf16; refused "
                           "elsewhere): about 1.4x the rows/s, scores within about 5e-3 of fp32 "
-                          "(docs/bench_precision.md)")
+                          "(docs/results/bench_precision.md)")
     srv.add_argument("--gate", action="store_true",
                      help="put HAProxy in front of the server: a tenant the server keeps refusing over its share "
                           "is then held to its fair rate (its share of the answered requests per second) by HAProxy, "
                           "which refuses the rest before it reaches Python, so the flood's refusals cost the server "
                           "nothing and what is admitted comes evenly (needs the haproxy of the ray extra or on the "
-                          "PATH; docs/bench_overload.md); with --ray in front of Ray Serve's ingress, marked by the "
+                          "PATH; docs/results/bench_overload.md); with --ray in front of Ray Serve's ingress, marked by the "
                           "replicas on its host")
     _ray_args(srv)
     srv.set_defaults(func=cmd_serve)

@@ -4,7 +4,7 @@ fair share of the server before Python sees the rest of its requests.
 Refusing in the server is cheap only up to a point: every refused request is still parsed,
 authenticated and answered by the event loop, which shares the interpreter lock and the cores
 with the scheduler's threads, so a flood of refusals slows every tenant's inference
-(docs/bench_overload.md).  With the gate the server listens on a loopback port and HAProxy on the
+(docs/results/bench_overload.md).  With the gate the server listens on a loopback port and HAProxy on the
 public one.  When the server has refused a tenant ``over_share`` (it holds its share while others
 are served) ``MARK_AFTER`` times within a hold (a flood, not a quiet tenant's momentary excess),
 it marks that tenant in HAProxy's table ``TABLE`` over HAProxy's admin socket (``Gate.refuse``,

@@ -32,7 +32,7 @@ from hmi.plot.store import PlotStore
 
 WEIGHTS, CONFIG, CHECKPOINT = "learned_backoff.safetensors", "learned_backoff.json", "learned_backoff.ckpt"
 # Serving multiplies in bf16 (fp32 accumulation) where the CPU does so natively: half the time of fp32
-# for the same estimate to four digits of cosine (docs/bench_backoff.md); fp32 elsewhere.
+# for the same estimate to four digits of cosine (docs/results/bench_backoff.md); fp32 elsewhere.
 SERVE_BF16 = NATIVE_BF16
 TRAIN_STEPS = 4800  # batches of 512 tri-grams: nine passes over 280k of them (docs/roots.md)
 

@@ -22,7 +22,7 @@ def plot_meta(root) -> PlotMeta:
     """What a PLOT built from ``root`` records (checked whenever it is opened, the value format
     aside: an existing PLOT keeps its own). New encoder PLOTs store int8 rows with a scale each,
     a third of fp16's disk at hidden 384 for a 0.0002 lower pooled cosine
-    (``docs/bench_plot_formats.md``); a decoder's causal PLOT keeps fp16 (its hidden states
+    (``docs/results/bench_plot_formats.md``); a decoder's causal PLOT keeps fp16 (its hidden states
     have outlier dimensions that one scale per row would flatten). Either in leaf-sized records."""
     n = 1 if root.plot_kind == "causal" else 3
     dtype = "float16" if root.plot_kind == "causal" else "int8"

@@ -88,7 +88,7 @@ class SchedulerConfig:
 
 PRECISIONS = ("fp32", "bf16")
 # What one more pass through the upper layers costs beyond its token rows, in token rows: the
-# layers and heads alone cost 34 on the default root, 2 cores (docs/bench_lengths.md); twice that
+# layers and heads alone cost 34 on the default root, 2 cores (docs/results/bench_lengths.md); twice that
 # for the residency work and the gathers of a pass that the fit leaves out.
 PASS_OVERHEAD_TOKENS = 64
 

@@ -66,7 +66,7 @@ class ServerConfig:
     max_labels: int = 32  # labels a tenant's head may have (the width of the device pools' heads)
     device: str = "auto"  # cpu, cuda or auto
     # The shared upper layers' linear products: fp32, or bf16 where the CPU multiplies it natively
-    # (hmi.scheduler.pipeline.check_precision; docs/bench_precision.md measures both).
+    # (hmi.scheduler.pipeline.check_precision; docs/results/bench_precision.md measures both).
     upper_precision: str = "fp32"
     # Other serving processes (hmi.scaleout's replicas) share this home's registry and adapter
     # store: a tenant is brought up to its registry record whenever it is used, and start-up

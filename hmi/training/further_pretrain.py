@@ -7,7 +7,7 @@ so every tenant's adapters keep working on top of a branch.  Two objectives:
   with calibration's losses (its layer-``L_low`` states, every upper layer's output, the pooled
   output), each text read as the branch's PLOT will serve it (its held-out half's back-off).  The
   windows learn what the full root makes of this domain's text, which is what a tenant's adapters
-  were meant to read (``docs/bench_domains.md``: it is the objective that makes a branch help).
+  were meant to read (``docs/results/bench_domains.md``: it is the objective that makes a branch help).
 - ``mlm`` (the paper's): masked language modelling through the frozen upper layers and a fresh
   MLM head (the packaged roots ship none), trained alone for the first ``head_warmup`` of the steps.
 """

@@ -13,6 +13,7 @@ from hmi.adapters.batched import Group, batched_heads, upper_forward
 from hmi.adapters.pool import SlotPool
 from hmi.adapters.portable import PortableError, RootShape, read_decoder, read_encoder, write_decoder, write_encoder
 from hmi.archive import ArchiveError, unzip, zip_files, zip_folder
+from hmi.errors import Kind
 from hmi.model.hplm import UpperLayers
 from tests.conftest import tiny_bert
 from tests.helpers.adapters import HEADS, L_LOW, LAYERS, H, library_folder, library_head
@@ -165,7 +166,7 @@ def test_archives_refuse_pickle_bombs_and_non_zips():
     assert err.value.code == "not_a_zip"
     with pytest.raises(ArchiveError) as err:
         unzip(zip_files({"adapter.safetensors": b"\0" * 4096}, "f"), 1000)
-    assert err.value.status == 413
+    assert err.value.kind == Kind.TOO_LARGE
     with pytest.raises(ArchiveError) as err:
         unzip(zip_files({"a/b/c.json": b"{}"}, "f"), 1000)
     assert err.value.code == "bad_archive"
