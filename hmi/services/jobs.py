@@ -40,7 +40,7 @@ from hmi.version_tree.tree import forget_checkpoint
 log = logging.getLogger("hmi.jobs")
 
 # Jobs run again after a stop (from their kept inputs): tenant jobs from their start, domain jobs
-# from their distillation's last checkpoint (``checkpoint_file``).
+# from their distillation's last checkpoint (``JobFiles.checkpoint``).
 RESUMABLE = ("create", "update", "domain-create", "domain-update")
 FINAL = ("succeeded", "failed", "cancelled")
 CANCEL_CHECK_S = 0.5  # how often a running job's owner looks for a cancel request recorded by another process
@@ -145,6 +145,45 @@ class MemoryBudget:
                 self._cv.notify_all()
 
 
+class JobFiles:
+    """What is kept of each resumable job in ``folder`` until it ends (None: nothing is kept): its
+    inputs (``<id>.json``, written before the job is accepted), a domain job's distillation
+    checkpoint (``<id>.ckpt``) and a killed writer's temporary files."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+
+    def input(self, job_id: str) -> Path:
+        return self.folder / f"{job_id}.json"
+
+    def checkpoint(self, job_id: str) -> Path | None:
+        """Where a domain job's worker keeps its distillation checkpoint (beside the job's kept
+        inputs; removed when the job ends); None where inputs are not kept."""
+        return None if self.folder is None else self.folder / f"{job_id}.ckpt"
+
+    @staticmethod
+    def job_of(path: Path) -> str:
+        """The job a kept file belongs to: ``<id>.json``, ``<id>.ckpt``, ``<id>.ckpt.plot/`` and a
+        killed writer's ``.<id>.<name>.<random>.tmp`` (job ids are hex, without a dot)."""
+        return path.name.lstrip(".").split(".", 1)[0]
+
+    def forget(self, job_id: str) -> None:
+        """Every file kept for a job that ended (``job_of`` lists them)."""
+        if self.folder is not None:
+            for f in (self.input(job_id), *self.folder.glob(f".{job_id}.*.tmp")):
+                f.unlink(missing_ok=True)
+            forget_checkpoint(self.checkpoint(job_id))
+
+    def forget_ended(self, ended: Callable[[str], bool]) -> None:
+        """The files of every job ``ended`` says has ended (a start-up's recovery)."""
+        if self.folder is not None:
+            for f in [*self.folder.glob("*.json"), *self.folder.glob("*.ckpt*"), *self.folder.glob(".*.tmp")]:
+                if ended(jid := self.job_of(f)):
+                    self.forget(jid)
+
+
 class JobManager:
     """Runs jobs one (or ``concurrency``) at a time in workers started by ``launcher`` (default:
     spawned processes, ``ProcessLauncher``).
@@ -160,10 +199,8 @@ class JobManager:
                  inputs: Path | None = None, max_attempts: int = 3, launcher=None, memory_mb: float = 0.0):
         self.registry = registry
         self.memory = MemoryBudget(registry, memory_mb)
-        self.inputs = inputs
+        self.files = JobFiles(inputs)
         self.max_attempts = max_attempts
-        if inputs is not None:
-            inputs.mkdir(parents=True, exist_ok=True)
         self.ctx = ctx
         self.on_finish = on_finish
         self.max_queued = max_queued
@@ -174,7 +211,7 @@ class JobManager:
         self._procs: dict[str, object] = {}
         self._cancelled_at: dict[str, float] = {}
         self._closed = False
-        self._stopped = threading.Event()
+        self.stopped = threading.Event()
         self._threads = [threading.Thread(target=self._run, name=f"jobs-{i}", daemon=True) for i in range(concurrency)]
         for t in self._threads:
             t.start()
@@ -194,38 +231,17 @@ class JobManager:
         job_id = job_id or new_job_id()
         job = {"id": job_id, "kind": kind, "tenant": tenant, "spec": spec, "state": "queued", "progress": 0.0,
                "info": {}, "owner": process_owner(), "attempt": 1, **extra}
-        if self.inputs is not None and kind in RESUMABLE:
-            atomic_write_json(self._input(job_id), data)  # before the job exists: accepted means kept
+        if self.files.folder is not None and kind in RESUMABLE:
+            atomic_write_json(self.files.input(job_id), data)  # before the job exists: accepted means kept
             job["inputs_kept"] = True
         try:
             self.registry.create("jobs", job_id, {k: v for k, v in job.items()})
         except BaseException:  # not accepted: its inputs are not kept either
             if job.get("inputs_kept"):
-                self._input(job_id).unlink(missing_ok=True)
+                self.files.input(job_id).unlink(missing_ok=True)
             raise
         self._enqueue(job, data)
         return job_id
-
-    def _input(self, job_id: str) -> Path:
-        return self.inputs / f"{job_id}.json"
-
-    def checkpoint_file(self, job_id: str) -> Path | None:
-        """Where a domain job's worker keeps its distillation checkpoint (beside the job's kept
-        inputs; removed when the job ends); None where inputs are not kept."""
-        return None if self.inputs is None else self.inputs / f"{job_id}.ckpt"
-
-    @staticmethod
-    def job_of(path: Path) -> str:
-        """The job a kept file belongs to: ``<id>.json``, ``<id>.ckpt``, ``<id>.ckpt.plot/`` and a
-        killed writer's ``.<id>.<name>.<random>.tmp`` (job ids are hex, without a dot)."""
-        return path.name.lstrip(".").split(".", 1)[0]
-
-    def _forget_files(self, job_id: str) -> None:
-        """Every file kept for a job that ended (``job_of`` lists them)."""
-        if self.inputs is not None:
-            for f in (self._input(job_id), *self.inputs.glob(f".{job_id}.*.tmp")):
-                f.unlink(missing_ok=True)
-            forget_checkpoint(self.checkpoint_file(job_id))
 
     def _enqueue(self, job: dict, data: dict) -> None:
         self._cancel[job["id"]] = self.launcher.event()
@@ -235,9 +251,9 @@ class JobManager:
         """Whether a stopped job can run again from its kept inputs; ``attempt_used``: whether its
         stop counts as one of its ``max_attempts`` (not when a shutdown stopped it)."""
         used = attempt_used and not job.get("stopped_by_shutdown")
-        return (self.inputs is not None and job.get("inputs_kept", False) and job["kind"] in RESUMABLE
+        return (self.files.folder is not None and job.get("inputs_kept", False) and job["kind"] in RESUMABLE
                 and not job.get("cancel_requested")
-                and (not used or job.get("attempt", 1) < self.max_attempts) and self._input(job["id"]).is_file())
+                and (not used or job.get("attempt", 1) < self.max_attempts) and self.files.input(job["id"]).is_file())
 
     def _left_for_next_start(self, job: dict) -> None:
         """Records that this server's shutdown, not the job, stopped ``job``: the next start's
@@ -259,7 +275,7 @@ class JobManager:
         for job in claimed:
             jid = job["id"]
             try:
-                data = json.loads(self._input(jid).read_text())
+                data = json.loads(self.files.input(jid).read_text())
             except (OSError, ValueError) as exc:
                 self._finish(job, "failed", {"error": f"the job's kept inputs could not be read: {exc}"})
                 failed.append(jid)
@@ -270,11 +286,7 @@ class JobManager:
             resumed.append(jid)
         if failed or resumed:
             log.warning("jobs of stopped servers: %d failed, %d run again", len(failed), len(resumed))
-        if self.inputs is not None:
-            for f in [*self.inputs.glob("*.json"), *self.inputs.glob("*.ckpt*"), *self.inputs.glob(".*.tmp")]:
-                jid = self.job_of(f)
-                if (self.registry.get("jobs", jid) or {"state": "failed"})["state"] in FINAL:
-                    self._forget_files(jid)
+        self.files.forget_ended(lambda jid: (self.registry.get("jobs", jid) or {"state": "failed"})["state"] in FINAL)
         return failed, resumed
 
     def cancel(self, job_id: str) -> bool:
@@ -338,8 +350,8 @@ class JobManager:
         target = (domain_worker if job["kind"].startswith("domain") else
                   decoder_worker if job.get("model") == "decoder" else finetune_worker)
         work = {**job, "data": data}
-        if job["kind"].startswith("domain") and self.inputs is not None:
-            work["checkpoint"] = str(self.checkpoint_file(jid))
+        if job["kind"].startswith("domain") and self.files.folder is not None:
+            work["checkpoint"] = str(self.files.checkpoint(jid))
         proc = self.launcher.start(target, self.ctx, work, progress, cancel)
         self._procs[jid] = proc
         self.registry.update("jobs", jid, state="running", started=started, worker_pid=proc.pid,
@@ -395,36 +407,13 @@ class JobManager:
             extra = {"metrics": info} if state == "succeeded" else ({"error": info.get("error")} if info else {})
             self.registry.update("jobs", job["id"], state=state, progress=1.0 if state == "succeeded" else None,
                                  finished=time.time(), **extra)
-            self._forget_files(job["id"])
+            self.files.forget(job["id"])
 
     def take_over_orphans(self, alive: Callable[[dict], bool]) -> tuple[list[str], list[str]]:
         """:meth:`recover` while this process runs: its own jobs are alive, whatever ``alive`` says
         of its pid (at start-up, a record naming this pid is of an earlier process)."""
         me = process_owner()
         return self.recover(lambda job: job.get("owner") == me or alive(job))
-
-    def watch_orphans(self, alive: Callable[[dict], bool], every_s: float,
-                      renew: Callable[[], None] | None = None, renew_every_s: float | None = None) -> None:
-        """On a home shared by several serving processes: every ``every_s`` seconds, takes over the
-        unfinished jobs of processes that are gone (:meth:`recover`), so a replica's jobs are not
-        left waiting for a restart that may never come; every ``renew_every_s`` seconds (default
-        ``every_s``) renews this process's lease (``renew``)."""
-        tick = min(every_s, renew_every_s or every_s)
-
-        def loop() -> None:
-            checked = renewed = time.monotonic()
-            while not self._stopped.wait(tick):
-                try:
-                    if renew is not None and time.monotonic() - renewed >= tick * 0.99:
-                        renewed = time.monotonic()
-                        renew()
-                    if time.monotonic() - checked >= every_s * 0.99:
-                        checked = time.monotonic()
-                        self.take_over_orphans(alive)
-                except Exception:  # noqa: BLE001 - the next round tries again
-                    log.exception("taking over the jobs of stopped servers failed")
-
-        threading.Thread(target=loop, name="jobs-orphans", daemon=True).start()
 
     def running(self) -> int:
         return len(self._procs)
@@ -433,7 +422,7 @@ class JobManager:
         """Cancels running jobs, starts no queued one, and returns once every job thread has
         recorded its job's end (so the registry may be closed after this)."""
         self._closed = True
-        self._stopped.set()
+        self.stopped.set()
         for ev in list(self._cancel.values()):
             ev.set()
         for _ in self._threads:
@@ -444,3 +433,28 @@ class JobManager:
                 p.kill()
         for t in self._threads:
             t.join(timeout)
+
+
+def watch_orphans(jobs: JobManager, alive: Callable[[dict], bool], every_s: float,
+                  renew: Callable[[], None] | None = None, renew_every_s: float | None = None) -> None:
+    """On a home shared by several serving processes: every ``every_s`` seconds, ``jobs`` takes
+    over the unfinished jobs of processes that are gone (``JobManager.take_over_orphans``), so a
+    replica's jobs are not left waiting for a restart that may never come; every
+    ``renew_every_s`` seconds (default ``every_s``) this process's lease is renewed (``renew``).
+    The watch ends when ``jobs`` shuts down."""
+    tick = min(every_s, renew_every_s or every_s)
+
+    def loop() -> None:
+        checked = renewed = time.monotonic()
+        while not jobs.stopped.wait(tick):
+            try:
+                if renew is not None and time.monotonic() - renewed >= tick * 0.99:
+                    renewed = time.monotonic()
+                    renew()
+                if time.monotonic() - checked >= every_s * 0.99:
+                    checked = time.monotonic()
+                    jobs.take_over_orphans(alive)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("taking over the jobs of stopped servers failed")
+
+    threading.Thread(target=loop, name="jobs-orphans", daemon=True).start()

@@ -22,7 +22,7 @@ from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, pick_device
 from hmi.services.auth import Auth, admin_token
 from hmi.services.decoders import Decoders
 from hmi.services.domains import Domains
-from hmi.services.jobs import JobManager
+from hmi.services.jobs import JobManager, watch_orphans
 from hmi.services.metrics import History, Metrics
 from hmi.services.registry import UNFINISHED, Leases, Registry, RegistryOps
 from hmi.services.tenants import ServedTenants, Tenants
@@ -200,8 +200,8 @@ class Server:
             return foreign(job) or self.leases.alive(job)
 
         done = self.jobs.recover(left_alone)
-        self.jobs.watch_orphans(left_alone, self.cfg.orphan_check_s, renew=self.leases.renew,
-                                renew_every_s=self.cfg.lease_s / 4)
+        watch_orphans(self.jobs, left_alone, self.cfg.orphan_check_s, renew=self.leases.renew,
+                      renew_every_s=self.cfg.lease_s / 4)
         return done
 
     def _job_unfinished(self, job_id: str) -> bool:

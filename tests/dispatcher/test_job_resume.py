@@ -213,10 +213,10 @@ def test_every_file_kept_for_a_job_is_traced_to_that_job_including_a_killed_writ
     import tempfile
     from pathlib import Path
 
-    from hmi.services.jobs import JobManager, new_job_id
+    from hmi.services.jobs import JobFiles, new_job_id
 
     jid = new_job_id()
     fd, tmp = tempfile.mkstemp(dir=tmp_path, prefix=f".{jid}.ckpt.", suffix=".tmp")
     os.close(fd)
     for f in (tmp_path / f"{jid}.json", tmp_path / f"{jid}.ckpt", tmp_path / f"{jid}.ckpt.plot", Path(tmp)):
-        assert JobManager.job_of(f) == jid, f.name
+        assert JobFiles.job_of(f) == jid, f.name
