@@ -1,6 +1,6 @@
 """The scheduler: batches of infer requests through R -> A -> C, pipelined.
 
-* R (retrieval, a thread pool): tokenize, check, read adapters into host memory, PLOT lookup +
+* R (retrieval, ``hmi.scheduler.retrieval``, a thread pool): tokenize, check, read adapters into host memory, PLOT lookup +
   merge per domain chain.  R of batch k+1 runs while C of batch k computes.
 * A (residency, a staging worker or a CUDA copy stream): copy the batch's missing adapters into
   the device pools layer by layer; C of layer l starts once layer l has landed.
@@ -27,21 +27,18 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from hmi.adapters.batched import batched_heads, upper_forward
-from hmi.adapters.heads import decode, word_starts
+from hmi.adapters.heads import decode
 from hmi.adapters.pool import PoolExhaustedError
-from hmi.adapters.store import AdapterStore, TenantMissingError
-from hmi.errors import Kind, Refusal
-from hmi.model.hplm import as_numpy_ids
+from hmi.adapters.store import AdapterStore
 from hmi.model.kernels import NATIVE_BF16, bf16_matmuls
 from hmi.model.root import SentencePooling
 from hmi.scheduler.residency import ResidencyManager
+from hmi.scheduler.retrieval import Retrieval
 from hmi.scheduler.trace import Tracer
 from hmi.scheduler.types import (
-    ROOT,
     InferRequest,
     LookupSource,
     Prepared,
@@ -49,14 +46,11 @@ from hmi.scheduler.types import (
     SchedulerClosedError,
     TenantEntry,
     TenantView,
+    fail,
 )
-from hmi.textlimit import TooLongError, fit_ids, words_exceed
 
 _STOP = object()
 log = logging.getLogger("hmi.scheduler")
-
-
-TRUNCATE_HINT = 'send "truncate": true to cut it to the limit'
 
 
 @dataclass
@@ -129,14 +123,13 @@ class Scheduler:
         self.layers = copy.deepcopy(layers).to(self.device) if self.device.type != "cpu" else layers
         bias = getattr(bert, "relative_bias", None)
         self.relative_bias = copy.deepcopy(bias).to(self.device) if bias is not None and self.device.type != "cpu" else bias
-        self.tokenizer = tokenizer
         self.store = store
-        self.tenants = tenants
-        self.lookups = lookups
         self.hidden = bert.config.hidden_size
         self.residency = ResidencyManager(len(layers), self.hidden, bert.config.intermediate_size,
                                           self.cfg.pool_slots, self.device, self.cfg.max_labels)
         self.tracer = Tracer(self.cfg.trace)
+        self.retrieval = Retrieval(tokenizer, store, tenants, lookups, self.residency, self.hidden, self.cfg.max_len,
+                                   self.device, self.tracer)
         self.stats = defaultdict(int)
         self._ids = itertools.count()
         self._in: queue.Queue = queue.Queue(maxsize=self.cfg.max_pending)
@@ -198,7 +191,7 @@ class Scheduler:
                 except queue.Empty:
                     break
                 for r in item[1]:
-                    _fail(r, SchedulerClosedError("the scheduler shut down before this request ran"))
+                    fail(r, SchedulerClosedError("the scheduler shut down before this request ran"))
         self._in.put(_STOP)
         self._feeder.join(timeout)
         self._computer.join(timeout)
@@ -242,101 +235,13 @@ class Scheduler:
             return self.retrieve(batch_id, reqs)
         except Exception as exc:  # noqa: BLE001 - a bug here must fail the batch, not the server
             for r in reqs:
-                _fail(r, exc)
+                fail(r, exc)
             return None
 
     def retrieve(self, batch_id: int, reqs: list[InferRequest]) -> Prepared | None:
-        """Stage R of one batch: tokenize, check, read adapters, PLOT lookup + merge.
+        """Stage R of one batch (``hmi.scheduler.retrieval.Retrieval.prepare``)."""
+        return self.retrieval.prepare(batch_id, reqs)
 
-        Whatever belongs to one request or one tenant (a text over the limit, an unknown tenant,
-        an unreadable or ill-shaped adapter file, a domain whose PLOT cannot be opened) fails
-        those requests alone; the rest of the batch goes on."""
-        with self.tracer.span("R:lookup", batch_id, size=len(reqs)):
-            todo = [r for r in reqs if not r.future.done() and self._fits(r)]
-            texts = [r.text for r in todo]
-            enc = self.tokenizer(texts, truncation=False, return_offsets_mapping=True) if texts else None
-            weights, bad = {}, {}
-            rows = []  # (request, entry, ids, word starts, truncated?)
-            for i, r in enumerate(todo):
-                try:
-                    entry = ROOT if r.tenant is None else self.tenants.entry(r.tenant)
-                    try:
-                        ids, cut = fit_ids(enc["input_ids"][i], self.cfg.max_len, r.truncate)
-                    except TooLongError as exc:
-                        raise Refusal(Kind.TOO_LARGE, "input_too_long", f"the input has {exc}; {TRUNCATE_HINT}") from None
-                    if r.tenant in bad:
-                        raise bad[r.tenant]
-                    if entry.spec is not None and r.tenant not in weights:
-                        weights[r.tenant] = self._load(entry)
-                except Refusal as exc:
-                    if exc.code in ("adapter_missing", "adapter_unreadable"):
-                        bad[r.tenant] = exc  # read once per batch, not once per request
-                    _fail(r, exc)
-                    continue
-                tagging = not r.embed and entry.spec.head == "tagging"
-                starts = word_starts(enc, i, texts[i]) if tagging else []
-                rows.append((r, entry, ids, [s for s in starts if s[0] < len(ids) - 1], cut))
-            if not rows:
-                return None
-            ids, mask = as_numpy_ids([x[2] for x in rows])
-            hidden = torch.zeros(len(rows), ids.shape[1], self.hidden)
-            ok = self._lookup_by_domain(rows, ids, mask, hidden)
-            if not ok:
-                return None
-            if len(ok) < len(rows):
-                keep = torch.tensor(ok)
-                rows, hidden, mask = [rows[j] for j in ok], hidden.index_select(0, keep), mask[ok]
-            mask_t = torch.from_numpy(mask)
-            if self.device.type == "cuda":
-                hidden, mask_t = hidden.pin_memory(), mask_t.pin_memory()
-        return Prepared(batch_id, [x[0] for x in rows], [x[1] for x in rows], hidden, mask_t, [x[3] for x in rows],
-                        weights, [x[4] for x in rows])
-
-    def _fits(self, r: InferRequest) -> bool:
-        """Refuses a text that certainly exceeds the limit before any tokenization work."""
-        if not r.truncate and words_exceed(r.text, self.cfg.max_len - 2):
-            _fail(r, Refusal(Kind.TOO_LARGE, "input_too_long", f"the input has more than {self.cfg.max_len} tokens; the "
-                             f"limit is {self.cfg.max_len}; {TRUNCATE_HINT}"))
-            return False
-        return True
-
-    def _load(self, entry: TenantEntry) -> dict:
-        """A tenant's host weights, checked against its spec and the pools when read from disk;
-        a Refusal otherwise."""
-        try:
-            return self.store.load(entry.name, check=lambda w: self.residency.check(entry, w))
-        except TenantMissingError:
-            raise Refusal(Kind.NOT_FOUND, "adapter_missing", f"tenant {entry.name!r} has no stored adapter") from None
-        except ValueError as exc:
-            log.error("adapter of tenant %r does not fit: %s", entry.name, exc)
-            raise Refusal(Kind.FAILED, "adapter_unreadable", f"the stored adapter of tenant {entry.name!r} does not "
-                          f"fit its spec: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a corrupt or truncated file fails its own tenant only
-            log.error("adapter of tenant %r is unreadable: %s", entry.name, exc)
-            raise Refusal(Kind.FAILED, "adapter_unreadable", f"the stored adapter of tenant {entry.name!r} cannot be "
-                          "read; update or re-create the tenant") from None
-
-    def _lookup_by_domain(self, rows: list, ids: np.ndarray, mask: np.ndarray, hidden: torch.Tensor) -> list[int]:
-        """Writes each row's merged lower representation into ``hidden`` (B, T, H), one PLOT chain
-        lookup per domain; returns the rows that succeeded (a domain whose PLOT cannot be read
-        fails its own requests only)."""
-        by_domain = defaultdict(list)
-        for j, (_, e, *_) in enumerate(rows):
-            by_domain[e.domain].append(j)
-        ok = []
-        for domain, js in by_domain.items():
-            try:
-                hidden[js] = self.lookups.lookup_for(domain).merged(ids[js], mask[js])
-            except Exception as exc:  # noqa: BLE001 - one domain's store fails its own tenants only
-                log.error("PLOT lookup of domain %r failed: %s", domain, exc)
-                err = Refusal(Kind.UNAVAILABLE, "domain_unavailable", f"the PLOT of domain {domain!r} cannot be read")
-                for j in js:
-                    _fail(rows[j][0], err)
-                continue
-            ok += js
-        return sorted(ok)
-
-    # -- stages A and C --------------------------------------------------------------------------
     def _compute_loop(self) -> None:
         while True:
             item = self._ready.get()
@@ -352,7 +257,7 @@ class Scheduler:
                 self.compute(prepared)
             except Exception as exc:  # noqa: BLE001
                 for r in prepared.requests:
-                    _fail(r, exc)
+                    fail(r, exc)
 
     def compute(self, p: Prepared) -> None:
         """Stages A and C for one prepared batch, split when it holds more tenants than slots, and
@@ -386,7 +291,7 @@ class Scheduler:
                 res = self.residency.acquire(entries, p.weights, pipelined=self.cfg.pipeline_swap)
             except PoolExhaustedError as exc:
                 for r in rows:
-                    _fail(p.requests[r], exc)
+                    fail(p.requests[r], exc)
                 return
         self.stats["adapters_loaded"] += res.loaded
         embed = [p.requests[r].embed for r in rows]
@@ -466,6 +371,3 @@ def _embedded(req: InferRequest, vector: torch.Tensor, n_tokens: int, truncated:
         req.future.set_result({"embedding": vector.numpy(), "tokens": n_tokens, "truncated": truncated})
 
 
-def _fail(req: InferRequest, exc: BaseException) -> None:
-    if not req.future.done():
-        req.future.set_exception(exc)

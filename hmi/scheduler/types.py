@@ -87,6 +87,12 @@ class InferRequest:
     embed: bool = False
 
 
+def fail(req: InferRequest, exc: BaseException) -> None:
+    """Fails one request alone (its future gets ``exc``), unless it has its answer already."""
+    if not req.future.done():
+        req.future.set_exception(exc)
+
+
 @dataclass
 class Prepared:
     """A batch after stage R: the valid requests and the upper layers' input."""
