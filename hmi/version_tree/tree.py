@@ -202,7 +202,7 @@ class VersionTree:
         work = self._work_dir(name)
         try:
             encoder = copy.deepcopy(self.encoder(parent))
-            node = self._build(work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop,
+            node = build_branch(self.root, work, name, parent, encoder, lines, alpha, fpt or FPTConfig(), progress, should_stop,
                                on_progress=on_progress, checkpoint=checkpoint)
             self._place(work, node)
         except BaseException:
@@ -229,7 +229,7 @@ class VersionTree:
         old = (self.node_dir(node) / "corpus.txt").read_text().splitlines()
         work = self._work_dir(name)
         try:
-            new = self._build(work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
+            new = build_branch(self.root, work, name, node.parent, self.encoder(name), old + list(lines), node.alpha,
                               fpt or FPTConfig(), progress, should_stop, fpt_lines=list(lines),
                               on_progress=on_progress, checkpoint=checkpoint)
             new.created = node.created
@@ -303,52 +303,53 @@ class VersionTree:
         work.mkdir()
         return work
 
-    def _build(self, work: Path, name: str, parent: str, encoder: WindowedEncoder, lines: list[str], alpha: float,
-               fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None,
-               on_progress=None, checkpoint: Path | None = None) -> DomainNode:
-        """Further-pretrains ``encoder`` on the corpus and builds the branch's PLOT into ``work``;
-        ``on_progress(fraction, info)`` hears the pretraining (``info["stage"]`` "further
-        pretraining") and then the PLOT build ("building the branch's PLOT"), each from 0 to 1."""
-        lines = [x.strip() for x in lines if x and x.strip()]
-        tok = self.root.tokenizer
-        token_lists = tokenize_corpus(tok, lines, fpt.max_len, progress=False)
-        n_tokens = sum(len(t) - 2 for t in token_lists)
-        if n_tokens < MIN_CORPUS_TOKENS:
-            raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
-        fpt_metrics = further_pretrain(self.root, encoder, fpt_lines or lines, fpt,
-                                       progress=progress, should_stop=should_stop,
-                                       on_progress=None if on_progress is None else
-                                       lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}),
-                                       checkpoint=checkpoint)
-        write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
-        write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
-        keys, counts = count_ngrams(token_lists)
-        # A branch stores its top tri-grams and its own back-off entries (the bi-grams of its corpus,
-        # every uni-gram): a text of the domain is read by the branch's lower side alone wherever
-        # the branch's corpus and back-off reach, as its further pretraining read it.
-        plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), len(tok), with_backoff=True)
-        # A job that keeps a checkpoint builds beside it, so that a stopped build goes on where it
-        # stopped when the job runs again (the encoder's fingerprint keeps another run's values out).
-        built = work / "plot" if checkpoint is None else kept_plot_dir(checkpoint)
-        store = PlotStore(built, meta=plot_meta(self.root), readonly=False)
-        try:
-            summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}",
-                            on_progress=None if on_progress is None else
-                            lambda f, info: on_progress(f, {**info, "stage": "building the branch's PLOT"}),
-                            weights=weights_fingerprint(encoder))
-            stats = store.stats()
-        finally:
-            store.close()
-        if built != work / "plot":
-            shutil.move(built, work / "plot")  # a rename where both lie on one filesystem
-        covered = float(counts[np.isin(keys, plan)].sum() / max(1, counts.sum()))
-        now = time.time()
-        return DomainNode(name, parent, self.root.artifact_id, alpha,
-                          corpus={"lines": len(lines), "tokens": n_tokens, "trigram_occurrences": int(counts.sum()),
-                                  "distinct_trigrams": int(len(keys)), "covered_occurrences": round(covered, 4)},
-                          plot={**stats, "build_seconds": summary["seconds"], "resumed_from": summary["resumed_from"]},
-                          fpt=fpt_metrics, created=now, updated=now)
 
+
+def build_branch(root: Root, work: Path, name: str, parent: str, encoder: WindowedEncoder, lines: list[str],
+                 alpha: float, fpt: FPTConfig, progress: bool, should_stop, fpt_lines: list[str] | None = None,
+                 on_progress=None, checkpoint: Path | None = None) -> DomainNode:
+    """Further-pretrains ``encoder`` (a branch of ``root``) on the corpus and builds the branch's PLOT into ``work``;
+    ``on_progress(fraction, info)`` hears the pretraining (``info["stage"]`` "further
+    pretraining") and then the PLOT build ("building the branch's PLOT"), each from 0 to 1."""
+    lines = [x.strip() for x in lines if x and x.strip()]
+    tok = root.tokenizer
+    token_lists = tokenize_corpus(tok, lines, fpt.max_len, progress=False)
+    n_tokens = sum(len(t) - 2 for t in token_lists)
+    if n_tokens < MIN_CORPUS_TOKENS:
+        raise DomainError(f"the corpus has {n_tokens} tokens; a domain needs at least {MIN_CORPUS_TOKENS}")
+    fpt_metrics = further_pretrain(root, encoder, fpt_lines or lines, fpt,
+                                   progress=progress, should_stop=should_stop,
+                                   on_progress=None if on_progress is None else
+                                   lambda f, info: on_progress(f, {**info, "stage": "further pretraining"}),
+                                   checkpoint=checkpoint)
+    write_durable(work / "windowed.safetensors", save({k: v.contiguous() for k, v in encoder.state_dict().items()}))
+    write_durable(work / "corpus.txt", ("\n".join(lines) + "\n").encode())
+    keys, counts = count_ngrams(token_lists)
+    # A branch stores its top tri-grams and its own back-off entries (the bi-grams of its corpus,
+    # every uni-gram): a text of the domain is read by the branch's lower side alone wherever
+    # the branch's corpus and back-off reach, as its further pretraining read it.
+    plan = plan_keys(keys, counts, Selection("alpha", alpha=alpha), len(tok), with_backoff=True)
+    # A job that keeps a checkpoint builds beside it, so that a stopped build goes on where it
+    # stopped when the job runs again (the encoder's fingerprint keeps another run's values out).
+    built = work / "plot" if checkpoint is None else kept_plot_dir(checkpoint)
+    store = PlotStore(built, meta=plot_meta(root), readonly=False)
+    try:
+        summary = build(store, encoder, plan, progress=progress, desc=f"PLOT {name}",
+                        on_progress=None if on_progress is None else
+                        lambda f, info: on_progress(f, {**info, "stage": "building the branch's PLOT"}),
+                        weights=weights_fingerprint(encoder))
+        stats = store.stats()
+    finally:
+        store.close()
+    if built != work / "plot":
+        shutil.move(built, work / "plot")  # a rename where both lie on one filesystem
+    covered = float(counts[np.isin(keys, plan)].sum() / max(1, counts.sum()))
+    now = time.time()
+    return DomainNode(name, parent, root.artifact_id, alpha,
+                      corpus={"lines": len(lines), "tokens": n_tokens, "trigram_occurrences": int(counts.sum()),
+                              "distinct_trigrams": int(len(keys)), "covered_occurrences": round(covered, 4)},
+                      plot={**stats, "build_seconds": summary["seconds"], "resumed_from": summary["resumed_from"]},
+                      fpt=fpt_metrics, created=now, updated=now)
 
 
 def kept_plot_dir(checkpoint: Path) -> Path:

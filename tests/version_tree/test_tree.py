@@ -176,17 +176,19 @@ def test_an_updated_domains_old_store_stays_readable_for_lookups_that_hold_it(ro
     assert after.chain[0].store.path != before.chain[0].store.path  # new lookups read the new version
 
 
-def test_a_delete_during_an_update_is_not_undone(root, tmp_path):
+def test_a_delete_during_an_update_is_not_undone(root, tmp_path, monkeypatch):
+    from hmi.version_tree import tree as tree_module
+
     tree = VersionTree(root, tmp_path)
     tree.create("legal", "root", corpus(600), 0.5, FAST, progress=False)
-    build = tree._build
+    build = tree_module.build_branch
 
     def build_then_concurrent_delete(*a, **kw):
         node = build(*a, **kw)
         VersionTree(root, tmp_path).delete("legal")  # another process (the server) deletes meanwhile
         return node
 
-    tree._build = build_then_concurrent_delete
+    monkeypatch.setattr(tree_module, "build_branch", build_then_concurrent_delete)
     with pytest.raises(DomainError, match="deleted while"):
         tree.update("legal", corpus(200, seed=4), FAST, progress=False)
     assert "legal" not in tree.nodes()
