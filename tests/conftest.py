@@ -50,22 +50,7 @@ def isolated_home(tmp_path, monkeypatch):
 RAY_FILES = {"test_ray_jobs.py", "test_ray_multinode.py", "test_ray_registry.py", "test_ray_serve.py", "test_ray_gate.py"}
 
 
-# The files of the longest tests, started first so that the other worker runs the short ones
-# beside them (`make test` prints the slowest ten: the order follows it); then the other files
-# that hold a test marked slow, then the rest, each in collection order.
-LONGEST_FIRST = ("test_soak.py", "test_crash_safety.py", "test_fuzz.py", "test_shipped_decoder.py", "test_decoder.py")
-
-
-def start_order(items) -> dict:
-    """A file's place in the run: its index in ``LONGEST_FIRST``, then slow files, then the rest."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    return {item.path: (LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
-                        else len(LONGEST_FIRST) + (0 if item.path in slow else 1)) for item in items}
-
-
 def pytest_collection_modifyitems(config, items):
-    order = start_order(items)
-    items.sort(key=lambda item: order[item.path])  # stable: a file's tests stay together and in order
     for item in items:
         item.add_marker(pytest.mark.xdist_group(str(item.path)))
         if item.path.name in RAY_FILES:
