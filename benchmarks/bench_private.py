@@ -25,22 +25,27 @@ prediction (``hmi.split.attack``).  And what the shipped noise costs a request.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 
-from common import adapter_variants, finish, machine, start, table, timeit
+from common import adapter_variants, cores_apart, finish, machine, start, table, timeit
 
 CLIENTS = (1, 8, 32)
+CLIENT_CPUS: set[int] | None = None  # --apart: the client processes' cores
 LOCAL = "private, blind, lower on client"  # the blind split with the lower layers on the client: no server call
 GEMM_ROWS = (16, 64, 310, 923, 4096)  # 310: one request of 8 texts; 923: what 32 clients gathered
 THROUGHPUT_HEADERS = ("clients", "tenants", "requests/s", "p50 ms", "p99 ms", "round trips / request",
                       "MiB / request", "rows / executor GEMM", "executor busy")
 
 
-def _client_process(mode, url, jobs, texts, requests, ready, go, results):
+def _client_process(mode, url, jobs, texts, requests, ready, go, results, cpus=None):
     """Runs one client thread per (tenant, token, adapter zip) of ``jobs`` and reports
-    (latencies, round trips, bytes) per thread."""
+    (latencies, round trips, bytes) per thread; on ``cpus`` when given."""
     import threading
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     import torch
 
@@ -99,7 +104,7 @@ def measure(mode, url, tenants, texts, requests, processes):
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     parts = [tenants[i::processes] for i in range(processes)]
-    procs = [ctx.Process(target=_client_process, args=(mode, url, p, texts, requests, ready, go, results))
+    procs = [ctx.Process(target=_client_process, args=(mode, url, p, texts, requests, ready, go, results, CLIENT_CPUS))
              for p in parts if p]
     for p in procs:
         p.start()
@@ -118,10 +123,13 @@ def measure(mode, url, tenants, texts, requests, processes):
     return n / wall, 1000 * statistics.median(lat), 1000 * lat[min(n - 1, int(0.99 * n))], trips, sent
 
 
-def _trainer_process(url, token, archive, rows, ready, stop, results):
+def _trainer_process(url, token, archive, rows, ready, stop, results, cpus=None):
     """A private fine-tune (LoRA on every linear layer, the shipped noise) until ``stop``; reports
-    the steps it made meanwhile."""
+    the steps it made meanwhile; on ``cpus`` when given."""
     import torch
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     torch.set_num_threads(1)
     from hmi.model.root import default_spec
@@ -158,7 +166,7 @@ def beside_training(url, private, trainer, rows, texts, requests, processes) -> 
     ctx = mp.get_context("spawn")
     alone = measure("private", url, private, texts, requests, processes)
     ready, stop, results = ctx.Queue(), ctx.Event(), ctx.Queue()
-    proc = ctx.Process(target=_trainer_process, args=(url, *trainer, rows, ready, stop, results))
+    proc = ctx.Process(target=_trainer_process, args=(url, *trainer, rows, ready, stop, results, CLIENT_CPUS))
     proc.start()
     ready.get(timeout=600)
     beside = measure("private", url, private, texts, requests, processes)
@@ -549,8 +557,12 @@ def throughput(server, url, root, args, requests: int) -> tuple[list[tuple], dic
 
 
 def main() -> None:
+    global CLIENT_CPUS
     args = start(__doc__, lambda ap: (ap.add_argument("--processes", type=int, default=4),
                                      ap.add_argument("--texts", type=int, default=8),
+                                     ap.add_argument("--apart", type=int, default=0, metavar="N",
+                                                     help="the client processes on the last N cores, the server on "
+                                                          "the others (default: all share every core)"),
                                      ap.add_argument("--part", choices=("all", "throughput", "privacy", "curve", "labels"), default="all",
                                                      help="run one part only (its page: docs/bench_private_<part>.md)")))
     from hmi.bootstrap import prepare_default
@@ -558,7 +570,9 @@ def main() -> None:
     from hmi.home import hmi_home
     from hmi.services.server import ServerConfig
 
-    requests = 3 if args.quick else 10
+    requests = 1 if args.tiny else 3 if args.quick else 10
+    if args.apart:
+        CLIENT_CPUS, _ = cores_apart(args.apart)  # before the server starts its threads: they inherit the rest
     prepare_default(hmi_home())  # the default root and its root PLOT, when missing
     server = build_server(ServerConfig(max_len=64, max_inputs=64))
     root = server.root
@@ -586,7 +600,10 @@ def main() -> None:
     finally:
         clean()
         stop()
-    command = "python benchmarks/bench_private.py" + (" --quick" if args.quick else "")
+    cores = (f"the clients on {args.apart} cores of their own, the server on the others" if args.apart else
+             "the server and every client share the machine's cores")
+    command = ("python benchmarks/bench_private.py" + (" --quick" if args.quick else "")
+               + (f" --processes {args.processes}" if args.processes != 4 else "") + (f" --apart {args.apart}" if args.apart else ""))
     label_text = (f"The provider reads a private fine-tune's labels (review sentiment, {res.get('label_attack_examples')} "
                   "examples, one epoch in batches of 16, LoRA on every linear layer) from the backward calls it "
                   "served (`attack.labels_from_gradients`: each example's gradient row along the direction they "
@@ -610,14 +627,14 @@ def main() -> None:
             body = table(attack_rows, ("noise", "attacker", "extraction error", "units fitted (fewest over layers)"))
         else:
             body = table(rows, THROUGHPUT_HEADERS)
-        finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`).\n\n"
+        finish(f"bench_private_{args.part}", f"{machine()}; one part of the benchmark (`--part {args.part}`); {cores}.\n\n"
                + body, res, f"{command} --part {args.part}")
         return
     text = (f"{args.texts} texts of held-out real text a request (cut to 64 tokens), {requests} requests a client in "
-            f"a row, clients in {args.processes} processes (one torch thread each); the server and every client share "
-            f"the machine's cores ({machine()}). Private tenants with the shipped noise (effects computed by the "
-            "client, once, before the clock starts). Executor busy: the executor thread's seconds in GEMMs over the "
-            "run's wall time (its count includes the clients' warm-up requests, so it can pass 100%).\n\n"
+            f"a row, clients in {args.processes} processes (one torch thread each); {cores} ({machine()}). Private "
+            "tenants with the shipped noise (effects computed by the client, once, before the clock starts). Executor "
+            "busy: the executor thread's seconds in GEMMs over the run's wall time (its count includes the "
+            "clients' warm-up requests, so it can pass 100%).\n\n"
             + table(rows, THROUGHPUT_HEADERS)
             + f"\n\nprivate (blind split) / hosted at 32 clients: {res['blind_over_hosted_32']}; "
               f"private / hosted at 32 clients: {res['private_over_hosted_32']} (one text a request: "

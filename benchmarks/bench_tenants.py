@@ -208,21 +208,29 @@ class SharedRoot:
 
 class FullContextLower:
     """The lower layers computed with full context (hBERT-adapter): stands where the PLOT lookup
-    stands in hBERT. Shapes: ids, mask (B, T) -> (B, T, H)."""
+    stands in hBERT, on the device the scheduler serves from (``SchedulerConfig.device``: a GPU
+    where there is one), handing the states back in host memory as a lookup does. Shapes: ids,
+    mask (B, T) -> (B, T, H)."""
 
-    def __init__(self, bert, l_low: int):
-        self.bert, self.l_low = bert, l_low
+    def __init__(self, bert, l_low: int, device: str = "auto"):
+        import copy
+
+        from hmi.scheduler.pipeline import pick_device
+
+        self.device = pick_device(device)
+        self.l_low = l_low
+        self.bert = bert if self.device.type == "cpu" else copy.deepcopy(bert).to(self.device)
 
     @torch.no_grad()
     def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
         from hmi.model.root import attention_mask
 
-        m = torch.from_numpy(mask)
-        h = self.bert.embeddings(input_ids=torch.from_numpy(ids))
+        m = torch.from_numpy(mask).to(self.device)
+        h = self.bert.embeddings(input_ids=torch.from_numpy(ids).to(self.device))
         ext = attention_mask(m, h.dtype, getattr(self.bert, "relative_bias", None))
         for layer in self.bert.encoder.layer[:self.l_low]:
             h = layer(h, ext)[0]
-        return h
+        return h.cpu()
 
 
 def scheduler_rps(scheduler, texts, batches, warm: int) -> float:
@@ -336,7 +344,7 @@ def main() -> None:
     texts = [r["text"] for r in load_task("news-topic", "test")]
     texts = [tok.decode(tok(t, truncation=True, max_length=MAX_LEN)["input_ids"][1:-1]) for t in texts]
     texts = [t for t in texts if len(tok(t)["input_ids"]) <= MAX_LEN]
-    measured_batches = 3 if args.quick else 10
+    measured_batches = 1 if args.tiny else 3 if args.quick else 10
     warm = 1
     spec = AdapterSpec.for_task("classification", tuple("abcde"), **adapter)
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-tenants-"))
@@ -405,7 +413,7 @@ def main() -> None:
                 batches = trace(n, dist, warm + measured_batches, seed=n)
                 # The headline ratios read the uniform cells of hBERT and hBERT-adapter: there the two
                 # schemes alternate for several rounds, each on a fresh trace, and the cell is the median.
-                n_rounds = ROUNDS if dist == "uniform" else 1
+                n_rounds = ROUNDS if dist == "uniform" and not args.tiny else 1
                 rounds = {"hBERT": [], "hBERT-adapter": []}
                 for r in range(n_rounds):
                     bs = batches if r == 0 else trace(n, dist, warm + measured_batches, seed=n + 7919 * r)

