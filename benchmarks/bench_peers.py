@@ -169,7 +169,8 @@ def plot_rows(result: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(LENGTHS), figsize=(9, 4), sharey=False)
+    fig, axes = plt.subplots(1, len(LENGTHS), figsize=(9, 4), sharey=False, squeeze=False)
+    axes = axes[0]  # one row of panels, however many lengths
     for ax, length in zip(axes, LENGTHS):
         cells = result[f"rows_per_s_{length}"]
         xs = sorted(int(k) for k in cells)
@@ -343,7 +344,9 @@ def main() -> None:
 
     plot_rows(result, DOCS / "peers_rows.png")
     text = "\n\n".join([
-        "Plot: `docs/results/peers_rows.png`.",
+        "Plot: `docs/results/peers_rows.png`. HMI's scheduler and PEFT run on the "
+        + ("GPU; HMI's CPU kernels do not apply there: the column 'PEFT on HMI's kernels' repeats PEFT; the ONNX "
+           "Runtime comparison below runs on the CPU." if DEVICE.type != "cpu" else "CPU."),
         f"Rows per second (median of {rounds} rounds that run every side in turn on the same trace), batches of {B} "
         f"news texts, tenants drawn uniformly; LoRA rank {RANK} on q and v of the "
         f"upper layers plus a head per tenant on both sides (the same weights). PEFT holds at most {PEFT_CAP} adapters "

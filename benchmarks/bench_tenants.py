@@ -413,7 +413,7 @@ def main() -> None:
                 batches = trace(n, dist, warm + measured_batches, seed=n)
                 # The headline ratios read the uniform cells of hBERT and hBERT-adapter: there the two
                 # schemes alternate for several rounds, each on a fresh trace, and the cell is the median.
-                n_rounds = ROUNDS if dist == "uniform" and not args.tiny else 1
+                n_rounds = ROUNDS if dist == "uniform" and not args.tiny else 1  # --tiny: one round
                 rounds = {"hBERT": [], "hBERT-adapter": []}
                 for r in range(n_rounds):
                     bs = batches if r == 0 else trace(n, dist, warm + measured_batches, seed=n + 7919 * r)
@@ -496,10 +496,11 @@ def main() -> None:
                          f"{v['median_load_ms']} ms, median single-request compute {v['median_request_ms']} ms"
                          for k, v in out["swapping"].items())
              + f". Disk: {', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in disk.items())}.\n\n")
-    text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {ROUNDS} rounds in which the two "
+    n_rounds = 1 if args.tiny else ROUNDS
+    text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {n_rounds} rounds in which the two "
              f"alternate, each round on a fresh trace of {measured_batches} measured batches (requests / s per round: "
-             + "; ".join(f"{k:,} tenants: hBERT {res['uniform']['hBERT'][str(k)]['rounds']}, hBERT-adapter "
-                         f"{res['uniform']['hBERT-adapter'][str(k)]['rounds']}" for k in counts)
+             + "; ".join(f"{k:,} tenants: hBERT {res['uniform']['hBERT'][str(k)].get('rounds')}, hBERT-adapter "
+                         f"{res['uniform']['hBERT-adapter'][str(k)].get('rounds')}" for k in counts)
              + f"). Every other cell is one run of {measured_batches} batches after one warm-up batch.\n\n")
     rows = [(k, f"{v['base_bytes'] / 2**20:.1f}", f"{v['per_tenant_bytes'] / 2**10:,.1f}", f"{v['tenants_in_2gib']:,}")
             for k, v in out["memory"].items()]

@@ -8,6 +8,7 @@ from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options
 from hmi.dispatcher.gate import GateError
 from hmi.dispatcher.serve import serve
+from hmi.model.decoder import DecoderNotFoundError, packaged_decoder_file
 from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.scaleout.ray_serve import serve as serve_ray
 from hmi.scheduler.pipeline import check_precision, pick_device
@@ -24,6 +25,12 @@ def cmd_serve(args) -> int:
     except ValueError as exc:
         print(f"hmi serve: {exc}", file=sys.stderr)
         return 2
+    if args.hgpt:
+        try:
+            packaged_decoder_file()
+        except DecoderNotFoundError as exc:
+            print(f"hmi serve --hgpt: {exc} (make setup installs it; make setup-serve leaves it out)", file=sys.stderr)
+            return 2
     if not args.plot_keep_mb > 0:
         print(f"hmi serve: --plot-keep-mb must be above 0, got {args.plot_keep_mb}", file=sys.stderr)
         return 2
