@@ -181,11 +181,15 @@ def root_flags(args) -> str:
 
 
 def result_name(name: str, args) -> str:
-    """The results page of a benchmark run on the root ``args`` name: ``name`` on the default root,
-    ``name_<alias>`` (e.g. ``eval_accuracy_mpnet-base``) on another."""
-    if not args.root or args.root == "minilm-l6":
+    """The results page of a benchmark run on the root ``args`` name: ``name`` on the default root
+    and split, ``name_<alias>`` (e.g. ``eval_accuracy_mpnet-base``) on another root, with
+    ``-l<L_low>`` where the split is given (``eval_accuracy_minilm-l6-l2``)."""
+    from hmi.model.root import DEFAULT_L_LOW
+
+    root = args.root or "minilm-l6"
+    if root == "minilm-l6" and args.l_low in (None, DEFAULT_L_LOW):
         return name
-    slug = args.root if "/" not in args.root else Path(args.root).name
+    slug = root if "/" not in root else Path(root).name
     return f"{name}_{slug}" + (f"-l{args.l_low}" if args.l_low else "")
 
 
