@@ -95,7 +95,7 @@ def main() -> None:
            "serve_to_healthz_s": round(t_health - t_setup, 1), "serve_to_first_answer_s": round(t_answer - t_setup, 1),
            "first_answer_s": round(t_answer - t0, 1), "preparing_at_first_answer": health.get("preparing"),
            "first_answer": answer.get("outputs", [None])[0]}
-    rows = [("set-up: `make setup-serve` (venv, torch CPU, the package, the root and decoder packages)",
+    rows = [("set-up: `make setup-serve` (venv, torch CPU, the package, the root package)",
              res["setup_s"], res["setup_s"]),
             ("`hmi serve` until `/healthz` answers (data fetched and prepared, the shipped root installed)",
              res["serve_to_healthz_s"], round(t_health - t0, 1)),
