@@ -345,6 +345,7 @@ def main() -> None:
     texts = [tok.decode(tok(t, truncation=True, max_length=MAX_LEN)["input_ids"][1:-1]) for t in texts]
     texts = [t for t in texts if len(tok(t)["input_ids"]) <= MAX_LEN]
     measured_batches = 1 if args.tiny else 3 if args.quick else 10
+    uniform_rounds = 1 if args.tiny else ROUNDS  # behind each uniform hBERT / hBERT-adapter cell
     warm = 1
     spec = AdapterSpec.for_task("classification", tuple("abcde"), **adapter)
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-tenants-"))
@@ -413,7 +414,7 @@ def main() -> None:
                 batches = trace(n, dist, warm + measured_batches, seed=n)
                 # The headline ratios read the uniform cells of hBERT and hBERT-adapter: there the two
                 # schemes alternate for several rounds, each on a fresh trace, and the cell is the median.
-                n_rounds = ROUNDS if dist == "uniform" and not args.tiny else 1  # --tiny: one round
+                n_rounds = uniform_rounds if dist == "uniform" else 1
                 rounds = {"hBERT": [], "hBERT-adapter": []}
                 for r in range(n_rounds):
                     bs = batches if r == 0 else trace(n, dist, warm + measured_batches, seed=n + 7919 * r)
@@ -496,8 +497,7 @@ def main() -> None:
                          f"{v['median_load_ms']} ms, median single-request compute {v['median_request_ms']} ms"
                          for k, v in out["swapping"].items())
              + f". Disk: {', '.join(f'{k} {v / 2**30:.2f} GiB' for k, v in disk.items())}.\n\n")
-    n_rounds = 1 if args.tiny else ROUNDS
-    text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {n_rounds} rounds in which the two "
+    text += (f"hBERT and hBERT-adapter with tenants drawn uniformly are the medians of {uniform_rounds} rounds in which the two "
              f"alternate, each round on a fresh trace of {measured_batches} measured batches (requests / s per round: "
              + "; ".join(f"{k:,} tenants: hBERT {res['uniform']['hBERT'][str(k)].get('rounds')}, hBERT-adapter "
                          f"{res['uniform']['hBERT-adapter'][str(k)].get('rounds')}" for k in counts)

@@ -141,9 +141,14 @@ def cut_texts(tokenizer, texts: list[str], length: int, exact: bool = False) -> 
 
 
 def provenance() -> str:
-    """When and from which commit a result was measured: the UTC date and ``git describe``'s
-    commit (``-dirty`` when the work tree had changes; ``HMI_COMMIT`` where there is no git
-    history)."""
+    """When and from which commit a result was measured, as a page says it."""
+    date, commit = measured_at()
+    return f"Date: {date}; commit {commit}"
+
+
+def measured_at() -> tuple[str, str]:
+    """(the UTC date, ``git describe``'s commit: ``-dirty`` when the work tree had changes;
+    ``HMI_COMMIT`` where there is no git history)."""
     import datetime
     import subprocess
 
@@ -154,7 +159,7 @@ def provenance() -> str:
         commit = ""
     # a copy of the tree without its git history (a machine the checkout was carried to) names it
     commit = commit or os.environ.get("HMI_COMMIT") or "unknown"
-    return f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; commit {commit}"
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit
 
 
 def finish(name: str, text: str, result: dict, command: str) -> None:

