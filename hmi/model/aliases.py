@@ -52,8 +52,12 @@ def source_of(name: str) -> str | None:
 
 def pointer_name(source: str | None, l_low: int) -> str:
     """The file under ``$HMI_HOME/roots/`` naming a root's current artifact: ``current`` for the
-    default root (any split), ``current-<root>-l<L_low>`` for the others."""
-    if source is None:
+    default root at its default split, ``current-<root>-l<L_low>`` for every other root and split
+    (one pointer per split: calibrating the default root at another split leaves ``current`` alone)."""
+    if source is None and l_low == DEFAULT_L_LOW:
         return "current"
-    slug = source if source in ALIASES else "custom-" + hashlib.sha1(source.encode()).hexdigest()[:10]
+    if source is None:
+        slug = DEFAULT_ROOT
+    else:
+        slug = source if source in ALIASES else "custom-" + hashlib.sha1(source.encode()).hexdigest()[:10]
     return f"current-{slug}-l{l_low}"

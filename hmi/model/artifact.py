@@ -23,7 +23,7 @@ from transformers import BertModel
 
 from hmi.home import hmi_home
 from hmi.io import atomic_write_text, fsync_dir, sha256_file
-from hmi.model.aliases import DEFAULT_L_LOW
+from hmi.model.aliases import DEFAULT_L_LOW, pointer_name
 from hmi.model.catalog import root_spec
 from hmi.model.hplm import HPLM, WindowedEncoder
 from hmi.model.root import RootSpec, default_spec, load_bert, load_tokenizer, weights_fingerprint
@@ -274,7 +274,7 @@ def install_shipped(bert: BertModel, l_low: int, home: Path | None = None, shipp
     folder = find_shipped(bert, l_low, shipped)
     if folder is None:
         return None
-    return install_folder(folder, ("windowed.safetensors", "config.json"), roots_dir(home), "current")
+    return install_folder(folder, ("windowed.safetensors", "config.json"), roots_dir(home), pointer_name(None, l_low))
 
 
 def uncalibrated_root(spec: RootSpec | None = None) -> Root:

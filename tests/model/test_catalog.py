@@ -14,6 +14,12 @@ def test_the_default_alias_is_the_packaged_minilm_with_its_first_names():
     assert (spec.source, spec.prefix, spec.pointer) == (None, "minilm", "current")
 
 
+def test_each_split_of_the_default_root_has_its_own_pointer_so_calibrating_one_leaves_the_served_default_alone():
+    """`hmi calibrate --l-low 2` must not repoint what a plain `hmi serve` (L_low=3) loads."""
+    assert default_spec(2).pointer == "current-minilm-l6-l2"
+    assert len({default_spec(n).pointer for n in (1, 2, 3, 4)}) == 4
+
+
 def test_an_mpnet_folder_is_converted_once_into_the_home_and_split_where_asked(tmp_path):
     src = tiny_checkpoint(tmp_path, "mpnet")
     spec = root_spec(str(src), 2, home=tmp_path / "home", log=lambda *_: None)

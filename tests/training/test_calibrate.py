@@ -9,6 +9,9 @@ from tests.conftest import tiny_bert
 from tests.helpers.tokenizers import CharTokenizer  # noqa: F401
 from tests.training.slow import slow_steps
 
+# The tiny root splits at 2: its pointer is the default root's for that split, not ``current``.
+POINTER = RootSpec("tiny", 2).pointer
+
 
 def tiny_root() -> Root:
     bert = tiny_bert(layers=4, hidden=32, vocab=110)
@@ -27,7 +30,7 @@ def test_calibration_reduces_loss_and_improves_cosine_on_tiny_config(tmp_path):
     after = meta["quality"]["after"]
     assert after["lower_cosine"] > before["lower_cosine"] + 0.05
     assert after["pooled_cosine"] >= before["pooled_cosine"]
-    assert current_artifact_id(tmp_path) == aid
+    assert current_artifact_id(tmp_path, POINTER) == aid
     assert artifact_config(aid, tmp_path)["quality"]["after"] == after
 
 
@@ -81,7 +84,7 @@ def test_calibration_stopped_and_resumed_reaches_the_uninterrupted_weights_bit_f
     assert resumed["n"] == 3  # steps 4-6 only: the first three came from the checkpoint
     for (k, x), (_, y) in zip(a.windowed.state_dict().items(), c.windowed.state_dict().items()):
         assert torch.equal(x, y), k
-    assert current_artifact_id(tmp_path / "ha") == current_artifact_id(tmp_path / "hb")
+    assert current_artifact_id(tmp_path / "ha", POINTER) == current_artifact_id(tmp_path / "hb", POINTER)
 
 
 def test_saved_artifact_round_trips_weights_and_takes_untouched_tensors_from_the_root(tmp_path):
@@ -114,11 +117,11 @@ def test_an_artifact_written_again_with_the_same_weights_stays_in_place_and_beco
     with torch.no_grad():
         weight.add_(0.5)
     other = save_artifact(root.windowed, root.bert, root.spec, {"run": 2}, home=tmp_path)
-    assert other != first and current_artifact_id(tmp_path) == other
+    assert other != first and current_artifact_id(tmp_path, POINTER) == other
     with torch.no_grad():
         weight.copy_(kept)
     again = save_artifact(root.windowed, root.bert, root.spec, {"run": 3}, home=tmp_path)
-    assert again == first and current_artifact_id(tmp_path) == first
+    assert again == first and current_artifact_id(tmp_path, POINTER) == first
     assert folder.stat().st_ino == inode  # never removed: a loader cannot find it missing
     assert artifact_config(first, tmp_path)["run"] == 1
     assert not list((tmp_path / "roots").glob(".new-*"))
@@ -163,9 +166,9 @@ def test_shipped_artifact_is_installed_only_for_its_root_and_only_when_intact(tm
         other.embeddings.word_embeddings.weight.add_(1.0)
     assert install_shipped(other, 2, tmp_path / "a", shipped) is None  # another root: nothing fits
     assert install_shipped(root.bert, 3, tmp_path / "a", shipped) is None  # another split
-    assert current_artifact_id(tmp_path / "a") is None
+    assert current_artifact_id(tmp_path / "a", POINTER) is None
     assert install_shipped(root.bert, 2, tmp_path / "b", shipped) == aid
-    assert current_artifact_id(tmp_path / "b") == aid
+    assert current_artifact_id(tmp_path / "b", POINTER) == aid
     (shipped / aid / "windowed.safetensors").write_bytes(b"damaged")
     with pytest.raises(ArtifactMismatchError, match="damaged"):
         install_shipped(root.bert, 2, tmp_path / "c", shipped)
@@ -288,7 +291,7 @@ def test_a_finished_calibration_run_again_returns_its_artifact_at_once_and_makes
     aid, meta = calibrate(first, TEXTS, TEXTS[:2], cfg, **run)
     (tmp_path / "roots" / "minilm-l2-other").mkdir()
     (tmp_path / "roots" / "minilm-l2-other" / "config.json").write_text("{}")
-    (tmp_path / "roots" / "current").write_text("minilm-l2-other")
+    (tmp_path / "roots" / first.spec.pointer).write_text("minilm-l2-other")
 
     work = {"loss": 0, "quality": 0}
     for name, key in (("calibration_loss", "loss"), ("quality", "quality")):
@@ -299,7 +302,8 @@ def test_a_finished_calibration_run_again_returns_its_artifact_at_once_and_makes
     again = tiny_root()
     assert calibrate(again, TEXTS, TEXTS[:2], cfg, **run) == (aid, meta)
     assert work == {"loss": 0, "quality": 0}
-    assert current_artifact_id(tmp_path) == aid
+    assert current_artifact_id(tmp_path, POINTER) == aid
+    assert not (tmp_path / "roots" / "current").exists()  # the default split's pointer is not this split's
     for (k, x), (_, y) in zip(first.windowed.state_dict().items(), again.windowed.state_dict().items()):
         assert torch.equal(x, y), k
 
@@ -325,7 +329,7 @@ def test_another_recipe_keeps_its_own_state_and_the_first_recipe_run_again_retur
     run = {"home": tmp_path, "log": lambda *_: None}
     aid, meta = calibrate(tiny_root(), TEXTS, TEXTS[:2], first, **run)
     other, _ = calibrate(tiny_root(), TEXTS, TEXTS[:2], second, **run)
-    assert other != aid and current_artifact_id(tmp_path) == other
+    assert other != aid and current_artifact_id(tmp_path, POINTER) == other
     steps = {"n": 0}
 
     def counted(*args, _orig=cal.calibration_loss, **kw):
@@ -334,7 +338,7 @@ def test_another_recipe_keeps_its_own_state_and_the_first_recipe_run_again_retur
 
     monkeypatch.setattr(cal, "calibration_loss", counted)
     assert calibrate(tiny_root(), TEXTS, TEXTS[:2], first, **run) == (aid, meta)
-    assert steps["n"] == 0 and current_artifact_id(tmp_path) == aid
+    assert steps["n"] == 0 and current_artifact_id(tmp_path, POINTER) == aid
     assert len(list((tmp_path / "calibration").iterdir())) == 2
 
 
@@ -412,7 +416,7 @@ def test_a_time_limit_stops_one_invocation_at_a_checkpoint_and_the_same_call_fin
         with pytest.raises(CalibrationUnfinished, match=f"stopped at step {stop_at} of 40"):
             calibrate(tiny_root(), TEXTS, TEXTS[:2], RECIPE, **run)
         assert torch.load(tmp_path / "cal" / "checkpoint.pt", weights_only=True)["step"] == stop_at
-    assert current_artifact_id(tmp_path / "hs") is None  # nothing half-calibrated is served
+    assert current_artifact_id(tmp_path / "hs", POINTER) is None  # nothing half-calibrated is served
     sliced = tiny_root()
     aid_sliced, meta = calibrate(sliced, TEXTS, TEXTS[:2], RECIPE, **run)
     assert slow_machine["n"] == 40  # every step once: each call went on from the last
