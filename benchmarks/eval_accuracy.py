@@ -374,6 +374,8 @@ def main() -> None:
         if len(done) < len(tasks):
             res["unfinished"] = f"{len(done)} of {len(tasks)} tasks; {cells.summary()}"
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
+        if cal.get("corpus", "general") != "general":  # another recipe's windows: their own page
+            page += f"_corpus-{cal['corpus']}"
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if learned:
