@@ -49,7 +49,9 @@ class WindowedLower(nn.Module):
         (:meth:`forward` zeroes them).
 
         Unless ``masked``, each window runs on its present tokens alone, at their local positions:
-        without gradients bit for bit the rows of :meth:`masked_states` (tested), in about 0.84 of
+        without gradients the rows of :meth:`masked_states` up to the GEMM library's order of sums
+        (the masked token's attention weight is exactly 0; the same bits with some kernels, as close
+        to the fp64 result with all: tested), in about 0.84 of
         its time on a root PLOT's mix of tri-, bi- and uni-grams (``benchmarks/bench_plot_build.py``),
         about half on a calibration batch read with back-off (most windows are bi- and uni-grams).
         ``masked`` defaults to whether gradients are on: calibration recipes without

@@ -55,20 +55,31 @@ def family_model(family: str, tmp_path, real_root=None):
 
 
 @pytest.mark.parametrize("family", ["bert", "mpnet", "minilm-l6"])
-def test_windows_computed_on_their_present_tokens_alone_equal_the_masked_sequences_bit_for_bit(
+def test_windows_computed_on_their_present_tokens_alone_are_as_close_to_exact_as_the_masked_sequences(
         family, tmp_path, real_root):
-    """Without gradients a window runs on its present tokens alone (the PLOT build's fast path):
-    the same bits as running it masked at length 3, for BERT, MPNet's relative position bias and
-    the real MiniLM-L6, at a build's chunk size and at an odd one."""
+    """Without gradients a window runs on its present tokens alone (the PLOT build's fast path).
+    Dropping a masked token drops one term whose attention weight is exactly 0, so the two paths
+    differ only in how the GEMM library orders and fuses the other terms (the same bits with some
+    kernels, not with MKL's AVX2 ones on Intel): each is held to the fp64 run of the masked
+    sequences, the fast path no further from it than twice the masked fp32 run's own rounding.
+    BERT, MPNet's relative position bias and the real MiniLM-L6, at a build's chunk size and at
+    an odd one."""
+    import copy
+
     model = family_model(family, tmp_path, real_root)
     lower = WindowedLower(model, 3 if family == "minilm-l6" else 2).eval()
     torch.nn.init.normal_(lower.gate.weight, std=0.1)  # a gate that varies by row
+    exact = copy.deepcopy(lower).double()
     for n in (2048, 333):
         windows = mixed_windows(model.config.vocab_size, n, seed=n)
         with torch.no_grad():
-            fast = lower(windows)
-        ref = masked_reference(lower, windows).detach()
-        assert torch.equal(fast.view(torch.int32), ref.view(torch.int32))
+            fast = lower(windows).double()
+            masked = masked_reference(lower, windows).double()
+            truth = masked_reference(exact, windows)
+        rounding = (masked - truth).abs().max().item()
+        assert rounding > 0  # fp32 is not exact: the bound below is not vacuous
+        assert (fast - truth).abs().max().item() <= 2 * rounding
+        assert torch.equal(fast == 0, truth == 0)  # absent tokens +0.0 on both paths
 
 
 def test_windows_computed_with_gradients_run_masked_as_calibration_trained_them(bert):

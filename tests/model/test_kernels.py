@@ -1,4 +1,5 @@
 import copy
+import os
 
 import pytest
 import torch
@@ -157,3 +158,16 @@ def test_a_fused_projection_serving_in_bf16_rounds_its_weight_once_and_again_onc
         assert w._hmi_bf16[1] is kept  # not rounded again
         w.add_(1.0)
         assert torch.equal(linear(x, w, b), _bf16_reference(x, w, b)) and w._hmi_bf16[1] is not kept
+
+
+def test_bf16_is_not_native_where_onednn_is_held_below_avx512_bf16():
+    """With oneDNN held to AVX2 (``make test-avx2``, or a user's ``ONEDNN_MAX_CPU_ISA``) there is no
+    bf16 inner product even on a CPU with avx512_bf16: bf16 must not be chosen, or every bf16
+    GEMM fails to create its primitive."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", "from hmi.model.kernels import NATIVE_BF16; print(NATIVE_BF16)"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
