@@ -105,7 +105,7 @@ def main() -> None:
     timers: dict[str, object] = {}  # row name -> what one timed call runs, on ``batch`` missed windows
 
     def measure(name: str, model, store_of_model, record: dict | None, bf16: bool | None = None) -> None:
-        centres = learned.centre_table(store_of_model, vocab) if model else None
+        centres = learned.CentreTable(store_of_model, vocab) if model else None
         est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16, centres)) \
             if model else torch.from_numpy(served)
         cos = fidelity(est, exact)

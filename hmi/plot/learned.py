@@ -16,6 +16,7 @@ A PLOT's model lives beside its LMDB files (``learned_backoff.safetensors`` and 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,18 +75,39 @@ def centre_states(store: PlotStore, ids: np.ndarray) -> np.ndarray:
     return vals[:, 1]
 
 
-def centre_table(store: PlotStore, vocab_size: int) -> np.ndarray:
-    """Every token's state alone, read from the PLOT once: row ``x`` is ``centre_states(store, [x])[0]``.
-    Serving gathers a missed window's neighbours from it instead of reading two uni-grams from LMDB
-    per window (the table is a snapshot: the uni-grams of a built PLOT do not change).
-    Shapes: -> (vocab_size, H) float16."""
-    return centre_states(store, np.arange(vocab_size, dtype=np.int64))
+class CentreTable:
+    """Every token's state alone (row ``x`` is ``centre_states(store, [x])[0]``), read from the PLOT
+    row by row as serving first needs them and kept: serving gathers a missed window's neighbours
+    from it instead of reading two uni-grams from LMDB per window.  Filled lazily because a PLOT
+    still being built computes what it does not hold yet (``hmi.plot.pending``): the whole
+    vocabulary at start-up would hold the first start up by seconds for rows most texts never
+    use.  The uni-grams of a PLOT do not change once written, so a kept row stays right.
+    Shapes: table[ids] with ids (...) int64 -> (..., H) float16."""
+
+    def __init__(self, store: PlotStore, vocab_size: int):
+        self.store, self.vocab_size = store, vocab_size
+        self.rows: np.ndarray | None = None  # (vocab_size, H) float16, allocated at the first read
+        self.known = np.zeros(vocab_size, dtype=bool)
+        self._lock = threading.Lock()
+
+    def __getitem__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        if not self.known[ids].all():
+            with self._lock:
+                need = np.unique(ids[~self.known[ids]])
+                if need.size:
+                    states = centre_states(self.store, need)
+                    if self.rows is None:
+                        self.rows = np.zeros((self.vocab_size, states.shape[-1]), dtype=states.dtype)
+                    self.rows[need] = states
+                    self.known[need] = True
+        return self.rows[ids]
 
 
-def neighbour_states(store: PlotStore, keys: np.ndarray, centres: np.ndarray | None = None) -> np.ndarray:
+def neighbour_states(store: PlotStore, keys: np.ndarray, centres: CentreTable | None = None) -> np.ndarray:
     """The states of ``l`` and ``r`` alone for tri-gram ``keys`` ``(l, c, r)``: gathered from
-    ``centres`` (``centre_table``) where given, else read from the PLOT.
-    Shapes: keys (N,) uint64; centres (V, H) -> (N, 2, H) float16."""
+    ``centres`` (a ``CentreTable`` of ``store``) where given, else read from the PLOT.
+    Shapes: keys (N,) uint64 -> (N, 2, H) float16."""
     w = unpack(keys)
     if centres is not None:
         return centres[w[:, [0, 2]]]
@@ -105,10 +127,10 @@ def served_backoff(store: PlotStore, keys: np.ndarray, withhold: np.ndarray | No
 
 
 def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: np.ndarray,
-             from_bigram: np.ndarray, bf16: bool | None = None, centres: np.ndarray | None = None) -> np.ndarray:
+             from_bigram: np.ndarray, bf16: bool | None = None, centres: CentreTable | None = None) -> np.ndarray:
     """The model's states for missed windows ``keys`` given what the back-off served them, its
     products in bf16 where ``bf16`` (default ``SERVE_BF16``) and the CPU has it; the neighbours'
-    states from ``centres`` (``centre_table`` of ``store``) where given, else from ``store``.
+    states from ``centres`` (a ``CentreTable`` of ``store``) where given, else from ``store``.
     Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
     context = neighbour_states(store, keys, centres)
     with torch.no_grad(), bf16_matmuls(SERVE_BF16 if bf16 is None else bf16):

@@ -47,12 +47,12 @@ class PlotVersion:
     store: PlotStore
     encoder: WindowedEncoder
     hot: HotTier | None = None
-    # its learned back-off and its tokens' centre states (``learned_backoff``), loaded once per opened version
-    backoff: tuple[learned.LearnedBackoff, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    # its learned back-off and its tokens' centre states (``learned_backoff``), kept once per opened version
+    backoff: tuple[learned.LearnedBackoff, learned.CentreTable] | None = field(default=None, compare=False, repr=False)
 
 
-def learned_backoff(version: PlotVersion) -> tuple[learned.LearnedBackoff, np.ndarray] | None:
-    """The version's learned back-off and ``learned.centre_table`` of its PLOT, or None where it has
+def learned_backoff(version: PlotVersion) -> tuple[learned.LearnedBackoff, learned.CentreTable] | None:
+    """The version's learned back-off and the ``learned.CentreTable`` of its PLOT, or None where it has
     none; loaded at the first call and kept on the version, so the lookups of every domain whose
     chain goes through it (the root's: all of them) share one copy."""
     if version.backoff is None:
@@ -60,7 +60,7 @@ def learned_backoff(version: PlotVersion) -> tuple[learned.LearnedBackoff, np.nd
         if model is None:
             return None
         vocab = version.encoder.lower.embeddings.word_embeddings.num_embeddings
-        version.backoff = (model, learned.centre_table(version.store, vocab))
+        version.backoff = (model, learned.CentreTable(version.store, vocab))
     return version.backoff
 
 

@@ -108,10 +108,15 @@ def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder
 
 
 def test_neighbour_states_gathered_from_the_centre_table_equal_those_read_from_the_plot(trained):
+    """The table reads a token's uni-gram at its first use and keeps it: a second batch of
+    windows, partly over the same tokens, gathers the same rows as reading the PLOT again."""
     store, _ = trained
     keys = pack(np.concatenate([unseen_windows(store), [[0, 5, 0], [VOCAB - 1, 3, 0]]]))  # 0: no uni-gram, zeros
-    table = learned.centre_table(store, VOCAB)
-    assert np.array_equal(learned.neighbour_states(store, keys, table), learned.neighbour_states(store, keys))
+    table = learned.CentreTable(store, VOCAB)
+    half = len(keys) // 2
+    for part in (keys[:half], keys, keys[half:]):
+        assert np.array_equal(learned.neighbour_states(store, part, table), learned.neighbour_states(store, part))
+    assert 0 < table.known.sum() < VOCAB  # only the tokens asked for were read
 
 
 def test_the_lookups_of_chains_through_one_version_share_its_learned_backoff(trained, plot, encoder):
