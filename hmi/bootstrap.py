@@ -7,6 +7,7 @@ module must not load transformers before :func:`quiet_transformers` has switched
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -38,9 +39,27 @@ def quiet_transformers() -> None:
 
 
 def ensure_data() -> None:
-    """Fetches and prepares the tasks and corpora unless they are prepared already."""
-    if not (data_dir() / "stats.json").exists():
-        prepare(data_dir())
+    """Fetches and prepares the tasks and corpora unless they are prepared already. One process
+    prepares at a time (an exclusive lock beside the data): another that needs the data waits for
+    it, then finds it prepared."""
+    if (data_dir() / "stats.json").exists():
+        return
+    data_dir().mkdir(parents=True, exist_ok=True)
+    with open(data_dir() / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if not (data_dir() / "stats.json").exists():
+            prepare(data_dir())
+
+
+def prepare_data_in_background() -> multiprocessing.Process | None:
+    """Starts ``ensure_data`` in a process of its own when the data is not prepared yet, and
+    returns it (None when there is nothing to do); whatever needs the data later calls
+    ``ensure_data``, which waits for it."""
+    if (data_dir() / "stats.json").exists():
+        return None
+    proc = multiprocessing.get_context("spawn").Process(target=ensure_data, name="hmi-data")
+    proc.start()
+    return proc
 
 
 def calibrate_default(l_low: int | None = None, seed: int = 0, backoff: bool = True, eval_texts: int = 256,

@@ -92,3 +92,27 @@ def test_a_root_plot_its_builder_has_only_begun_to_create_reads_as_not_built_yet
     assert root_plot_state(tmp_path, "art") == {}
     PlotStore(plot, meta=PlotMeta("art", 2, 8), readonly=False).close()  # its tables and metadata
     assert root_plot_state(tmp_path, "art") == {}  # and no build record yet
+
+
+def test_a_process_that_needs_the_data_waits_for_the_one_preparing_it_and_prepares_nothing_itself(tmp_path, monkeypatch):
+    """`hmi serve` prepares the data in a process of its own while it imports the server; the
+    preparation child that needs the data then waits on the lock instead of preparing it twice."""
+    import fcntl
+    import threading
+
+    import hmi.bootstrap as bootstrap
+
+    monkeypatch.setenv("HMI_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    calls = []
+    monkeypatch.setattr(bootstrap, "prepare", lambda out: calls.append(out))
+    with open(tmp_path / "data" / ".prepare.lock", "a") as held:  # the background preparation, under way
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=bootstrap.ensure_data)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # waiting for the lock
+        (data_dir() / "stats.json").write_text("{}")  # the background preparation finishes
+    waiter.join(10)
+    assert not waiter.is_alive() and calls == []
+    assert bootstrap.prepare_data_in_background() is None  # prepared: nothing to start

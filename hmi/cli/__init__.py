@@ -15,7 +15,7 @@ import importlib
 import sys
 
 from hmi.allocator import tune_allocator
-from hmi.bootstrap import offline
+from hmi.bootstrap import offline, prepare_data_in_background
 from hmi.model.aliases import RootError
 
 # command -> (the module of its group, its one-line help)
@@ -55,13 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     offline()  # before any group imports the model side
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else "").parse_args(argv)
-    tune_allocator()
+    # A first `hmi serve` prepares the data while it imports the server (on a first start also
+    # compiling torch's modules): seconds each, side by side. Whatever needs the data waits for it.
+    data = prepare_data_in_background() if command == "serve" and not {"-h", "--help"} & set(argv) else None
     try:
+        args = build_parser(command if command in COMMANDS else "").parse_args(argv)
+        tune_allocator()
         return args.func(args)
     except RootError as exc:  # an unknown root, a failed fetch, a checkpoint HMI cannot split
         print(f"hmi: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if data is not None and data.is_alive():
+            data.terminate()  # the command ended before it needed the data (its files are written atomically)
 
 
 if __name__ == "__main__":
