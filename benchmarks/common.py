@@ -56,11 +56,9 @@ def cores_apart(clients: int) -> tuple[set[int], set[int]]:
 
 def cpu_kind() -> str:
     """``avx512`` on a CPU with AVX-512F, else ``avx2``: the machine's kind, whatever kernels torch is told to use."""
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return "avx512" if "avx512f" in flags.split() else "avx2"
+    from hmi.model.kernels import cpu_flags
+
+    return "avx512" if "avx512f" in cpu_flags() else "avx2"
 
 
 def machine() -> str:

@@ -49,15 +49,20 @@ def _onednn_available() -> bool:
 ONEDNN_LINEAR = _onednn_available()
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``/proc/cpuinfo``; none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
 def _native_bf16() -> bool:
     """Whether the CPU multiplies bf16 in hardware (the ``avx512_bf16`` or ``amx_bf16`` flag) and
     oneDNN may use it: ``ONEDNN_MAX_CPU_ISA`` below AVX512_CORE_BF16 (as ``make test-avx2`` sets it)
     leaves oneDNN no bf16 inner product, so a small one is tried."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     if not (ONEDNN_LINEAR and ("avx512_bf16" in flags or "amx_bf16" in flags)):
         return False
     try:

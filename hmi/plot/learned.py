@@ -85,8 +85,8 @@ class CentreTable:
     Shapes: table[ids] with ids (...) int64 -> (..., H) float16."""
 
     def __init__(self, store: PlotStore, vocab_size: int):
-        self.store, self.vocab_size = store, vocab_size
-        self.rows: np.ndarray | None = None  # (vocab_size, H) float16, allocated at the first read
+        self.store = store
+        self.rows = np.zeros((vocab_size, store.meta.hidden_size), dtype=np.float16)  # pages taken as rows are written
         self.known = np.zeros(vocab_size, dtype=bool)
         self._lock = threading.Lock()
 
@@ -96,10 +96,7 @@ class CentreTable:
             with self._lock:
                 need = np.unique(ids[~self.known[ids]])
                 if need.size:
-                    states = centre_states(self.store, need)
-                    if self.rows is None:
-                        self.rows = np.zeros((self.vocab_size, states.shape[-1]), dtype=states.dtype)
-                    self.rows[need] = states
+                    self.rows[need] = centre_states(self.store, need)
                     self.known[need] = True
         return self.rows[ids]
 
