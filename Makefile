@@ -43,7 +43,7 @@ browser:
 # (each test file on one), then the tests that start a Ray cluster, alone.
 # Each prints its ten slowest tests at the end.
 test: setup browser
-	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=60 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
+	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=30 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not ray_cluster" --durations=10
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster --durations=10
 
 # A contributor's quick loop: every test but those marked slow (a minute or more: the soak, the fuzz,

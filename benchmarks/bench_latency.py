@@ -165,7 +165,8 @@ def run_load(spec: dict, cpus: set[int] | None = None) -> dict:
 
 # -- server side ------------------------------------------------------------------------------------
 def temp_home(tmp: Path, real: Path, n: int):
-    """A home sharing the real root artifact and root PLOT, with ``n`` ready tenants."""
+    """A home sharing the real root artifact and root PLOT (and the decoder's fp32 copy where the
+    real home holds one), with ``n`` ready tenants."""
 
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
@@ -173,8 +174,9 @@ def temp_home(tmp: Path, real: Path, n: int):
     from hmi.services.auth import hash_token, new_token
     from hmi.services.registry import Registry
 
-    for part in ("roots", "plots"):
-        (tmp / part).symlink_to(real / part)
+    for part in ("roots", "plots", "models"):
+        if part != "models" or (real / part).exists():
+            (tmp / part).symlink_to(real / part)
     root = load_root(home=tmp)
     spec = AdapterSpec("bottleneck", labels=tuple("abcde"))
     variants = adapter_variants(root.bert, root.spec.l_low, spec, 16, seed=0)

@@ -43,6 +43,28 @@ def isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_HOME", str(tmp_path / "hmi_home"))
 
 
+@pytest.fixture(scope="session")
+def root_home(tmp_path_factory, worker_id):
+    """A home with the default root's artifact and full root PLOT, prepared once per test run and
+    shared by both workers; read only (``tests.helpers.shared``)."""
+    from tests.helpers.shared import prepare_root_home, prepared, shared_folder
+
+    return prepared(shared_folder(tmp_path_factory, worker_id), "root-home", prepare_root_home)
+
+
+@pytest.fixture(scope="session")
+def decoder_copy_home(tmp_path_factory, worker_id):
+    """A home holding the decoder's fp32 copy, dequantized once per test run; read only."""
+    pytest.importorskip("gguf")
+    from hmi.model.decoder import DecoderNotFoundError
+    from tests.helpers.shared import prepare_decoder_copy, prepared, shared_folder
+
+    try:
+        return prepared(shared_folder(tmp_path_factory, worker_id), "decoder-home", prepare_decoder_copy)
+    except DecoderNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
 # `make test` runs the tests in two pytest-xdist workers, the tests of one file on one worker (a
 # module's fixtures, a live server with trained tenants, are set up once), then the files that
 # start a Ray cluster (``ray_cluster``) on their own: a cluster starts proxies and ports of its own

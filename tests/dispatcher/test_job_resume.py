@@ -63,7 +63,7 @@ def test_a_domain_job_whose_server_was_killed_continues_from_its_last_checkpoint
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": os.getcwd()})
-    steps = 400
+    steps = 160
     try:
         url = child.stdout.readline().strip()
         admin = Client(url, ADMIN)

@@ -8,19 +8,20 @@ from tests.faults.killpoints import run_until_complete
 from tests.helpers.crash import SPEC, open_tree, weights  # noqa: F401
 
 ADAPTER_CHILD = """
-import sys, torch
-from tests.faults.killpoints import arm
+import sys
+from tests.faults.killpoints import kill_each_step
 from tests.helpers.crash import SPEC, weights
 from hmi.adapters.store import AdapterStore
-counter = arm(int(sys.argv[1]))
-store = AdapterStore(sys.argv[2])
-counter["on"] = True
-if sys.argv[3] == "publish":
-    store.save("acme", SPEC, weights(2.0))
-else:
-    store.delete("acme")
-counter["on"] = False
-print("COMPLETED")
+
+def replace(counter):
+    store = AdapterStore(sys.argv[1])
+    counter["on"] = True
+    if sys.argv[2] == "publish":
+        store.save("acme", SPEC, weights(2.0))
+    else:
+        store.delete("acme")
+
+kill_each_step(replace)
 """
 
 
@@ -57,20 +58,21 @@ def test_kill_at_every_write_step_of_an_adapter_replacement_leaves_old_or_new(tm
 
 DOMAIN_CHILD = """
 import sys
-from tests.faults.killpoints import arm
+from tests.faults.killpoints import kill_each_step
 from tests.helpers.crash import open_tree
 from hmi.version_tree.tree import VersionTree
-from tests.helpers.domains import FAST, corpus
-counter = arm(int(sys.argv[1]))
-tree = open_tree(sys.argv[2])
-place = VersionTree._place
-def armed_place(self, work, node):  # count from the end of the build on: the replacement itself
-    counter["on"] = True
-    return place(self, work, node)
-VersionTree._place = armed_place
-tree.update("legal", corpus(300, seed=5), FAST, progress=False)
-counter["on"] = False
-print("COMPLETED")
+from tests.helpers.domains import TINY, corpus
+
+def update(counter):
+    tree = open_tree(sys.argv[1])
+    place = VersionTree._place
+    def armed_place(self, work, node):  # count from the end of the build on: the replacement itself
+        counter["on"] = True
+        return place(self, work, node)
+    VersionTree._place = armed_place
+    tree.update("legal", corpus(300, seed=5), TINY, progress=False)
+
+kill_each_step(update)
 """
 
 
@@ -79,12 +81,12 @@ def test_kill_at_every_write_step_of_a_domain_update_leaves_old_or_new(tmp_path)
     import shutil
 
     from hmi.plot.paths import ensure_root_plot
-    from tests.helpers.domains import FAST, corpus
+    from tests.helpers.domains import TINY, corpus
 
     base = tmp_path / "base"
     tree = open_tree(base)
     ensure_root_plot(tree.root, lines=corpus(50, seed=9), home=base, progress=False)
-    tree.create("legal", "root", corpus(600), 0.5, FAST, progress=False)
+    tree.create("legal", "root", corpus(600), 0.5, TINY, progress=False)
     old = tree.nodes()["legal"].version
     home = tmp_path / "home"
     seen = set()

@@ -14,3 +14,5 @@ def corpus(n=600, seed=0):
 
 
 FAST = FPTConfig(steps=6, batch_size=8, max_len=64, lr=1e-3, eval_lines=16)  # distill, the default objective
+# One distillation step on small batches: for tests of what a domain job writes, not of what it learns.
+TINY = FPTConfig(steps=1, batch_size=4, max_len=64, lr=1e-3, eval_lines=4)

@@ -53,14 +53,10 @@ def test_split_forward_equals_the_library_model_with_full_context():
 
 
 @pytest.fixture(scope="module")
-def smollm():
-    pytest.importorskip("gguf")
-    from hmi.model.decoder import DecoderNotFoundError, load_decoder
+def smollm(decoder_copy_home):
+    from hmi.model.decoder import load_decoder
 
-    try:
-        return load_decoder(l_low=4)
-    except DecoderNotFoundError as exc:
-        pytest.skip(str(exc))
+    return load_decoder(l_low=4, home=decoder_copy_home)  # from the run's fp32 copy
 
 
 def test_real_decoder_split_forward_matches_the_library_and_windows_match_per_window_runs(smollm):
@@ -81,16 +77,12 @@ def test_real_decoder_split_forward_matches_the_library_and_windows_match_per_wi
     assert 1.0 < perplexity(smollm, texts, "full") < perplexity(smollm, texts, "windowed")
 
 
-def test_a_split_outside_the_decoder_is_refused():
-    pytest.importorskip("gguf")
-    from hmi.model.decoder import DecoderNotFoundError, load_decoder
+def test_a_split_outside_the_decoder_is_refused(decoder_copy_home):
+    from hmi.model.decoder import load_decoder
 
     for bad in (0, 30):
-        try:
-            with pytest.raises(ValueError, match="l_low"):
-                load_decoder(l_low=bad)
-        except DecoderNotFoundError as exc:
-            pytest.skip(str(exc))
+        with pytest.raises(ValueError, match="l_low"):
+            load_decoder(l_low=bad, home=decoder_copy_home)
 
 
 def test_causal_plot_lookup_equals_computing_the_causal_windows(tmp_path):

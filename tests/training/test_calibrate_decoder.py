@@ -72,12 +72,15 @@ def test_deeper_decoder_splits_take_the_logit_distillation_recipe():
 
 @pytest.mark.slow
 def test_a_finished_decoder_calibration_run_again_returns_its_artifact_at_once_and_makes_it_current(
-        tmp_path, slow_machine, monkeypatch):
+        tmp_path, slow_machine, monkeypatch, decoder_copy_home):
     """``hmi calibrate --decoder`` after a finished run (on the packaged SmolLM2) trains and
     measures nothing: it serves the artifact its ``done`` file names and points the home at it
     again; another recipe calibrates."""
     import hmi.training.calibrate_decoder as cdec
+    from hmi.home import hmi_home
+    from tests.helpers.shared import link_home
 
+    link_home(decoder_copy_home, hmi_home())  # the fp32 copy (kept in HMI_HOME) is another test's subject
     cfg = DecoderCalibrationConfig(steps=2, batch_size=2, max_len=32, eval_texts=2)
     first, meta = cdec.calibrate_and_save(tmp_path, 2, cfg, progress=False)
     folder = f"{first.name}-l2"

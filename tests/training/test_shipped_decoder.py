@@ -53,7 +53,7 @@ def test_shipped_decoder_windows_are_installed_only_for_their_decoder_and_split_
 
 @pytest.mark.slow
 def test_the_packaged_decoder_finds_its_shipped_windows_and_a_fresh_home_installs_them_without_calibrating(
-        tmp_path, capsys):
+        tmp_path, capsys, decoder_copy_home):
     """``hmi plot build --decoder`` on a fresh home installs the shipped windows (it used to ask for
     ``hmi calibrate --decoder``, minutes of work the package had already done) and builds the PLOT."""
     pytest.importorskip("gguf")
@@ -62,7 +62,9 @@ def test_the_packaged_decoder_finds_its_shipped_windows_and_a_fresh_home_install
     from hmi.home import hmi_home
     from hmi.model.decoder import DecoderNotFoundError, load_decoder
     from hmi.plot.store import PlotStore
+    from tests.helpers.shared import link_home
 
+    link_home(decoder_copy_home, hmi_home())  # the fp32 copy is another test's subject
     try:
         decoder = load_decoder(l_low=2)
     except DecoderNotFoundError as exc:
