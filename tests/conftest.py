@@ -65,15 +65,16 @@ def decoder_copy_home(tmp_path_factory, worker_id):
         pytest.skip(str(exc))
 
 
-# `make test` runs the tests in two pytest-xdist workers, the tests of one file on one worker (a
-# module's fixtures, a live server with trained tenants, are set up once), then the files that
-# start a Ray cluster (``ray_cluster``) on their own: a cluster starts proxies and ports of its own
-# and must not compete with a second one.
+# `make test` runs the tests in two pytest-xdist workers, the tests of one file on one worker
+# (``--dist loadfile``: a module's fixtures, a live server with trained tenants, are set up once),
+# then the files that start a Ray cluster (``ray_cluster``) on their own: a cluster starts proxies
+# and ports of its own and must not compete with a second one.  (``--dist loadgroup`` with a group
+# per file did the same until pytest 9.2, whose node ids pytest-xdist 3.8 can no longer suffix
+# with the group: every test went its own way and each worker set up the module fixtures again.)
 RAY_FILES = {"test_ray_jobs.py", "test_ray_multinode.py", "test_ray_registry.py", "test_ray_serve.py", "test_ray_gate.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(str(item.path)))
         if item.path.name in RAY_FILES:
             item.add_marker(pytest.mark.ray_cluster)

@@ -15,7 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("soak")
 def test_a_minute_of_the_soak_ends_without_a_server_error_a_lost_job_or_an_unclean_stop(tmp_path, root_home,
                                                                                          decoder_copy_home):
     from tests.helpers.shared import link_home
