@@ -43,20 +43,20 @@ browser:
 # (each test file on one), then the tests that start a Ray cluster, alone.
 # Each prints its ten slowest tests at the end.
 test: setup browser
-	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=30 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ray_cluster" --durations=10
+	HF_HUB_OFFLINE=1 HMI_FUZZ_SECONDS=30 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray_cluster" --durations=10
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m ray_cluster --durations=10
 
 # A contributor's quick loop: every test but those marked slow (a minute or more: the soak, the fuzz,
 # crash safety, the shipped decoder, ...) and the Ray ones; make test runs them all.
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ray_cluster and not slow" --durations=10
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray_cluster and not slow" --durations=10
 
 # The tests that compare numbers within a tolerance, with torch's, oneDNN's and MKL's kernels held to
 # AVX2: on an AVX-512 machine, what a user or CI on an AVX2-only CPU computes (run before submitting).
 NUMERIC_TESTS = $(shell grep -rlE --include='test_*.py' 'assert_close|atol|allclose' tests)
 test-avx2: setup
 	HF_HUB_OFFLINE=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-	  $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not ray_cluster" --durations=10 $(NUMERIC_TESTS)
+	  $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not ray_cluster" --durations=10 $(NUMERIC_TESTS)
 
 # On a machine with a GPU, the first thing to run: set-up with a CUDA torch, the tests marked cuda under
 # torch's CUDA sanitizer, the device benchmarks, the product's benchmarks served from the GPU

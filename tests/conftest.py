@@ -78,3 +78,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in RAY_FILES:
             item.add_marker(pytest.mark.ray_cluster)
+    # The soak's file first (the longest: its prepared home and its minute of load), then the
+    # other files that hold a test marked slow (a minute or more), then the rest in collection
+    # order (``make test`` passes --no-loadscope-reorder, which keeps this order): a long file
+    # started last would run alone at the end while the other worker has nothing left to do.
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: (item.path.name != "test_soak.py", item.path not in slow))
