@@ -3,8 +3,7 @@ its full root PLOT, and the decoder's fp32 copy (dequantized from its GGUF).
 
 Both workers of ``make test`` share them: the first to need one builds it under a lock in the
 run's common temporary folder, the other waits for it and reuses it.  Tests never write into
-them: a test that needs them in its own home links them in (``link_decoder_copy``) or serves from
-a home that links them (``link_home``).
+them: a test that needs them links them into a home of its own (``link_home``).
 """
 
 from __future__ import annotations
