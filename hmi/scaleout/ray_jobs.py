@@ -13,7 +13,7 @@ publishing, the take-over of a dead replica's jobs).  Per job:
   the same paths on the task's node (every node has its copy of ``HMI_HOME``'s root and PLOT);
 - progress and the cancel flag go through one small actor per replica (``JobChannel``, no CPUs);
 - a task dies with its owner: Ray kills the workers of a task whose owner (the replica) died,
-  as ``PR_SET_PDEATHSIG`` does for a process.
+  as ``hmi.lifetime.die_with`` does for a process.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Background jobs (tenant fine-tuning, domains) in workers (hmi.services.workers).
 
 Where a worker runs is its launcher's business: by default (``ProcessLauncher``) a process
-spawned with ``torch.multiprocessing``, which maps the server's root weights from shared memory
-instead of loading its own; under Ray Serve, a Ray task with its own resources
-(``hmi.scaleout.ray_jobs``).  A job reports
+forked from the server's fork server (``torch.multiprocessing``), which maps the server's root
+weights from shared memory instead of loading its own; under Ray Serve, a Ray task with its own
+resources (``hmi.scaleout.ray_jobs``).  A job reports
 progress through a queue, can be cancelled, has a time limit, and writes its result as an
 unpublished adapter version named by its job id; the server publishes it only while the tenant
-still belongs to that job.  Workers die with the server (``PR_SET_PDEATHSIG``): after a
+still belongs to that job.  Workers die with the server (``hmi.lifetime.die_with``): after a
 ``kill -9`` of the server no worker goes on writing.  The queue of waiting jobs is bounded.
 
 Nothing accepted is lost: a tenant job's inputs are written (atomically) to ``inputs/<job>.json``
@@ -47,16 +47,29 @@ CANCEL_CHECK_S = 0.5  # how often a running job's owner looks for a cancel reque
 
 
 class ProcessLauncher:
-    """Runs a job's worker as a spawned process of this server.  A launcher makes the cancel flag
+    """Runs a job's worker as a process of this server's.  A launcher makes the cancel flag
     (``event()``: ``set``/``is_set``), the progress queue (``queue()``: ``put``/``get(timeout=)``,
     raising ``queue.Empty``) and starts ``target(ctx, job, progress, cancel)``, returning a handle
     with ``pid``, ``is_alive()``, ``join(timeout)``, ``terminate()``, ``kill()`` and, to say why it
-    ended without a result, ``exitcode`` (a process) or ``death()``."""
+    ended without a result, ``exitcode`` (a process) or ``death()``.
+
+    Workers are forked from a fork server (``multiprocessing``'s ``forkserver``) that has imported
+    what a worker runs (``hmi.services.workers``: torch, transformers) once, when the first job
+    started: a job starts in a fraction of a second instead of the seconds a new interpreter takes
+    to import them (``benchmarks/bench_job_start.py``).  The fork server is a child of this process
+    that exits once this process and the workers have; a worker dies with this process
+    (``hmi.lifetime.die_with``).  A worker takes this process's environment as it is when the job
+    starts (``environ``), not as it was when the fork server started."""
 
     where = "process"
+    PRELOAD = ["__main__", "hmi.services.workers"]
 
-    def __init__(self):
-        self.mp = mp.get_context("spawn")
+    def __init__(self, start_method: str = "forkserver"):
+        """``start_method``: ``forkserver``, or ``spawn`` (a new interpreter per job, which imports
+        everything itself: the reference ``bench_job_start`` and the tests compare it with)."""
+        self.mp = mp.get_context(start_method)
+        if start_method == "forkserver":
+            self.mp.set_forkserver_preload(self.PRELOAD)
 
     def event(self):
         return self.mp.Event()
@@ -65,8 +78,8 @@ class ProcessLauncher:
         return self.mp.Queue()
 
     def start(self, target: Callable, ctx: WorkerContext, job: dict, progress, cancel):
-        proc = self.mp.Process(target=target, args=(ctx, {**job, "server_pid": os.getpid()}, progress, cancel),
-                               daemon=True)
+        job = {**job, "server_pid": os.getpid(), "environ": dict(os.environ)}
+        proc = self.mp.Process(target=target, args=(ctx, job, progress, cancel), daemon=True)
         proc.start()
         return proc
 

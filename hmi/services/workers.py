@@ -1,6 +1,6 @@
 """What runs inside a job's worker process: encoder fine-tuning, decoder fine-tuning, and domain
 creation or update.  Each worker maps the server's shared-memory root (``WorkerContext``), dies
-with the server (``PR_SET_PDEATHSIG``), and reports through ``progress`` (a queue of
+with the server (``hmi.lifetime.die_with``), and reports through ``progress`` (a queue of
 ``(state, fraction, info)``): ``progress`` while it runs, then ``done``, ``cancelled`` or
 ``failed``.  What it writes (an adapter version, a domain folder) stays unpublished until the
 server publishes it.
@@ -22,7 +22,7 @@ from hmi.adapters.store import AdapterStore
 from hmi.allocator import release_heap, tune_allocator
 from hmi.bootstrap import quiet_transformers
 from hmi.data import job_lines, job_rows, job_texts
-from hmi.lifetime import die_with_parent
+from hmi.lifetime import die_with
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
 from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper, keep_texts
@@ -100,7 +100,10 @@ def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], No
     """The frame of every worker: set-up, then ``work(report)`` -> the job's result, reported as
     ``done`` (with the worker's memory), ``cancelled`` or ``failed`` (with the error)."""
     if job.get("server_pid") is not None:  # a process of the server's (a Ray task dies with its owner instead)
-        die_with_parent(job["server_pid"])
+        die_with(job["server_pid"])
+    if job.get("environ") is not None:  # the server's environment when the job started
+        os.environ.clear()
+        os.environ.update(job["environ"])
     quiet_transformers()  # a job's long texts are cut to the model's limit on purpose: no tokenizer warning
     tune_allocator()
     torch.set_num_threads(job.get("threads") or max(1, (os.cpu_count() or 2) // 2))
