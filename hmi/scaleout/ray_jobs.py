@@ -200,5 +200,5 @@ class RayLauncher:
             self._task = ray.remote(run_worker)
         threads = max(1, int(self.cpus))
         task = self._task.options(num_cpus=self.cpus, max_retries=0, name=f"hmi-job-{job['id']}")
-        ref = task.remote(target, self._ctx(ctx), {**job, "server_pid": None, "threads": threads}, progress, cancel)
+        ref = task.remote(target, self._ctx(ctx), {**job, "threads": threads}, progress, cancel)
         return RayTask(ref, self.channel, [progress.key, cancel.key])

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from hmi.errors import Kind, Refusal
 from hmi.io import atomic_write_json
 from hmi.services.registry import UNFINISHED, Registry, process_owner
-from hmi.services.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker
+from hmi.services.workers import WorkerContext, decoder_worker, domain_worker, finetune_worker, start_worker
 from hmi.version_tree.tree import forget_checkpoint
 
 log = logging.getLogger("hmi.jobs")
@@ -78,9 +78,17 @@ class ProcessLauncher:
         return self.mp.Queue()
 
     def start(self, target: Callable, ctx: WorkerContext, job: dict, progress, cancel):
+        inbox, outbox = self.mp.Pipe(duplex=False)
         job = {**job, "server_pid": os.getpid(), "environ": dict(os.environ)}
-        proc = self.mp.Process(target=target, args=(ctx, job, progress, cancel), daemon=True)
+        proc = self.mp.Process(target=start_worker, args=(target, inbox, job, progress, cancel), daemon=True)
         proc.start()
+        inbox.close()
+        try:
+            outbox.send(ctx)  # after the start (``start_worker``); a worker already dead breaks the pipe
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # its death is what the job's owner reports
+        finally:
+            outbox.close()
         return proc
 
 

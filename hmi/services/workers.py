@@ -96,14 +96,25 @@ def rss_kib() -> dict[str, int]:
     return out
 
 
+def start_worker(target: Callable, inbox, job: dict, progress, cancel) -> None:
+    """The entry of a worker process of the server's (``hmi.services.jobs.ProcessLauncher``; a Ray
+    task dies with its owner instead): the worker dies with the server (``job["server_pid"]``),
+    takes the server's environment as it was when the job started (``job["environ"]``), then
+    receives its ``WorkerContext`` through ``inbox`` (the reading end of a pipe) and runs
+    ``target``.  The context does not go with the process's start: its shared-memory weights are
+    a file descriptor per tensor (about 400 with the decoder), and a fork server hands a new
+    process at most 253, where a pipe passes any number (``multiprocessing``'s resource sharer)."""
+    die_with(job["server_pid"])
+    os.environ.clear()
+    os.environ.update(job["environ"])
+    with inbox:
+        ctx = inbox.recv()
+    target(ctx, job, progress, cancel)
+
+
 def _run(job: dict, progress, cancel, work: Callable[[Callable[[float, dict], None]], dict]) -> None:
     """The frame of every worker: set-up, then ``work(report)`` -> the job's result, reported as
     ``done`` (with the worker's memory), ``cancelled`` or ``failed`` (with the error)."""
-    if job.get("server_pid") is not None:  # a process of the server's (a Ray task dies with its owner instead)
-        die_with(job["server_pid"])
-    if job.get("environ") is not None:  # the server's environment when the job started
-        os.environ.clear()
-        os.environ.update(job["environ"])
     quiet_transformers()  # a job's long texts are cut to the model's limit on purpose: no tokenizer warning
     tune_allocator()
     torch.set_num_threads(job.get("threads") or max(1, (os.cpu_count() or 2) // 2))

@@ -115,29 +115,26 @@ def test_causal_plot_lookup_equals_computing_the_causal_windows(tmp_path):
     assert backoff.hits["unigram:root"] > 0
 
 
-@pytest.mark.slow
-def test_the_kept_fp32_copy_of_the_decoder_loads_the_same_weights_and_tokenizer_as_its_gguf(tmp_path):
-    pytest.importorskip("gguf")
+def test_the_kept_fp32_copy_of_the_decoder_loads_the_same_weights_and_tokenizer_as_its_gguf(decoder_copy_home):
     from hmi.model.decoder import _from_gguf, dequantized_dir, load_decoder, packaged_decoder_file
+    from hmi.model.kernels import use_onednn_linear
 
     path = packaged_decoder_file()
-    first = load_decoder(2, home=tmp_path)  # dequantizes the GGUF and keeps the copy
-    assert (dequantized_dir(path, tmp_path) / "config.json").exists()
-    again = load_decoder(2, home=tmp_path)  # reads the copy
-    reference, reference_tok = _from_gguf(path)
-    want = reference.state_dict()
-    for root in (first, again):
-        got = root.model.state_dict()
-        assert set(got) == set(want)
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        assert root.model.lm_head.weight.data_ptr() == root.model.model.embed_tokens.weight.data_ptr()  # tied
+    assert (dequantized_dir(path, decoder_copy_home) / "config.json").exists()  # kept by the run's first load_decoder
+    kept = load_decoder(2, home=decoder_copy_home)  # reads the copy
+    reference, reference_tok = _from_gguf(path)  # dequantized from the GGUF here
+    want, got = reference.state_dict(), kept.model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert kept.model.lm_head.weight.data_ptr() == kept.model.model.embed_tokens.weight.data_ptr()  # tied
     texts = ["The court held that the contract was void.", "<|im_start|>user\nhi<|im_end|>", "naïve café, 2024"]
     reference_tok.add_bos_token = False
     for t in texts:
-        assert again.tokenizer(t)["input_ids"] == first.tokenizer(t)["input_ids"] == reference_tok(t)["input_ids"]
-    assert again.tokenizer.eos_token == "<|im_end|>" and again.tokenizer.pad_token == first.tokenizer.pad_token
-    ids = first.tokenizer(texts[0], return_tensors="pt")["input_ids"]
-    assert torch.equal(first.model(ids).logits, again.model(ids).logits)
+        assert kept.tokenizer(t)["input_ids"] == reference_tok(t)["input_ids"]
+    assert kept.tokenizer.eos_token == "<|im_end|>" and kept.tokenizer.pad_token == (reference_tok.pad_token or "<|endoftext|>")
+    use_onednn_linear(reference.eval())  # as load_decoder runs both
+    ids = kept.tokenizer(texts[0], return_tensors="pt")["input_ids"]
+    assert torch.equal(kept.model(ids).logits, reference(ids).logits)
 
 
 def test_the_logit_distillation_loss_is_the_kl_of_the_library_models_next_token_distributions():

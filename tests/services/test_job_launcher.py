@@ -1,7 +1,9 @@
 """Job workers forked from the server's fork server (``hmi.services.jobs.ProcessLauncher``) do what
-workers spawned as new interpreters do: they see the server's environment as it is when their
-job starts, and they train the same adapter.  (That a worker dies with its server is pinned down
-by ``tests/dispatcher/test_job_resume.py``, which kills a server mid-job.)"""
+workers spawned as new interpreters do: they receive the server's shared-memory weights however
+many tensors they are, see the server's environment as it is when their job starts, and train
+the same adapter.  (That a worker dies with its server is pinned down by
+``tests/dispatcher/test_job_resume.py`` and ``tests/dispatcher/test_hostile.py``, which kill a
+server mid-job.)"""
 
 import os
 
@@ -12,15 +14,24 @@ from hmi.client import Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.services.jobs import ProcessLauncher
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
-from tests.helpers.workers import environ_worker
+from tests.helpers.workers import environ_worker, sum_worker
 
 
-def run_job(launcher: ProcessLauncher, target, job: dict) -> tuple:
+def run_job(launcher: ProcessLauncher, target, job: dict, ctx=None) -> tuple:
+    """(state, info) of the worker's last report."""
     progress, cancel = launcher.queue(), launcher.event()
-    proc = launcher.start(target, None, job, progress, cancel)
+    proc = launcher.start(target, ctx, job, progress, cancel)
     state, _, info = progress.get(timeout=120)
     proc.join(60)
     return state, info
+
+
+def test_a_forked_worker_receives_more_shared_tensors_than_a_fork_server_hands_a_new_process():
+    """The decoder's context is about 400 shared-memory tensors, a file descriptor each; a fork
+    server passes at most 253 with a new process (``hmi.services.workers.start_worker``)."""
+    tensors = [torch.full((3,), float(i)).share_memory_() for i in range(400)]
+    state, info = run_job(ProcessLauncher(), sum_worker, {}, tensors)
+    assert (state, info.get("sum")) == ("done", 3.0 * sum(range(400))), info
 
 
 def test_a_forked_worker_sees_the_servers_environment_as_it_is_when_its_job_starts(monkeypatch):
