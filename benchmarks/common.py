@@ -208,14 +208,18 @@ def result_name(name: str, args) -> str:
 def prepared_root(home: Path | None = None, root: str | None = None, l_low: int | None = None):
     """The current calibrated artifact of root ``root`` (an alias or a folder; the default root
     when None) split at ``l_low``, with its root PLOT built (``make bench`` prepares both for the
-    default root): ``(root, root PLOT version)``."""
+    default root): ``(root, root PLOT version)``.  A complete root PLOT is taken as a server takes
+    it, whatever corpus it was built from (the test suite's soak builds its from a slice)."""
+    from hmi.bootstrap import root_plot_state
+    from hmi.home import hmi_home
     from hmi.model.artifact import load_root
     from hmi.model.catalog import root_spec
     from hmi.plot.paths import ensure_root_plot, open_root_version
 
     spec = root_spec(root or "minilm-l6", l_low, home) if root or l_low else None
     root = load_root(home=home, spec=spec)
-    ensure_root_plot(root, home=home)  # a progress bar when it has to be built
+    if not root_plot_state(home or hmi_home(), root.artifact_id).get("complete"):
+        ensure_root_plot(root, home=home)  # a progress bar when it has to be built
     return root, open_root_version(root, home)
 
 

@@ -6,11 +6,15 @@ Usage: python benchmarks/soak.py --minutes 120 [--tenants 1000] [--quick]
 The server runs on a temporary home that shares the prepared root artifact and PLOTs (as
 ``bench_latency`` does) with ``--tenants`` ready encoder tenants, plus the demo tenants (their
 shipped adapters: ``demo-news``, ``demo-reviews`` and the decoder tenant ``demo-legal-gpt``).
+With ``--no-demo`` the server starts without them (``hmi serve --no-demo``): the soak trains a
+decoder tenant of its own (``soak-gpt``, a short job) and churns one of its encoder tenants'
+adapters; this is how the test suite runs it, on a home whose root PLOTs are built from a slice
+of the general corpus, which the shipped demo adapters were not trained on.
 Meanwhile, from this process's threads, each with its own ``hmi.client.Client``:
 
 - **inference**: 3 clients, back to back, each request 1-4 held-out texts for a tenant drawn with
   Zipf popularity (p(rank k) ~ 1/k) over the tenants;
-- **streaming generation**: 1 client streaming 24 tokens from ``demo-legal-gpt``; every third
+- **streaming generation**: 1 client streaming 24 tokens from the decoder tenant; every third
   stream is dropped by the client after its first pieces (a client that disconnects mid-stream);
 - **fine-tune jobs**: every ``--job-every`` seconds a new tenant is trained (news topics, 40
   texts, 1 epoch), must succeed, and is deleted;
@@ -67,6 +71,8 @@ def options(ap) -> None:
     ap.add_argument("--warmup", type=float, default=None, help="minutes before growth counts (default 10; 0.5 quick)")
     ap.add_argument("--job-every", type=float, default=None, help="seconds between fine-tune jobs (default 300; 45)")
     ap.add_argument("--domain-every", type=float, default=None, help="seconds between domain jobs (default 1200; 60)")
+    ap.add_argument("--no-demo", action="store_true",
+                    help="serve without the demo tenants; the soak trains its own decoder tenant instead")
 
 
 # -- the server's process, as the soak sees it ------------------------------------------------------
@@ -143,8 +149,9 @@ def guarded(tally: Tally, kind: str, fn) -> None:
         tally.error(f"{kind}: {type(exc).__name__}: {exc}")
 
 
-def workload(url: str, token: str, names: list[str], texts: list[str], corpus: list[str], adapter_zip: bytes,
-             args, stop: threading.Event, tally: Tally) -> list[threading.Thread]:
+def workload(url: str, token: str, names: list[str], gpt: str, texts: list[str], corpus: list[str],
+             adapter_zip: bytes, args, stop: threading.Event, tally: Tally) -> list[threading.Thread]:
+    """The workload's threads, started (``gpt``: the decoder tenant the streams read)."""
     from hmi.client import ApiError, Client
 
     weights = [1.0 / k for k in range(1, len(names) + 1)]
@@ -182,8 +189,7 @@ def workload(url: str, token: str, names: list[str], texts: list[str], corpus: l
 
             def one(drop=drop):
                 pieces, done = 0, False
-                for msg in client.generate_stream("demo-legal-gpt", {"prompt": random.choice(corpus)[:80],
-                                                                     "max_new_tokens": 24}):
+                for msg in client.generate_stream(gpt, {"prompt": random.choice(corpus)[:80], "max_new_tokens": 24}):
                     if msg.get("done"):
                         done = True
                     elif "error" in msg:
@@ -253,6 +259,15 @@ def workload(url: str, token: str, names: list[str], texts: list[str], corpus: l
     for t in threads:
         t.start()
     return threads
+
+
+def own_decoder_tenant(client) -> str:
+    """``soak-gpt``, a decoder tenant trained here (16 texts of the legal corpus, one epoch), ready."""
+    out = client.create_decoder_tenant("soak-gpt", corpus="legal", max_train=16, epochs=1)
+    job = client.wait_job(out["job"], timeout=900)
+    if job["state"] != "succeeded":
+        raise SystemExit(f"the soak's decoder tenant did not train: {job.get('error')}")
+    return "soak-gpt"
 
 
 def warm(client, names: list[str], texts: list[str]) -> None:
@@ -334,42 +349,47 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (0.5 if quick else 10.0)
     args.job_every = args.job_every or (45.0 if quick else 300.0)
     args.domain_every = args.domain_every or (60.0 if quick else 1200.0)
-    from hmi.bootstrap import prepare_decoder, prepare_default
+    from hmi.bootstrap import prepare_decoder, prepare_default, root_plot_state
     from hmi.client import Client
     from hmi.data import held_out_texts, load_corpus
     from hmi.home import hmi_home
 
-    prepare_default(hmi_home())  # the default root (its shipped artifact) and its root PLOT, built where missing
+    root = prepare_default(hmi_home(), plot=False)  # the default root (its shipped artifact)
+    if not root_plot_state(hmi_home(), root.artifact_id).get("complete"):  # a complete one is served as it is
+        prepare_default(hmi_home())  # its root PLOT, built where missing
     prepare_decoder(hmi_home())  # the decoder's calibrated windows (the shipped ones); its PLOT the server builds
     home, token, root, names = bench_home("hmi-soak-", args.tenants)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(home / "server.log", "w")
     env = {**os.environ, "HMI_HOME": str(home), "HMI_ADMIN_TOKEN": token, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "hmi"), "serve", "--hgpt", "--port", str(port)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    demo = ["--no-demo"] if args.no_demo else []
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "hmi"), "serve", "--hgpt", "--port", str(port), *demo],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tally, samples, stop = Tally(), [], threading.Event()
     try:
         client = Client(url, token, timeout=30)
         deadline = time.monotonic() + 900
+        ready = {names[0]} if args.no_demo else {"demo-news", "demo-legal-gpt"}
         while True:
             try:
-                if {"demo-news", "demo-legal-gpt"} <= {t["name"] for t in client.tenants() if t["state"] == "ready"}:
+                if ready <= {t["name"] for t in client.tenants() if t["state"] == "ready"}:
                     break
             except (ConnectionError, OSError):
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server did not come up: {(home / 'server.log').read_text()[-3000:]}")
             time.sleep(1)
-        buf = io.BytesIO(client.export_adapter("demo-news"))
+        gpt = own_decoder_tenant(client) if args.no_demo else "demo-legal-gpt"
+        buf = io.BytesIO(client.export_adapter(names[0] if args.no_demo else "demo-news"))
         zipfile.ZipFile(buf).testzip()
         texts = [t for t in held_out_texts(400) if len(t) <= 4000][:200]
         corpus = load_corpus("legal", 2000)
         plots = sorted((home / "plots").glob("*/root"))
         warm(client, names, texts)
         readers_of = [home / "registry", *plots]
-        threads = workload(url, token, names + ["demo-news", "demo-reviews"], texts, corpus, buf.getvalue(), args,
-                           stop, tally)
+        served = names + ([] if args.no_demo else ["demo-news", "demo-reviews"])
+        threads = workload(url, token, served, gpt, texts, corpus, buf.getvalue(), args, stop, tally)
         t0, end = time.monotonic(), time.monotonic() + args.minutes * 60
         print(f"soak: {args.minutes:g} minutes against {url} (server pid {proc.pid}, home {home})", flush=True)
         while True:
@@ -409,7 +429,8 @@ def main() -> None:
              s["threads"], s["children"], s["lmdb_readers"], s["metric_series"], s.get("infer", 0), s.get("streams", 0),
              s.get("jobs", 0))
             for s in samples[:: max(1, len(samples) // 24)] + [samples[-1]]]
-    text = (f"{args.minutes:g} minutes, {args.tenants} tenants (+ the demo tenants), a sample every {args.sample:g} s, "
+    text = (f"{args.minutes:g} minutes, {args.tenants} tenants (+ {'a decoder tenant' if args.no_demo else 'the demo tenants'}), "
+            f"a sample every {args.sample:g} s, "
             f"warm-up {args.warmup:g} minutes; RSS at the end of warm-up {first['rss_mb']} MB.\n\n"
             f"Verdict: **{'passed' if ok else 'failed'}**" + ("" if ok else f": {'; '.join(failed)}") + "\n\n"
             f"Work done: {json.dumps(counts)}; server stop on SIGTERM: {json.dumps(stopped)}\n\n"

@@ -44,12 +44,16 @@ def isolated_home(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def root_home(tmp_path_factory, worker_id):
-    """A home with the default root's artifact and full root PLOT, prepared once per test run and
-    shared by both workers; read only (``tests.helpers.shared``)."""
-    from tests.helpers.shared import prepare_root_home, prepared, shared_folder
+def soak_home(tmp_path_factory, worker_id, decoder_copy_home):
+    """The soak's home: the default root's artifact, the decoder's fp32 copy and shipped windows,
+    small complete root PLOTs of both; prepared once per test run, read only
+    (``tests.helpers.shared``)."""
+    from functools import partial
 
-    return prepared(shared_folder(tmp_path_factory, worker_id), "root-home", prepare_root_home)
+    from tests.helpers.shared import prepare_soak_home, prepared, shared_folder
+
+    return prepared(shared_folder(tmp_path_factory, worker_id), "soak-home",
+                    partial(prepare_soak_home, decoder_copy=decoder_copy_home))
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_a_minute_of_the_soak_ends_without_a_server_error_a_lost_job_or_an_unclean_stop(tmp_path, root_home,
-                                                                                         decoder_copy_home):
+def test_a_minute_of_the_soak_ends_without_a_server_error_a_lost_job_or_an_unclean_stop(tmp_path, soak_home):
     from tests.helpers.shared import link_home
 
-    home = link_home(decoder_copy_home, link_home(root_home, tmp_path / "home"))  # prepared once per run
+    home = link_home(soak_home, tmp_path / "home")  # prepared once per run
     env = {**os.environ, "HMI_HOME": str(home), "HMI_BENCH_DOCS": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--minutes", "1", "--tenants", "20"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--quick", "--minutes", "1", "--tenants", "20",
+                           "--no-demo"],
                           env=env, capture_output=True, text=True, timeout=1500)
     last = (proc.stdout.strip().splitlines() or [""])[-1]
     assert last.startswith("{"), f"the soak ended without its result (exit code {proc.returncode}):\n{proc.stderr[-3000:]}"

@@ -9,7 +9,7 @@ from hmi.cli import main
 from hmi.data import load_corpus
 from hmi.home import hmi_home
 
-CHUNK = 1024
+CHUNK = 4096
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_a_local_domain_create_stopped_in_its_plot_build_continues_there_when_ru
     monkeypatch.setattr(domains_cli, "load_current_root", lambda: real_root)
     ensure_data()  # the packaged corpora, prepared once per checkout
     corpus = tmp_path / "licenses.txt"
-    corpus.write_text("\n".join(load_corpus("legal", 380)) + "\n")
+    corpus.write_text("\n".join(load_corpus("legal", 500)) + "\n")
     real_build = tree_mod.build
 
     def chunked(*a, stop_at=None, **kw):

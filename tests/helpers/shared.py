@@ -1,5 +1,6 @@
-"""What a test run prepares once and many tests read: a home with the default root's artifact and
-its full root PLOT, and the decoder's fp32 copy (dequantized from its GGUF).
+"""What a test run prepares once and many tests read: the decoder's fp32 copy (dequantized from its
+GGUF), and the soak's home: the default root's artifact, the decoder's shipped windows and small
+root PLOTs of both.
 
 Both workers of ``make test`` share them: the first to need one builds it under a lock in the
 run's common temporary folder, the other waits for it and reuses it.  Tests never write into
@@ -31,16 +32,32 @@ def prepared(folder: Path, name: str, make) -> Path:
     return path
 
 
-def prepare_root_home(home: Path) -> None:
-    """The default root's (shipped) artifact, its full root PLOT and, beside the PLOT, the shipped
-    learned back-off (which a server's first start places there)."""
-    from hmi.bootstrap import prepare_default
+# The lines of the general corpus the soak's root PLOTs are built from (of 11,894): with every
+# uni-gram and bi-gram of the back-off, about 80k entries for the encoder, 1/6 of the full PLOT.  A
+# server serves a complete PLOT whatever it holds, so the soak's server neither builds one for
+# minutes before it starts nor builds the decoder's beside its workload; the shipped demo adapters
+# were trained on the full PLOTs, so the soak runs without the demo tenants (``--no-demo``).
+ENCODER_PLOT_LINES = 1000
+DECODER_PLOT_LINES = 200
+
+
+def prepare_soak_home(home: Path, decoder_copy: Path) -> None:
+    """The default root's (shipped) artifact and, beside its root PLOT (from the first
+    ``ENCODER_PLOT_LINES`` lines of the general corpus), the shipped learned back-off; the
+    decoder's fp32 copy (linked from ``decoder_copy``), its shipped calibrated windows and its
+    causal PLOT (from ``DECODER_PLOT_LINES`` lines)."""
+    from hmi.bootstrap import prepare_decoder, prepare_default
+    from hmi.data import load_corpus
     from hmi.model.artifact import SHIPPED_DIR
     from hmi.plot import learned
-    from hmi.plot.paths import root_plot_path
+    from hmi.plot.paths import ensure_root_plot, root_plot_path
 
-    root = prepare_default(home)
+    general = load_corpus("general")
+    root = prepare_default(home, plot=False)
+    ensure_root_plot(root, general[:ENCODER_PLOT_LINES], home=home, progress=False)
     learned.install(root_plot_path(root, home), SHIPPED_DIR / root.artifact_id)
+    link_home(decoder_copy, home)
+    ensure_root_plot(prepare_decoder(home), general[:DECODER_PLOT_LINES], home=home, progress=False)
 
 
 def prepare_decoder_copy(home: Path) -> None:
