@@ -39,6 +39,23 @@ def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, **c
     return Server(home, root, lookup, ServerConfig(**cfg), path, meta, job_launcher, registry)
 
 
+def train_once(home, name, epochs=1, **server):
+    """Starts a tiny server on ``home`` (``server``: ``tiny_server``'s options), trains tenant
+    ``name`` on ``TRAIN`` through the API, and stops the server (the admin token in HMI_ADMIN_TOKEN);
+    returns the creation's answer (the tenant's ``token``, its ``job``)."""
+    from hmi.client import Client
+    from hmi.dispatcher.serve import run_in_thread
+
+    url, stop = run_in_thread(tiny_server(home, **server))
+    try:
+        admin = Client(url, ADMIN)
+        out = admin.create_tenant(name, ["neg", "pos"], training_data={"train": TRAIN}, epochs=epochs)
+        assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
+    finally:
+        stop()
+    return out
+
+
 def domain_corpus(n=700, seed=0):
     import numpy as np
 

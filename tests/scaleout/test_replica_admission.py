@@ -7,10 +7,8 @@ import asyncio
 import json
 from collections import Counter
 
-from hmi.client import Client
-from hmi.dispatcher.serve import run_in_thread
 from hmi.scaleout.ray_serve import Forwarded, ReplicaCore
-from tests.helpers.servers import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, tiny_server, train_once
 
 FLOOD = 300  # requests at once: more than a pooled connection limit (aiohttp's default is 100)
 TENANT_QUEUE = 150
@@ -19,13 +17,7 @@ TENANT_QUEUE = 150
 def test_a_flood_through_a_replica_meets_its_servers_fair_queue_and_is_refused_at_once_past_its_share(
         tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
-    url, stop = run_in_thread(tiny_server(tmp_path))
-    try:
-        admin = Client(url, ADMIN)
-        out = admin.create_tenant("alpha", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
-        assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
-    finally:
-        stop()
+    out = train_once(tmp_path, "alpha")
     # Batches wait up to 3 s for 512 requests: the flood is all waiting at once.
     core = ReplicaCore(lambda: tiny_server(tmp_path, shared_home=True, max_batch=512, max_wait_ms=3000,
                                            tenant_queue=TENANT_QUEUE))

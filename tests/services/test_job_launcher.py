@@ -10,10 +10,8 @@ import os
 import torch
 
 from hmi.adapters.store import AdapterStore
-from hmi.client import Client
-from hmi.dispatcher.serve import run_in_thread
 from hmi.services.jobs import ProcessLauncher
-from tests.helpers.servers import ADMIN, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, train_once
 from tests.helpers.workers import environ_worker, sum_worker
 
 
@@ -49,13 +47,7 @@ def test_a_forked_worker_sees_the_servers_environment_as_it_is_when_its_job_star
 
 def trained(home, launcher: ProcessLauncher) -> dict:
     os.environ["HMI_ADMIN_TOKEN"] = ADMIN
-    url, stop = run_in_thread(tiny_server(home, job_launcher=launcher))
-    try:
-        admin = Client(url, ADMIN)
-        out = admin.create_tenant("same", ["neg", "pos"], training_data={"train": TRAIN}, epochs=2)
-        assert admin.wait_job(out["job"], 300)["state"] == "succeeded"
-    finally:
-        stop()
+    train_once(home, "same", epochs=2, job_launcher=launcher)
     return AdapterStore(home / "tenants").load("same")
 
 
