@@ -52,7 +52,8 @@ def child(method: str, jobs: int) -> None:
         client = Client(url, token)
         for i in range(jobs):
             t = time.perf_counter()
-            out = client.create_tenant(f"job-start-{i}", labels, training_data={"train": rows}, epochs=1)
+            out = client.create_tenant(f"job-start-{i}", labels, training_data={"train": rows}, epochs=1,
+                                        truncate=True)
             done = client.wait_job(out["job"], timeout=900, poll=0.02)
             if done["state"] != "succeeded":
                 raise SystemExit(f"job {i} ({method}) ended {done['state']}: {done.get('error')}")
