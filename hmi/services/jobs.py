@@ -56,10 +56,11 @@ class ProcessLauncher:
     Workers are forked from a fork server (``multiprocessing``'s ``forkserver``) that has imported
     what a worker runs (``hmi.services.workers``: torch, transformers) once, when the first job
     started, instead of a new interpreter importing them for each job: a short fine-tune job
-    after the first takes about a third of the time (``benchmarks/bench_job_start.py``).  The fork server is a child of this process
-    that exits once this process and the workers have; a worker dies with this process
-    (``hmi.lifetime.die_with``).  A worker takes this process's environment as it is when the job
-    starts (``environ``), not as it was when the fork server started."""
+    after the first takes about a third of the time (``benchmarks/bench_job_start.py``).  The
+    fork server is a child of this process that exits once this process and the workers have; a
+    worker dies with this process (``hmi.lifetime.die_with``).  A worker takes this process's
+    environment as it is when the job starts (``environ``), not as it was when the fork server
+    started."""
 
     where = "process"
     PRELOAD = ["__main__", "hmi.services.workers"]
