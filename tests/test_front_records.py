@@ -1,0 +1,51 @@
+"""The accuracy the front reads (``benchmarks/bench_front.accuracy_record``): a split's own record
+gives its hBERT columns, and the columns that never read the windows (dedicated, shared,
+hBERT-adapter) come from a record of another split of the same root only when its tables were
+made the same way."""
+
+import json
+
+import pytest
+
+from benchmarks import bench_front
+
+TASKS = bench_front.TASKS
+
+
+def write(folder, name, artifact, columns, root="r==1", test=1000, pooling="dev"):
+    tasks = {t: {**{c: v + i for c, v in columns.items()}, "train": 640, "test": test} for i, t in enumerate(TASKS)}
+    avg = {c: sum(tasks[t][c] for t in TASKS) / len(TASKS) for c in columns}
+    rec = {"tasks": tasks, "average": avg, "root": root, "root_artifact": artifact, "pooling": pooling, "lr_grid": True}
+    (folder / f"{name}.md").write_text(f"# {name}\n\n```json\n{json.dumps(rec, indent=1)}\n```\n")
+
+
+HBERT = {"hBERT": 80.0, "hBERT, exact windows": 82.0, "hBERT, learned back-off": 81.0}
+FREE = {"dedicated": 84.0, "shared": 79.0, "hBERT-adapter": 84.5}
+
+
+def test_a_record_with_every_column_is_read_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    name, free, rec = bench_front.accuracy_record("l3", None)
+    assert (name, free, rec["average"]["dedicated"]) == ("eval_accuracy_grid", None, 85.5)
+
+
+def test_a_splits_hbert_columns_take_the_split_free_ones_from_another_split_of_the_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **{c: v - 1 for c, v in HBERT.items()}})
+    write(tmp_path, "eval_accuracy_l2", "l2", HBERT)
+    name, free, rec = bench_front.accuracy_record("l2", None)
+    assert (name, free) == ("eval_accuracy_l2", "eval_accuracy_grid")
+    # the split-free columns are the other split's, the windows' columns this split's own, per task too
+    assert rec["average"]["hBERT-adapter"] == 86.0 and rec["average"]["hBERT, exact windows"] == 83.5
+    assert rec["tasks"]["pos-tagging"]["shared"] == 82.0 and rec["tasks"]["pos-tagging"]["hBERT"] == 83.0
+    assert bench_front.accuracy_record("l2", "eval_accuracy_l2", "eval_accuracy_grid")[2] == rec
+
+
+@pytest.mark.parametrize("other", [{"root": "another==1"}, {"test": 500}, {"pooling": "mean"}])
+def test_split_free_columns_are_never_taken_from_a_table_made_another_way(tmp_path, monkeypatch, other):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT}, **other)
+    write(tmp_path, "eval_accuracy_l2", "l2", HBERT)
+    with pytest.raises(SystemExit, match="no comparable record"):
+        bench_front.accuracy_record("l2", None)
