@@ -349,14 +349,12 @@ def main() -> None:
     args.warmup = args.warmup if args.warmup is not None else (0.5 if quick else 10.0)
     args.job_every = args.job_every or (45.0 if quick else 300.0)
     args.domain_every = args.domain_every or (60.0 if quick else 1200.0)
-    from hmi.bootstrap import prepare_decoder, prepare_default, root_plot_state
+    from hmi.bootstrap import prepare_decoder, prepare_default
     from hmi.client import Client
     from hmi.data import held_out_texts, load_corpus
     from hmi.home import hmi_home
 
-    root = prepare_default(hmi_home(), plot=False)  # the default root (its shipped artifact)
-    if not root_plot_state(hmi_home(), root.artifact_id).get("complete"):  # a complete one is served as it is
-        prepare_default(hmi_home())  # its root PLOT, built where missing
+    prepare_default(hmi_home(), plot=False)  # the default root (its shipped artifact); bench_home: its root PLOT
     prepare_decoder(hmi_home())  # the decoder's calibrated windows (the shipped ones); its PLOT the server builds
     home, token, root, names = bench_home("hmi-soak-", args.tenants)
     port = free_port()
