@@ -19,8 +19,8 @@ Meanwhile, from this process's threads, each with its own ``hmi.client.Client``:
 - **fine-tune jobs**: every ``--job-every`` seconds a new tenant is trained (news topics, 40
   texts, 1 epoch), must succeed, and is deleted;
 - **domain updates**: a domain created and updated at the start, then updated every
-  ``--domain-every`` seconds, from 600 lines of the legal corpus (10 distillation steps); every
-  job must succeed;
+  ``--domain-every`` seconds, from 600 lines of the legal corpus (10 distillation steps, 4 with
+  ``--quick``); every job must succeed;
 - **churn**: every 20 s one of the tenants is deleted and uploaded again (the adapter API); an
   inference that meets it gone or importing meanwhile (404, 409) is counted as ``infer_churned``.
 
@@ -33,7 +33,8 @@ grow by at most 10 %, file descriptors by at most 8 (sockets come and go), threa
 processes, reader slots and metric series not at all.  Any server error (5xx, a dropped
 connection, a stream that ends without its final message when the client did not drop it), a job
 that does not succeed, or a server that does not stop cleanly on SIGTERM fails the soak (exit 1).
-``--quick`` (CI: 100 tenants, jobs every 45 s, the domain created once) judges those alone:
+``--quick`` (CI: 100 tenants, jobs every 45 s, the domain created once, its decoder tenant trained
+on four short lines with ``--no-demo``) judges those alone:
 growth over two minutes is warm-up, so it is reported there, not judged.
 Results: ``docs/results/soak.md`` and ``docs/results/soak.png`` (``HMI_BENCH_DOCS`` elsewhere).
 """
@@ -121,6 +122,12 @@ class Tally:
         self.lock = threading.Lock()
         self.counts: dict[str, int] = {}
         self.errors: list[str] = []
+        self.job_seconds: dict[str, list[float]] = {}  # kind -> each finished job's run time, start to end
+
+    def job(self, kind: str, job: dict) -> None:
+        if job.get("started") and job.get("finished"):
+            with self.lock:
+                self.job_seconds.setdefault(kind, []).append(round(job["finished"] - job["started"], 1))
 
     def add(self, key: str, n: int = 1) -> None:
         with self.lock:
@@ -213,6 +220,7 @@ def workload(url: str, token: str, names: list[str], gpt: str, texts: list[str],
             job = client.wait_job(out["job"], timeout=1800)
             if job["state"] != "succeeded":
                 raise RuntimeError(f"job {job['id']} {job['state']}: {job.get('error')}")
+            tally.job("fine-tune", job)
             client.infer(name, texts[:2])
             client.delete_tenant(name)
 
@@ -227,13 +235,15 @@ def workload(url: str, token: str, names: list[str], gpt: str, texts: list[str],
             # The first round creates the domain and updates it at once: every route the soak calls is
             # called within the warm-up (a route's first call adds its metric series).  A quick run,
             # which judges no growth, only creates it.
-            calls = [] if exists else [lambda lines: client.create_domain("soak-domain", corpus=lines, steps=10)]
+            steps = 4 if args.quick else 10
+            calls = [] if exists else [lambda lines: client.create_domain("soak-domain", corpus=lines, steps=steps)]
             if exists or not args.quick:
-                calls.append(lambda lines: client.update_domain("soak-domain", corpus=lines, steps=10))
+                calls.append(lambda lines: client.update_domain("soak-domain", corpus=lines, steps=steps))
             for call in calls:
                 job = client.wait_job(call(rng.sample(corpus, 600))["job"], timeout=1800)
                 if job["state"] != "succeeded":
                     raise RuntimeError(f"domain job {job['id']} {job['state']}: {job.get('error')}")
+                tally.job("domain", job)
 
         guarded(tally, "domain_jobs", one)
 
@@ -261,9 +271,10 @@ def workload(url: str, token: str, names: list[str], gpt: str, texts: list[str],
     return threads
 
 
-def own_decoder_tenant(client) -> str:
-    """``soak-gpt``, a decoder tenant trained here (16 texts of the legal corpus, one epoch), ready."""
-    out = client.create_decoder_tenant("soak-gpt", corpus="legal", max_train=16, epochs=1)
+def own_decoder_tenant(client, corpus: list[str]) -> str:
+    """``soak-gpt``, a decoder tenant trained here (four short lines of ``corpus``, one epoch), ready:
+    a stream needs a trained adapter, not a good one."""
+    out = client.create_decoder_tenant("soak-gpt", training_text=[t for t in corpus if len(t) <= 300][:4], epochs=1)
     job = client.wait_job(out["job"], timeout=900)
     if job["state"] != "succeeded":
         raise SystemExit(f"the soak's decoder tenant did not train: {job.get('error')}")
@@ -365,6 +376,11 @@ def main() -> None:
     proc = subprocess.Popen([str(Path(sys.executable).parent / "hmi"), "serve", "--hgpt", "--port", str(port), *demo],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tally, samples, stop = Tally(), [], threading.Event()
+    began, timeline = time.monotonic(), {}  # seconds since the server's start at which each phase ended
+
+    def phase(name: str) -> None:
+        timeline[name] = round(time.monotonic() - began, 1)
+
     try:
         client = Client(url, token, timeout=30)
         deadline = time.monotonic() + 900
@@ -378,13 +394,15 @@ def main() -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the server did not come up: {(home / 'server.log').read_text()[-3000:]}")
             time.sleep(1)
-        gpt = own_decoder_tenant(client) if args.no_demo else "demo-legal-gpt"
+        phase("server_ready")
+        corpus = load_corpus("legal", 2000)
+        gpt = own_decoder_tenant(client, corpus) if args.no_demo else "demo-legal-gpt"
         buf = io.BytesIO(client.export_adapter(names[0] if args.no_demo else "demo-news"))
         zipfile.ZipFile(buf).testzip()
         texts = [t for t in held_out_texts(400) if len(t) <= 4000][:200]
-        corpus = load_corpus("legal", 2000)
         plots = sorted((home / "plots").glob("*/root"))
         warm(client, names, texts)
+        phase("prepared")  # the decoder tenant, the adapter to churn, every tenant's adapter warm
         readers_of = [home / "registry", *plots]
         served = names + ([] if args.no_demo else ["demo-news", "demo-reviews"])
         threads = workload(url, token, served, gpt, texts, corpus, buf.getvalue(), args, stop, tally)
@@ -399,10 +417,13 @@ def main() -> None:
             if now >= end or proc.poll() is not None:
                 break
             time.sleep(min(args.sample, max(0.0, end - time.monotonic())))
+        phase("workload")
         stop.set()
         for t in threads:
             t.join(1900)
+        phase("jobs_drained")  # the jobs in flight when the workload stopped, finished
         stopped = stop_server(proc)
+        phase("stopped")
     finally:
         stop.set()
         if proc.poll() is None:
@@ -432,11 +453,13 @@ def main() -> None:
             f"warm-up {args.warmup:g} minutes; RSS at the end of warm-up {first['rss_mb']} MB.\n\n"
             f"Verdict: **{'passed' if ok else 'failed'}**" + ("" if ok else f": {'; '.join(failed)}") + "\n\n"
             f"Work done: {json.dumps(counts)}; server stop on SIGTERM: {json.dumps(stopped)}\n\n"
+            f"Seconds from the server's start at which each phase ended: {json.dumps(timeline)}; each job's run "
+            f"time in s: {json.dumps(tally.job_seconds)}\n\n"
             + table(rows, ("minute", "RSS MB", "anon MB", "file MB", "host cache MB", "fds", "threads", "children",
                            "LMDB readers", "metric series", "infer", "streams", "jobs"))
             + f"\n\n![soak]({name}.png)")
     result = {**v, "ok": ok, "failed": failed, "minutes": args.minutes, "tenants": args.tenants, "counts": counts,
-              "stop": stopped, "errors": tally.errors}
+              "stop": stopped, "timeline_s": timeline, "job_seconds": tally.job_seconds, "errors": tally.errors}
     finish(name, text, result, "python benchmarks/soak.py " + " ".join(sys.argv[1:]))
     if ok:
         shutil.rmtree(home, ignore_errors=True)
