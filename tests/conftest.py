@@ -8,6 +8,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each of N workers on C cores computes with C // N threads (at least one),
+    and so do the servers and the commands its tests start (they inherit the environment): with
+    more threads than cores, OpenMP's threads wait for a time slice at every parallel region (a tiny
+    decoder's calibration test took 36 s beside another worker, 4 s with one thread each)."""
+    workers = getattr(config, "workerinput", {}).get("workercount")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(threads)
+        torch.set_num_threads(threads)
+
+
 # The devices a test whose path differs on a GPU runs on: the CPU everywhere, CUDA where torch sees a
 # GPU (``make gpu-check`` runs the ``cuda`` ones there; elsewhere they are collected and skipped).
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
