@@ -68,6 +68,7 @@ INGRESSES = ("haproxy", "proxy")
 # HAProxy's layer-7 retries (ingress_env): what it sends again to another replica, and how often.
 HAPROXY_RETRY_ON = "conn-failure empty-response junk-response 502 503 504"
 HAPROXY_RETRIES = 3
+DRAIN_S = 3  # seconds a stopping replica stays reachable behind the local cluster's HAProxy (ingress_env)
 # Where the replicas keep the registry: the home's LMDB (replicas on one host) or a Ray actor
 # owning it (replicas on any node of the cluster, the home on a shared file system).
 REGISTRIES = ("home", "actor")
@@ -86,14 +87,20 @@ def ingress_env(ingress: str) -> dict[str, str]:
     without an answer, or a gateway error) is sent again to another replica by HAProxy
     (``HAPROXY_RETRY_ON``, up to ``HAPROXY_RETRIES`` times; a request whose answer had begun, a
     stream's, is not).  Inference is idempotent; the requests that create or change state answer
-    a replay with what they find (``409 tenant_exists``, ``tenant_busy``), never doing it twice."""
+    a replay with what they find (``409 tenant_exists``, ``tenant_busy``), never doing it twice.
+
+    A replica that stops stays reachable for ``DRAIN_S`` (Ray's default: 30 s, for a load balancer
+    in front that must deregister it) before it refuses new connections and finishes those in
+    flight.  In front of a local cluster there is only Ray's HAProxy, which retries a refused
+    connection on another replica, so its replicas wait a few seconds, not 30: stopping
+    ``hmi serve --ray`` (``serve.shutdown``) took 32 s for two idle replicas."""
     if ingress not in INGRESSES:
         raise ValueError(f"unknown ingress {ingress!r}; use one of {', '.join(INGRESSES)}")
     if ingress == "proxy":  # every variable named, so that a later local cluster does not inherit an earlier one's
         return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
             "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_HAPROXY_RETRY_ON": HAPROXY_RETRY_ON,
-            "RAY_SERVE_HAPROXY_RETRIES": str(HAPROXY_RETRIES)}
+            "RAY_SERVE_HAPROXY_RETRIES": str(HAPROXY_RETRIES), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAIN_S)}
 
 
 # Hop-by-hop and framing headers: the proxy on each side sets its own.

@@ -147,17 +147,19 @@ def test_a_replica_killed_while_training_loses_no_job_and_no_answer(cluster):
     assert status == 200 and len(body["outputs"]) == 2, body
 
 
-def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_routing_header_and_resends_what_a_dead_one_lost():
+def test_the_haproxy_ingress_keeps_a_tenant_on_one_replica_by_its_header_resends_what_a_dead_one_lost_and_drains_briefly():
     from hmi.scaleout.ray_serve import ingress_env
 
     assert ingress_env("haproxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "1",
                                       "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({ROUTING_HEADER})",
                                       "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
                                       "RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response junk-response 502 503 504",
-                                      "RAY_SERVE_HAPROXY_RETRIES": "3"}
+                                      "RAY_SERVE_HAPROXY_RETRIES": "3",
+                                      "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "3"}
     assert ingress_env("proxy") == {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
     assert ingress_env("proxy").keys() == ingress_env("haproxy").keys() - {
-        "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "RAY_SERVE_HAPROXY_RETRY_ON", "RAY_SERVE_HAPROXY_RETRIES"}
+        "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "RAY_SERVE_HAPROXY_RETRY_ON", "RAY_SERVE_HAPROXY_RETRIES",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"}
     with pytest.raises(ValueError, match="unknown ingress 'nginx'; use one of haproxy, proxy"):
         ingress_env("nginx")
 
