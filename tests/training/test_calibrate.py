@@ -6,8 +6,8 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import RootSpec
 from hmi.training.calibrate import CalibrationConfig, calibrate, quality
 from tests.conftest import tiny_bert
+from tests.helpers.slow import slow_steps
 from tests.helpers.tokenizers import CharTokenizer  # noqa: F401
-from tests.training.slow import slow_steps
 
 # The tiny root splits at 2: its pointer is the default root's for that split, not ``current``.
 POINTER = RootSpec("tiny", 2).pointer

@@ -11,7 +11,7 @@ from hmi.training.calibrate import CalibrationUnfinished
 from hmi.training.calibrate_decoder import DecoderCalibrationConfig, calibrate_decoder, decoder_recipe
 from tests.helpers.decoders import tiny_decoder
 from tests.helpers.generation import CharTokenizer
-from tests.training.slow import slow_steps
+from tests.helpers.slow import slow_steps
 
 LINES = ["the quick brown fox jumps over the lazy dog", "a lazy dog sleeps in the sun all day",
          "stocks fell sharply today", "licenses permit copying"] * 4
