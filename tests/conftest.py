@@ -8,6 +8,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+# The tests this run collected and then left out (``-m``, ``-k``): with ``session.items``, what it collected.
+DESELECTED = pytest.StashKey[list]()
+
+
+def pytest_deselected(items):
+    if items:
+        items[0].config.stash.setdefault(DESELECTED, []).extend(items)
+
+
 def pytest_configure(config):
     """Under pytest-xdist, each of N workers on C cores computes with C // N threads (at least one),
     and so do the servers and the commands its tests start (they inherit the environment): with

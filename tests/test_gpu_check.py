@@ -21,11 +21,23 @@ def test_gpu_check_without_a_gpu_says_so_and_exits_cleanly_having_run_nothing(tm
     assert not (tmp_path / "docs").exists() and not (tmp_path / "venv").exists()
 
 
-def test_the_gpu_checks_tests_are_collected_here_and_skipped_without_a_gpu():
+def cuda_test_ids(session) -> list[str]:
+    """The ids of the tests ``pytest -m cuda tests`` (what ``make gpu-check`` runs) selects: read
+    from this run's own collection when it collected the whole tree (``make test``), else from
+    that command run here."""
+    from tests.conftest import DESELECTED
+
+    collected = session.items + session.config.stash.get(DESELECTED, [])
+    if {p.relative_to(REPO) for p in (REPO / "tests").rglob("test_*.py")} <= {i.path.relative_to(REPO) for i in collected}:
+        return [i.nodeid for i in collected if i.get_closest_marker("cuda")]
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                           "tests"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:]
-    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def test_the_gpu_checks_tests_are_collected_here_and_skipped_without_a_gpu(request):
+    ids = cuda_test_ids(request.session)
     for part in ("test_batched.py", "test_pipeline.py", "test_generation.py", "test_residency_ordering.py",
                  "test_base_executor.py"):
         assert any(part in i for i in ids), part
