@@ -186,7 +186,8 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
     url, stop = run_in_thread(server)
     try:
         admin = Client(url, ADMIN)
-        mine = admin.create_tenant("mine", ["neg", "pos"], training_data={"train": TRAIN * 30, "dev": TRAIN}, epochs=6)
+        # no dev set, so no early stop: six epochs of 2,400 texts, seconds of running however fast the machine
+        mine = admin.create_tenant("mine", ["neg", "pos"], training_data={"train": TRAIN * 300}, epochs=6)
         wait_state(admin, mine["job"], ("running",))
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         dead_owner = f"{process_owner().rpartition(':')[0]}:{gone.stdout.strip()}"
@@ -198,7 +199,7 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
         (tmp_path / "jobs" / "j-orphan.json").write_text(json.dumps({"train": TRAIN}))
         assert server.jobs.take_over_orphans(owner_alive) == ([], ["j-orphan"])
         assert server.jobs.take_over_orphans(owner_alive) == ([], [])
-        assert admin.job(mine["job"])["attempt"] == 1
+        assert admin.job(mine["job"])["state"] == "running" and admin.job(mine["job"])["attempt"] == 1
         assert admin.wait_job("j-orphan", 300)["state"] == "succeeded"
         done = admin.wait_job(mine["job"], 300)
         assert done["state"] == "succeeded" and done["attempt"] == 1
