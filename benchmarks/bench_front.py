@@ -75,13 +75,14 @@ NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
 # root): the same for every split and artifact of one root, so a split's own record may take them from another.
 SPLIT_FREE = ("dedicated", "shared", "hBERT-adapter")
+WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a split's own record must hold
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
     """(page name, JSON record) of each finished eval_accuracy page among ``pages`` with all four tasks."""
     out = []
     for path in pages:
-        m = re.search(r"```json\n(.*?)\n```", path.read_text(), re.S) if path.exists() else None
+        m = re.search(r"```json\n(.*?)\n```", path.read_text(), re.S)
         rec = json.loads(m.group(1)) if m else {}
         if "unfinished" not in rec and set(TASKS) <= set(rec.get("tasks", {})):
             out.append((path.stem, rec))
@@ -101,9 +102,9 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     the front needs for ``artifact``: the page named, else that artifact's page with the most of
     them (the learned back-off's too). When the artifact's pages lack the split-free columns
     (``SPLIT_FREE``), they come from a comparable page of another split of the same root."""
-    mine = [(name, rec) for name, rec in _records([RECORDS / f"{page}.md"] if page else
-                                                   sorted(RECORDS.glob("eval_accuracy*.md")))
-            if rec.get("root_artifact") == artifact and all(c in rec["average"] for c in NEEDED[3:])]
+    found = _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
+    mine = [(name, rec) for name, rec in found if page in (None, name)
+            and rec.get("root_artifact") == artifact and all(c in rec["average"] for c in WINDOWED)]
     if not mine:
         raise SystemExit(f"no finished eval_accuracy record of artifact {artifact} with the columns {', '.join(NEEDED)} "
                          "in docs/: run `python benchmarks/eval_accuracy.py --quick --train 640 --test 1000 --pooling "
@@ -112,9 +113,8 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     name, rec = max(mine, key=lambda m: rank(m[1]))
     if all(c in rec["average"] for c in NEEDED):
         return name, None, rec
-    others = [(n, r) for n, r in _records([RECORDS / f"{split_free_page}.md"] if split_free_page else
-                                          sorted(RECORDS.glob("eval_accuracy*.md")))
-              if all(c in r["average"] for c in SPLIT_FREE) and _comparable(r, rec)]
+    others = [(n, r) for n, r in found if split_free_page in (None, n)
+              and all(c in r["average"] for c in SPLIT_FREE) and _comparable(r, rec)]
     if not others:
         raise SystemExit(f"{name} has no {', '.join(SPLIT_FREE)} columns, and no comparable record of {rec.get('root')} "
                          "has them: run eval_accuracy with every scheme on any split of this root first")

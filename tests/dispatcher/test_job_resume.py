@@ -200,7 +200,8 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
         (tmp_path / "jobs" / "j-orphan.json").write_text(json.dumps({"train": TRAIN}))
         assert server.jobs.take_over_orphans(owner_alive) == ([], ["j-orphan"])
         assert server.jobs.take_over_orphans(owner_alive) == ([], [])
-        assert admin.job(mine["job"])["state"] == "running" and admin.job(mine["job"])["attempt"] == 1
+        passed_over = admin.job(mine["job"])
+        assert passed_over["state"] == "running" and passed_over["attempt"] == 1
         assert admin.wait_job("j-orphan", 300)["state"] == "succeeded"
         done = admin.wait_job(mine["job"], 300)
         assert done["state"] == "succeeded" and done["attempt"] == 1
