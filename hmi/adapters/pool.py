@@ -173,6 +173,9 @@ class SlotPool:
                     raise ValueError(f"{key} is missing")
                 if tuple(got.shape) != want:
                     raise ValueError(f"{key} has shape {tuple(got.shape)}, expected {want}")
+        beyond = sorted(k for k in weights if k.startswith("layers.") and int(k.split(".")[1]) >= len(self.layers))
+        if beyond:  # an adapter of more upper layers (trained at a lower split) would be served in part
+            raise ValueError(f"{beyond[0]} is beyond the {len(self.layers)} upper layer(s) this server serves")
         if not self.max_labels:
             return
         hidden = self.hidden

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from hmi.adapters.spec import AdapterSpec, canonical_names
@@ -194,6 +195,16 @@ class AdapterStore:
 
     def spec(self, tenant: str) -> AdapterSpec:
         return AdapterSpec.from_dict(self.info(tenant)["spec"])
+
+    def adapter_layers(self, tenant: str) -> int | None:
+        """How many layers the served version of a tenant's adapter has weights in (its file's
+        header read, not its tensors); None when it has no stored weights."""
+        cur = self.current(tenant)
+        if cur is None or not (cur / WEIGHTS).exists():
+            return None
+        with safe_open(str(cur / WEIGHTS), "pt") as f:
+            found = {int(k.split(".")[1]) for k in f.keys() if k.startswith("layers.")}
+        return max(found) + 1 if found else None
 
     def load(self, tenant: str, check=None) -> dict[str, torch.Tensor]:
         """A tenant's weights (stored dtype, fp16 by default) from the host cache, or from disk into

@@ -152,7 +152,8 @@ class Server:
                                cfg.job_time_limit_s, inputs=home / "jobs", launcher=job_launcher,
                                memory_mb=cfg.job_memory_mb)
         self.domains = Domains(self.tree, lookup, self.registry, self.jobs, root.artifact_id)
-        self.served = ServedTenants(weights_fingerprint(root.bert), root.spec.name)
+        self.served = ServedTenants(weights_fingerprint(root.bert), root.spec.name, root.spec.l_low,
+                                    root.bert.config.num_hidden_layers)
         self.scheduler = Scheduler(root.bert, root.spec.l_low, root.tokenizer, self.store, self.served, self.domains,
                                    SchedulerConfig(max_batch=cfg.max_batch, max_len=cfg.max_len,
                                                    pool_slots=cfg.pool_slots, max_pending=cfg.max_pending,

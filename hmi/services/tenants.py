@@ -34,12 +34,14 @@ def entry_of(name: str, rec: dict) -> TenantEntry:
 class ServedTenants:
     """Which tenants this process answers for now, and how: the scheduler's and the batcher's
     view of them (``hmi.scheduler.types.TenantView``), kept in step with the registry by
-    ``Tenants``.  Encoder tenants of another root are known but not served (``wrong_root``)."""
+    ``Tenants``.  Encoder tenants of another root, or of this root split at another layer, are
+    known but not served (``wrong_root``)."""
 
-    def __init__(self, root_fingerprint: str, root_name: str):
+    def __init__(self, root_fingerprint: str, root_name: str, l_low: int, layers: int):
         self.root_fingerprint, self.root_name = root_fingerprint, root_name
+        self.l_low, self.layers = l_low, layers
         self._entries: dict[str, TenantEntry] = {}
-        self._foreign: dict[str, str] = {}  # tenant -> fingerprint of the root it was trained on
+        self._foreign: dict[str, str] = {}  # tenant -> the root (fingerprint) and split it was trained on
         self._gpt_ready: dict[str, float] = {}  # decoder tenants that can generate -> their weight
 
     def entry(self, tenant: str) -> TenantEntry:
@@ -73,9 +75,14 @@ class ServedTenants:
         """``encoder`` or ``decoder`` when this process answers for the tenant now, else None."""
         return "encoder" if tenant in self._entries else "decoder" if tenant in self._gpt_ready else None
 
+    def split(self, l_low: int) -> str:
+        """A split of this root as people write it: ``3+3``."""
+        return f"{l_low}+{self.layers - l_low}"
+
     def foreign_message(self, tenant: str) -> str:
-        return (f"tenant {tenant!r} was trained on another root (fingerprint {self._foreign[tenant][:12]}); this "
-                f"server serves {self.root_name} ({self.root_fingerprint[:12]}): serve that root to use it")
+        return (f"tenant {tenant!r} was trained on {self._foreign[tenant]}; this server serves {self.root_name} "
+                f"(fingerprint {self.root_fingerprint[:12]}) split {self.split(self.l_low)}: serve that root and "
+                "split to use it")
 
     def is_foreign(self, tenant: str) -> bool:
         return tenant in self._foreign
@@ -89,13 +96,13 @@ class ServedTenants:
         else:
             self._entries[name] = entry_of(name, rec)
 
-    def foreign(self, name: str, fingerprint: str | None) -> None:
-        """Records that an encoder tenant was trained on the root of ``fingerprint``, another one:
-        known, not served (None: on this root after all)."""
-        if fingerprint is None:
+    def foreign(self, name: str, trained_on: str | None) -> None:
+        """Records that an encoder tenant was trained on another root or split (``trained_on`` says
+        which, for people): known, not served (None: on this root and split after all)."""
+        if trained_on is None:
             self._foreign.pop(name, None)
         else:
-            self._foreign[name] = fingerprint
+            self._foreign[name] = trained_on
 
     def drop(self, name: str) -> bool:
         """Stops serving a tenant; whether it was served."""
@@ -129,8 +136,8 @@ class Tenants:
             self.auth.remember(name, rec.get("token_hash", ""))
             if rec["state"] == "importing":
                 rec = self.recover_import(name, rec)
-            if rec.get("model") != "decoder" and not self._own_root(rec):
-                served.foreign(name, rec.get("root") or "the default root's")
+            if rec.get("model") != "decoder" and (other := self._trained_elsewhere(name, rec)):
+                served.foreign(name, other)
             elif rec["state"] in ("ready", "updating") and not is_private(rec):
                 served.serve(name, rec)
 
@@ -167,8 +174,8 @@ class Tenants:
             if self.served.drop(name):
                 self.scheduler.forget(name)
             return
-        if rec.get("model") != "decoder" and not self._own_root(rec):
-            self.served.foreign(name, rec.get("root") or "the default root's")
+        if rec.get("model") != "decoder" and (other := self._trained_elsewhere(name, rec)):
+            self.served.foreign(name, other)
             return
         self.served.foreign(name, None)
         published = rec["state"] in ("ready", "updating") or (rec["state"] == "importing" and rec.get("import_of") == "update")
@@ -197,12 +204,23 @@ class Tenants:
         """Whether a job belongs to a tenant trained on another root (a server of that root runs it)."""
         return self.served.is_foreign(job.get("tenant"))
 
-    def _own_root(self, rec: dict) -> bool:
-        """Whether an encoder tenant was trained on this server's root; records from before roots
-        were recorded belong to the default root, the only one then."""
+    def _trained_elsewhere(self, name: str, rec: dict) -> str | None:
+        """Where an encoder tenant was trained when that is not this server's root and split (for
+        people: the root's fingerprint and the split), else None.  Records from before roots were
+        recorded belong to the default root, the only one then; records from before splits were
+        recorded were trained at the split their stored adapter's layers give."""
         if "root" not in rec:
-            return self.default_root
-        return rec["root"] == self.served.root_fingerprint
+            if not self.default_root:
+                return "the default root"
+        elif rec["root"] != self.served.root_fingerprint:
+            return f"another root (fingerprint {rec['root'][:12]})"
+        l_low = rec.get("l_low")
+        if l_low is None and not is_private(rec):
+            upper = self.store.adapter_layers(name)
+            l_low = None if upper is None else self.served.layers - upper
+        if l_low is not None and l_low != self.served.l_low:
+            return f"this root (fingerprint {self.served.root_fingerprint[:12]}) split {self.served.split(l_low)}"
+        return None
 
     # -- life cycle ------------------------------------------------------------------------------
     def create(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
@@ -224,7 +242,7 @@ class Tenants:
         token, digest = self.auth.issue()
         rec = {**rec, "token_hash": digest, "version": 0}
         if rec.get("model") != "decoder":
-            rec["root"] = self.served.root_fingerprint
+            rec["root"], rec["l_low"] = self.served.root_fingerprint, self.served.l_low
         if not self.registry.create("tenants", name, rec):
             raise Refusal(Kind.CONFLICT, "tenant_exists", f"tenant {name!r} already exists")
         self.auth.remember(name, digest)

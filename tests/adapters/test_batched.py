@@ -266,3 +266,14 @@ def test_a_task_without_a_kind_gets_its_heads_default_adapter_and_foreign_option
         AdapterSpec.for_task("classification", ("a", "b"), "bottleneck", rank=8)
     with pytest.raises(SpecError, match="targets applies to lora adapters, not ia3"):
         AdapterSpec.for_task("classification", ("a", "b"), "ia3", targets=["q"])
+
+
+def test_pool_refuses_an_adapter_with_weights_beyond_its_upper_layers():
+    """An adapter trained at a lower split has more upper layers than the pool: served in part it
+    would answer wrongly without a word, so the check refuses it."""
+    pool = SlotPool(("ia3",), 1, 1, 4, 8, max_labels=0)
+    one_layer = pool.read(0, 0)
+    pool.check(one_layer, 0)
+    two_layers = {**one_layer, **{key.replace("layers.0.", "layers.1."): t for key, t in one_layer.items()}}
+    with pytest.raises(ValueError, match="beyond the 1 upper layer"):
+        pool.check(two_layers, 0)

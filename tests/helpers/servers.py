@@ -23,12 +23,13 @@ LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
 
-def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, **cfg):
-    spec = RootSpec(default_spec().model_dir, 2, source)
+def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, l_low=2, **cfg):
+    spec = RootSpec(default_spec().model_dir, l_low, source)
     bert = tiny_bert(layers=4, hidden=32, vocab=30522, seed=seed)
-    root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, 2).eval(), "tiny", {})
-    meta = PlotMeta("tiny", 2, 32)
-    path = home / "plot"
+    artifact = "tiny" if l_low == 2 else f"tiny-l{l_low}"  # another split: another artifact, its own PLOT
+    root = Root(spec, bert, load_tokenizer(spec.model_dir), WindowedEncoder(bert, l_low).eval(), artifact, {})
+    meta = PlotMeta(artifact, l_low, 32)
+    path = home / ("plot" if l_low == 2 else f"plot-l{l_low}")
     if not path.exists():
         PlotStore(path, meta=meta, readonly=False).close()
     policy = cfg.get("miss_policy", "compute")
