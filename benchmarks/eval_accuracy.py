@@ -66,21 +66,25 @@ from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
+# The upper layers' adapters on the full-context root: hBERT's adapters with perfect windows, the
+# ceiling of every PLOT scheme at the split (on request: --schemes hBERT-adapter-upper).
+ADAPTER_UPPER = "hBERT-adapter, upper layers"
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
-           ("hBERT-adapter", "adapter", 3e-3)]
+           ("hBERT-adapter", "adapter", 3e-3), (ADAPTER_UPPER, "upper", 3e-3)]
 HBERT_LR = 3e-3
 # ``--grid``: each scheme's learning rates, the one with the best dev accuracy kept per task (the
 # paper's protocol); the first is the scheme's single rate without it. The adapters' grid is the
 # same on the full-context root and on the PLOT (hBERT-adapter, hBERT).
 GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compress": (5e-4, 1e-4),
-         "hBERT-adapter": (3e-3, 1e-3), "hBERT": (3e-3, 1e-3)}
+         "hBERT-adapter": (3e-3, 1e-3), ADAPTER_UPPER: (3e-3, 1e-3), "hBERT": (3e-3, 1e-3)}
 # Bumped when a cell's training changes, so that cells of earlier code are not read back.
 CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
 HBERT_LEARNED = "hBERT, learned back-off"
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED]
-SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED}  # --schemes names without a comma
+# --schemes names without a comma
+SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-adapter-upper": ADAPTER_UPPER}
 
 
 def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
@@ -118,11 +122,13 @@ def lr_text(lrs: tuple[float, ...]) -> str:
     return ("one of " + ", ".join(f"{x:g}" for x in lrs) + " chosen on dev") if len(lrs) > 1 else f"{lrs[0]:g}"
 
 
-def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0):
+def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0,
+                       l_low: int = 0):
     """Reference schemes on the full-context root: all weights trained ("full"), a library adapter in
-    every layer ("adapter"), the head alone ("head"), or all weights of a student made of the root's
-    first 2 layers ("compress"); the same head, loss, batches and early stopping for all.  The frozen
-    root of "head" runs once per example (its output cannot change), the others every step."""
+    every layer ("adapter") or in the layers from ``l_low`` up ("upper"), the head alone ("head"), or
+    all weights of a student made of the root's first 2 layers ("compress"); the same head, loss,
+    batches and early stopping for all.  The frozen root of "head" runs once per example (its output
+    cannot change), the others every step."""
     from hmi.adapters.batched import pooled
     from hmi.adapters.interop import attach, library_model
     from hmi.model.root import full_forward
@@ -133,8 +139,8 @@ def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs:
     if mode == "compress":
         model.encoder.layer = model.encoder.layer[:COMPRESS_LAYERS]
         model.config.num_hidden_layers = COMPRESS_LAYERS
-    if mode == "adapter":
-        attach(model, "t", spec, 0, train=True)
+    if mode in ("adapter", "upper"):
+        attach(model, "t", spec, l_low if mode == "upper" else 0, train=True)
     elif mode == "head":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -227,7 +233,8 @@ def main() -> None:
                              "tokens (the root's own pooling), or per scheme and task the one with the better dev "
                              "accuracy (default)")
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
-                                          "hBERT-exact, hBERT-learned")
+                                          "hBERT-exact, hBERT-learned, and on request hBERT-adapter-upper (the "
+                                          "upper layers' adapters on the full-context root)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
                                           "bottleneck:16), "
@@ -252,7 +259,7 @@ def main() -> None:
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
-                       and (s != HBERT_LEARNED or args.learned)]
+                       and (s != HBERT_LEARNED or args.learned) and s != ADAPTER_UPPER]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
@@ -353,6 +360,9 @@ def main() -> None:
                  f"full-context root (lr {lr_text(lrs['hBERT-adapter'])}); hBERT: the same adapters in the upper "
                  f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
                  f"as served (lr {lr_text(lrs['hBERT'])})"
+                 + (f"; {ADAPTER_UPPER}: the same adapters in the upper {n_layers - l_low} layers of the full-context "
+                    f"root, the ceiling of every window scheme at this split (lr {lr_text(lrs[ADAPTER_UPPER])})"
+                    if ADAPTER_UPPER in columns else "")
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                     "(`--miss-policy compute`)" if exact else "")
                  + ("; hBERT, learned back-off: the same with each missed tri-gram served the root PLOT's learned "
@@ -378,6 +388,8 @@ def main() -> None:
             page += f"_corpus-{cal['corpus']}"
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
+        if ADAPTER_UPPER in columns:
+            page += "_upper"
         if learned:
             page += "_learned"
             res["learned_backoff"] = learned_id
@@ -428,7 +440,8 @@ def main() -> None:
 
         runs = [(label, lambda spec, lr, policy=policy: hbert(spec, lr, policy)) for label, policy in hbert_runs]
         runs += [(label, lambda spec, lr, mode=mode: train_full_context(
-                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr)) for label, mode in full_context]
+                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, l_low=l_low))
+                 for label, mode in full_context]
 
         def cell(run, spec, lr) -> dict:
             t0 = time.time()
