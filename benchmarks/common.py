@@ -10,8 +10,50 @@ import sys
 import time
 from pathlib import Path
 
+# A share of the machine's CPU time taken beside a benchmark above which its timings are flagged.
+NOT_ALONE = 0.05
 # Where results go: the repository's docs/results/, or HMI_BENCH_DOCS (a trial run that must not replace them).
 DOCS = Path(os.environ.get("HMI_BENCH_DOCS") or Path(__file__).resolve().parents[1] / "docs" / "results")
+
+
+def cpu_ticks() -> tuple[int, int, int] | None:
+    """(all, busy, stolen) clock ticks of the machine's CPUs since boot (``/proc/stat``): busy is
+    user, nice, system, irq and softirq time; stolen, what the hypervisor gave to other machines."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = v
+    return sum(v), user + nice + system + irq + softirq, steal
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+_AT_START: tuple | None = None  # (cpu_ticks(), own_cpu_seconds()) when the benchmark started
+
+
+def beside_the_run() -> dict | None:
+    """What ran beside this benchmark since ``start``, as shares of the machine's CPU time: other
+    processes (``others``: busy time not this process's nor its children's) and other virtual
+    machines (``stolen``). A timing is trustworthy when both are small; None where unknown."""
+    now = cpu_ticks()
+    if _AT_START is None or _AT_START[0] is None or now is None:
+        return None
+    (all0, busy0, steal0), own0 = _AT_START
+    total = now[0] - all0
+    if total <= 0:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    own = (own_cpu_seconds() - own0) * hz
+    others = max(0.0, (now[1] - busy0 - own) / total)
+    return {"others": round(others, 3), "stolen": round((now[2] - steal0) / total, 3)}
 
 
 def start(doc: str, extra=None):
@@ -28,6 +70,8 @@ def start(doc: str, extra=None):
         extra(ap)
     args = ap.parse_args()
     args.quick = args.quick or args.tiny
+    global _AT_START
+    _AT_START = (cpu_ticks(), own_cpu_seconds())
     from hmi.allocator import tune_allocator
     from hmi.bootstrap import ensure_data, quiet_transformers
 
@@ -173,7 +217,17 @@ def finish(name: str, text: str, result: dict, command: str) -> None:
     """Prints the table and writes docs/results/<name>.md (its command, machine, date and commit); the last
     printed line is the JSON result."""
     DOCS.mkdir(exist_ok=True)
-    doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{provenance()}\n\n{text}\n\n"
+    beside = result.get("beside_the_run") or beside_the_run()  # a page written again keeps its run's
+    alone = ""
+    if beside is not None:
+        result = {**result, "beside_the_run": beside}
+        alone = (f"Beside the run: other processes {beside['others']:.0%} of the CPU time, other virtual machines "
+                 f"(stolen) {beside['stolen']:.0%}.")
+        if max(beside.values()) > NOT_ALONE:
+            print(f"warning: this run did not have the machine to itself ({alone}): its timings are not "
+                  "comparable with a run that had", file=sys.stderr)
+    doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{provenance()}\n\n"
+           + (f"{alone}\n\n" if alone else "") + f"{text}\n\n"
            f"```json\n{json.dumps(result, indent=1)}\n```\n")
     (DOCS / f"{name}.md").write_text(doc)
     print(text)
