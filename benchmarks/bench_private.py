@@ -51,7 +51,7 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results, cpus=N
 
     torch.set_num_threads(1)
     from hmi.client import Client
-    from hmi.model.root import default_spec
+    from hmi.model.root import DEFAULT_L_LOW, default_spec
     from hmi.split.client import BaseClient
     from hmi.split.lower import LocalLower
     from hmi.split.model import PrivateModel
@@ -59,14 +59,14 @@ def _client_process(mode, url, jobs, texts, requests, ready, go, results, cpus=N
 
     models = []
     # the blind split with the lower layers here: one copy per process (read-only), no server call
-    shared_lower = LocalLower.load(default_spec().model_dir, 3) if mode == LOCAL else None
+    shared_lower = LocalLower.load(default_spec().model_dir, DEFAULT_L_LOW) if mode == LOCAL else None
     for tenant, token, archive in jobs:
         if mode == "hosted":
             models.append((tenant, Client(url, token), None))
         else:
             base = BaseClient(url, token)
             blind = mode.startswith("private, blind")
-            models.append((tenant, base, PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
+            models.append((tenant, base, PrivateModel(base, default_spec().model_dir, DEFAULT_L_LOW, PrivateModel.files_of(archive),
                                                       noise=None if blind else ClientNoise(default_spec().model_dir),
                                                       max_len=64, split="blind" if blind else "projections",
                                                       lower=shared_lower)))
@@ -132,7 +132,7 @@ def _trainer_process(url, token, archive, rows, ready, stop, results, cpus=None)
         os.sched_setaffinity(0, cpus)
 
     torch.set_num_threads(1)
-    from hmi.model.root import default_spec
+    from hmi.model.root import DEFAULT_L_LOW, default_spec
     from hmi.split.client import BaseClient
     from hmi.split.model import PrivateModel
     from hmi.split.noise import ClientNoise
@@ -141,7 +141,7 @@ def _trainer_process(url, token, archive, rows, ready, stop, results, cpus=None)
     from hmi.training.fit import Cancelled
 
     base = BaseClient(url, token)
-    model = PrivateModel(base, default_spec().model_dir, 3, PrivateModel.files_of(archive),
+    model = PrivateModel(base, default_spec().model_dir, DEFAULT_L_LOW, PrivateModel.files_of(archive),
                          noise=ClientNoise(default_spec().model_dir), max_len=64)
     cfg = FinetuneConfig(epochs=1000, batch_size=16, max_len=64, patience=1000)
     total = -(-len(rows) // cfg.batch_size) * cfg.epochs
