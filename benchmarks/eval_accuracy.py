@@ -82,9 +82,13 @@ CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
 HBERT_LEARNED = "hBERT, learned back-off"
-ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED]
+# hBERT's adapters and trainer on the full-context lower layers' output: perfect windows, the
+# ceiling of every PLOT scheme at the split (on request: --schemes hBERT-full).
+HBERT_FULL = "hBERT, full-context lower layers"
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_FULL]
 # --schemes names without a comma
-SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-adapter-upper": ADAPTER_UPPER}
+SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-adapter-upper": ADAPTER_UPPER,
+                "hBERT-full": HBERT_FULL}
 
 
 def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
@@ -259,7 +263,7 @@ def main() -> None:
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
-                       and (s != HBERT_LEARNED or args.learned) and s != ADAPTER_UPPER]
+                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL)]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
@@ -269,12 +273,13 @@ def main() -> None:
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    from benchmarks.bench_tenants import FullContextLower
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import is_tagging, load_task, task_labels
     from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import PlotLookup
-    from hmi.training.finetune import FinetuneConfig, encode, finetune
+    from hmi.training.finetune import FinetuneConfig, encode, finetune, fit, tenant_model
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000}
@@ -296,11 +301,12 @@ def main() -> None:
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
-                                                        (HBERT_LEARNED, "learned")) if label in schemes]
+                                                        (HBERT_LEARNED, "learned"), (HBERT_FULL, "full"))
+                  if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
         lrs["dedicated"] = args.dedicated_lr
-    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs["hBERT"]
+    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_FULL] = lrs["hBERT"]
     learned = HBERT_LEARNED in schemes
     # a learned back-off's cells are its model's: one trained again is another run
     learned_id = learned_fingerprint(version.store.path) if learned else None
@@ -368,7 +374,9 @@ def main() -> None:
                  + ("; hBERT, learned back-off: the same with each missed tri-gram served the root PLOT's learned "
                     "back-off (`hmi plot learn-backoff`, `--miss-policy learned`; its products in "
                     + ("bf16, as served on a CPU that multiplies bf16 natively)" if SERVE_BF16 else "fp32)")
-                    if learned else "") + ".")
+                    if learned else "")
+                 + (f"; {HBERT_FULL}: the same adapters and training on the full-context lower layers' output (perfect "
+                    "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
         res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
@@ -390,6 +398,8 @@ def main() -> None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if ADAPTER_UPPER in columns:
             page += "_upper"
+        if HBERT_FULL in columns:
+            page += "_full"
         if learned:
             page += "_learned"
             res["learned_backoff"] = learned_id
@@ -429,13 +439,17 @@ def main() -> None:
         vals, secs, chosen, chosen_lr = {}, {}, {}, {}
 
         def hbert(spec, lr, policy):
+            cfg = FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs)
+            if policy == "full":  # the same trainer on the full-context lower layers' output
+                model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
+                return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
+                           train, dev, test, cfg, progress=False)[1]
             lookup = PlotLookup([version], policy=policy)
             if policy == "learned" and learned_fingerprint(version.store.path) != learned_id:
                 # the cells are keyed by the model the table started with; this run would train on another
                 raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
                                  "run the same command again to continue with the new model's cells")
-            return finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec,
-                            train, dev, test, FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs),
+            return finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec, train, dev, test, cfg,
                             progress=False)[1]
 
         runs = [(label, lambda spec, lr, policy=policy: hbert(spec, lr, policy)) for label, policy in hbert_runs]
