@@ -36,6 +36,25 @@ def test_tenant_of_another_root_is_refused_with_409_naming_both_roots(tmp_path):
         other.shutdown()
 
 
+def refusal(home, tenant, **server) -> Refusal:
+    """What a server on ``home`` (``tiny_server``'s options) answers for ``tenant``: a refusal."""
+    s = tiny_server(home, **server)
+    try:
+        with pytest.raises(Refusal) as e:
+            s.served.entry(tenant)
+        return e.value
+    finally:
+        s.shutdown()
+
+
+def serves(home, tenant, **server) -> bool:
+    s = tiny_server(home, **server)
+    try:
+        return s.served.entry(tenant).name == tenant
+    finally:
+        s.shutdown()
+
+
 def test_tenant_trained_at_another_split_of_the_same_root_is_refused_with_409_naming_both_splits(tmp_path):
     """Its adapter has weights for the upper layers of its own split: on a server of a higher split
     it would be served in part and answer wrongly, on a lower one it would miss layers."""
@@ -44,19 +63,10 @@ def test_tenant_trained_at_another_split_of_the_same_root_is_refused_with_409_na
     first.tenants.register("alpha", rec)
     first.shutdown()
     for l_low in (1, 3):
-        other = tiny_server(tmp_path, l_low=l_low)
-        try:
-            with pytest.raises(Refusal) as e:
-                other.served.entry("alpha")
-            assert e.value.kind == Kind.CONFLICT and e.value.code == "wrong_root"
-            assert "split 2+2" in str(e.value) and f"split {l_low}+{4 - l_low}" in str(e.value)
-        finally:
-            other.shutdown()
-    same = tiny_server(tmp_path, l_low=2)
-    try:
-        assert same.served.entry("alpha").name == "alpha"
-    finally:
-        same.shutdown()
+        e = refusal(tmp_path, "alpha", l_low=l_low)
+        assert e.kind == Kind.CONFLICT and e.code == "wrong_root"
+        assert "split 2+2" in str(e) and f"split {l_low}+{4 - l_low}" in str(e)
+    assert serves(tmp_path, "alpha", l_low=2)
 
 
 def test_tenants_recorded_before_splits_were_belong_to_the_split_of_their_stored_adapter(tmp_path, monkeypatch):
@@ -65,18 +75,9 @@ def test_tenants_recorded_before_splits_were_belong_to_the_split_of_their_stored
     reg = Registry(tmp_path / "registry")
     reg.put("tenants", "alpha", {k: v for k, v in reg.get("tenants", "alpha").items() if k != "l_low"})
     reg.close()
-    higher = tiny_server(tmp_path, l_low=3)
-    try:
-        with pytest.raises(Refusal) as e:
-            higher.served.entry("alpha")
-        assert e.value.code == "wrong_root" and "split 2+2" in str(e.value)
-    finally:
-        higher.shutdown()
-    same = tiny_server(tmp_path, l_low=2)
-    try:
-        assert same.served.entry("alpha").name == "alpha"
-    finally:
-        same.shutdown()
+    e = refusal(tmp_path, "alpha", l_low=3)
+    assert e.code == "wrong_root" and "split 2+2" in str(e)
+    assert serves(tmp_path, "alpha", l_low=2)
 
 
 def test_tenants_recorded_before_roots_were_belong_to_the_default_root(tmp_path):
