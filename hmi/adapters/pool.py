@@ -13,7 +13,7 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from hmi.adapters.spec import DEFAULT_LORA_SITES
+from hmi.adapters.spec import DEFAULT_LORA_SITES, layer_of
 
 
 class PoolExhaustedError(RuntimeError):
@@ -173,7 +173,7 @@ class SlotPool:
                     raise ValueError(f"{key} is missing")
                 if tuple(got.shape) != want:
                     raise ValueError(f"{key} has shape {tuple(got.shape)}, expected {want}")
-        beyond = sorted(k for k in weights if k.startswith("layers.") and int(k.split(".")[1]) >= len(self.layers))
+        beyond = sorted(k for k in weights if (layer := layer_of(k)) is not None and layer >= len(self.layers))
         if beyond:  # an adapter of more upper layers (trained at a lower split) would be served in part
             raise ValueError(f"{beyond[0]} is beyond the {len(self.layers)} upper layer(s) this server serves")
         if not self.max_labels:

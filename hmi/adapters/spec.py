@@ -220,6 +220,12 @@ class AdapterSpec:
         return IA3Config(leave_out=leave_out)
 
 
+def layer_of(key: str) -> int | None:
+    """The upper layer a canonical weight name belongs to (``layers.<i>.<site>.<name>``; counted
+    from the split), None for the head's."""
+    return int(key.split(".")[1]) if key.startswith("layers.") else None
+
+
 def canonical_names(weights: dict) -> dict:
     """The weights under today's canonical names: decoder adapters saved before encoder and
     decoder shared one naming called their LoRA ``layers.i.q_A`` instead of ``layers.i.lora.q_A``."""

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from hmi.adapters.spec import AdapterSpec, canonical_names
+from hmi.adapters.spec import AdapterSpec, canonical_names, layer_of
 from hmi.io import atomic_write_text, fsync_dir, write_durable
 from hmi.names import is_valid_name
 
@@ -203,7 +203,7 @@ class AdapterStore:
         if cur is None or not (cur / WEIGHTS).exists():
             return None
         with safe_open(str(cur / WEIGHTS), "pt") as f:
-            found = {int(k.split(".")[1]) for k in f.keys() if k.startswith("layers.")}
+            found = {layer_of(k) for k in f.keys()} - {None}
         return max(found) + 1 if found else None
 
     def load(self, tenant: str, check=None) -> dict[str, torch.Tensor]:
