@@ -132,6 +132,9 @@ class Tenants:
         self.auth, self.decoders, self.usage, self.served = auth, decoders, usage, served
         self.default_root, self.shared_home = default_root, shared_home
         self._synced: dict[str, tuple] = {}  # tenant -> (created, version) of the record served (shared home)
+        # (tenant, created, version) of a record without a split -> the split its stored adapter gives:
+        # read once, not on every request a shared home brings the record up to date for
+        self._stored_split: dict[tuple, int | None] = {}
         for name, rec in self.registry.items("tenants"):
             self.auth.remember(name, rec.get("token_hash", ""))
             if rec["state"] == "importing":
@@ -216,11 +219,20 @@ class Tenants:
             return f"another root (fingerprint {rec['root'][:12]})"
         l_low = rec.get("l_low")
         if l_low is None and not is_private(rec):
-            upper = self.store.adapter_layers(name)
-            l_low = None if upper is None else self.served.layers - upper
+            l_low = self._split_of_stored(name, rec)
         if l_low is not None and l_low != self.served.l_low:
             return f"this root (fingerprint {self.served.root_fingerprint[:12]}) split {self.served.split(l_low)}"
         return None
+
+    def _split_of_stored(self, name: str, rec: dict) -> int | None:
+        """The split a tenant's stored adapter was trained at (from its layers; None while it has none)."""
+        key = (name, rec.get("created"), rec.get("version", 0))
+        if key not in self._stored_split:
+            upper = self.store.adapter_layers(name)
+            if upper is None:
+                return None  # nothing stored yet: asked again once there is
+            self._stored_split[key] = self.served.layers - upper
+        return self._stored_split[key]
 
     # -- life cycle ------------------------------------------------------------------------------
     def create(self, name: str, rec: dict, data: dict, **job) -> tuple[str, str]:
