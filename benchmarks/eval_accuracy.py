@@ -66,8 +66,9 @@ from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.fit import Fit, early_stopping  # noqa: E402
 
 COMPRESS_LAYERS = 2
-# The upper layers' adapters on the full-context root: hBERT's adapters with perfect windows, the
-# ceiling of every PLOT scheme at the split (on request: --schemes hBERT-adapter-upper).
+# The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
+# library's model): what the lower layers' adapters are worth there (on request: --schemes
+# hBERT-adapter-upper; HBERT_FULL is the same with hBERT's own trainer).
 ADAPTER_UPPER = "hBERT-adapter, upper layers"
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
            ("hBERT-adapter", "adapter", 3e-3), (ADAPTER_UPPER, "upper", 3e-3)]
@@ -237,8 +238,9 @@ def main() -> None:
                              "tokens (the root's own pooling), or per scheme and task the one with the better dev "
                              "accuracy (default)")
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
-                                          "hBERT-exact, hBERT-learned, and on request hBERT-adapter-upper (the "
-                                          "upper layers' adapters on the full-context root)")
+                                          "hBERT-exact, hBERT-learned, and on request hBERT-full (hBERT on the "
+                                          "full-context lower layers: perfect windows) and hBERT-adapter-upper "
+                                          "(hBERT-adapter's adapters in the upper layers only)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
                                           "bottleneck:16), "
@@ -367,7 +369,7 @@ def main() -> None:
                  f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
                  f"as served (lr {lr_text(lrs['hBERT'])})"
                  + (f"; {ADAPTER_UPPER}: the same adapters in the upper {n_layers - l_low} layers of the full-context "
-                    f"root, the ceiling of every window scheme at this split (lr {lr_text(lrs[ADAPTER_UPPER])})"
+                    f"root, trained as hBERT-adapter is (lr {lr_text(lrs[ADAPTER_UPPER])})"
                     if ADAPTER_UPPER in columns else "")
                  + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
                     "(`--miss-policy compute`)" if exact else "")
