@@ -76,6 +76,7 @@ NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows
 # root): the same for every split and artifact of one root, so a split's own record may take them from another.
 SPLIT_FREE = ("dedicated", "shared", "hBERT-adapter")
 WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a split's own record must hold
+RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -97,18 +98,32 @@ def _comparable(a: dict, b: dict) -> bool:
                     for t in TASKS))
 
 
-def accuracy_record(artifact: str, page: str | None, split_free_page: str | None = None) -> tuple[str, str | None, dict]:
+def same_recipe(rec: dict, served: dict) -> bool:
+    """Whether an eval_accuracy record's artifact is another calibration of the served artifact's
+    recipe: the same root, split and calibration steps (``served``: those keys of the served one)."""
+    return all(rec.get(k) is not None and rec.get(k) == served.get(k) for k in RECIPE)
+
+
+def accuracy_record(artifact: str, page: str | None, split_free_page: str | None = None,
+                    served: dict | None = None) -> tuple[str, str | None, dict]:
     """(page name, the page its split-free columns come from or None, the record) with every column
     the front needs for ``artifact``: the page named, else that artifact's page with the most of
-    them (the learned back-off's too). When the artifact's pages lack the split-free columns
-    (``SPLIT_FREE``), they come from a comparable page of another split of the same root."""
+    them (the learned back-off's too). A page named may hold another artifact of the served one's
+    recipe (``served``, ``same_recipe``): one calibrated on another machine, whose bits this
+    machine's kernels do not repeat; requests/s do not depend on the windows' values. When the
+    artifact's pages lack the split-free columns (``SPLIT_FREE``), they come from a comparable page
+    of another split of the same root."""
     found = _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
-    mine = [(name, rec) for name, rec in found if page in (None, name)
-            and rec.get("root_artifact") == artifact and all(c in rec["average"] for c in WINDOWED)]
+    complete = [(name, rec) for name, rec in found if all(c in rec["average"] for c in WINDOWED)]
+    mine = [(name, rec) for name, rec in complete if page in (None, name)
+            and (rec.get("root_artifact") == artifact or (page is not None and served and same_recipe(rec, served)))]
     if not mine:
+        kin = [name for name, rec in complete if served and same_recipe(rec, served)]
         raise SystemExit(f"no finished eval_accuracy record of artifact {artifact} with the columns {', '.join(NEEDED)} "
                          "in docs/: run `python benchmarks/eval_accuracy.py --quick --train 640 --test 1000 --pooling "
-                         "mean --exact --learned --grid` (with this root's --root/--l-low) first")
+                         "mean --exact --learned --grid` (with this root's --root/--l-low) first"
+                         + (f", or name a record of another calibration of the same recipe ({', '.join(kin)}) with "
+                            "--accuracy" if kin and page is None else ""))
     rank = (lambda r: (all(c in r["average"] for c in NEEDED), r.get("lr_grid", False), len(r["average"])))
     name, rec = max(mine, key=lambda m: rank(m[1]))
     if all(c in rec["average"] for c in NEEDED):
@@ -183,7 +198,9 @@ def main() -> None:
         ap.add_argument("--render", action="store_true",
                         help="write the page again from its record (docs/bench_front*.md): no measuring")
         ap.add_argument("--accuracy", help="the eval_accuracy page (docs/<PAGE>.md) whose record gives the accuracy "
-                                           "(default: the finished one of this artifact with the most columns)")
+                                           "(default: the finished one of this artifact with the most columns); "
+                                           "it may hold another calibration of this artifact's recipe (root, split, "
+                                           "steps), made on a machine whose kernels round otherwise")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -207,13 +224,16 @@ def main() -> None:
     from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
-    acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy)
+    served = {"root": root.spec.name, "l_low": root.spec.l_low,
+              "steps": root.meta.get("calibration", {}).get("steps_done")}
+    acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy, served=served)
     tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
     texts = request_texts(tok, seed=0)
     *traces, first = make_traces(texts, n_batches, rounds + 1, seed=1)  # the last: the process's first batches
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
     lookups: dict = {}
-    out: dict = {"root": root.spec.name, "l_low": l_low, "artifact": root.artifact_id, "accuracy_record": acc_page,
+    out: dict = {"root": root.spec.name, "l_low": l_low, "artifact": root.artifact_id, "steps": served["steps"],
+                 "accuracy_record": acc_page, "accuracy_artifact": acc["root_artifact"],
                  "split_free_record": free_page,
                  "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
     try:
@@ -357,6 +377,10 @@ def report(out: dict, acc: dict, name: str, command: str) -> None:
              "(after one), the configurations alternating, every round on texts of its own (test and dev texts of the "
              f"four tasks, none twice). Accuracy: test accuracy in % from the record of "
              f"`docs/results/{out['accuracy_record']}.md`"
+             + (f" (artifact {out['accuracy_artifact']}: the same recipe, {out['steps']} steps, calibrated on another "
+                f"machine, whose kernels round otherwise; this machine's calibration gave {out['artifact']}, whose "
+                "windows cost the same to serve: the same PLOT keys, value sizes and layers)"
+                if out.get("accuracy_artifact", out["artifact"]) != out["artifact"] else "")
              + (f" (dedicated, shared and hBERT-adapter, which never read the windows, from "
                 f"`docs/results/{out['split_free_record']}.md`, another split of this root)" if out.get("split_free_record")
                 else "")
@@ -385,7 +409,8 @@ def render(name: str) -> None:
     page = (DOCS / f"{name}.md").read_text()
     out = json.loads(re.search(r"```json\n(.*?)\n```", page, re.S).group(1))
     command = re.search(r"Command: `(.*?)`", page).group(1)
-    _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"))
+    _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
+                                served={k: out.get(k) for k in RECIPE})
     report(out, acc, name, command)
 
 

@@ -12,10 +12,11 @@ from benchmarks import bench_front
 TASKS = bench_front.TASKS
 
 
-def write(folder, name, artifact, columns, root="r==1", test=1000, pooling="dev"):
+def write(folder, name, artifact, columns, root="r==1", test=1000, pooling="dev", l_low=3, steps=600):
     tasks = {t: {**{c: v + i for c, v in columns.items()}, "train": 640, "test": test} for i, t in enumerate(TASKS)}
     avg = {c: sum(tasks[t][c] for t in TASKS) / len(TASKS) for c in columns}
-    rec = {"tasks": tasks, "average": avg, "root": root, "root_artifact": artifact, "pooling": pooling, "lr_grid": True}
+    rec = {"tasks": tasks, "average": avg, "root": root, "root_artifact": artifact, "pooling": pooling, "lr_grid": True,
+           "l_low": l_low, "steps": steps}
     (folder / f"{name}.md").write_text(f"# {name}\n\n```json\n{json.dumps(rec, indent=1)}\n```\n")
 
 
@@ -49,3 +50,24 @@ def test_split_free_columns_are_never_taken_from_a_table_made_another_way(tmp_pa
     write(tmp_path, "eval_accuracy_l2", "l2", HBERT)
     with pytest.raises(SystemExit, match="no comparable record"):
         bench_front.accuracy_record("l2", None)
+
+
+SERVED = {"root": "r==1", "l_low": 3, "steps": 600}
+
+
+def test_another_calibration_of_the_recipe_gives_the_accuracy_only_when_its_page_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT})
+    # not named: the served artifact has no record, and the error names the page that could be
+    with pytest.raises(SystemExit, match=r"another calibration of the same recipe \(eval_accuracy_grid\)"):
+        bench_front.accuracy_record("here", None, served=SERVED)
+    name, free, rec = bench_front.accuracy_record("here", "eval_accuracy_grid", served=SERVED)
+    assert (name, free, rec["root_artifact"]) == ("eval_accuracy_grid", None, "elsewhere")
+
+
+@pytest.mark.parametrize("other", [{"root": "another==1"}, {"l_low": 2}, {"steps": 800}])
+def test_a_named_record_of_another_recipe_never_gives_the_accuracy(tmp_path, monkeypatch, other):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT}, **other)
+    with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact here"):
+        bench_front.accuracy_record("here", "eval_accuracy_grid", served=SERVED)
