@@ -19,6 +19,10 @@ was trained with); by default every scheme trains both on every classification t
 one with the better dev accuracy (``--pooling cls``, the default with ``--quick``, or ``mean`` trains
 one).  A tagging head reads every token.
 
+One seed moves a task's accuracy by a point or more; ``--seeds N`` trains every cell with N seeds
+(seed 0's cells are the one-seed table's, read back) and reports each figure as the mean over
+seeds with its standard deviation, on a page of its own (``_seeds-N``).
+
 ``--schemes`` and ``--tasks`` run a subset (e.g. how the gap moves with ``--train``); such a run writes
 docs/results/eval_accuracy_partial.md (``--tasks``: docs/eval_accuracy_partial_<tasks>[_train-N].md) and leaves the full
 table alone.
@@ -26,7 +30,7 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--grid|--no-grid] [--max-minutes M] [--fresh]
+                                          [--grid|--no-grid] [--seeds N] [--max-minutes M] [--fresh]
 
 Long runs: every training run (one per task, scheme, pooling and learning rate) is kept under
 ``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
@@ -120,6 +124,20 @@ def learning_rates(arg: str) -> tuple[float, ...]:
     if len(set(out)) != len(out):
         raise argparse.ArgumentTypeError(f"learning rates must be distinct, got {arg!r}")
     return out
+
+
+def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) -> list[tuple[tuple, dict]]:
+    """Per seed, the option (pooling, learning rate) whose cell has the best dev accuracy, with that
+    cell's result: every option of ``options`` is trained with ``train(option, seed)`` (or read back
+    from ``cells``).  Seed 0's cells carry no seed in their key: they are the one-seed table's."""
+    picks = []
+    for seed in seeds:
+        seeded = {**key, "seed": seed} if seed else key
+        tried = {o: cells.run({**seeded, "pooling": o[0], "lr": o[1]}, lambda o=o, seed=seed: train(o, seed))
+                 for o in options}
+        best = max(tried, key=lambda o: tried[o]["dev"])
+        picks.append((best, tried[best], sum(r["seconds"] for r in tried.values())))
+    return picks
 
 
 def lr_text(lrs: tuple[float, ...]) -> str:
@@ -255,6 +273,11 @@ def main() -> None:
                         help="every scheme's learning rate chosen per task on dev from a small grid (the paper's "
                              "protocol; the default without --quick): " + "; ".join(
                                  f"{k} {', '.join(f'{x:g}' for x in v)}" for k, v in GRIDS.items()))
+        ap.add_argument("--seeds", type=int, default=1, metavar="N",
+                        help="train every cell with N seeds (initialization, batch order, dropout; seed 0 is the "
+                             "one-seed table's run, read back): each task's figure is the mean over seeds of the test "
+                             "accuracy of the pooling and learning rate dev chooses for that seed, its spread in "
+                             "tasks.*.sd (default 1)")
         ap.add_argument("--max-minutes", type=float, metavar="M",
                         help="stop this invocation once M minutes are spent (after the training run in progress); "
                              "the same command run again continues where it stopped, reading back every finished "
@@ -272,6 +295,9 @@ def main() -> None:
     grid = not args.quick if args.grid is None else args.grid
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
                or args.dedicated_lr is not None)
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
+    seeds = range(args.seeds)
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -328,13 +354,22 @@ def main() -> None:
         """Writes the results page of the tasks ``done`` (a partial page until every task is done)."""
         res = {**results, "tasks": {t: results["tasks"][t] for t in done}}
         avg = {c: float(np.mean([res["tasks"][t][c] for t in done])) for c in columns}
-        table_rows = rows + [("average", "", *(f"{avg[c]:.1f}" for c in columns))]
+        # with several seeds: each seed's average over the tasks, and their spread (what a gap between columns
+        # is read against)
+        by_seed = ({c: [float(np.mean([res["tasks"][t]["per_seed"][c][i] for t in done])) for i in seeds] for c in columns}
+                   if len(seeds) > 1 else {})
+        sd = {c: float(np.std(vs, ddof=1)) for c, vs in by_seed.items()}
+        table_rows = rows + [("average", "", *(f"{avg[c]:.1f}" + (f" ± {sd[c]:.1f}" if sd else "") for c in columns))]
         # Keys of the tenant-adapter issue (full fine-tuning = dedicated), kept stable for comparisons.
         for t in done:
             r = res["tasks"][t]
             r.update({key: r[c] for key, c in (("hbert", "hBERT"), ("full_ft", "dedicated"),
                                                 ("adapters_full_context", "hBERT-adapter")) if c in r})
         res["average"] = {c: round(v, 2) for c, v in avg.items()}
+        if by_seed:
+            res["average_per_seed"] = {c: [round(v, 2) for v in vs] for c, vs in by_seed.items()}
+            res["average_sd"] = {c: round(v, 2) for c, v in sd.items()}
+            res["seeds"] = len(seeds)
         if "dedicated" in avg and "hBERT" in avg:
             res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
         if "dedicated" in avg and HBERT_EXACT in avg:
@@ -356,8 +391,13 @@ def main() -> None:
             gap += f"; with exact windows {res['avg_gap_exact_windows_vs_full_ft']}"
         if "avg_gap_learned_backoff_vs_full_ft" in res:
             gap += f"; with the learned back-off {res['avg_gap_learned_backoff_vs_full_ft']}"
+        seeds_text = (f" Each figure is the mean over {len(seeds)} seeds (initialization, batch order, dropout) of the "
+                      "test accuracy of the pooling and learning rate dev chooses for that seed, ± the standard deviation "
+                      "over seeds (for the average: of each seed's average over the tasks; res.average_per_seed)."
+                      if by_seed else "")
         text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
-                 f"micro-F1 for single-label tagging).{gap + '.' if gap else ''} Every scheme: the same training examples (texts cut to "
+                 f"micro-F1 for single-label tagging).{gap + '.' if gap else ''}{seeds_text} Every scheme: the same training "
+                 "examples (texts cut to "
                  f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
                  + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
                            "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
@@ -410,6 +450,8 @@ def main() -> None:
             page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
         if args.dedicated_lr is not None:
             page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
+        if len(seeds) > 1:
+            page += f"_seeds-{len(seeds)}"
         if grid == args.quick:  # not the default of this kind of run
             page += "_grid" if grid else "_no-grid"
         finish(page, text, res,
@@ -420,7 +462,8 @@ def main() -> None:
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
-                  else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "") + root_flags(args))
+                  else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
+               + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "") + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
         for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
@@ -438,10 +481,10 @@ def main() -> None:
         test = load_task(task, "test", n_eval)
         ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
-        vals, secs, chosen, chosen_lr = {}, {}, {}, {}
+        vals, secs, chosen, chosen_lr, per_seed = {}, {}, {}, {}, {}
 
-        def hbert(spec, lr, policy):
-            cfg = FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs)
+        def hbert(spec, lr, seed, policy):
+            cfg = FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
@@ -454,14 +497,14 @@ def main() -> None:
             return finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec, train, dev, test, cfg,
                             progress=False)[1]
 
-        runs = [(label, lambda spec, lr, policy=policy: hbert(spec, lr, policy)) for label, policy in hbert_runs]
-        runs += [(label, lambda spec, lr, mode=mode: train_full_context(
-                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, l_low=l_low))
+        runs = [(label, lambda spec, lr, seed, policy=policy: hbert(spec, lr, seed, policy)) for label, policy in hbert_runs]
+        runs += [(label, lambda spec, lr, seed, mode=mode: train_full_context(
+                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, seed=seed, l_low=l_low))
                  for label, mode in full_context]
 
-        def cell(run, spec, lr) -> dict:
+        def cell(run, spec, lr, seed) -> dict:
             t0 = time.time()
-            out = run(spec, lr)
+            out = run(spec, lr, seed)
             return {"dev": out["dev"]["accuracy"], "test": out["test"]["accuracy"], "seconds": round(time.time() - t0, 1)}
 
         try:
@@ -473,14 +516,15 @@ def main() -> None:
                     key["learned_backoff"] = learned_id
                     if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
                         key["learned_bf16"] = True
-                tried = {(p, lr): cells.run({**key, "pooling": p, "lr": lr},
-                                            lambda p=p, lr=lr, run=run: cell(run, specs[p], lr))
-                         for p in poolings for lr in lrs[label]}
-                best = max(tried, key=lambda k: tried[k]["dev"])
-                vals[label], secs[label] = tried[best]["test"], sum(r["seconds"] for r in tried.values())
-                chosen[label] = best[0]
+                picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
+                                     lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
+                vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))
+                secs[label] = sum(s for _, _, s in picks)
+                if len(seeds) > 1:
+                    per_seed[label] = [round(100 * r["test"], 2) for _, r, _ in picks]
+                chosen[label] = picks[0][0][0] if len(seeds) == 1 else [o[0] for o, _, _ in picks]
                 if len(lrs[label]) > 1:
-                    chosen_lr[label] = best[1]
+                    chosen_lr[label] = picks[0][0][1] if len(seeds) == 1 else [o[1] for o, _, _ in picks]
         except OutOfTime as exc:
             if rows:
                 report(tasks[:len(rows)])
@@ -493,8 +537,12 @@ def main() -> None:
             results["tasks"][task]["pooling"] = chosen
         if chosen_lr:
             results["tasks"][task]["lr"] = chosen_lr
+        if per_seed:
+            results["tasks"][task]["per_seed"] = per_seed
+            results["tasks"][task]["sd"] = {c: round(float(np.std(v, ddof=1)), 2) for c, v in per_seed.items()}
         rows.append((task + (" (token acc.)" if tagging else ""), len(train),
-                     *(f"{100 * vals[c]:.1f}" for c in columns)))
+                     *(f"{100 * vals[c]:.1f}" + (f" ± {results['tasks'][task]['sd'][c]:.1f}" if per_seed else "")
+                       for c in columns)))
         print(rows[-1], flush=True)
         report(tasks[:len(rows)])  # every finished task is on the page at once
     print(cells.summary(), flush=True)

@@ -1,0 +1,30 @@
+"""eval_accuracy over several seeds (``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the
+one-seed table's run, read back rather than trained again; every other seed trains every option
+and dev chooses per seed."""
+
+from benchmarks.cells import Cells
+from benchmarks.eval_accuracy import seeded_cells
+
+KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
+OPTIONS = [("cls", 3e-3), ("mean", 3e-3)]
+
+
+def trainer(calls: list, table: dict):
+    def train(option, seed):
+        calls.append((option, seed))
+        dev, test = table[(option, seed)]
+        return {"dev": dev, "test": test, "seconds": 1.0}
+    return train
+
+
+def test_seed_zero_is_the_one_seed_tables_cells_and_other_seeds_train_every_option(tmp_path):
+    table = {(("cls", 3e-3), 0): (0.9, 0.8), (("mean", 3e-3), 0): (0.7, 0.95),
+             (("cls", 3e-3), 1): (0.6, 0.5), (("mean", 3e-3), 1): (0.8, 0.7)}
+    calls = []
+    one = seeded_cells(Cells("bench", {"c": 1}, home=tmp_path), KEY, range(1), OPTIONS, trainer(calls, table))
+    assert [(o, r["test"]) for o, r, _ in one] == [(("cls", 3e-3), 0.8)]
+    calls.clear()
+    two = seeded_cells(Cells("bench", {"c": 1}, home=tmp_path), KEY, range(2), OPTIONS, trainer(calls, table))
+    # seed 0 read back, seed 1 trained for both options; each seed keeps the option its dev prefers
+    assert calls == [(("cls", 3e-3), 1), (("mean", 3e-3), 1)]
+    assert [(o, r["test"]) for o, r, _ in two] == [(("cls", 3e-3), 0.8), (("mean", 3e-3), 0.7)]
