@@ -265,6 +265,9 @@ def main() -> None:
                                           "lora[:RANK[:all|SITE+SITE]] (LoRA on q+v by default; all: every linear layer) or "
                                           "ia3; another than the default writes its "
                                           "own page (eval_accuracy_partial_..._adapter-KIND-SIZE)")
+        ap.add_argument("--classification-adapter", metavar="KIND[:SIZE]",
+                        help="the adapters of hBERT and hBERT-adapter on the classification tasks only (as --adapter); "
+                             "tagging keeps its own; writes its own page (..._cls-adapter-KIND-SIZE)")
         ap.add_argument("--dedicated-lr", type=learning_rates, metavar="LR[,LR...]",
                         help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "
                              "is the usual one for a base-size root), or several: per task the one with the better "
@@ -292,8 +295,10 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
+    cls_adapter = adapter_options(args.classification_adapter)
     grid = not args.quick if args.grid is None else args.grid
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
+               or args.classification_adapter is not None
                or args.dedicated_lr is not None)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
@@ -344,7 +349,8 @@ def main() -> None:
     cells = Cells("eval_accuracy", {
         "format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
         "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
-        "epochs": epochs, "max_len": max_len, "adapter": adapter}, max_minutes=args.max_minutes, fresh=args.fresh,
+        "epochs": epochs, "max_len": max_len, "adapter": adapter,
+        **({"classification_adapter": cls_adapter} if cls_adapter else {})}, max_minutes=args.max_minutes, fresh=args.fresh,
         record_dir=DOCS / "cells")
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
@@ -404,7 +410,9 @@ def main() -> None:
                     "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
                  f"weight of the root (lr {lr_text(lrs['dedicated'])}); shared: the head alone on the frozen root (lr "
                  f"{lr_text(lrs['shared'])}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
-                 f"{lr_text(lrs['compress'])}); hBERT-adapter: {describe_adapter(adapter)} in all {n_layers} layers of the "
+                 f"{lr_text(lrs['compress'])}); hBERT-adapter: {describe_adapter(adapter)}"
+                 + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
+                 + f" in all {n_layers} layers of the "
                  f"full-context root (lr {lr_text(lrs['hBERT-adapter'])}); hBERT: the same adapters in the upper "
                  f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
                  f"as served (lr {lr_text(lrs['hBERT'])})"
@@ -421,6 +429,8 @@ def main() -> None:
                     "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
+        if cls_adapter:
+            res["classification_adapter"] = cls_adapter
         res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
         res["lr_grid"] = grid
         if "dedicated" in columns:
@@ -438,6 +448,8 @@ def main() -> None:
             page += f"_corpus-{cal['corpus']}"
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
+        if cls_adapter:
+            page += "_cls-adapter-" + args.classification_adapter.replace(":", "-")
         if ADAPTER_UPPER in columns:
             page += "_upper"
         if HBERT_FULL in columns:
@@ -461,6 +473,7 @@ def main() -> None:
                + (f" --pooling {args.pooling}" if args.pooling != default_pooling else "")
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
+               + (f" --classification-adapter {args.classification_adapter}" if cls_adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "") + root_flags(args))
@@ -474,7 +487,8 @@ def main() -> None:
         labels = tuple(task_labels(task))
         tagging = is_tagging(task)
         poolings = ["cls"] if tagging else (["cls", "mean"] if args.pooling == "dev" else [args.pooling])
-        specs = {p: AdapterSpec.for_task("tagging" if tagging else "classification", labels, pooling=p, **adapter)
+        specs = {p: AdapterSpec.for_task("tagging" if tagging else "classification", labels, pooling=p,
+                                         **(cls_adapter if cls_adapter and not tagging else adapter))
                  for p in poolings}
         train = load_task(task, "train", caps[task])
         dev = load_task(task, "dev", n_eval // 2)
