@@ -53,6 +53,7 @@ from benchmarks.common import (  # noqa: E402
     adapter_variants,
     cut_texts,
     finish,
+    page_header,
     prepared_root,
     provenance,
     result_name,
@@ -336,9 +337,10 @@ def main() -> None:
     report(out, acc, result_name("bench_front", args), command)
 
 
-def report(out: dict, acc: dict, name: str, command: str) -> None:
+def report(out: dict, acc: dict, name: str, command: str, measured: tuple[str, str] | None = None) -> None:
     """The page and record of a run: its measured requests/s (``out["measured"]``) against the
-    accuracy record ``acc``, and the keys derived from both."""
+    accuracy record ``acc``, and the keys derived from both (``measured``: the machine and date of
+    the run a page written again came from)."""
     measured, configs = out["measured"], out["configs"]
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
@@ -400,7 +402,7 @@ def report(out: dict, acc: dict, name: str, command: str) -> None:
     if "learned" in out:
         text += f"\n\nlearned: {out['learned']}."
     plot_front(points, DOCS / f"{name}.png", out["root_name"], fair)
-    finish(name, text, out, command)
+    finish(name, text, out, command, measured)
 
 
 def render(name: str) -> None:
@@ -411,7 +413,7 @@ def render(name: str) -> None:
     command = re.search(r"Command: `(.*?)`", page).group(1)
     _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
                                 served={k: out.get(k) for k in RECIPE})
-    report(out, acc, name, command)
+    report(out, acc, name, command, page_header(page))  # the page keeps the machine and date it was measured on
 
 
 def plot_front(points: list[dict], png: Path, root: str, fair: float) -> None:

@@ -213,9 +213,11 @@ def measured_at() -> tuple[str, str]:
     return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit
 
 
-def finish(name: str, text: str, result: dict, command: str) -> None:
+def finish(name: str, text: str, result: dict, command: str, measured: tuple[str, str] | None = None) -> None:
     """Prints the table and writes docs/results/<name>.md (its command, machine, date and commit); the last
-    printed line is the JSON result."""
+    printed line is the JSON result.  ``measured``: the machine and the date-and-commit line of the
+    run a page written again from its record came from (``page_header``), kept instead of this
+    process's."""
     DOCS.mkdir(exist_ok=True)
     beside = result.get("beside_the_run") or beside_the_run()  # a page written again keeps its run's
     alone = ""
@@ -226,13 +228,22 @@ def finish(name: str, text: str, result: dict, command: str) -> None:
         if max(beside.values()) > NOT_ALONE:
             print(f"warning: this run did not have the machine to itself ({alone}): its timings are not "
                   "comparable with a run that had", file=sys.stderr)
-    doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {machine()}\n\n{provenance()}\n\n"
+    where, when = measured or (machine(), provenance())
+    doc = (f"# {name}\n\nCommand: `{command}`\n\nMachine: {where}\n\n{when}\n\n"
            + (f"{alone}\n\n" if alone else "") + f"{text}\n\n"
            f"```json\n{json.dumps(result, indent=1)}\n```\n")
     (DOCS / f"{name}.md").write_text(doc)
     print(text)
     print(json.dumps(result))
     sys.stdout.flush()
+
+
+def page_header(page: str) -> tuple[str, str]:
+    """(machine, date-and-commit line) of a results page ``finish`` wrote: what a page written again
+    from its record keeps (``finish(..., measured=)``)."""
+    import re
+
+    return (re.search(r"^Machine: (.*)$", page, re.M).group(1), re.search(r"^(Date: .*)$", page, re.M).group(1))
 
 
 def root_options(ap) -> None:
