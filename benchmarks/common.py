@@ -300,7 +300,7 @@ def adapter_variants(bert, l_low: int, spec, n: int, seed: int = 0, trainer_seed
     return [{k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in base.items()} for _ in range(n)]
 
 
-def adapter_options(arg: str | None) -> dict:
+def adapter_options(arg: str | None, flag: str = "--adapter") -> dict:
     """``--adapter KIND[:SIZE]`` as AdapterSpec fields: ``bottleneck[:REDUCTION]`` (default 16),
     ``lora[:RANK[:TARGETS]]`` (default 8, alpha = rank; TARGETS ``all`` or sites joined by ``+``,
     default q+v) or ``ia3``; None is each task's default adapter (``AdapterSpec.for_task``: the
@@ -311,7 +311,7 @@ def adapter_options(arg: str | None) -> dict:
 
     if arg is None:
         return {}
-    usage = f"--adapter: expected bottleneck[:REDUCTION], lora[:RANK[:all|SITE+SITE...]] or ia3, got {arg!r}"
+    usage = f"{flag}: expected bottleneck[:REDUCTION], lora[:RANK[:all|SITE+SITE...]] or ia3, got {arg!r}"
     defaults = {f.name: f.default for f in dataclasses.fields(AdapterSpec)}
     kind, _, rest = arg.partition(":")
     size, _, targets = rest.partition(":")

@@ -295,7 +295,7 @@ def main() -> None:
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
-    cls_adapter = adapter_options(args.classification_adapter)
+    cls_adapter = adapter_options(args.classification_adapter, "--classification-adapter")
     grid = not args.quick if args.grid is None else args.grid
     partial = (len(schemes) < len(default_schemes) or len(tasks) < len(TASKS) or args.adapter is not None
                or args.classification_adapter is not None
