@@ -372,7 +372,7 @@ def report(out: dict, acc: dict, name: str, command: str, measured: tuple[str, s
              *(f"{p['per_task'][t]:.1f}" if p["per_task"][t] is not None else "-" for t in TASKS)) for p in points]
     low, up = out["split"]
     text = (f"Root: {out['root_name']}, split {low}+{up} (artifact {out['artifact']}); {TENANTS} tenants drawn "
-            f"uniformly, batches of {B} texts of at most {MAX_LEN} tokens. Measured: {out['measured_at']}.\n\n"
+            f"uniformly, batches of {B} texts of at most {MAX_LEN} tokens.\n\n"
             + table(rows, ("configuration", "requests/s", "over hBERT-adapter", "avg accuracy", "vs fair bar",
                            *TASKS)) + "\n\n")
     text += (f"Requests / s: the median of {out['rounds']} rounds of {out['measured_batches']} measured batches each "
