@@ -334,13 +334,17 @@ def main() -> None:
                + (f" --stream {args.stream}" if args.stream is not None else "")
                + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
                + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
-    report(out, acc, result_name("bench_front", args), command)
+    try:
+        report(out, acc, result_name("bench_front", args), command)
+    except Exception:
+        print(json.dumps(out), flush=True)  # the measurement outlives a failure to write its page
+        raise
 
 
-def report(out: dict, acc: dict, name: str, command: str, measured: tuple[str, str] | None = None) -> None:
+def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str] | None = None) -> None:
     """The page and record of a run: its measured requests/s (``out["measured"]``) against the
-    accuracy record ``acc``, and the keys derived from both (``measured``: the machine and date of
-    the run a page written again came from)."""
+    accuracy record ``acc``, and the keys derived from both (``header``: the machine and date of
+    the run a page written again came from; None for a run just measured)."""
     measured, configs = out["measured"], out["configs"]
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
@@ -402,7 +406,7 @@ def report(out: dict, acc: dict, name: str, command: str, measured: tuple[str, s
     if "learned" in out:
         text += f"\n\nlearned: {out['learned']}."
     plot_front(points, DOCS / f"{name}.png", out["root_name"], fair)
-    finish(name, text, out, command, measured)
+    finish(name, text, out, command, header)
 
 
 def render(name: str) -> None:

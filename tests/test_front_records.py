@@ -71,3 +71,33 @@ def test_a_named_record_of_another_recipe_never_gives_the_accuracy(tmp_path, mon
     write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT}, **other)
     with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact here"):
         bench_front.accuracy_record("here", "eval_accuracy_grid", served=SERVED)
+
+
+def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp_path, monkeypatch):
+    """The path of a fresh run (no page header to keep) and ``--render``'s (the header kept)."""
+    from benchmarks import common
+
+    for module in (bench_front, common):
+        monkeypatch.setattr(module, "DOCS", tmp_path)
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    acc = bench_front.accuracy_record("l3", None)[2]
+    configs = ["backoff", "learned", "hBERT-adapter", "shared"]
+    out = {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
+           "split_free_record": None, "rounds": 3, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
+           "configs": configs, "default_config": "learned",
+           "measured": {"backoff": [20.0, 21.0, 22.0], "learned": [18.0, 19.0, 20.0], "hBERT-adapter": [10.0] * 3,
+                        "shared": [8.0] * 3},
+           "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
+           "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+    bench_front.report(json.loads(json.dumps(out)), acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    page = (tmp_path / "bench_front_trial.md").read_text()
+    record = json.loads(page.split("```json\n")[1].split("\n```")[0])
+    # learned serves 1.9x at 82.5 (81 + the four tasks' 0..3 on average), hBERT-adapter 86.0
+    assert (record["best_at_1_5x"], record["gap_to_adapter_at_1_5x"]) == ("learned", 3.5)
+    assert common.page_header(page)[0] == common.machine()
+    (tmp_path / "bench_front_trial.md").write_text(page.replace(f"Machine: {common.machine()}", "Machine: elsewhere"))
+    bench_front.render("bench_front_trial")
+    again = (tmp_path / "bench_front_trial.md").read_text()
+    assert common.page_header(again) == ("elsewhere", common.page_header(page)[1])
+    assert json.loads(again.split("```json\n")[1].split("\n```")[0])["gap_to_adapter_at_1_5x"] == 3.5
