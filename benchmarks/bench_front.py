@@ -11,6 +11,8 @@ the PLOT has kept, the hot tier):
 
 - ``backoff``: the paper's, the root PLOT as built (hot tier off, and on: ``backoff+hot``);
 - ``learned``: each missed tri-gram estimated by the root PLOT's learned back-off (when trained);
+- ``learned+compute``: the same, with the misses whose back-off would reach the uni-gram computed
+  (its accuracy: eval_accuracy's ``--schemes hBERT-learned-compute``, "-" where the record lacks it);
 - ``compute``: every miss computed, nothing kept;
 - ``compute+insert cold``: misses computed and kept (``hmi.plot.kept``), on a copy of the root
   PLOT that has kept nothing yet;
@@ -68,6 +70,7 @@ TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 DOMAIN = {"news-topic": "news", "review-sentiment": "reviews", "tweet-sentiment": "social", "pos-tagging": "literature"}
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": "hBERT, learned back-off",
+          "learned+compute": "hBERT, learned back-off, uni-gram misses computed",
           "compute": "hBERT, exact windows", "compute+insert cold": "hBERT, exact windows",
           "compute+insert tenants": "hBERT, exact windows", "compute+insert warm": "hBERT, exact windows",
           "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
@@ -264,6 +267,7 @@ def main() -> None:
         default_config = learned.resolve_policy("auto", version, root.artifact_id)
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
+            lookups["learned+compute"] = PlotLookup([version], "learned+compute")
         else:
             out["learned"] = f"not measured: the root PLOT has no learned back-off (`hmi plot learn-backoff{root_flags(args)}`)"
         train = [r["text"] if "text" in r else " ".join(r["tokens"])

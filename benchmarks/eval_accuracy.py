@@ -87,12 +87,16 @@ CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 HBERT_EXACT = "hBERT, exact windows"
 HBERT_LEARNED = "hBERT, learned back-off"
+# the learned back-off with the misses that would fall to the uni-gram computed (on request:
+# --schemes hBERT-learned-compute; `--miss-policy learned+compute`)
+HBERT_LEARNED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed"
 # hBERT's adapters and trainer on the full-context lower layers' output: perfect windows, the
 # ceiling of every PLOT scheme at the split (on request: --schemes hBERT-full).
 HBERT_FULL = "hBERT, full-context lower layers"
-ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_FULL]
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL]
 # --schemes names without a comma
-SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-adapter-upper": ADAPTER_UPPER,
+SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
+                "hBERT-adapter-upper": ADAPTER_UPPER,
                 "hBERT-full": HBERT_FULL}
 
 
@@ -256,7 +260,8 @@ def main() -> None:
                              "tokens (the root's own pooling), or per scheme and task the one with the better dev "
                              "accuracy (default)")
         ap.add_argument("--schemes", help="comma-separated subset of: dedicated, shared, compress, hBERT-adapter, hBERT, "
-                                          "hBERT-exact, hBERT-learned, and on request hBERT-full (hBERT on the "
+                                          "hBERT-exact, hBERT-learned, and on request hBERT-learned-compute (the learned back-off with the "
+                                          "misses that would fall to the uni-gram computed), hBERT-full (hBERT on the "
                                           "full-context lower layers: perfect windows) and hBERT-adapter-upper "
                                           "(hBERT-adapter's adapters in the upper layers only)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS))
@@ -291,7 +296,7 @@ def main() -> None:
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
-                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL)]
+                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE)]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = subset(args.tasks, TASKS, "--tasks")
     adapter = adapter_options(args.adapter)
@@ -334,16 +339,18 @@ def main() -> None:
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
-                                                        (HBERT_LEARNED, "learned"), (HBERT_FULL, "full"))
+                                                        (HBERT_LEARNED, "learned"), (HBERT_LEARNED_COMPUTE, "learned+compute"),
+                                                        (HBERT_FULL, "full"))
                   if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
         lrs["dedicated"] = args.dedicated_lr
-    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_FULL] = lrs["hBERT"]
+    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs["hBERT"]
     learned = HBERT_LEARNED in schemes
+    mixed = HBERT_LEARNED_COMPUTE in schemes
     # a learned back-off's cells are its model's: one trained again is another run
-    learned_id = learned_fingerprint(version.store.path) if learned else None
-    if learned and learned_id is None:
+    learned_id = learned_fingerprint(version.store.path) if learned or mixed else None
+    if (learned or mixed) and learned_id is None:
         raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
                          f"`hmi plot learn-backoff{root_flags(args)}`")
     cells = Cells("eval_accuracy", {
@@ -382,6 +389,8 @@ def main() -> None:
             res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
         if "dedicated" in avg and HBERT_LEARNED in avg:
             res["avg_gap_learned_backoff_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED], 2)
+        if "dedicated" in avg and HBERT_LEARNED_COMPUTE in avg:
+            res["avg_gap_learned_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED_COMPUTE], 2)
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
                 res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]  # on average
@@ -425,6 +434,8 @@ def main() -> None:
                     "back-off (`hmi plot learn-backoff`, `--miss-policy learned`; its products in "
                     + ("bf16, as served on a CPU that multiplies bf16 natively)" if SERVE_BF16 else "fp32)")
                     if learned else "")
+                 + (f"; {HBERT_LEARNED_COMPUTE}: the same, with each missed tri-gram whose bi-gram the PLOT does not "
+                    "hold either computed by the windowed lower layers (`--miss-policy learned+compute`)" if mixed else "")
                  + (f"; {HBERT_FULL}: the same adapters and training on the full-context lower layers' output (perfect "
                     "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
@@ -456,6 +467,9 @@ def main() -> None:
             page += "_full"
         if learned:
             page += "_learned"
+        if mixed:
+            page += "_learned-compute"
+        if learned or mixed:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
@@ -504,7 +518,7 @@ def main() -> None:
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
                            train, dev, test, cfg, progress=False)[1]
             lookup = PlotLookup([version], policy=policy)
-            if policy == "learned" and learned_fingerprint(version.store.path) != learned_id:
+            if policy in ("learned", "learned+compute") and learned_fingerprint(version.store.path) != learned_id:
                 # the cells are keyed by the model the table started with; this run would train on another
                 raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
                                  "run the same command again to continue with the new model's cells")
@@ -526,7 +540,7 @@ def main() -> None:
                 # every pooling and learning rate is trained (or read back from an earlier run of the same
                 # command); the one with the best dev accuracy is kept
                 key = {"task": task, "train": len(train), "scheme": label}
-                if label == HBERT_LEARNED:
+                if label in (HBERT_LEARNED, HBERT_LEARNED_COMPUTE):
                     key["learned_backoff"] = learned_id
                     if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
                         key["learned_bf16"] = True

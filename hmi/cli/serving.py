@@ -84,14 +84,15 @@ def arguments(command: str, srv) -> None:
                           "roots); longer texts are refused or, for tenants that truncate, cut (docs/results/bench_limits.md "
                           "measures the cost)")
     srv.add_argument("--miss-policy", default="auto",
-                     choices=["auto", "backoff", "compute", "compute+insert", "learned"],
+                     choices=["auto", "backoff", "compute", "compute+insert", "learned", "learned+compute"],
                      help="auto (the default: learned where the root PLOT has a learned back-off, as the default root "
                           "has, shipped with hmi; else backoff: docs/front.md), backoff (fast, the paper's), compute "
                           "(exact windowed layers on misses), compute+insert "
                           "(computed once, then kept in the domain's PLOT, bounded by --plot-keep-mb: the next text "
                           "holding the window hits; a tenant's training texts are kept by its fine-tune) or learned "
                           "(the back-off turned into an estimate of the missed window by a small model trained on the "
-                          "root PLOT: `hmi plot learn-backoff`)")
+                          "root PLOT: `hmi plot learn-backoff`) or learned+compute (learned, with the misses whose "
+                          "back-off would reach the uni-gram computed exactly)")
     srv.add_argument("--plot-keep-mb", type=float, default=DEFAULT_BUDGET_MB,
                      help="compute+insert: MB of kept windows each PLOT may hold; past it the least used go "
                           f"(default {DEFAULT_BUDGET_MB:g})")

@@ -5,9 +5,12 @@ Order for each distinct window of a batch: the tri-gram in each version of the c
 ``(0, c, 0)``, then zeros.  Miss policies: ``backoff`` (the paper's), ``compute`` (run the
 first version's windowed lower layers on the windows no version holds, exact) and
 ``compute+insert`` (also keep them in the first version's PLOT, written off the request path and
-bounded: ``hmi.plot.kept``) and ``learned`` (the back-off's
+bounded: ``hmi.plot.kept``), ``learned`` (the back-off's
 rows of a missed tri-gram ``(l, c, r)``, l and r real tokens, turned into an estimate of its states
-by the learned back-off of the first version that has one, ``hmi.plot.learned``).
+by the learned back-off of the first version that has one, ``hmi.plot.learned``) and
+``learned+compute`` (a missed tri-gram whose bi-gram no version holds either, so that backing off
+would reach the uni-gram, is computed as ``compute`` does; the others missed are estimated as
+``learned`` does: exact windows where the back-off is worst, for a share of the computing).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from hmi.plot.keys import (
 )
 from hmi.plot.store import PlotStore
 
-POLICIES = ("backoff", "compute", "compute+insert", "learned")
+POLICIES = ("backoff", "compute", "compute+insert", "learned", "learned+compute")
 
 
 @dataclass
@@ -112,9 +115,9 @@ class PlotLookup:
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
         self.learned: tuple[PlotVersion, tuple[learned.LearnedBackoff, np.ndarray]] | None = None
-        if policy == "learned":
+        if policy in ("learned", "learned+compute"):
             if self.causal:
-                raise ValueError("the miss policy 'learned' is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
+                raise ValueError(f"the miss policy {policy!r} is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
             found = [(v, m) for v in chain if (m := learned_backoff(v)) is not None]
             if not found:
                 raise learned.LearnedBackoffMissingError(
@@ -172,6 +175,9 @@ class PlotLookup:
             self._compute(keys, out, todo, hits)
         if todo.any():
             serve("bigram", bigram_backoff(keys))
+        if todo.any() and self.policy == "learned+compute":  # what would fall to the uni-gram: computed
+            estimated = estimated[~todo[estimated]]
+            self._compute(keys, out, todo, hits)
         from_bigram = ~todo[estimated] if estimated is not None else None
         if todo.any():
             serve("unigram", (causal_unigram_backoff if self.causal else unigram_backoff)(keys))
@@ -179,11 +185,16 @@ class PlotLookup:
         out[todo] = 0
         hits["zeros"] += int(todo.sum())
         if estimated is not None and estimated.size:
-            version, (model, centres) = self.learned
-            out[estimated] = learned.estimate(model, version.store, keys[estimated], out[estimated], from_bigram,
-                                              centres=centres)
-            hits["learned"] += int(estimated.size)
+            self._estimate(keys[estimated], out, estimated, from_bigram, hits)
         return out, hits
+
+    def _estimate(self, keys: np.ndarray, out: np.ndarray, rows: np.ndarray, from_bigram: np.ndarray,
+                  hits: Counter) -> None:
+        """The learned back-off's estimates of the missed tri-grams ``keys`` (U,), written over their
+        back-off rows ``out[rows]`` (U, 3, H); ``from_bigram`` (U,) bool: whether the bi-gram served them."""
+        version, (model, centres) = self.learned
+        out[rows] = learned.estimate(model, version.store, keys, out[rows], from_bigram, centres=centres)
+        hits["learned"] += int(rows.size)
 
     def _compute(self, keys: np.ndarray, out: np.ndarray, todo: np.ndarray, hits: Counter) -> None:
         """The first version's windowed lower layers on the windows ``todo`` marks, written into

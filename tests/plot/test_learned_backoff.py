@@ -1,5 +1,6 @@
-"""The learned back-off (miss policy ``learned``): its lookup against a window-by-window
-reference, what training gains on windows the PLOT misses, and a stopped training resumed."""
+"""The learned back-off (miss policies ``learned`` and ``learned+compute``): its lookup against a
+window-by-window reference, what training gains on windows the PLOT misses, and a stopped
+training resumed."""
 
 import dataclasses
 import json
@@ -18,7 +19,7 @@ from hmi.model.kernels import NATIVE_BF16
 from hmi.plot import learned
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.hot import HotTier
-from hmi.plot.keys import encoder_windows, pack, unique_windows
+from hmi.plot.keys import bigram_backoff, encoder_windows, pack, unique_windows
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.training.backoff import TrainConfig, train
@@ -105,6 +106,26 @@ def test_the_learned_policy_equals_a_window_by_window_reference(trained, encoder
     want = np.stack([reference(model, store, w) for w in windows])
     np.testing.assert_allclose(got.astype(np.float32), want, atol=2e-3, rtol=2e-3)
     assert hits["learned"] == 40 and hits["trigram:root"] == 1
+
+
+def test_learned_compute_computes_the_misses_that_would_fall_to_the_unigram_and_estimates_the_rest(trained, encoder):
+    store, _ = trained
+    rng = np.random.default_rng(3)
+    # unseen windows of the texts' kind (their bi-grams mostly held) and random ones (mostly not)
+    windows = np.unique(np.concatenate([unseen_windows(store)[:40], rng.integers(1, VOCAB, size=(40, 3))]), axis=0)
+    _, tri = store.get_many(pack(windows))
+    _, bi = store.get_many(bigram_backoff(pack(windows)))
+    far, near = ~tri & ~bi, ~tri & bi
+    assert far.sum() >= 10 and near.sum() >= 10
+    version = PlotVersion("root", store, encoder)
+    got, hits = PlotLookup([version], policy="learned+compute").window_reps(windows)
+    exact, _ = PlotLookup([version], policy="compute").window_reps(windows)
+    estimated, _ = PlotLookup([version], policy="learned").window_reps(windows)
+    # each row as the policy it borrows serves it; the products run over other batches of rows, so
+    # a row may round to the next float16 value (2^-10 relative) where the summation order differs
+    np.testing.assert_allclose(got[far].astype(np.float32), exact[far].astype(np.float32), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(got[~far].astype(np.float32), estimated[~far].astype(np.float32), rtol=2e-3, atol=2e-3)
+    assert (hits["computed"], hits["learned"], hits["trigram:root"]) == (far.sum(), near.sum(), tri.sum())
 
 
 def test_neighbour_states_gathered_from_the_centre_table_equal_those_read_from_the_plot(trained):
@@ -232,10 +253,11 @@ def test_a_model_trained_with_another_configuration_is_trained_again_and_served_
     assert train(store, longer, progress=False)["up_to_date"]
 
 
-def test_the_learned_policy_without_a_model_names_the_command_that_trains_one(plot, encoder):
+@pytest.mark.parametrize("policy", ["learned", "learned+compute"])
+def test_the_learned_policies_without_a_model_name_the_command_that_trains_one(plot, encoder, policy):
     store = PlotStore(plot, readonly=True)
     with pytest.raises(learned.LearnedBackoffMissingError, match="hmi plot learn-backoff"):
-        PlotLookup([PlotVersion("root", store, encoder)], policy="learned")
+        PlotLookup([PlotVersion("root", store, encoder)], policy=policy)
 
 
 def test_learn_backoff_refuses_a_plot_too_small_to_train_on_and_writes_nothing(tmp_path, encoder):
