@@ -112,7 +112,11 @@ def main() -> None:
         held = record["held_out_cosine_learned"] if record else None
         rows.append([name, f"{record['seconds']:,.0f}" if record and "seconds" in record else "-",
                      held if held else "-", cos, f"{np.mean(cos):.4f}", "-"])
+        # by where the back-off came from: what `learned+compute` estimates (bi-gram) and computes (uni-gram)
+        by_level = {level: round(float(np.mean(fidelity(est[m], exact[m]))), 4) if m.any() else None
+                    for level, m in (("bigram", from_bigram), ("unigram", ~from_bigram))}
         result["models"][name] = {"cosine_rows": cos, "cosine_mean": round(float(np.mean(cos)), 4),
+                                  "cosine_mean_by_level": by_level,
                                   "train_seconds": record.get("seconds") if record else None,
                                   "held_out_cosine_plot": held}
         if model is not None:
@@ -174,7 +178,12 @@ def main() -> None:
             "compute for the window; a model trained per recipe on a copy of the PLOT (batches of 512 of its "
             "tri-grams, each served as if missing).\n\n"
             + table(rows, ("model", "training s", "held-out cosine (PLOT tri-grams)", "cosine on missed test windows",
-                           "mean", "estimate us / window")))
+                           "mean", "estimate us / window"))
+            + "\n\nMean cosine by where the back-off came from (the misses `--miss-policy learned+compute` "
+            "estimates, served from a bi-gram, and computes, served from uni-grams alone):\n\n"
+            + table([(n, *(f"{m['cosine_mean_by_level'][lv]:.4f}" if m["cosine_mean_by_level"][lv] is not None else "-"
+                           for lv in ("bigram", "unigram"))) for n, m in result["models"].items()],
+                    ("model", "bi-gram served", "uni-grams only")))
     finish(result_name("bench_backoff", args), text, result,
            "python benchmarks/bench_backoff.py" + (" --quick" if args.quick else "") + root_flags(args)
            + (f" --recipes {args.recipes or chr(39) * 2}" if args.recipes != RECIPES else "")
