@@ -81,6 +81,9 @@ NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows
 SPLIT_FREE = ("dedicated", "shared", "hBERT-adapter")
 WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a split's own record must hold
 RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
+# Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
+# when the front's record lacks them.
+OPTIONAL = (COLUMN["learned+compute"],)
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -131,7 +134,7 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     rank = (lambda r: (all(c in r["average"] for c in NEEDED), r.get("lr_grid", False), len(r["average"])))
     name, rec = max(mine, key=lambda m: rank(m[1]))
     if all(c in rec["average"] for c in NEEDED):
-        return name, None, rec
+        return name, None, with_optional(rec, found, artifact, served)
     others = [(n, r) for n, r in found if split_free_page in (None, n)
               and all(c in r["average"] for c in SPLIT_FREE) and _comparable(r, rec)]
     if not others:
@@ -140,7 +143,22 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     free_name, free = max(others, key=lambda m: (m[1].get("lr_grid", False), len(m[1]["average"])))
     merged = {**rec, "average": {**{c: free["average"][c] for c in SPLIT_FREE}, **rec["average"]},
               "tasks": {t: {**{c: free["tasks"][t][c] for c in SPLIT_FREE}, **rec["tasks"][t]} for t in TASKS}}
-    return name, free_name, merged
+    return name, free_name, with_optional(merged, found, artifact, served)
+
+
+def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, served: dict | None) -> dict:
+    """``rec`` with each ``OPTIONAL`` column it lacks taken from a comparable page (``_comparable``)
+    of the served artifact or of another calibration of its recipe, the page named per column in
+    ``column_records``."""
+    for col in OPTIONAL:
+        more = [(n, r) for n, r in found if col not in rec["average"] and col in r["average"] and _comparable(r, rec)
+                and (r.get("root_artifact") == artifact or (served and same_recipe(r, served)))]
+        if more:
+            n, r = max(more, key=lambda m: (m[1].get("root_artifact") == artifact, m[1].get("lr_grid", False)))
+            rec = {**rec, "average": {**rec["average"], col: r["average"][col]},
+                   "tasks": {t: {**rec["tasks"][t], col: r["tasks"][t][col]} for t in TASKS},
+                   "column_records": {**rec.get("column_records", {}), col: [n, r.get("root_artifact")]}}
+    return rec
 
 
 def request_texts(tokenizer, seed: int) -> dict[str, list[str]]:
@@ -361,6 +379,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
         point["over_adapter"] = round(point["rps"] / adapter_rps, 3)
         points.append(point)
     out["points"] = points
+    out["column_records"] = acc.get("column_records", {})
     fair = avg["dedicated"]
     fast = [p for p in points if p["config"] not in ("hBERT-adapter", "shared") and p["accuracy"] is not None
             and p["over_adapter"] >= 1.5]
@@ -394,6 +413,8 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              + (f" (dedicated, shared and hBERT-adapter, which never read the windows, from "
                 f"`docs/results/{out['split_free_record']}.md`, another split of this root)" if out.get("split_free_record")
                 else "")
+             + "".join(f" (column '{c}' from `docs/results/{n}.md`, artifact {a})"
+                       for c, (n, a) in acc.get("column_records", {}).items())
              + f" (the fair bar, dedicated: {fair}); every compute and compute+insert state answers a text with its exact "
              "windows (column 'hBERT, exact windows'), however warm the PLOT is.\n\n")
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "

@@ -101,3 +101,23 @@ def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp
     again = (tmp_path / "bench_front_trial.md").read_text()
     assert common.page_header(again) == ("elsewhere", common.page_header(page)[1])
     assert json.loads(again.split("```json\n")[1].split("\n```")[0])["gap_to_adapter_at_1_5x"] == 3.5
+
+
+MIXED = bench_front.COLUMN["learned+compute"]
+
+
+def test_a_column_measured_on_request_comes_from_a_comparable_page_of_the_artifact_and_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_mixed", "l3", {"hBERT, learned back-off": 80.0, MIXED: 83.0})
+    write(tmp_path, "eval_accuracy_partial_mixed_cls", "l3", {MIXED: 70.0}, pooling="cls")  # made another way
+    name, _, rec = bench_front.accuracy_record("l3", None)
+    assert name == "eval_accuracy_grid" and rec["average"][MIXED] == 84.5 and rec["tasks"]["pos-tagging"][MIXED] == 86.0
+    # the record's own columns stay its own; where the taken one comes from is said
+    assert rec["average"]["hBERT, learned back-off"] == 82.5
+    assert rec["column_records"] == {MIXED: ["eval_accuracy_partial_mixed", "l3"]}
+
+
+def test_without_such_a_page_the_column_is_left_out():
+    rec = {"average": {}, "tasks": {t: {"train": 640, "test": 1000} for t in TASKS}, "root": "r==1", "pooling": "dev"}
+    assert bench_front.with_optional(rec, [], "l3", None) == rec
