@@ -151,7 +151,9 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
     of the served artifact or of another calibration of its recipe, the page named per column in
     ``column_records``."""
     for col in OPTIONAL:
-        more = [(n, r) for n, r in found if col not in rec["average"] and col in r["average"] and _comparable(r, rec)
+        if col in rec["average"]:
+            continue
+        more = [(n, r) for n, r in found if col in r["average"] and _comparable(r, rec)
                 and (r.get("root_artifact") == artifact or (served and same_recipe(r, served)))]
         if more:
             n, r = max(more, key=lambda m: (m[1].get("root_artifact") == artifact, m[1].get("lr_grid", False)))

@@ -316,7 +316,7 @@ def main() -> None:
     from hmi.data import is_tagging, load_task, task_labels
     from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
-    from hmi.plot.lookup import PlotLookup
+    from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
     from hmi.training.finetune import FinetuneConfig, encode, finetune, fit, tenant_model
 
     caps = dict.fromkeys(TASKS, 224) if args.quick else \
@@ -518,7 +518,7 @@ def main() -> None:
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
                            train, dev, test, cfg, progress=False)[1]
             lookup = PlotLookup([version], policy=policy)
-            if policy in ("learned", "learned+compute") and learned_fingerprint(version.store.path) != learned_id:
+            if policy in LEARNED_POLICIES and learned_fingerprint(version.store.path) != learned_id:
                 # the cells are keyed by the model the table started with; this run would train on another
                 raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
                                  "run the same command again to continue with the new model's cells")
@@ -540,7 +540,7 @@ def main() -> None:
                 # every pooling and learning rate is trained (or read back from an earlier run of the same
                 # command); the one with the best dev accuracy is kept
                 key = {"task": task, "train": len(train), "scheme": label}
-                if label in (HBERT_LEARNED, HBERT_LEARNED_COMPUTE):
+                if dict(hbert_runs).get(label) in LEARNED_POLICIES:
                     key["learned_backoff"] = learned_id
                     if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
                         key["learned_bf16"] = True

@@ -39,6 +39,7 @@ from hmi.plot.keys import (
 from hmi.plot.store import PlotStore
 
 POLICIES = ("backoff", "compute", "compute+insert", "learned", "learned+compute")
+LEARNED_POLICIES = ("learned", "learned+compute")  # the policies that serve a learned back-off
 
 
 @dataclass
@@ -115,7 +116,7 @@ class PlotLookup:
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
         self.learned: tuple[PlotVersion, tuple[learned.LearnedBackoff, np.ndarray]] | None = None
-        if policy in ("learned", "learned+compute"):
+        if policy in LEARNED_POLICIES:
             if self.causal:
                 raise ValueError(f"the miss policy {policy!r} is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
             found = [(v, m) for v in chain if (m := learned_backoff(v)) is not None]
