@@ -64,18 +64,18 @@ from benchmarks.common import (  # noqa: E402
     start,
     table,
 )
+from benchmarks.eval_accuracy import HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 DOMAIN = {"news-topic": "news", "review-sentiment": "reviews", "tweet-sentiment": "social", "pos-tagging": "literature"}
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
-COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": "hBERT, learned back-off",
-          "learned+compute": "hBERT, learned back-off, uni-gram misses computed",
-          "compute": "hBERT, exact windows", "compute+insert cold": "hBERT, exact windows",
-          "compute+insert tenants": "hBERT, exact windows", "compute+insert warm": "hBERT, exact windows",
-          "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
+# each configuration's column of the eval_accuracy record
+COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, "learned+compute": HBERT_LEARNED_COMPUTE,
+          "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
+          "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
-NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", "hBERT, exact windows")
+NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
 # root): the same for every split and artifact of one root, so a split's own record may take them from another.
 SPLIT_FREE = ("dedicated", "shared", "hBERT-adapter")
