@@ -55,6 +55,7 @@ from benchmarks.common import (  # noqa: E402
     adapter_variants,
     cut_texts,
     finish,
+    machine,
     page_header,
     prepared_root,
     provenance,
@@ -189,7 +190,8 @@ def make_traces(texts: dict[str, list[str]], n_batches: int, n: int, seed: int) 
         for t in tenants:
             task = TASKS[t % len(TASKS)]
             if used[task] >= len(texts[task]):
-                raise SystemExit(f"{task}: its {len(texts[task])} test and dev texts do not cover the rounds; use fewer")
+                raise SystemExit(f"{task}: its {len(texts[task])} test and dev texts do not cover {n} traces of "
+                                 f"{n_batches} batches (each text is sent once): use fewer --rounds or --batches")
             reqs.append(texts[task][used[task]])
             used[task] += 1
         out.append(([tenants[i * B:(i + 1) * B].tolist() for i in range(n_batches)], reqs))
@@ -359,7 +361,8 @@ def main() -> None:
                + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
                + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
     try:
-        report(out, acc, result_name("bench_front", args), command)
+        # the page names the commit and date the record took when the measurement ended, before any output was written
+        report(out, acc, result_name("bench_front", args), command, (machine(), out["measured_at"]))
     except Exception:
         print(json.dumps(out), flush=True)  # the measurement outlives a failure to write its page
         raise
@@ -368,7 +371,7 @@ def main() -> None:
 def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str] | None = None) -> None:
     """The page and record of a run: its measured requests/s (``out["measured"]``) against the
     accuracy record ``acc``, and the keys derived from both (``header``: the machine and date of
-    the run a page written again came from; None for a run just measured)."""
+    the run, kept by a page written again)."""
     measured, configs = out["measured"], out["configs"]
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
@@ -444,7 +447,8 @@ def render(name: str) -> None:
     command = re.search(r"Command: `(.*?)`", page).group(1)
     _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
                                 served={k: out.get(k) for k in RECIPE})
-    report(out, acc, name, command, page_header(page))  # the page keeps the machine and date it was measured on
+    where, when = page_header(page)  # the page keeps the machine and date it was measured on
+    report(out, acc, name, command, (where, out.get("measured_at", when)))
 
 
 def plot_front(points: list[dict], png: Path, root: str, fair: float) -> None:

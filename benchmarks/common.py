@@ -197,19 +197,34 @@ def provenance() -> str:
     return f"Date: {date}; commit {commit}"
 
 
-def measured_at() -> tuple[str, str]:
-    """(the UTC date, ``git describe``'s commit: ``-dirty`` when the work tree had changes;
-    ``HMI_COMMIT`` where there is no git history)."""
-    import datetime
+OUTPUTS = "docs/results"  # what benchmarks write: their pages, plots and cells, not the code they measure
+
+
+def describe(repo: Path) -> str:
+    """``git describe --always`` of ``repo``, with ``-dirty`` when a tracked file outside ``OUTPUTS``
+    differs from the commit (a run that writes its plot, or its cells, before its page is still
+    the commit's); "" where there is no git history."""
     import subprocess
 
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).resolve().parents[1],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = git("describe", "--always").stdout.strip()
+        if commit and git("diff", "--quiet", "HEAD", "--", ".", f":(exclude){OUTPUTS}").returncode == 1:
+            commit += "-dirty"
     except (OSError, subprocess.SubprocessError):
         commit = ""
+    return commit
+
+
+def measured_at() -> tuple[str, str]:
+    """(the UTC date, the commit the code was at: ``describe``; ``HMI_COMMIT`` where there is no git
+    history)."""
+    import datetime
+
     # a copy of the tree without its git history (a machine the checkout was carried to) names it
-    commit = commit or os.environ.get("HMI_COMMIT") or "unknown"
+    commit = describe(Path(__file__).resolve().parents[1]) or os.environ.get("HMI_COMMIT") or "unknown"
     return f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit
 
 
