@@ -1,9 +1,11 @@
-"""eval_accuracy over several seeds (``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the
-one-seed table's run, read back rather than trained again; every other seed trains every option
-and dev chooses per seed."""
+"""eval_accuracy's choice of tasks, and its runs over several seeds
+(``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the one-seed table's run, read back rather
+than trained again; every other seed trains every option and dev chooses per seed."""
+
+import pytest
 
 from benchmarks.cells import Cells
-from benchmarks.eval_accuracy import seeded_cells
+from benchmarks.eval_accuracy import TASKS, chosen_tasks, seeded_cells
 
 KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
 OPTIONS = [("cls", 3e-3), ("mean", 3e-3)]
@@ -28,3 +30,11 @@ def test_seed_zero_is_the_one_seed_tables_cells_and_other_seeds_train_every_opti
     # seed 0 read back, seed 1 trained for both options; each seed keeps the option its dev prefers
     assert calls == [(("cls", 3e-3), 1), (("mean", 3e-3), 1)]
     assert [(o, r["test"]) for o, r, _ in two] == [(("cls", 3e-3), 0.8), (("mean", 3e-3), 0.7)]
+
+
+def test_eval_accuracy_runs_the_four_tasks_by_default_and_a_task_outside_them_only_when_named():
+    assert chosen_tasks(None) == TASKS and "license-category" not in TASKS
+    assert chosen_tasks("license-category") == ["license-category"]
+    assert chosen_tasks("license-category,news-topic") == ["news-topic", "license-category"]
+    with pytest.raises(SystemExit, match="license-category"):
+        chosen_tasks("legal")
