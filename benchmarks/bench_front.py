@@ -384,6 +384,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
         point["over_adapter"] = round(point["rps"] / adapter_rps, 3)
         points.append(point)
     out["points"] = points
+    out["over_adapter"] = {p["config"]: p["over_adapter"] for p in points}  # by name, for claims
     out["column_records"] = acc.get("column_records", {})
     fair = avg["dedicated"]
     fast = [p for p in points if p["config"] not in ("hBERT-adapter", "shared") and p["accuracy"] is not None

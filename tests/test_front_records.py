@@ -96,11 +96,17 @@ def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp
     # learned serves 1.9x at 82.5 (81 + the four tasks' 0..3 on average), hBERT-adapter 86.0
     assert (record["best_at_1_5x"], record["gap_to_adapter_at_1_5x"]) == ("learned", 3.5)
     assert common.page_header(page)[0] == common.machine()
+    assert record["over_adapter"] == {"backoff": 2.1, "learned": 1.9, "hBERT-adapter": 1.0, "shared": 0.8}
     (tmp_path / "bench_front_trial.md").write_text(page.replace(f"Machine: {common.machine()}", "Machine: elsewhere"))
     bench_front.render("bench_front_trial")
     again = (tmp_path / "bench_front_trial.md").read_text()
     assert common.page_header(again) == ("elsewhere", common.page_header(page)[1])
     assert json.loads(again.split("```json\n")[1].split("\n```")[0])["gap_to_adapter_at_1_5x"] == 3.5
+    # a record that took its commit line when its measurement ended gives the page that line
+    when = "Date: 2026-01-01 00:00 UTC; commit abc1234"
+    (tmp_path / "bench_front_trial.md").write_text(again.replace('"root": "r==1",', f'"measured_at": "{when}", "root": "r==1",', 1))
+    bench_front.render("bench_front_trial")
+    assert common.page_header((tmp_path / "bench_front_trial.md").read_text()) == ("elsewhere", when)
 
 
 MIXED = bench_front.COLUMN["learned+compute"]
