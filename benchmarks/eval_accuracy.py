@@ -108,10 +108,8 @@ def chosen_tasks(arg: str | None) -> list[str]:
     return list(TASKS) if arg is None else subset(arg, TASKS + OTHER_TASKS, "--tasks")
 
 
-def subset(arg: str | None, known: list[str], flag: str) -> list[str]:
-    """The comma-separated names of ``arg`` (all of ``known`` when absent), in ``known``'s order."""
-    if arg is None:
-        return list(known)
+def subset(arg: str, known: list[str], flag: str) -> list[str]:
+    """The comma-separated names of ``arg``, in ``known``'s order."""
     names = [SCHEME_FLAGS.get(a.strip(), a.strip()) for a in arg.split(",") if a.strip()]
     unknown = [a for a in names if a not in known]
     if unknown or not names:
