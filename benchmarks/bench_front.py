@@ -65,16 +65,19 @@ from benchmarks.common import (  # noqa: E402
     start,
     table,
 )
-from benchmarks.eval_accuracy import HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE  # noqa: E402
+from benchmarks.eval_accuracy import HBERT_DISTILLED, HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
-DOMAIN = {"news-topic": "news", "review-sentiment": "reviews", "tweet-sentiment": "social", "pos-tagging": "literature"}
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
 COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, "learned+compute": HBERT_LEARNED_COMPUTE,
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
-          "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared"}
+          "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
+          "learned, distilled": HBERT_DISTILLED}
+# Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
+# distillation): that one's requests/s, their own accuracy.
+SERVED_AS = {"learned, distilled": "learned"}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
@@ -84,7 +87,7 @@ WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a spli
 RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
 # Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
 # when the front's record lacks them.
-OPTIONAL = (COLUMN["learned+compute"],)
+OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"])
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -240,7 +243,7 @@ def main() -> None:
 
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
-    from hmi.data import load_corpus, load_task
+    from hmi.data import TASK_DOMAIN, load_corpus, load_task
     from hmi.plot import learned
     from hmi.plot.hot import attach_hot_tier
     from hmi.plot.kept import Keeper, keep_texts
@@ -309,7 +312,7 @@ def main() -> None:
                 if state == "tenants":
                     curve.append({"stream_lines": 0, "tenant_texts": True, "hit_rate": round(hit_rate(plot, test_keys), 4)})
             if state == "warm":
-                lines = {task: load_corpus(DOMAIN[task], stream) for task in TASKS}
+                lines = {task: load_corpus(TASK_DOMAIN[task], stream) for task in TASKS}
                 step = max(1, stream // 4)
                 for s in range(0, stream, step):
                     keep_texts(lk, tok, [ln for task in TASKS for ln in lines[task][s:s + step]], MAX_LEN, chunk=256)
@@ -372,7 +375,8 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     """The page and record of a run: its measured requests/s (``out["measured"]``) against the
     accuracy record ``acc``, and the keys derived from both (``header``: the machine and date of
     the run, kept by a page written again)."""
-    measured, configs = out["measured"], out["configs"]
+    configs = out["configs"] + [c for c, like in SERVED_AS.items() if like in out["configs"] and COLUMN[c] in acc["average"]]
+    measured = {**out["measured"], **{c: out["measured"][SERVED_AS[c]] for c in configs if c in SERVED_AS}}
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
     points = []
@@ -422,7 +426,9 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              + "".join(f" (column '{c}' from `docs/results/{n}.md`, artifact {a})"
                        for c, (n, a) in acc.get("column_records", {}).items())
              + f" (the fair bar, dedicated: {fair}); every compute and compute+insert state answers a text with its exact "
-             "windows (column 'hBERT, exact windows'), however warm the PLOT is.\n\n")
+             "windows (column 'hBERT, exact windows'), however warm the PLOT is."
+             + "".join(f" {c}: served as {like} is, the adapters trained otherwise, so its requests/s are {like}'s."
+                       for c, like in SERVED_AS.items() if c in configs) + "\n\n")
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
              f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}): "
              f"{out['default_served_gap_vs_full_ft']} points under the fair bar; below the frozen root with a head on "

@@ -49,8 +49,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cells import Cells  # noqa: E402
@@ -67,9 +65,8 @@ from benchmarks.common import (  # noqa: E402
     table,
 )
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
-from hmi.training.fit import Fit, early_stopping  # noqa: E402
+from hmi.training.full_context import COMPRESS_LAYERS, train_full_context  # noqa: E402
 
-COMPRESS_LAYERS = 2
 # The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
 # library's model): what the lower layers' adapters are worth there (on request: --schemes
 # hBERT-adapter-upper; HBERT_FULL is the same with hBERT's own trainer).
@@ -95,11 +92,16 @@ HBERT_LEARNED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed"
 # hBERT's adapters and trainer on the full-context lower layers' output: perfect windows, the
 # ceiling of every PLOT scheme at the split (on request: --schemes hBERT-full).
 HBERT_FULL = "hBERT, full-context lower layers"
-ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL]
+# the learned back-off's adapters distilled from hBERT-adapter's (the teacher: its pooling and learning
+# rate chosen on dev) on the training texts and --transfer unlabeled lines of the task's domain corpus
+# (on request: --schemes hBERT-distilled; `distil` on a fine-tune job)
+HBERT_DISTILLED = "hBERT, learned back-off, distilled"
+ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
+                                                  HBERT_DISTILLED]
 # --schemes names without a comma
 SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
                 "hBERT-adapter-upper": ADAPTER_UPPER,
-                "hBERT-full": HBERT_FULL}
+                "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED}
 
 
 def chosen_tasks(arg: str | None) -> list[str]:
@@ -155,101 +157,6 @@ def lr_text(lrs: tuple[float, ...]) -> str:
     return ("one of " + ", ".join(f"{x:g}" for x in lrs) + " chosen on dev") if len(lrs) > 1 else f"{lrs[0]:g}"
 
 
-def train_full_context(bert, spec, ex_train, ex_dev, ex_test, mode: str, epochs: int, lr: float, seed: int = 0,
-                       l_low: int = 0):
-    """Reference schemes on the full-context root: all weights trained ("full"), a library adapter in
-    every layer ("adapter") or in the layers from ``l_low`` up ("upper"), the head alone ("head"), or
-    all weights of a student made of the root's first 2 layers ("compress"); the same head, loss,
-    batches and early stopping for all.  The frozen root of "head" runs once per example (its output
-    cannot change), the others every step."""
-    from hmi.adapters.batched import pooled
-    from hmi.adapters.interop import attach, library_model
-    from hmi.model.root import full_forward
-    from hmi.training.finetune import IGNORE, metrics_of, pad
-
-    torch.manual_seed(seed)
-    model = library_model(bert)
-    if mode == "compress":
-        model.encoder.layer = model.encoder.layer[:COMPRESS_LAYERS]
-        model.config.num_hidden_layers = COMPRESS_LAYERS
-    if mode in ("adapter", "upper"):
-        attach(model, "t", spec, l_low if mode == "upper" else 0, train=True)
-    elif mode == "head":
-        for p in model.parameters():
-            p.requires_grad_(False)
-    else:
-        for p in model.parameters():
-            p.requires_grad_(True)
-    head = nn.Linear(bert.config.hidden_size, spec.num_labels)
-    params = [p for p in model.parameters() if p.requires_grad] + list(head.parameters())
-    tagging = spec.head == "tagging"
-    drop = nn.Dropout(0.1)
-    frozen: dict[int, torch.Tensor] = {}  # id(example) -> frozen root output, "head" only
-
-    def batch(exs):
-        ids, mask = pad(exs)
-        T = ids.shape[1]
-        if tagging:
-            y = torch.full((len(exs), T), IGNORE)
-            for i, e in enumerate(exs):
-                y[i, :len(e.target)] = torch.tensor(e.target)
-        else:
-            y = torch.tensor([e.target for e in exs])
-        return torch.from_numpy(ids), torch.from_numpy(mask), y
-
-    def hidden(exs, ids, mask, train):
-        if mode != "head":
-            model.train(train)
-            return full_forward(model, ids, mask)[-1]  # with an MPNet root's relative position bias
-        todo = [i for i, e in enumerate(exs) if id(e) not in frozen]
-        if todo:
-            model.eval()
-            with torch.no_grad():
-                h = full_forward(model, ids[todo], mask[todo])[-1]
-            for j, i in enumerate(todo):
-                frozen[id(exs[i])] = h[j, :len(exs[i].ids)].clone()
-        out = torch.zeros(ids.shape + (bert.config.hidden_size,))
-        for i, e in enumerate(exs):
-            out[i, :len(e.ids)] = frozen[id(e)]
-        return out
-
-    def logits(exs, ids, mask, train):
-        h = hidden(exs, ids, mask, train)
-        h = drop(h) if train else h
-        return head(h) if tagging else head(pooled(h, mask, spec.pooling == "mean"))
-
-    @torch.no_grad()
-    def evaluate(exs):
-        preds, gold = [], []
-        for s in range(0, len(exs), 64):
-            ids, mask, y = batch(exs[s:s + 64])
-            p = logits(exs[s:s + 64], ids, mask, False).argmax(-1)
-            keep = y != IGNORE if tagging else torch.ones_like(y, dtype=torch.bool)
-            preds.append(p[keep].numpy())
-            gold.append(y[keep].numpy())
-        return metrics_of(np.concatenate(preds), np.concatenate(gold), spec.num_labels)
-
-    rng = np.random.default_rng(seed)
-    with Fit(params, epochs * -(-len(ex_train) // 32), lr=lr, weight_decay=0.01, progress=False) as fit:
-
-        def run_epoch(_epoch: int) -> dict:
-            order = rng.permutation(len(ex_train))
-            for s in range(0, len(order), 32):
-                exs = [ex_train[i] for i in order[s:s + 32]]
-                ids, mask, y = batch(exs)
-                out = logits(exs, ids, mask, True)
-                fit.step(F.cross_entropy(out.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE))
-            return {"dev": evaluate(ex_dev)["accuracy"]}
-
-        # Every epoch runs (patience = epochs); the best on dev is kept.
-        best, best_state, _ = early_stopping(
-            epochs, epochs, run_epoch, lambda r: r["dev"],
-            lambda: ({k: v.clone() for k, v in model.state_dict().items()}, {k: v.clone() for k, v in head.state_dict().items()}))
-    model.load_state_dict(best_state[0])
-    head.load_state_dict(best_state[1])
-    return {"dev": {"accuracy": best}, "test": evaluate(ex_test)}
-
-
 def main() -> None:
     import argparse
 
@@ -298,12 +205,16 @@ def main() -> None:
                              "the same command run again continues where it stopped, reading back every finished "
                              "run (one per task, scheme, pooling and learning rate, kept under "
                              "$HMI_HOME/runs/eval_accuracy/); exit code 75 while runs are left")
+        ap.add_argument("--transfer", type=int, default=2000, metavar="N",
+                        help="hBERT-distilled: unlabeled lines of each task's domain corpus the teacher answers "
+                             "beside the training texts (default 2000)")
         ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
-                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE)]
+                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE,
+                                                                                    HBERT_DISTILLED)]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = chosen_tasks(args.tasks)
     adapter = adapter_options(args.adapter)
@@ -315,15 +226,18 @@ def main() -> None:
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
     seeds = range(args.seeds)
+    if args.transfer < 0:
+        raise SystemExit(f"--transfer must be 0 or more lines, got {args.transfer}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from benchmarks.bench_tenants import FullContextLower
     from hmi.adapters.spec import AdapterSpec
-    from hmi.data import is_tagging, load_task, task_labels
+    from hmi.data import TASK_DOMAIN, is_tagging, load_corpus, load_task, task_labels
     from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
+    from hmi.training.distil import Distillation
     from hmi.training.finetune import FinetuneConfig, encode, finetune, fit, tenant_model
 
     caps = dict.fromkeys(tasks, 224) if args.quick else \
@@ -348,17 +262,18 @@ def main() -> None:
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
                                                         (HBERT_LEARNED, "learned"), (HBERT_LEARNED_COMPUTE, "learned+compute"),
-                                                        (HBERT_FULL, "full"))
+                                                        (HBERT_FULL, "full"), (HBERT_DISTILLED, "learned"))
                   if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
         lrs["dedicated"] = args.dedicated_lr
-    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs["hBERT"]
+    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs[HBERT_DISTILLED] = lrs["hBERT"]
     learned = HBERT_LEARNED in schemes
     mixed = HBERT_LEARNED_COMPUTE in schemes
+    distilled = HBERT_DISTILLED in schemes
     # a learned back-off's cells are its model's: one trained again is another run
-    learned_id = learned_fingerprint(version.store.path) if learned or mixed else None
-    if (learned or mixed) and learned_id is None:
+    learned_id = learned_fingerprint(version.store.path) if learned or mixed or distilled else None
+    if (learned or mixed or distilled) and learned_id is None:
         raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
                          f"`hmi plot learn-backoff{root_flags(args)}`")
     cells = Cells("eval_accuracy", {
@@ -399,6 +314,8 @@ def main() -> None:
             res["avg_gap_learned_backoff_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED], 2)
         if "dedicated" in avg and HBERT_LEARNED_COMPUTE in avg:
             res["avg_gap_learned_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED_COMPUTE], 2)
+        if "dedicated" in avg and HBERT_DISTILLED in avg:
+            res["avg_gap_distilled_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_DISTILLED], 2)
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
                 res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]  # on average
@@ -445,7 +362,11 @@ def main() -> None:
                  + (f"; {HBERT_LEARNED_COMPUTE}: the same, with each missed tri-gram whose bi-gram the PLOT does not "
                     "hold either computed by the windowed lower layers (`--miss-policy learned+compute`)" if mixed else "")
                  + (f"; {HBERT_FULL}: the same adapters and training on the full-context lower layers' output (perfect "
-                    "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "") + ".")
+                    "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "")
+                 + (f"; {HBERT_DISTILLED}: the learned back-off's adapters trained on the training texts and "
+                    f"{args.transfer} unlabeled lines of the task's domain corpus against the answers of hBERT-adapter "
+                    "(its pooling and learning rate chosen on dev, trained again with the same seed) as well as the "
+                    "labels (`hmi.training.distil`)" if distilled else "") + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
         if cls_adapter:
@@ -477,7 +398,10 @@ def main() -> None:
             page += "_learned"
         if mixed:
             page += "_learned-compute"
-        if learned or mixed:
+        if distilled:
+            page += "_distilled" + (f"-transfer-{args.transfer}" if args.transfer != 2000 else "")
+            res["transfer_lines"] = args.transfer
+        if learned or mixed or distilled:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
@@ -498,7 +422,8 @@ def main() -> None:
                + (f" --classification-adapter {args.classification_adapter}" if cls_adapter else "")
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
-               + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "") + root_flags(args))
+               + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
+               + (f" --transfer {args.transfer}" if distilled and args.transfer != 2000 else "") + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
         for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
@@ -519,7 +444,7 @@ def main() -> None:
               for k, v in (("train", train), ("dev", dev), ("test", test))}
         vals, secs, chosen, chosen_lr, per_seed = {}, {}, {}, {}, {}
 
-        def hbert(spec, lr, seed, policy):
+        def hbert(spec, lr, seed, policy, distil=None):
             cfg = FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
@@ -531,17 +456,33 @@ def main() -> None:
                 raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
                                  "run the same command again to continue with the new model's cells")
             return finetune(root.bert, root.spec.l_low, lookup, root.tokenizer, spec, train, dev, test, cfg,
-                            progress=False)[1]
+                            progress=False, distil=distil)[1]
 
-        runs = [(label, lambda spec, lr, seed, policy=policy: hbert(spec, lr, seed, policy)) for label, policy in hbert_runs]
-        runs += [(label, lambda spec, lr, seed, mode=mode: train_full_context(
-                     root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, seed=seed, l_low=l_low))
-                 for label, mode in full_context]
+        def full(spec, lr, seed, mode):
+            return train_full_context(root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, seed=seed,
+                                      l_low=l_low)
 
         def cell(run, spec, lr, seed) -> dict:
             t0 = time.time()
             out = run(spec, lr, seed)
             return {"dev": out["dev"]["accuracy"], "test": out["test"]["accuracy"], "seconds": round(time.time() - t0, 1)}
+
+        teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
+
+        def distillation(seed) -> Distillation:
+            if seed not in teachers:
+                options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
+                (pool, lr), _, _ = seeded_cells(cells, {"task": task, "train": len(train), "scheme": "hBERT-adapter"},
+                                                [seed], options,
+                                                lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0]
+                teachers[seed] = Distillation(full(specs[pool], lr, seed, "adapter")["teacher"],
+                                              load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [])
+            return teachers[seed]
+
+        runs = [(label, lambda spec, lr, seed, policy=policy, label=label: hbert(
+                     spec, lr, seed, policy, distillation(seed) if label == HBERT_DISTILLED else None))
+                for label, policy in hbert_runs]
+        runs += [(label, lambda spec, lr, seed, mode=mode: full(spec, lr, seed, mode)) for label, mode in full_context]
 
         try:
             for label, run in runs:
@@ -552,6 +493,9 @@ def main() -> None:
                     key["learned_backoff"] = learned_id
                     if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
                         key["learned_bf16"] = True
+                if label == HBERT_DISTILLED:
+                    key["transfer"] = args.transfer
+                    key["distil"] = [Distillation.temperature, Distillation.weight]
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

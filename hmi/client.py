@@ -149,12 +149,12 @@ class Client:
     def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
                       dataset: str | None = None, domain: str = "root", adapter: dict | None = None,
                       max_train: int | None = None, epochs: int | None = None, pooling: str | None = None,
-                      truncate: bool = False, max_eval: int | None = None) -> dict:
+                      truncate: bool = False, max_eval: int | None = None, distil: bool | None = None) -> dict:
         body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}, "truncate": truncate}
         if pooling is not None:
             body["task"]["pooling"] = pooling
         for k, v in (("training_data", training_data), ("dataset", dataset), ("adapter", adapter),
-                     ("max_train", max_train), ("max_eval", max_eval), ("epochs", epochs)):
+                     ("max_train", max_train), ("max_eval", max_eval), ("epochs", epochs), ("distil", distil)):
             if v is not None:
                 body[k] = v
         return self.request("POST", "/v1/tenants", body)

@@ -127,3 +127,27 @@ def test_a_column_measured_on_request_comes_from_a_comparable_page_of_the_artifa
 def test_without_such_a_page_the_column_is_left_out():
     rec = {"average": {}, "tasks": {t: {"train": 640, "test": 1000} for t in TASKS}, "root": "r==1", "pooling": "dev"}
     assert bench_front.with_optional(rec, [], "l3", None) == rec
+
+
+def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_second_with_their_own_accuracy(
+        tmp_path, monkeypatch):
+    from benchmarks import common
+
+    for module in (bench_front, common):
+        monkeypatch.setattr(module, "DOCS", tmp_path)
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    distilled = bench_front.COLUMN["learned, distilled"]
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_distilled", "l3", {distilled: 83.0})
+    acc = bench_front.accuracy_record("l3", None)[2]
+    out = {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
+           "split_free_record": None, "rounds": 1, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
+           "configs": ["learned", "hBERT-adapter", "shared"], "default_config": "learned",
+           "measured": {"learned": [19.0], "hBERT-adapter": [10.0], "shared": [8.0]},
+           "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
+           "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    point = next(p for p in out["points"] if p["config"] == "learned, distilled")
+    assert (point["rps"], point["accuracy"], point["per_task"]["pos-tagging"]) == (19.0, 84.5, 86.0)
+    assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == ("learned, distilled", 1.5)  # under 86.0
+    assert out["configs"] == ["learned", "hBERT-adapter", "shared"]  # what was measured stays as it was

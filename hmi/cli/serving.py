@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from hmi.bootstrap import quiet_transformers
@@ -45,7 +46,7 @@ def cmd_serve(args) -> int:
                        miss_policy=args.miss_policy, plot_keep_mb=args.plot_keep_mb, device=args.device,
                        max_len=args.max_len,
                        plot_hot_mb=args.plot_hot_mb, upper_precision=args.upper_precision,
-                       job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb)
+                       job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb, distil=args.distil)
     try:
         if args.ray:
             if args.hgpt:
@@ -96,6 +97,10 @@ def arguments(command: str, srv) -> None:
     srv.add_argument("--plot-keep-mb", type=float, default=DEFAULT_BUDGET_MB,
                      help="compute+insert: MB of kept windows each PLOT may hold; past it the least used go "
                           f"(default {DEFAULT_BUDGET_MB:g})")
+    srv.add_argument("--distil", action=argparse.BooleanOptionalAction, default=ServerConfig.distil,
+                     help="encoder fine-tunes train a full-context teacher first and the served adapter on its answers "
+                          "too, unless a request says otherwise (\"distil\"): more accurate as served, several times "
+                          f"the fine-tune's time (default {'on' if ServerConfig.distil else 'off'}; docs/front.md)")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

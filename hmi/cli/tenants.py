@@ -55,6 +55,10 @@ def cmd_tenant_create(args):
     data = None
     if args.train:
         data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []}
+    if args.unlabeled:
+        if data is None:
+            raise SystemExit("hmi: --unlabeled goes with --train (with --dataset the domain corpus serves)")
+        data["unlabeled"] = [t for t in Path(args.unlabeled).read_text().splitlines() if t.strip()]
     adapter = adapter_body(args)
     labels = args.labels.split(",") if args.labels else None
     if labels is None and args.dataset:
@@ -63,7 +67,7 @@ def cmd_tenant_create(args):
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
     c = client(args)
     out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, adapter,
-                          args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate)
+                          args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate, distil=args.distil)
     show(out)
     if args.wait:
         show(c.wait_job(out["job"]))
@@ -202,6 +206,11 @@ def _create_args(tc) -> None:
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)
+    tc.add_argument("--unlabeled", metavar="FILE", help="texts without labels, one per line, like those the tenant "
+                                                        "will be asked about (kept in the PLOT; with --distil, trained on)")
+    tc.add_argument("--distil", action=argparse.BooleanOptionalAction,
+                    help="train a full-context teacher first and the served adapter on its answers too (more accurate "
+                         "as served, several times the fine-tune's time; default: the server's)")
     tc.add_argument("--truncate", action="store_true",
                     help="cut texts over the server's token limit in training and inference (default: refuse them)")
     tc.add_argument("--wait", action="store_true", help="wait for the job and print it")

@@ -104,6 +104,19 @@ def job_rows(data: dict) -> tuple[list[dict], list[dict], list[dict]]:
     return data["train"], data.get("dev") or [], data.get("test") or []
 
 
+# a dataset job's unlabeled texts (distillation): the first lines of its task's domain corpus
+DATASET_UNLABELED_LINES = 2000
+
+
+def job_unlabeled(data: dict) -> list[str]:
+    """The unlabeled texts of an encoder fine-tune job's ``data``: those it carries
+    (``unlabeled``), or for a prepared dataset the first ``DATASET_UNLABELED_LINES`` lines of its
+    task's domain corpus, which holds none of the dataset's dev and test texts."""
+    if data.get("dataset"):
+        return load_corpus(TASK_DOMAIN[data["dataset"]], DATASET_UNLABELED_LINES)
+    return list(data.get("unlabeled") or [])
+
+
 def job_texts(data: dict) -> tuple[list[str], list[str]]:
     """The (train, dev) texts of a decoder fine-tune job's ``data``: a prepared corpus's first
     lines (``corpus``, ``max_train``) or the texts it carries (``texts``); a tenth of them, at

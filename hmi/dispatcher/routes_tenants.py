@@ -192,7 +192,7 @@ async def create_from_body(s: Server, raw: dict) -> dict:
     await _check_lengths(s, data, spec, body.truncate)
     token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
                                   data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
-                                  max_len=s.cfg.max_len)
+                                  max_len=s.cfg.max_len, distil=s.cfg.distil if body.distil is None else body.distil)
     return {"tenant": body.name, "token": token, "job": job}
 
 
@@ -238,7 +238,7 @@ async def update_tenant(request: web.Request) -> web.Response:
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, truncate)
     job = s.tenants.update(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
-                          max_len=s.cfg.max_len)
+                          max_len=s.cfg.max_len, distil=s.cfg.distil if body.distil is None else body.distil)
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 

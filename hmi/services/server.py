@@ -51,6 +51,9 @@ class ServerConfig:
     # learned back-off, else backoff (``resolve_policy``; the front's choice: docs/front.md).
     miss_policy: str = "auto"
     plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
+    # Encoder fine-tunes distil the served adapter from a full-context teacher (hmi.training.distil)
+    # unless the request says otherwise.
+    distil: bool = False
     max_pending: int = 256
     # Fair shares (hmi.scheduler.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.

@@ -21,7 +21,7 @@ from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
 from hmi.allocator import release_heap, tune_allocator
 from hmi.bootstrap import quiet_transformers
-from hmi.data import job_lines, job_rows, job_texts
+from hmi.data import job_lines, job_rows, job_texts, job_unlabeled
 from hmi.lifetime import die_with
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
@@ -29,14 +29,17 @@ from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper, keep_texts
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
+from hmi.training.distil import Distillation
 from hmi.training.finetune import FinetuneConfig, finetune
 from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
 from hmi.training.fit import Cancelled
+from hmi.training.full_context import train_teacher
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.objectives import DEFAULT_OBJECTIVE
 from hmi.version_tree.tree import VersionTree
 
 FPT_SHARE = 0.75  # of a domain job's progress bar: further pretraining; the branch's PLOT build follows
+TEACHER_SHARE = 0.3  # of a distilled fine-tune's progress bar: the teacher; the served adapter follows
 # How often a worker returns its heap's free memory to the kernel (at a progress report). The tuned
 # allocator keeps what a training step frees for the next one; over hundreds of steps of varying
 # shapes that grew a distillation worker from 2.8 GB to 6.1 GB RSS in 95 steps (10,480 lines,
@@ -175,9 +178,17 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
         lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
+        distil, student_report, teacher = None, report, {}
+        if job.get("distil"):
+            answers, teacher = train_teacher(ctx.bert, tokenizer, spec, train, dev, cfg, should_stop=cancel.is_set,
+                                             on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "teacher"}))
+            distil = Distillation(answers, job_unlabeled(job["data"]))
+            student_report = lambda f, info: report(TEACHER_SHARE + (1 - TEACHER_SHARE) * f, info)  # noqa: E731
         weights, metrics = finetune(
-            ctx.bert, ctx.l_low, lookup, tokenizer, spec,
-            train, dev, test, cfg, init=init, progress=False, on_progress=report, should_stop=cancel.is_set)
+            ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,
+            on_progress=student_report, should_stop=cancel.is_set, distil=distil)
+        if distil is not None:
+            metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts)}
         if lookup.keeper is not None:
             keep_texts(lookup, tokenizer, job["data"].get("unlabeled", []), cfg.max_len)
             lookup.keeper.close()

@@ -10,7 +10,7 @@ import copy
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ from hmi.model.hplm import UpperLayers, as_numpy_ids
 from hmi.plot.lookup import PlotLookup
 from hmi.textlimit import TooLongError, fit_ids
 from hmi.training.fit import Fit, early_stopping
+
+if TYPE_CHECKING:
+    from hmi.training.distil import Distillation
 
 IGNORE = -100
 NAME = "tenant"
@@ -186,12 +189,14 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
              dev: list[dict], test: list[dict] | None = None, cfg: FinetuneConfig | None = None,
              init: dict[str, torch.Tensor] | None = None, progress: bool = True,
              on_progress: Callable[[float, dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+             should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict]:
     """Trains (or, with ``init``, continues training) a hosted tenant's adapter and head on the
-    root's upper layers (``fit``).  Returns canonical weights and a metrics record."""
+    root's upper layers (``fit``; with ``distil``, from a teacher too).  Returns canonical weights
+    and a metrics record."""
     cfg = cfg or FinetuneConfig()
     model = tenant_model(root_bert, l_low, spec, init, cfg.seed)
-    weights, metrics = fit(model, lookup, tokenizer, train, dev, test, cfg, progress, on_progress, should_stop)
+    weights, metrics = fit(model, lookup, tokenizer, train, dev, test, cfg, progress, on_progress, should_stop, distil)
     metrics["lookup_hits"] = dict(lookup.hits)
     return weights, metrics
 
@@ -199,9 +204,11 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
 def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict], test: list[dict] | None = None,
         cfg: FinetuneConfig | None = None, progress: bool = True,
         on_progress: Callable[[float, dict], None] | None = None,
-        should_stop: Callable[[], bool] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None
+        ) -> tuple[dict[str, torch.Tensor], dict]:
     """The tenant fine-tune loop, hosted or private: ``lookup.merged(ids, mask)`` gives the lower
-    layers' output (computed once: the lower side is frozen), ``model`` runs the upper layers.
+    layers' output (computed once: the lower side is frozen), ``model`` runs the upper layers;
+    with ``distil``, also on its unlabeled texts, against its teacher's answers as well.
 
     AdamW, seeded (``torch.manual_seed(cfg.seed)`` before the first step: the dropout masks are
     the same wherever the frozen projections run), early stopping on the dev metric (accuracy;
@@ -210,15 +217,17 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     cfg = cfg or FinetuneConfig()
     if not train:
         raise SpecError("no training examples")
-    spec = model.spec
+    spec, tagging = model.spec, model.spec.head == "tagging"
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     t0 = time.time()
     train = train[:cfg.max_train] if cfg.max_train else train
     ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len, cfg.truncate) for name, rows in
           (("train", train), ("dev", dev), ("test", test))}
+    labelled = ex["train"]
+    if distil is not None:
+        ex["train"], soft, where = distil.extend(tokenizer, ex["train"], spec, cfg.max_len)
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
-    tagging = spec.head == "tagging"
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
@@ -230,9 +239,11 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
             order = rng.permutation(len(ex["train"]))
             for s in range(0, len(order), cfg.batch_size):
                 fit.check()
-                x, mask, y = collate(ex["train"], feats["train"], order[s:s + cfg.batch_size].tolist(), tagging)
+                idx = order[s:s + cfg.batch_size].tolist()
+                x, mask, y = collate(ex["train"], feats["train"], idx, tagging)
                 logits = model.logits(x, mask, train=True)
-                loss = F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
+                loss = (F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
+                        if distil is None else distil.loss(logits, y, *distil.batch(soft, where, idx, tagging)))
                 fit.step(loss, {"epoch": epoch + 1}, epoch=epoch + 1)
             dev_m = evaluate(model, ex["dev"], feats["dev"]) if ex["dev"] else None
             return {"epoch": epoch + 1, "loss": round(fit.last_loss, 4), "dev": dev_m}
@@ -242,7 +253,7 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
             cfg.epochs, cfg.patience, run_epoch, lambda r: r["dev"]["accuracy"] if r["dev"] else -r["loss"],
             lambda: copy.deepcopy(model.weights()))
     model.load(best_state)
-    metrics = {"train": evaluate(model, ex["train"][:2000], feats["train"][:2000]),
+    metrics = {"train": evaluate(model, labelled[:2000], feats["train"][:2000]),  # the labelled come first
                "dev": evaluate(model, ex["dev"], feats["dev"]),
                "test": evaluate(model, ex["test"], feats["test"]) if ex["test"] else None,
                "epochs_run": len(history), "history": history, "seconds": round(time.time() - t0, 1),

@@ -1,0 +1,157 @@
+"""Training on the full-context root (every layer reads the whole text, as the root was trained),
+outside serving: the teacher a tenant's served adapter is distilled from (``hmi.training.distil``:
+the ``adapters`` library's adapters in every layer), and the reference schemes the accuracy
+benchmark compares hBERT with: all weights trained ("full"), adapters in every layer ("adapter")
+or in the layers from ``l_low`` up ("upper"), the head alone on the frozen root ("head"), or all
+weights of a student made of the root's first two layers ("compress").  The same head, loss,
+batches, dropout and early stopping for all."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hmi.adapters.batched import pooled
+from hmi.adapters.interop import attach, library_model
+from hmi.adapters.spec import AdapterSpec
+from hmi.model.root import full_forward
+from hmi.training.finetune import IGNORE, Example, FinetuneConfig, encode, metrics_of, pad
+from hmi.training.fit import Fit, early_stopping
+
+MODES = ("full", "adapter", "upper", "head", "compress")
+COMPRESS_LAYERS = 2
+BATCH = 32
+
+
+class FullContextModel:
+    """A private copy of the root (``library_model``: a deep copy) with the trainable part of
+    ``mode`` and a head of ``spec``; initialized after ``torch.manual_seed(seed)``."""
+
+    def __init__(self, bert, spec: AdapterSpec, mode: str, l_low: int = 0, seed: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+        torch.manual_seed(seed)
+        self.spec, self.mode, self.tagging = spec, mode, spec.head == "tagging"
+        self.model = model = library_model(bert)
+        if mode == "compress":
+            model.encoder.layer = model.encoder.layer[:COMPRESS_LAYERS]
+            model.config.num_hidden_layers = COMPRESS_LAYERS
+        if mode in ("adapter", "upper"):
+            attach(model, "t", spec, l_low if mode == "upper" else 0, train=True)
+        for p in model.parameters() if mode in ("full", "compress", "head") else ():
+            p.requires_grad_(mode != "head")
+        self.head = nn.Linear(bert.config.hidden_size, spec.num_labels)
+        self.drop = nn.Dropout(0.1)
+        self.frozen: dict[int, torch.Tensor] = {}  # id(example) -> the frozen root's output, "head" only
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad] + list(self.head.parameters())
+
+    def batch(self, exs: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids and mask (B, T) and targets (B,) or (B, T) of padded examples."""
+        ids, mask = pad(exs)
+        if self.tagging:
+            y = torch.full(ids.shape, IGNORE)
+            for i, e in enumerate(exs):
+                y[i, :len(e.target)] = torch.tensor(e.target)
+        else:
+            y = torch.tensor([e.target for e in exs])
+        return torch.from_numpy(ids), torch.from_numpy(mask), y
+
+    def hidden(self, exs: list[Example], ids: torch.Tensor, mask: torch.Tensor, train: bool) -> torch.Tensor:
+        """The last layer's output (B, T, H); the frozen root of "head" runs once per example."""
+        if self.mode != "head":
+            self.model.train(train)
+            return full_forward(self.model, ids, mask)[-1]  # with an MPNet root's relative position bias
+        todo = [i for i, e in enumerate(exs) if id(e) not in self.frozen]
+        if todo:
+            self.model.eval()
+            with torch.no_grad():
+                h = full_forward(self.model, ids[todo], mask[todo])[-1]
+            for j, i in enumerate(todo):
+                self.frozen[id(exs[i])] = h[j, :len(exs[i].ids)].clone()
+        out = torch.zeros(ids.shape + (self.head.in_features,))
+        for i, e in enumerate(exs):
+            out[i, :len(e.ids)] = self.frozen[id(e)]
+        return out
+
+    def logits(self, exs: list[Example], ids: torch.Tensor, mask: torch.Tensor, train: bool) -> torch.Tensor:
+        """(B, C), or (B, T, C) for tagging."""
+        h = self.hidden(exs, ids, mask, train)
+        h = self.drop(h) if train else h
+        return self.head(h) if self.tagging else self.head(pooled(h, mask, self.spec.pooling == "mean"))
+
+    @torch.no_grad()
+    def answers(self, exs: list[Example]) -> list[torch.Tensor]:
+        """The logits of each example, (C,) or (T_i, C): a teacher (``hmi.training.distil.Teacher``)."""
+        out = []
+        for s in range(0, len(exs), 64):
+            ids, mask, _ = self.batch(exs[s:s + 64])
+            lg = self.logits(exs[s:s + 64], ids, mask, False)
+            out += [lg[j, :len(e.ids)] if self.tagging else lg[j] for j, e in enumerate(exs[s:s + 64])]
+        return out
+
+    @torch.no_grad()
+    def evaluate(self, exs: list[Example]) -> dict:
+        preds, gold = [], []
+        for s in range(0, len(exs), 64):
+            ids, mask, y = self.batch(exs[s:s + 64])
+            p = self.logits(exs[s:s + 64], ids, mask, False).argmax(-1)
+            keep = y != IGNORE if self.tagging else torch.ones_like(y, dtype=torch.bool)
+            preds.append(p[keep].numpy())
+            gold.append(y[keep].numpy())
+        return metrics_of(np.concatenate(preds), np.concatenate(gold), self.spec.num_labels)
+
+    def train(self, ex_train: list[Example], ex_dev: list[Example], epochs: int, lr: float, seed: int = 0,
+              on_progress: Callable[[float, dict], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> float | None:
+        """AdamW for ``epochs`` epochs of batches of 32 in a seeded order, every epoch run; the best
+        epoch on dev accuracy is kept (loaded), without dev examples the last.  Returns the kept
+        epoch's dev accuracy (None without dev examples)."""
+        rng = np.random.default_rng(seed)
+        with Fit(self.parameters(), epochs * -(-len(ex_train) // BATCH), lr=lr, weight_decay=0.01, progress=False,
+                 on_progress=on_progress, should_stop=should_stop, report_every=5) as fit:
+
+            def run_epoch(epoch: int) -> dict:
+                order = rng.permutation(len(ex_train))
+                for s in range(0, len(order), BATCH):
+                    fit.check()
+                    exs = [ex_train[i] for i in order[s:s + BATCH]]
+                    ids, mask, y = self.batch(exs)
+                    out = self.logits(exs, ids, mask, True)
+                    fit.step(F.cross_entropy(out.reshape(-1, self.spec.num_labels), y.reshape(-1), ignore_index=IGNORE))
+                return {"dev": self.evaluate(ex_dev)["accuracy"] if ex_dev else None, "epoch": epoch}
+
+            best, state, _ = early_stopping(epochs, epochs, run_epoch, lambda r: r["dev"] if ex_dev else r["epoch"],
+                                            self._snapshot)
+        self.model.load_state_dict(state[0])
+        self.head.load_state_dict(state[1])
+        return best if ex_dev else None
+
+    def _snapshot(self) -> tuple[dict, dict]:
+        return ({k: v.clone() for k, v in self.model.state_dict().items()},
+                {k: v.clone() for k, v in self.head.state_dict().items()})
+
+
+def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev: list[Example],
+                       ex_test: list[Example], mode: str, epochs: int, lr: float, seed: int = 0, l_low: int = 0) -> dict:
+    """A reference scheme trained and scored: ``{"dev": {"accuracy"}, "test": metrics, "teacher":
+    the trained model's answers}``."""
+    m = FullContextModel(bert, spec, mode, l_low, seed)
+    best = m.train(ex_train, ex_dev, epochs, lr, seed)
+    return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers}
+
+
+def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], cfg: FinetuneConfig,
+                  lr: float = 3e-3, on_progress: Callable[[float, dict], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> tuple[Callable[[list[Example]], list[torch.Tensor]], dict]:
+    """A tenant's teacher: ``spec``'s adapters in every layer of the full-context root, trained on
+    its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last).
+    Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None}``."""
+    ex_train, ex_dev = (encode(tokenizer, rows, spec, cfg.max_len, cfg.truncate) for rows in (train, dev))
+    m = FullContextModel(bert, spec, "adapter", 0, cfg.seed)
+    return m.answers, {"dev": m.train(ex_train, ex_dev, cfg.epochs, lr, cfg.seed, on_progress, should_stop)}

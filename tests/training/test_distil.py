@@ -1,0 +1,114 @@
+"""Distillation of a served adapter from a teacher (``hmi.training.distil``): the loss against a
+written-out reference, the positions a tagging teacher answers, and a fine-tune on a real PLOT
+lookup whose unlabeled texts carry the teacher's answers into the student."""
+
+import math
+
+import pytest
+import torch
+
+from hmi.adapters.spec import AdapterSpec
+from hmi.model.hplm import WindowedEncoder
+from hmi.model.root import default_spec, load_tokenizer
+from hmi.plot.lookup import PlotLookup, PlotVersion
+from hmi.plot.store import PlotMeta, PlotStore
+from hmi.training.distil import Distillation, unlabeled
+from hmi.training.finetune import IGNORE, FinetuneConfig, finetune
+from tests.conftest import tiny_bert
+
+H, L_LOW = 32, 2
+
+
+def reference_loss(logits, y, soft, where, t, w):
+    """The loss written out in fp64, one position at a time."""
+    logits, soft = logits.double().reshape(-1, logits.shape[-1]), soft.double().reshape(-1, soft.shape[-1])
+    y, where = y.reshape(-1), where.reshape(-1)
+    ce = [-(logits[i] - logits[i].exp().sum().log())[y[i]] for i in range(len(y)) if y[i] != IGNORE]
+    kl = []
+    for i in range(len(where)):
+        if where[i]:
+            p = (soft[i] / t).softmax(-1)
+            q = (logits[i] / t).softmax(-1)
+            kl.append(float((p * (p.log() - q.log())).sum()))
+    ce_mean = float(sum(ce) / len(ce)) if ce else 0.0
+    return (1 - w) * ce_mean + w * t * t * (sum(kl) / len(kl) if kl else 0.0)
+
+
+@pytest.mark.parametrize("tagging", [False, True])
+def test_the_loss_is_the_labels_cross_entropy_and_the_teachers_divergence_weighted(tagging):
+    g = torch.Generator().manual_seed(0)
+    shape = (4, 6, 5) if tagging else (8, 5)
+    logits, soft = torch.randn(shape, generator=g) * 3, torch.randn(shape, generator=g) * 3
+    y = torch.randint(0, 5, shape[:-1], generator=g)
+    y[torch.rand(shape[:-1], generator=g) < 0.4] = IGNORE  # unlabeled examples, later sub-tokens
+    where = torch.rand(shape[:-1], generator=g) < 0.7
+    d = Distillation(teacher=None, temperature=2.0, weight=0.3)
+    got = float(d.loss(logits, y, soft, where))
+    # fp32 against fp64: each term is a sum of a few numbers of size ~10, so a few ulps of 10
+    assert math.isclose(got, reference_loss(logits, y, soft, where, 2.0, 0.3), rel_tol=0, abs_tol=1e-4)
+
+
+def test_a_batch_without_labels_is_the_divergence_alone_and_without_teacher_positions_the_labels_alone():
+    logits, soft = torch.randn(3, 4), torch.randn(3, 4)
+    d = Distillation(teacher=None, temperature=1.0, weight=0.5)
+    none = torch.full((3,), IGNORE)
+    assert math.isclose(float(d.loss(logits, none, soft, torch.ones(3, dtype=torch.bool))),
+                        reference_loss(logits, none, soft, torch.ones(3, dtype=torch.bool), 1.0, 0.5), abs_tol=1e-5)
+    y = torch.tensor([0, 1, 2])
+    assert math.isclose(float(d.loss(logits, y, soft, torch.zeros(3, dtype=torch.bool))),
+                        0.5 * float(torch.nn.functional.cross_entropy(logits, y)), abs_tol=1e-6)
+
+
+def test_a_tagging_teacher_answers_each_words_first_sub_token_of_an_unlabeled_text():
+    tok = load_tokenizer(default_spec().model_dir)
+    spec = AdapterSpec("bottleneck", head="tagging", labels=("N", "V"))
+    text = "Unbelievably tokenization works"
+    (ex,) = unlabeled(tok, [text], spec, 64)
+    words = tok(text.split(), is_split_into_words=True).word_ids()
+    firsts = [i for i, w in enumerate(words) if w is not None and (i == 0 or words[i - 1] != w)]
+    assert len(ex.ids) > len(firsts) + 2  # some word has several sub-tokens
+    examples, soft, where = Distillation(lambda exs: [torch.zeros(len(e.ids), 2) for e in exs]).extend(
+        tok, [], spec, 64)
+    assert examples == [] and soft == [] and where == []
+    d = Distillation(lambda exs: [torch.zeros(len(e.ids), 2) for e in exs], texts=[text, "Short one"])
+    examples, soft, where = d.extend(tok, [], spec, 64)
+    assert torch.nonzero(where[0]).flatten().tolist() == firsts
+    assert all(t == IGNORE for t in examples[0].target)  # nothing of an unlabeled text counts as a label
+    s, w = Distillation.batch(soft, where, [0, 1], tagging=True)
+    assert s.shape == (2, len(examples[0].ids), 2) and w[1, len(examples[1].ids):].sum() == 0
+
+
+POSITIVE, NEGATIVE = "a wonderful day", "a plain day"
+
+
+@pytest.fixture
+def tiny_lookup(tmp_path):
+    bert = tiny_bert(layers=4, hidden=H, vocab=30522)
+    enc = WindowedEncoder(bert, L_LOW).eval()
+    store = PlotStore(tmp_path / "plot", meta=PlotMeta("tiny", L_LOW, H), readonly=False)
+    return bert, load_tokenizer(default_spec().model_dir), PlotLookup([PlotVersion("root", store, enc)], policy="compute")
+
+
+def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup):
+    """The labelled texts say nothing about "wonderful" (all "neg"); the teacher answers "pos" for
+    every text that holds it.  Distilled, the student answers as the teacher on texts it never saw
+    labelled; fine-tuned on the labels alone, it answers "neg" throughout."""
+    bert, tok, lookup = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
+    wonderful = tok.convert_tokens_to_ids("wonderful")
+    subjects = ["the", "my", "our", "your", "this", "that", "his", "her"]
+    texts = [f"{s} {'wonderful' if i % 2 else 'plain'} {n}" for i, s in enumerate(subjects)
+             for n in ("day", "film", "meal")]
+    judged = [{"text": t, "label": "pos" if "wonderful" in t else "neg"} for t in texts]
+    train = [{"text": f"{s} plain thing", "label": "neg"} for s in subjects]
+
+    def teacher(exs):
+        return [torch.tensor([0.0, 6.0]) if wonderful in e.ids else torch.tensor([6.0, 0.0]) for e in exs]
+
+    cfg = FinetuneConfig(epochs=12, lr=3e-2, batch_size=8, patience=12)
+    _, plain = finetune(bert, L_LOW, lookup, tok, spec, train, [], judged, cfg, progress=False)
+    _, taught = finetune(bert, L_LOW, lookup, tok, spec, train, [], judged, cfg, progress=False,
+                         distil=Distillation(teacher, texts=texts, temperature=1.0, weight=0.9))
+    assert plain["test"]["accuracy"] == 0.5  # every text "neg"
+    assert taught["test"]["accuracy"] >= 0.9
+    assert taught["train"]["n"] == len(train)  # the training metrics count the labelled texts alone
