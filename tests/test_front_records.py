@@ -151,3 +151,8 @@ def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_se
     assert (point["rps"], point["accuracy"], point["per_task"]["pos-tagging"]) == (19.0, 84.5, 86.0)
     assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == ("learned, distilled", 1.5)  # under 86.0
     assert out["configs"] == ["learned", "hBERT-adapter", "shared"]  # what was measured stays as it was
+    # a server whose fine-tunes distil by default serves the distilled point; one that does not, the learned one
+    assert (out["default_served"], out["default_served_gap_vs_full_ft"]) == ("learned, distilled", 84.0 + 1.5 - 84.5)
+    monkeypatch.setattr(bench_front.ServerConfig, "distil", False)
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    assert (out["default_served"], out["default_served_gap_vs_full_ft"]) == ("learned", 84.0 + 1.5 - 82.5)

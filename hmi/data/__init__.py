@@ -104,16 +104,18 @@ def job_rows(data: dict) -> tuple[list[dict], list[dict], list[dict]]:
     return data["train"], data.get("dev") or [], data.get("test") or []
 
 
-# a dataset job's unlabeled texts (distillation): the first lines of its task's domain corpus
+# a dataset job's unlabeled texts (distillation): lines of its task's domain corpus, four per training
+# text up to this many
 DATASET_UNLABELED_LINES = 2000
 
 
-def job_unlabeled(data: dict) -> list[str]:
+def job_unlabeled(data: dict, n_train: int) -> list[str]:
     """The unlabeled texts of an encoder fine-tune job's ``data``: those it carries
-    (``unlabeled``), or for a prepared dataset the first ``DATASET_UNLABELED_LINES`` lines of its
-    task's domain corpus, which holds none of the dataset's dev and test texts."""
+    (``unlabeled``), or for a prepared dataset the first lines of its task's domain corpus, which
+    holds none of the dataset's dev and test texts: four per training text (``n_train``), at most
+    ``DATASET_UNLABELED_LINES``."""
     if data.get("dataset"):
-        return load_corpus(TASK_DOMAIN[data["dataset"]], DATASET_UNLABELED_LINES)
+        return load_corpus(TASK_DOMAIN[data["dataset"]], min(DATASET_UNLABELED_LINES, 4 * n_train))
     return list(data.get("unlabeled") or [])
 
 

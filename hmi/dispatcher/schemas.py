@@ -160,9 +160,10 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         distil: bool = Absent(description=(
             "train a teacher first (the task's adapters in every layer of the full-context root) and train "
             "the served adapter on its answers as well as the labels, over the training texts and the "
-            "unlabeled ones (training_data.unlabeled; with dataset, 2,000 lines of its domain corpus): "
+            "unlabeled ones (training_data.unlabeled; with dataset, lines of its domain corpus, four per "
+            "training text up to 2,000): "
             "more accurate as served, at several times the fine-tune's time; serving is unchanged "
-            "(default: the server's, `hmi serve --distil`)"))
+            "(default: the server's, on unless `hmi serve --no-distil`)"))
 
         @model_validator(mode="after")
         def _one_source(self):

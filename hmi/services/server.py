@@ -53,7 +53,7 @@ class ServerConfig:
     plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
     # Encoder fine-tunes distil the served adapter from a full-context teacher (hmi.training.distil)
     # unless the request says otherwise.
-    distil: bool = False
+    distil: bool = True
     max_pending: int = 256
     # Fair shares (hmi.scheduler.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.

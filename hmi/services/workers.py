@@ -182,7 +182,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         if job.get("distil"):
             answers, teacher = train_teacher(ctx.bert, tokenizer, spec, train, dev, cfg, should_stop=cancel.is_set,
                                              on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "teacher"}))
-            distil = Distillation(answers, job_unlabeled(job["data"]))
+            distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
             student_report = lambda f, info: report(TEACHER_SHARE + (1 - TEACHER_SHARE) * f, info)  # noqa: E731
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,

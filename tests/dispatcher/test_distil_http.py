@@ -1,5 +1,5 @@
 """Fine-tunes distilled from a full-context teacher, asked for through HTTP: the server's default
-(``hmi serve --distil``) or a request's own ``distil``; the job says what the teacher scored and how
+(``hmi serve --distil``, on unless ``--no-distil``) or a request's own ``distil``; the job says what the teacher scored and how
 many unlabeled texts it answered, and the tenant serves as any other."""
 
 from hmi.client import Client
@@ -9,9 +9,9 @@ from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 UNLABELED = ["a great evening", "an awful evening", "a superb meal", "a terrible meal", "great acting again"]
 
 
-def test_a_distilling_server_trains_a_teacher_unless_the_request_says_otherwise(tmp_path, monkeypatch):
+def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwise(tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
-    url, stop = run_in_thread(tiny_server(tmp_path, distil=True))
+    url, stop = run_in_thread(tiny_server(tmp_path))
     try:
         admin = Client(url, ADMIN)
         taught = admin.create_tenant("taught", ["neg", "pos"], training_data={"train": TRAIN, "dev": TRAIN[::2], "unlabeled": UNLABELED},
@@ -31,7 +31,7 @@ def test_a_distilling_server_trains_a_teacher_unless_the_request_says_otherwise(
 
 def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
-    url, stop = run_in_thread(tiny_server(tmp_path))
+    url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
     try:
         admin = Client(url, ADMIN)
         out = admin.create_tenant("t", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1, distil=True)
