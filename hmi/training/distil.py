@@ -53,7 +53,6 @@ class Distillation:
                       reduction="batchmean") * t * t if where.any() else logits.sum() * 0
         return (1 - self.weight) * ce + self.weight * kl
 
-
     @staticmethod
     def batch(soft: list[torch.Tensor], where: list[torch.Tensor], idx: list[int], tagging: bool
               ) -> tuple[torch.Tensor, torch.Tensor]:

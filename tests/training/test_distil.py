@@ -112,3 +112,26 @@ def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup
     assert plain["test"]["accuracy"] == 0.5  # every text "neg"
     assert taught["test"]["accuracy"] >= 0.9
     assert taught["train"]["n"] == len(train)  # the training metrics count the labelled texts alone
+
+
+def test_a_teacher_learns_its_task_on_the_full_context_root_and_answers_each_example(tiny_lookup):
+    from hmi.training.full_context import train_teacher
+
+    bert, tok, _ = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
+    rows = [{"text": f"{s} {w} {n}", "label": "pos" if w == "wonderful" else "neg"}
+            for s in ("the", "my", "our", "his") for w in ("wonderful", "plain") for n in ("day", "film")]
+    before = [p.detach().clone() for p in bert.parameters()]
+    answers, info = train_teacher(bert, tok, spec, rows, [], FinetuneConfig(epochs=30, max_len=16), lr=3e-2)
+    assert info == {"dev": None}  # without dev examples the last epoch is kept
+    exs = unlabeled(tok, [r["text"] for r in rows], spec, 16)
+    logits = answers(exs)
+    assert [tuple(x.shape) for x in logits] == [(2,)] * len(rows)
+    right = sum(int(x.argmax()) == (r["label"] == "pos") for x, r in zip(logits, rows))
+    assert right >= 0.9 * len(rows)
+    assert all(torch.equal(a, b) for a, b in zip(before, bert.parameters()))  # the root is not touched
+    tags = AdapterSpec("bottleneck", head="tagging", labels=("N", "V"))
+    answers, _ = train_teacher(bert, tok, tags, [{"tokens": ["dogs", "run"], "tags": ["N", "V"]}], [],
+                               FinetuneConfig(epochs=1, max_len=16))
+    (ex,) = unlabeled(tok, ["cats sleep soundly"], tags, 16)
+    assert tuple(answers([ex])[0].shape) == (len(ex.ids), 2)
