@@ -180,10 +180,12 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
         distil, student_report, teacher = None, report, {}
         if job.get("distil"):
-            answers, teacher = train_teacher(ctx.bert, tokenizer, spec, train, dev, cfg, should_stop=cancel.is_set,
-                                             on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "teacher"}))
+            answers, teacher = train_teacher(
+                ctx.bert, tokenizer, spec, train, dev, cfg, should_stop=cancel.is_set,
+                on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "training the teacher"}))
             distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
-            student_report = lambda f, info: report(TEACHER_SHARE + (1 - TEACHER_SHARE) * f, info)  # noqa: E731
+            student_report = lambda f, info: report(  # noqa: E731
+                TEACHER_SHARE + (1 - TEACHER_SHARE) * f, {**info, "stage": "distilling the served adapter"})
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,
             on_progress=student_report, should_stop=cancel.is_set, distil=distil)

@@ -23,6 +23,7 @@ def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwi
         assert distilled["unlabeled_texts"] == len(UNLABELED) and 0 <= distilled["teacher_dev"] <= 1
         assert taught_job["metrics"]["train"]["n"] == len(TRAIN)  # scored on the labelled texts alone
         assert "distilled" not in plain_job["metrics"]
+        assert taught_job["info"]["stage"] == "distilling the served adapter", taught_job  # what the console shows
         answers = admin.infer("taught", UNLABELED)
         assert len(answers) == len(UNLABELED) and {a["label"] for a in answers} <= {"neg", "pos"}
     finally:
