@@ -112,7 +112,8 @@ DATASET_UNLABELED_LINES = 2000
 def job_unlabeled(data: dict, n_train: int) -> list[str]:
     """The unlabeled texts of an encoder fine-tune job's ``data``: those it carries
     (``unlabeled``), or for a prepared dataset the first lines of its task's domain corpus, which
-    holds none of the dataset's dev and test texts: four per training text (``n_train``), at most
+    holds none of the dataset's dev and test texts (it may hold its training texts: the tweets'
+    corpus is that task's training split): four per training text (``n_train``), at most
     ``DATASET_UNLABELED_LINES``."""
     if data.get("dataset"):
         return load_corpus(TASK_DOMAIN[data["dataset"]], min(DATASET_UNLABELED_LINES, 4 * n_train))
