@@ -238,7 +238,8 @@ def main() -> None:
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
     from hmi.training.distil import Distillation
-    from hmi.training.finetune import FinetuneConfig, encode, finetune, fit, tenant_model
+    from hmi.training.examples import encode
+    from hmi.training.finetune import FinetuneConfig, finetune, fit, tenant_model
 
     caps = dict.fromkeys(tasks, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000,

@@ -21,7 +21,7 @@ from hmi.scheduler.types import InferRequest, QueueFullError, SchedulerClosedErr
 from hmi.services.server import Server
 from hmi.services.tenants import is_private, private_error
 from hmi.textlimit import TooLongError
-from hmi.training.finetune import encode
+from hmi.training.examples import encode
 
 
 def public_tenant(s: Server, name: str, rec: dict) -> dict:

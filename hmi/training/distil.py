@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hmi.adapters.spec import AdapterSpec
-from hmi.training.finetune import IGNORE, Example, encode
+from hmi.training.examples import IGNORE, Example, encode
 
 # A teacher: the logits of each example, (C,) for classification, (T_i, C) for tagging.
 Teacher = Callable[[list[Example]], list[torch.Tensor]]

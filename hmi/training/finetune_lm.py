@@ -18,7 +18,8 @@ from hmi.adapters.interop import attach, from_library, library_model, to_library
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.decoder import DecoderRoot, run_layers
 from hmi.plot.lookup import PlotLookup
-from hmi.training.finetune import Example, featurize
+from hmi.training.examples import Example
+from hmi.training.finetune import featurize
 from hmi.training.fit import Fit, early_stopping
 
 NAME = "tenant"

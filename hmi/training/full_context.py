@@ -19,7 +19,8 @@ from hmi.adapters.batched import pooled
 from hmi.adapters.interop import attach, library_model
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
-from hmi.training.finetune import IGNORE, Example, FinetuneConfig, encode, metrics_of, pad
+from hmi.training.examples import IGNORE, Example, encode, metrics_of, pad
+from hmi.training.finetune import FinetuneConfig
 from hmi.training.fit import Fit, early_stopping
 
 MODES = ("full", "adapter", "upper", "head", "compress")

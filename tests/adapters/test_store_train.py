@@ -9,7 +9,8 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.training.finetune import FinetuneConfig, encode, finetune, tenant_model
+from hmi.training.examples import encode
+from hmi.training.finetune import FinetuneConfig, finetune, tenant_model
 from tests.conftest import tiny_bert
 from tests.helpers.tokenizers import CharTokenizer
 

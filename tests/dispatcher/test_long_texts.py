@@ -9,7 +9,7 @@ from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.model.root import default_spec, load_tokenizer
 from hmi.textlimit import TooLongError, fit_ids
-from hmi.training.finetune import encode
+from hmi.training.examples import encode
 from tests.helpers.servers import ADMIN, TAGS, TRAIN, tiny_server
 
 LIMIT = 16

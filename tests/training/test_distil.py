@@ -13,7 +13,8 @@ from hmi.model.root import default_spec, load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.training.distil import Distillation, unlabeled
-from hmi.training.finetune import IGNORE, FinetuneConfig, finetune
+from hmi.training.examples import IGNORE
+from hmi.training.finetune import FinetuneConfig, finetune
 from tests.conftest import tiny_bert
 
 H, L_LOW = 32, 2
