@@ -109,7 +109,7 @@ def new_job_id() -> str:
 
 # What a job of each class holds at its peak before one has run here (worker VmHWM, MB, measured on
 # 2 cores: docs/design.md); afterwards the largest peak of the last jobs of its class is used.
-JOB_PEAK_MB = {"encoder": 1500.0, "decoder": 4500.0, "domain": 9000.0}
+JOB_PEAK_MB = {"encoder": 2500.0, "decoder": 4500.0, "domain": 9000.0}
 PEAK_HISTORY = 5
 
 
