@@ -176,7 +176,8 @@ def main() -> None:
                                           "hBERT-exact, hBERT-learned, and on request hBERT-learned-compute (the learned back-off with the "
                                           "misses that would fall to the uni-gram computed), hBERT-full (hBERT on the "
                                           "full-context lower layers: perfect windows) and hBERT-adapter-upper "
-                                          "(hBERT-adapter's adapters in the upper layers only)")
+                                          "(hBERT-adapter's adapters in the upper layers only) and hBERT-distilled (the "
+                                          "learned back-off's adapters distilled from hBERT-adapter: --transfer)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS + OTHER_TASKS)
                         + f" (default the first {len(TASKS)})")
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
