@@ -30,7 +30,7 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--grid|--no-grid] [--seeds N] [--max-minutes M] [--fresh]
+                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--max-minutes M] [--fresh]
 
 Long runs: every training run (one per task, scheme, pooling and learning rate) is kept under
 ``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
