@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.archive import zip_folder
-from hmi.cli.common import client, client_args, run_client, show
+from hmi.cli.common import client, client_args, read_corpus_arg, run_client, show
 from hmi.client import load_rows
 from hmi.data import task_labels
 
@@ -58,7 +58,7 @@ def cmd_tenant_create(args):
     if args.unlabeled:
         if data is None:
             raise SystemExit("hmi: --unlabeled goes with --train (with --dataset the domain corpus serves)")
-        data["unlabeled"] = [t for t in Path(args.unlabeled).read_text().splitlines() if t.strip()]
+        data["unlabeled"] = read_corpus_arg(args.unlabeled)
     adapter = adapter_body(args)
     labels = args.labels.split(",") if args.labels else None
     if labels is None and args.dataset:
@@ -206,8 +206,10 @@ def _create_args(tc) -> None:
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)
-    tc.add_argument("--unlabeled", metavar="FILE", help="texts without labels, one per line, like those the tenant "
-                                                        "will be asked about (kept in the PLOT; with --distil, trained on)")
+    tc.add_argument("--unlabeled", metavar="FILE|CORPUS",
+                    help="texts without labels like those the tenant will be asked about: a file of one per line, or "
+                         "a prepared corpus (kept in the PLOT under compute+insert; with distillation, answered by the "
+                         "teacher and trained on)")
     tc.add_argument("--distil", action=argparse.BooleanOptionalAction,
                     help="train a full-context teacher first and the served adapter on its answers too (more accurate "
                          "as served, several times the fine-tune's time; default: the server's)")

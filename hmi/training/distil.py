@@ -76,7 +76,7 @@ def unlabeled(tokenizer, texts: list[str], spec: AdapterSpec, max_len: int) -> l
     placeholder marks each word's first sub-token."""
     first = spec.labels[0]
     if spec.head == "tagging":
-        rows = [{"tokens": t.split(), "tags": [first] * len(t.split())} for t in texts if t.split()]
+        rows = [{"tokens": words, "tags": [first] * len(words)} for words in (t.split() for t in texts) if words]
     else:
         rows = [{"text": t, "label": first} for t in texts]
     return encode(tokenizer, rows, spec, max_len)

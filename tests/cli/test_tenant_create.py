@@ -69,3 +69,18 @@ def test_a_size_option_of_another_kind_is_refused_before_anything_is_sent(live):
     with pytest.raises(SystemExit, match="--targets applies to --kind lora, not bottleneck"):
         create(live, "mistaken", "--targets", "all")
     assert "mistaken" not in {t["name"] for t in Client(live["url"], ADMIN).tenants()}
+
+
+def test_unlabeled_texts_from_a_file_reach_a_distilled_job_and_a_missing_file_is_refused_before_anything_is_sent(
+        live, tmp_path):
+    texts = tmp_path / "unlabeled.txt"
+    texts.write_text("a great evening\n\nan awful evening\n")
+    assert create(live, "taught", "--unlabeled", str(texts), "--distil") == 0
+    client = Client(live["url"], ADMIN)
+    job = next(j for j in client.jobs() if j["tenant"] == "taught")
+    assert job["metrics"]["distilled"]["unlabeled_texts"] == 2
+    assert create(live, "untaught", "--no-distil") == 0
+    assert "distilled" not in next(j for j in client.jobs() if j["tenant"] == "untaught")["metrics"]
+    with pytest.raises(SystemExit, match="nor a file"):
+        create(live, "mistaken", "--unlabeled", str(tmp_path / "missing.txt"))
+    assert "mistaken" not in {t["name"] for t in client.tenants()}
