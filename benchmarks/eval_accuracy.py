@@ -138,6 +138,36 @@ def learning_rates(arg: str) -> tuple[float, ...]:
     return out
 
 
+def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int, transfer: int,
+                        bf16: bool) -> list[tuple[str, str]]:
+    """What each of the page's columns trains, in the columns' order (a scheme the run left out is not described)."""
+    upper = n_layers - l_low
+    lr = {label: f" (lr {lr_text(lrs[label])})" if label in lrs else "" for label in columns}
+    what = {
+        "dedicated": f"every weight of the root{lr.get('dedicated', '')}",
+        "shared": f"the head alone on the frozen root{lr.get('shared', '')}",
+        "compress": f"the root's first {COMPRESS_LAYERS} layers, every weight{lr.get('compress', '')}",
+        "hBERT-adapter": f"the adapters in all {n_layers} layers of the full-context root{lr.get('hBERT-adapter', '')}",
+        "hBERT": f"the adapters in the upper {upper} layers on the merged PLOT representations, reading the root PLOT "
+                 f"with back-off as served{lr.get('hBERT', '')}",
+        ADAPTER_UPPER: f"the adapters in the upper {upper} layers of the full-context root, trained as hBERT-adapter "
+                       f"is{lr.get(ADAPTER_UPPER, '')}",
+        HBERT_EXACT: "hBERT with every PLOT miss computed by the windowed lower layers (`--miss-policy compute`)",
+        HBERT_LEARNED: "hBERT with each missed tri-gram served the root PLOT's learned back-off (`hmi plot "
+                       "learn-backoff`, `--miss-policy learned`; its products in "
+                       + ("bf16, as served on a CPU that multiplies bf16 natively)" if bf16 else "fp32)"),
+        HBERT_LEARNED_COMPUTE: "the learned back-off, with each missed tri-gram whose bi-gram the PLOT does not hold "
+                               "either computed by the windowed lower layers (`--miss-policy learned+compute`)",
+        HBERT_FULL: f"the adapters in the upper {upper} layers on the full-context lower layers' output (perfect "
+                    "windows: the ceiling of every PLOT scheme at this split)",
+        HBERT_DISTILLED: f"the learned back-off's adapters trained on the training texts and {transfer} unlabeled "
+                         "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
+                         f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
+                         "trained again with the same seed) as well as the labels (`hmi.training.distil`)",
+    }
+    return [(label, what[label]) for label in columns if label in what]
+
+
 def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) -> list[tuple[tuple, dict]]:
     """Per seed, the option (pooling, learning rate) whose cell has the best dev accuracy, with that
     cell's result: every option of ``options`` is trained with ``train(option, seed)`` (or read back
@@ -258,7 +288,6 @@ def main() -> None:
         n_eval = args.test
     epochs = 4 if args.quick else 5
     max_len = 64 if args.quick else 128
-    exact = HBERT_EXACT in schemes
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
     rows, results = [], {"tasks": {}}
@@ -339,36 +368,15 @@ def main() -> None:
                       if by_seed else "")
         text += (f"\n\nTest accuracy in % (up to {n_eval} test examples per task; for pos-tagging, accuracy over words, which is "
                  f"micro-F1 for single-label tagging).{gap + '.' if gap else ''}{seeds_text} Every scheme: the same training "
-                 "examples (texts cut to "
-                 f"{max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; classification heads read "
+                 f"examples (texts cut to {max_len} tokens), {epochs} epochs of batches of 32, the best epoch on dev, AdamW; "
+                 "classification heads read "
                  + {"dev": "the [CLS] vector or the mean of the tokens, whichever gives the scheme the better dev accuracy on "
                            "the task (res.tasks.*.pooling)", "mean": "the mean of the tokens",
-                    "cls": "the [CLS] vector"}[args.pooling] + f". dedicated: every "
-                 f"weight of the root (lr {lr_text(lrs['dedicated'])}); shared: the head alone on the frozen root (lr "
-                 f"{lr_text(lrs['shared'])}); compress: the root's first {COMPRESS_LAYERS} layers, every weight (lr "
-                 f"{lr_text(lrs['compress'])}); hBERT-adapter: {describe_adapter(adapter)}"
+                    "cls": "the [CLS] vector"}[args.pooling]
+                 + f"; the adapters are {describe_adapter(adapter)}"
                  + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
-                 + f" in all {n_layers} layers of the "
-                 f"full-context root (lr {lr_text(lrs['hBERT-adapter'])}); hBERT: the same adapters in the upper "
-                 f"{n_layers - l_low} layers on the merged PLOT representations, reading the root PLOT with back-off "
-                 f"as served (lr {lr_text(lrs['hBERT'])})"
-                 + (f"; {ADAPTER_UPPER}: the same adapters in the upper {n_layers - l_low} layers of the full-context "
-                    f"root, trained as hBERT-adapter is (lr {lr_text(lrs[ADAPTER_UPPER])})"
-                    if ADAPTER_UPPER in columns else "")
-                 + ("; hBERT, exact windows: the same with every PLOT miss computed by the windowed lower layers "
-                    "(`--miss-policy compute`)" if exact else "")
-                 + ("; hBERT, learned back-off: the same with each missed tri-gram served the root PLOT's learned "
-                    "back-off (`hmi plot learn-backoff`, `--miss-policy learned`; its products in "
-                    + ("bf16, as served on a CPU that multiplies bf16 natively)" if SERVE_BF16 else "fp32)")
-                    if learned else "")
-                 + (f"; {HBERT_LEARNED_COMPUTE}: the same, with each missed tri-gram whose bi-gram the PLOT does not "
-                    "hold either computed by the windowed lower layers (`--miss-policy learned+compute`)" if mixed else "")
-                 + (f"; {HBERT_FULL}: the same adapters and training on the full-context lower layers' output (perfect "
-                    "windows: the ceiling of every PLOT scheme at this split)" if HBERT_FULL in columns else "")
-                 + (f"; {HBERT_DISTILLED}: the learned back-off's adapters trained on the training texts and "
-                    f"{args.transfer} unlabeled lines of the task's domain corpus against the answers of hBERT-adapter "
-                    "(its pooling and learning rate chosen on dev, trained again with the same seed) as well as the "
-                    "labels (`hmi.training.distil`)" if distilled else "") + ".")
+                 + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
+                     columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16)) + ".")
         text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
         res["adapter"] = adapter
         if cls_adapter:

@@ -214,5 +214,21 @@ class Client:
 
 
 def load_rows(path: str) -> list[dict]:
-    """Training examples from a JSON Lines file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Training examples from a JSON Lines file (blank lines skipped).  Raises ``ValueError`` naming
+    the file, and the line where one is not a JSON object, instead of an error without either."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from exc
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} line {n} is not a JSON object (JSON Lines of examples): {line[:60]!r}")
+        rows.append(row)
+    return rows

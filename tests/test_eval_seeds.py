@@ -1,11 +1,12 @@
-"""eval_accuracy's choice of tasks, and its runs over several seeds
+"""eval_accuracy's choice of tasks, the page's description of its columns, and its runs over several seeds
 (``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the one-seed table's run, read back rather
 than trained again; every other seed trains every option and dev chooses per seed."""
 
 import pytest
 
 from benchmarks.cells import Cells
-from benchmarks.eval_accuracy import TASKS, chosen_tasks, seeded_cells
+from benchmarks.eval_accuracy import (ALL_SCHEMES, HBERT_DISTILLED, HBERT_LEARNED, TASKS, chosen_tasks,
+                                      scheme_descriptions, seeded_cells)
 
 KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
 OPTIONS = [("cls", 3e-3), ("mean", 3e-3)]
@@ -38,3 +39,13 @@ def test_eval_accuracy_runs_the_four_tasks_by_default_and_a_task_outside_them_on
     assert chosen_tasks("license-category,news-topic") == ["news-topic", "license-category"]
     with pytest.raises(SystemExit, match="license-category"):
         chosen_tasks("legal")
+
+
+def test_the_page_describes_every_column_it_shows_and_no_scheme_the_run_left_out():
+    lrs = {label: (3e-3, 1e-3) for label in ALL_SCHEMES}
+    assert [label for label, _ in scheme_descriptions(ALL_SCHEMES, lrs, 6, 3, 2000, True)] == ALL_SCHEMES
+    two = dict(scheme_descriptions([HBERT_DISTILLED, HBERT_LEARNED], lrs, 6, 3, 2000, True))
+    assert list(two) == [HBERT_DISTILLED, HBERT_LEARNED]
+    assert "2000 unlabeled lines" in two[HBERT_DISTILLED] and "all 6 layers" in two[HBERT_DISTILLED]
+    assert "bf16" in two[HBERT_LEARNED]
+    assert "fp32" in dict(scheme_descriptions([HBERT_LEARNED], lrs, 6, 3, 0, False))[HBERT_LEARNED]

@@ -1,4 +1,5 @@
-"""What the command groups share: client options and calls, printing, corpus arguments, root options."""
+"""What the command groups share: client options and calls, printing, corpus and example-file arguments,
+root options."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hmi.bootstrap import ensure_data
-from hmi.client import ApiError, Client
+from hmi.client import ApiError, Client, load_rows
 from hmi.data import CORPORA, corpus_texts
 from hmi.model.aliases import ALIASES, DEFAULT_ROOT
 
@@ -41,6 +42,15 @@ def read_corpus_arg(corpus: str) -> list[str]:
     if not path.exists():
         raise SystemExit(f"hmi: corpus {corpus!r} is neither a prepared corpus ({', '.join(CORPORA)}) nor a file")
     return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def read_rows_arg(path: str | None) -> list[dict]:
+    """The examples of a ``--train``/``--dev`` file (none without one); a file that cannot be read,
+    or a line that is not an example, stops the command with a message before anything is sent."""
+    try:
+        return load_rows(path) if path else []
+    except ValueError as exc:
+        raise SystemExit(f"hmi: {exc}") from None
 
 
 def add_root_options(parser) -> None:

@@ -10,8 +10,7 @@ from pathlib import Path
 from hmi.adapters.portable import RootShape, write_encoder
 from hmi.archive import zip_files
 from hmi.bootstrap import quiet_transformers
-from hmi.cli.common import add_root_options, show
-from hmi.client import load_rows
+from hmi.cli.common import add_root_options, read_rows_arg, show
 from hmi.model.artifact import ArtifactMismatchError, ArtifactMissingError
 from hmi.model.catalog import root_spec
 from hmi.split.client import BaseClient, BaseExecutorError
@@ -67,11 +66,11 @@ def cmd_private_infer(args) -> int:
 def cmd_private_train(args) -> int:
     """Trains the archive's adapter further here and writes the result as an archive of the same
     format (loadable by the adapters library, uploadable as a hosted tenant)."""
+    train, dev = read_rows_arg(args.train), read_rows_arg(args.dev)
     try:
         model = _model(args, "train")
         cfg = FinetuneConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
-        weights, metrics = finetune_private(model, load_rows(args.train), load_rows(args.dev) if args.dev else [],
-                                            cfg, progress=True)
+        weights, metrics = finetune_private(model, train, dev, cfg, progress=True)
     except (BaseExecutorError, ConnectionError) as exc:
         print(f"hmi: {exc}", file=sys.stderr)
         return 1

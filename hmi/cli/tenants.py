@@ -9,8 +9,7 @@ from pathlib import Path
 
 from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.archive import zip_folder
-from hmi.cli.common import client, client_args, read_corpus_arg, run_client, show
-from hmi.client import load_rows
+from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show
 from hmi.data import task_labels
 
 
@@ -54,7 +53,7 @@ def adapter_body(args) -> dict:
 def cmd_tenant_create(args):
     data = None
     if args.train:
-        data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []}
+        data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)}
     if args.unlabeled:
         if data is None:
             raise SystemExit("hmi: --unlabeled goes with --train (with --dataset the domain corpus serves)")
@@ -90,7 +89,7 @@ def cmd_tenant_export(args):
 
 @run_client
 def cmd_tenant_update(args):
-    data = {"train": load_rows(args.train), "dev": load_rows(args.dev) if args.dev else []} if args.train else None
+    data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)} if args.train else None
     c = client(args)
     out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs)
     show(out)

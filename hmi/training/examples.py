@@ -1,12 +1,14 @@
 """A tenant's training examples: rows tokenized as inference reads them (``encode``), padded
-(``pad``), and the metrics a fine-tune reports on them (``metrics_of``); shared by the hosted
+(``pad``), and the metrics a fine-tune reports on them (``score_batches``, ``metrics_of``); shared by the hosted
 fine-tune, its distillation and the full-context training beside it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from hmi.adapters.spec import AdapterSpec, SpecError
 from hmi.model.hplm import as_numpy_ids
@@ -59,6 +61,17 @@ def _fit(ids: list[int], max_len: int, truncate: bool, row: int) -> tuple[list[i
 
 def pad(examples: list[Example]) -> tuple[np.ndarray, np.ndarray]:
     return as_numpy_ids([e.ids for e in examples])
+
+
+def score_batches(batches: Iterable[tuple[torch.Tensor, torch.Tensor]], tagging: bool, n_labels: int) -> dict:
+    """``metrics_of`` over batches of (logits, gold): logits [B, C] with gold [B] (classification),
+    or logits [B, T, C] with gold [B, T] whose IGNORE positions are not scored (tagging)."""
+    preds, gold = [], []
+    for logits, y in batches:
+        keep = y != IGNORE if tagging else torch.ones_like(y, dtype=torch.bool)
+        preds.append(logits.argmax(-1)[keep].numpy())
+        gold.append(y[keep].numpy())
+    return metrics_of(np.concatenate(preds), np.concatenate(gold), n_labels)
 
 
 def metrics_of(preds: np.ndarray, gold: np.ndarray, n_labels: int) -> dict:

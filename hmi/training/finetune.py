@@ -24,7 +24,7 @@ from hmi.adapters.tenant_model import HEAD_DROPOUT, TenantModel  # noqa: F401 (H
 from hmi.model.hplm import UpperLayers
 from hmi.plot.lookup import PlotLookup
 from hmi.training.distil import Distillation
-from hmi.training.examples import IGNORE, Example, encode, metrics_of, pad
+from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
 from hmi.training.fit import Fit, early_stopping
 
 NAME = "tenant"
@@ -112,14 +112,13 @@ def evaluate(model: TenantModel, examples: list[Example], feats: list[torch.Tens
     """Accuracy and macro F1 of ``model`` on encoded examples with their lower-layer features."""
     if not examples:
         return {"accuracy": 0.0, "macro_f1": 0.0, "n": 0}
-    tagging, preds, gold = model.spec.head == "tagging", [], []
-    for s in range(0, len(examples), batch):
-        x, mask, y = collate(examples, feats, list(range(s, min(len(examples), s + batch))), tagging)
-        p = model.logits(x, mask).argmax(-1)
-        keep = y != IGNORE if tagging else torch.ones_like(y, dtype=torch.bool)
-        preds.append(p[keep].numpy())
-        gold.append(y[keep].numpy())
-    return metrics_of(np.concatenate(preds), np.concatenate(gold), model.spec.num_labels)
+    tagging = model.spec.head == "tagging"
+
+    def batches():
+        for s in range(0, len(examples), batch):
+            x, mask, y = collate(examples, feats, list(range(s, min(len(examples), s + batch))), tagging)
+            yield model.logits(x, mask), y
+    return score_batches(batches(), tagging, model.spec.num_labels)
 
 
 def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: AdapterSpec, train: list[dict],

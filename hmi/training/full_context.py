@@ -19,7 +19,7 @@ from hmi.adapters.batched import pooled
 from hmi.adapters.interop import attach, library_model
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
-from hmi.training.examples import IGNORE, Example, encode, metrics_of, pad
+from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
 from hmi.training.finetune import FinetuneConfig
 from hmi.training.fit import Fit, early_stopping
 
@@ -98,14 +98,11 @@ class FullContextModel:
 
     @torch.no_grad()
     def evaluate(self, exs: list[Example]) -> dict:
-        preds, gold = [], []
-        for s in range(0, len(exs), 64):
-            ids, mask, y = self.batch(exs[s:s + 64])
-            p = self.logits(exs[s:s + 64], ids, mask, False).argmax(-1)
-            keep = y != IGNORE if self.tagging else torch.ones_like(y, dtype=torch.bool)
-            preds.append(p[keep].numpy())
-            gold.append(y[keep].numpy())
-        return metrics_of(np.concatenate(preds), np.concatenate(gold), self.spec.num_labels)
+        def batches():
+            for s in range(0, len(exs), 64):
+                ids, mask, y = self.batch(exs[s:s + 64])
+                yield self.logits(exs[s:s + 64], ids, mask, False), y
+        return score_batches(batches(), self.tagging, self.spec.num_labels)
 
     def train(self, ex_train: list[Example], ex_dev: list[Example], epochs: int, lr: float, seed: int = 0,
               on_progress: Callable[[float, dict], None] | None = None,

@@ -84,3 +84,17 @@ def test_unlabeled_texts_from_a_file_reach_a_distilled_job_and_a_missing_file_is
     with pytest.raises(SystemExit, match="nor a file"):
         create(live, "mistaken", "--unlabeled", str(tmp_path / "missing.txt"))
     assert "mistaken" not in {t["name"] for t in client.tenants()}
+
+
+def test_a_training_file_that_is_missing_or_not_json_lines_is_refused_with_its_name_and_line_before_anything_is_sent(
+        live, tmp_path):
+    def create_from(train):
+        return main(["tenant", "create", "mistaken", "--url", live["url"], "--token", ADMIN, "--train", str(train),
+                     "--labels", "neg,pos"])
+    with pytest.raises(SystemExit, match=r"cannot read .*missing\.jsonl: No such file"):
+        create_from(tmp_path / "missing.jsonl")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "good", "label": "pos"}\n\n{"text": "bad", "label": \n')
+    with pytest.raises(SystemExit, match=r"broken\.jsonl line 3 is not a JSON object"):
+        create_from(broken)
+    assert "mistaken" not in {t["name"] for t in Client(live["url"], ADMIN).tenants()}
