@@ -12,11 +12,11 @@ from benchmarks import bench_front
 TASKS = bench_front.TASKS
 
 
-def write(folder, name, artifact, columns, root="r==1", test=1000, pooling="dev", l_low=3, steps=600):
+def write(folder, name, artifact, columns, root="r==1", test=1000, pooling="dev", l_low=3, steps=600, **more):
     tasks = {t: {**{c: v + i for c, v in columns.items()}, "train": 640, "test": test} for i, t in enumerate(TASKS)}
     avg = {c: sum(tasks[t][c] for t in TASKS) / len(TASKS) for c in columns}
     rec = {"tasks": tasks, "average": avg, "root": root, "root_artifact": artifact, "pooling": pooling, "lr_grid": True,
-           "l_low": l_low, "steps": steps}
+           "l_low": l_low, "steps": steps, **more}
     (folder / f"{name}.md").write_text(f"# {name}\n\n```json\n{json.dumps(rec, indent=1)}\n```\n")
 
 
@@ -156,3 +156,39 @@ def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_se
     monkeypatch.setattr(bench_front.ServerConfig, "distil", False)
     bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
     assert (out["default_served"], out["default_served_gap_vs_full_ft"]) == ("learned", 84.0 + 1.5 - 82.5)
+
+
+def test_columns_measured_over_several_seeds_are_read_as_their_mean_and_the_gaps_are_given_seed_by_seed(
+        tmp_path, monkeypatch):
+    from benchmarks import common
+
+    for module in (bench_front, common):
+        monkeypatch.setattr(module, "DOCS", tmp_path)
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    distilled = bench_front.COLUMN["learned, distilled"]
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_distilled", "l3", {distilled: 83.0})
+    two = {"hBERT-adapter": 85.0, distilled: 84.0, "shared": 78.0, "dedicated": 84.5}
+    per_seed = {"hBERT-adapter": [86.0, 87.0], distilled: [85.0, 86.0], "shared": [79.0, 80.0], "dedicated": [86.0, 86.0]}
+    write(tmp_path, "eval_accuracy_seeds-2", "l3", two, seeds=2, average_per_seed=per_seed)
+    # neither a record of seeds made another way nor one still running is read
+    write(tmp_path, "eval_accuracy_mean_seeds-2", "l3", {distilled: 90.0}, pooling="mean", seeds=2,
+          average_per_seed={distilled: [91.0, 92.0]})
+    write(tmp_path, "eval_accuracy_seeds-3", "l3", {distilled: 90.0}, seeds=3, unfinished="1 of 4 tasks",
+          average_per_seed={distilled: [91.0, 92.0, 93.0]})
+    acc = bench_front.accuracy_record("l3", None)[2]
+    assert acc["average"][distilled] == 85.5 and acc["tasks"]["pos-tagging"]["shared"] == 81.0
+    assert acc["average"]["hBERT, learned back-off"] == 82.5  # a column the seeds did not run stays the table's
+    assert acc["column_seeds"] == dict.fromkeys(two, 2)
+    assert acc["column_records"][distilled] == ["eval_accuracy_seeds-2", "l3"]
+    out = {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
+           "split_free_record": None, "rounds": 1, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
+           "configs": ["learned", "hBERT-adapter", "shared"], "default_config": "learned",
+           "measured": {"learned": [19.0], "hBERT-adapter": [10.0], "shared": [8.0]},
+           "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
+           "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == ("learned, distilled", 1.0)
+    assert out["gap_to_adapter_at_1_5x_per_seed"] == [1.0, 1.0]
+    assert out["default_served_gap_vs_full_ft_per_seed"] == [1.0, 0.0]
+    assert "the mean over 2 seeds" in (tmp_path / "bench_front_trial.md").read_text()
