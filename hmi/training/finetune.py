@@ -137,6 +137,22 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
     return weights, metrics
 
 
+def encoded(tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], test: list[dict] | None,
+            cfg: FinetuneConfig, distil: Distillation | None):
+    """(the examples by split, the labelled training examples the train metric reads (at most
+    2,000), the teacher's logits and where they count, or None twice without ``distil``).  With
+    ``distil`` the training split is the labelled examples followed by the unlabeled texts."""
+    if not train:
+        raise SpecError("no training examples")
+    train = train[:cfg.max_train] if cfg.max_train else train
+    ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len, cfg.truncate) for name, rows in
+          (("train", train), ("dev", dev), ("test", test))}
+    labelled, soft, where = ex["train"][:2000], None, None
+    if distil is not None:
+        ex["train"], soft, where = distil.extend(tokenizer, ex["train"], spec, cfg.max_len)
+    return ex, labelled, soft, where
+
+
 def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict], test: list[dict] | None = None,
         cfg: FinetuneConfig | None = None, progress: bool = True,
         on_progress: Callable[[float, dict], None] | None = None,
@@ -151,18 +167,11 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     the best epoch's weights are kept, and loaded into ``model``).  Returns canonical weights and
     a metrics record."""
     cfg = cfg or FinetuneConfig()
-    if not train:
-        raise SpecError("no training examples")
     spec, tagging = model.spec, model.spec.head == "tagging"
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     t0 = time.time()
-    train = train[:cfg.max_train] if cfg.max_train else train
-    ex = {name: encode(tokenizer, rows or [], spec, cfg.max_len, cfg.truncate) for name, rows in
-          (("train", train), ("dev", dev), ("test", test))}
-    labelled = ex["train"]
-    if distil is not None:
-        ex["train"], soft, where = distil.extend(tokenizer, ex["train"], spec, cfg.max_len)
+    ex, labelled, soft, where = encoded(tokenizer, spec, train, dev, test, cfg, distil)
     feats = {name: featurize(lookup, e) for name, e in ex.items()}
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -189,7 +198,7 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
             cfg.epochs, cfg.patience, run_epoch, lambda r: r["dev"]["accuracy"] if r["dev"] else -r["loss"],
             lambda: copy.deepcopy(model.weights()))
     model.load(best_state)
-    metrics = {"train": evaluate(model, labelled[:2000], feats["train"][:2000]),  # the labelled come first
+    metrics = {"train": evaluate(model, labelled, feats["train"][:len(labelled)]),  # the labelled come first
                "dev": evaluate(model, ex["dev"], feats["dev"]),
                "test": evaluate(model, ex["test"], feats["test"]) if ex["test"] else None,
                "epochs_run": len(history), "history": history, "seconds": round(time.time() - t0, 1),
