@@ -5,8 +5,7 @@ than trained again; every other seed trains every option and dev chooses per see
 import pytest
 
 from benchmarks.cells import Cells
-from benchmarks.eval_accuracy import (ALL_SCHEMES, HBERT_DISTILLED, HBERT_LEARNED, TASKS, chosen_tasks,
-                                      scheme_descriptions, seeded_cells)
+from benchmarks.eval_accuracy import ALL_SCHEMES, HBERT_DISTILLED, HBERT_LEARNED, TASKS, chosen_tasks, scheme_descriptions, seeded_cells
 
 KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
 OPTIONS = [("cls", 3e-3), ("mean", 3e-3)]

@@ -129,23 +129,40 @@ def test_without_such_a_page_the_column_is_left_out():
     assert bench_front.with_optional(rec, [], "l3", None) == rec
 
 
-def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_second_with_their_own_accuracy(
-        tmp_path, monkeypatch):
+def pages_in(folder, monkeypatch):
+    """The accuracy records read from, and the pages written into, ``folder``."""
     from benchmarks import common
 
     for module in (bench_front, common):
-        monkeypatch.setattr(module, "DOCS", tmp_path)
-    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+        monkeypatch.setattr(module, "DOCS", folder)
+    monkeypatch.setattr(bench_front, "RECORDS", folder)
+
+
+def distilled_pages(folder, monkeypatch) -> str:
+    """A table of every column and a page of the distilled column alone (83.0 + the task's index)
+    in ``folder``, read from there; returns the distilled column's name."""
+    pages_in(folder, monkeypatch)
     distilled = bench_front.COLUMN["learned, distilled"]
-    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
-    write(tmp_path, "eval_accuracy_partial_distilled", "l3", {distilled: 83.0})
+    write(folder, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(folder, "eval_accuracy_partial_distilled", "l3", {distilled: 83.0})
+    return distilled
+
+
+def learned_run() -> dict:
+    """A front run's record as measured: the learned back-off at 1.9x hBERT-adapter's requests/s."""
+    return {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
+            "split_free_record": None, "rounds": 1, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
+            "configs": ["learned", "hBERT-adapter", "shared"], "default_config": "learned",
+            "measured": {"learned": [19.0], "hBERT-adapter": [10.0], "shared": [8.0]},
+            "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
+            "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+
+
+def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_second_with_their_own_accuracy(
+        tmp_path, monkeypatch):
+    distilled_pages(tmp_path, monkeypatch)
     acc = bench_front.accuracy_record("l3", None)[2]
-    out = {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
-           "split_free_record": None, "rounds": 1, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
-           "configs": ["learned", "hBERT-adapter", "shared"], "default_config": "learned",
-           "measured": {"learned": [19.0], "hBERT-adapter": [10.0], "shared": [8.0]},
-           "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
-           "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+    out = learned_run()
     bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
     point = next(p for p in out["points"] if p["config"] == "learned, distilled")
     assert (point["rps"], point["accuracy"], point["per_task"]["pos-tagging"]) == (19.0, 84.5, 86.0)
@@ -160,14 +177,7 @@ def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_se
 
 def test_columns_measured_over_several_seeds_are_read_as_their_mean_and_the_gaps_are_given_seed_by_seed(
         tmp_path, monkeypatch):
-    from benchmarks import common
-
-    for module in (bench_front, common):
-        monkeypatch.setattr(module, "DOCS", tmp_path)
-    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
-    distilled = bench_front.COLUMN["learned, distilled"]
-    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
-    write(tmp_path, "eval_accuracy_partial_distilled", "l3", {distilled: 83.0})
+    distilled = distilled_pages(tmp_path, monkeypatch)
     two = {"hBERT-adapter": 85.0, distilled: 84.0, "shared": 78.0, "dedicated": 84.5}
     per_seed = {"hBERT-adapter": [86.0, 87.0], distilled: [85.0, 86.0], "shared": [79.0, 80.0], "dedicated": [86.0, 86.0]}
     write(tmp_path, "eval_accuracy_seeds-2", "l3", two, seeds=2, average_per_seed=per_seed)
@@ -181,12 +191,7 @@ def test_columns_measured_over_several_seeds_are_read_as_their_mean_and_the_gaps
     assert acc["average"]["hBERT, learned back-off"] == 82.5  # a column the seeds did not run stays the table's
     assert acc["column_seeds"] == dict.fromkeys(two, 2)
     assert acc["column_records"][distilled] == ["eval_accuracy_seeds-2", "l3"]
-    out = {"root": "r==1", "l_low": 3, "steps": 600, "artifact": "l3", "accuracy_record": "eval_accuracy_grid",
-           "split_free_record": None, "rounds": 1, "measured_batches": 8, "root_name": "r==1", "split": [3, 3],
-           "configs": ["learned", "hBERT-adapter", "shared"], "default_config": "learned",
-           "measured": {"learned": [19.0], "hBERT-adapter": [10.0], "shared": [8.0]},
-           "hit_rate_curve": [{"stream_lines": 0, "tenant_texts": False, "hit_rate": 0.2}],
-           "tenant_windows_cost": {"texts": 4, "entries": 10, "bytes": 2048, "seconds": 0.1}}
+    out = learned_run()
     bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
     assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == ("learned, distilled", 1.0)
     assert out["gap_to_adapter_at_1_5x_per_seed"] == [1.0, 1.0]
