@@ -1,6 +1,6 @@
 """A tenant's training examples: rows tokenized as inference reads them (``encode``), padded
-(``pad``), and the metrics a fine-tune reports on them (``score_batches``, ``metrics_of``); shared by the hosted
-fine-tune, its distillation and the full-context training beside it."""
+(``pad``), and the metrics a fine-tune reports on them (``score_batches``, ``metrics_of``);
+shared by the hosted fine-tune, its distillation and the full-context training beside it."""
 
 from __future__ import annotations
 
