@@ -161,11 +161,17 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
         more = [(n, r) for n, r in found if col in r["average"] and _comparable(r, rec)
                 and (r.get("root_artifact") == artifact or (served and same_recipe(r, served)))]
         if more:
-            n, r = max(more, key=lambda m: (m[1].get("root_artifact") == artifact, m[1].get("lr_grid", False)))
-            rec = {**rec, "average": {**rec["average"], col: r["average"][col]},
-                   "tasks": {t: {**rec["tasks"][t], col: r["tasks"][t][col]} for t in TASKS},
-                   "column_records": {**rec.get("column_records", {}), col: [n, r.get("root_artifact")]}}
+            rec = with_columns(rec, *max(more, key=lambda m: (m[1].get("root_artifact") == artifact,
+                                                               m[1].get("lr_grid", False))), [col])
     return rec
+
+
+def with_columns(rec: dict, name: str, other: dict, cols: list[str]) -> dict:
+    """``rec`` with columns ``cols`` (averages and per task) taken from the record ``other`` of
+    page ``name``, which ``column_records`` names for each."""
+    return {**rec, "average": {**rec["average"], **{c: other["average"][c] for c in cols}},
+            "tasks": {t: {**rec["tasks"][t], **{c: other["tasks"][t][c] for c in cols}} for t in TASKS},
+            "column_records": {**rec.get("column_records", {}), **{c: [name, other.get("root_artifact")] for c in cols}}}
 
 
 def request_texts(tokenizer, seed: int) -> dict[str, list[str]]:
@@ -384,10 +390,7 @@ def with_seeds(rec: dict, found: list[tuple[str, dict]], artifact: str, served: 
         return rec
     n, r = max(many, key=lambda m: (m[1]["seeds"], len(m[1]["average"])))
     cols = list(r["average"])
-    return {**rec, "average": {**rec["average"], **r["average"]},
-            "tasks": {t: {**rec["tasks"][t], **{c: r["tasks"][t][c] for c in cols}} for t in TASKS},
-            "column_records": {**rec.get("column_records", {}), **{c: [n, r.get("root_artifact")] for c in cols}},
-            "column_seeds": {c: r["seeds"] for c in cols},
+    return {**with_columns(rec, n, r, cols), "column_seeds": dict.fromkeys(cols, r["seeds"]),
             "per_seed": {c: r["average_per_seed"][c] for c in cols}}
 
 
