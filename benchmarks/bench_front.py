@@ -53,6 +53,7 @@ from benchmarks.bench_tenants import FullContextLower, SharedRoot, direct_rps, s
 from benchmarks.common import (  # noqa: E402
     DOCS,
     adapter_variants,
+    corpus_slug,
     cut_texts,
     finish,
     machine,
@@ -103,11 +104,19 @@ def _records(pages: list[Path]) -> list[tuple[str, dict]]:
 
 
 def _comparable(a: dict, b: dict) -> bool:
-    """Whether two records' tables were made the same way: one root, the same training and test
-    examples per task, heads pooled alike, learning rates chosen on dev alike."""
-    return (a.get("root") == b.get("root") and a.get("pooling") == b.get("pooling") and a.get("lr_grid") == b.get("lr_grid")
+    """Whether two records' tables were made the same way: one root, a root PLOT of the same text,
+    the same training and test examples per task, heads pooled alike, learning rates chosen on dev
+    alike."""
+    return (a.get("root") == b.get("root") and plot_of(a) == plot_of(b) and a.get("pooling") == b.get("pooling")
+            and a.get("lr_grid") == b.get("lr_grid")
             and all((a["tasks"][t]["train"], a["tasks"][t]["test"]) == (b["tasks"][t]["train"], b["tasks"][t]["test"])
                     for t in TASKS))
+
+
+def plot_of(rec: dict) -> str:
+    """The corpus an eval_accuracy record's root PLOT was built from (records before it was
+    recorded: ``general``, the corpus ``hmi prepare`` builds from)."""
+    return rec.get("plot_corpus", "general")
 
 
 def same_recipe(rec: dict, served: dict) -> bool:
@@ -117,15 +126,16 @@ def same_recipe(rec: dict, served: dict) -> bool:
 
 
 def accuracy_record(artifact: str, page: str | None, split_free_page: str | None = None,
-                    served: dict | None = None) -> tuple[str, str | None, dict]:
+                    served: dict | None = None, plot_from: str = "general") -> tuple[str, str | None, dict]:
     """(page name, the page its split-free columns come from or None, the record) with every column
     the front needs for ``artifact``: the page named, else that artifact's page with the most of
     them (the learned back-off's too). A page named may hold another artifact of the served one's
     recipe (``served``, ``same_recipe``): one calibrated on another machine, whose bits this
     machine's kernels do not repeat; requests/s do not depend on the windows' values. When the
     artifact's pages lack the split-free columns (``SPLIT_FREE``), they come from a comparable page
-    of another split of the same root."""
-    found = _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
+    of another split of the same root. Only pages of a root PLOT built from ``plot_from`` count."""
+    found = [(name, rec) for name, rec in _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
+             if plot_of(rec) == plot_from]
     complete = [(name, rec) for name, rec in found if all(c in rec["average"] for c in WINDOWED)]
     mine = [(name, rec) for name, rec in complete if page in (None, name)
             and (rec.get("root_artifact") == artifact or (page is not None and served and same_recipe(rec, served)))]
@@ -252,6 +262,7 @@ def main() -> None:
     from hmi.adapters.store import AdapterStore
     from hmi.data import TASK_DOMAIN, load_corpus, load_task
     from hmi.plot import learned
+    from hmi.plot.build import plot_corpus
     from hmi.plot.hot import attach_hot_tier
     from hmi.plot.kept import Keeper, keep_texts
     from hmi.plot.keys import encoder_windows, pack, unique_windows
@@ -262,13 +273,15 @@ def main() -> None:
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     served = {"root": root.spec.name, "l_low": root.spec.l_low,
               "steps": root.meta.get("calibration", {}).get("steps_done")}
-    acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy, served=served)
+    plot_from = plot_corpus(version.store)
+    acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy, served=served, plot_from=plot_from)
     tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
     texts = request_texts(tok, seed=0)
     *traces, first = make_traces(texts, n_batches, rounds + 1, seed=1)  # the last: the process's first batches
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
     lookups: dict = {}
     out: dict = {"root": root.spec.name, "l_low": l_low, "artifact": root.artifact_id, "steps": served["steps"],
+                 "plot_corpus": plot_from,
                  "accuracy_record": acc_page, "accuracy_artifact": acc["root_artifact"],
                  "split_free_record": free_page,
                  "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
@@ -372,7 +385,8 @@ def main() -> None:
                + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
     try:
         # the page names the commit and date the record took when the measurement ended, before any output was written
-        report(out, acc, result_name("bench_front", args), command, (machine(), out["measured_at"]))
+        page = result_name("bench_front", args) + (f"_plot-{corpus_slug(plot_from)}" if plot_from != "general" else "")
+        report(out, acc, page, command, (machine(), out["measured_at"]))
     except Exception:
         print(json.dumps(out), flush=True)  # the measurement outlives a failure to write its page
         raise
@@ -495,7 +509,7 @@ def render(name: str) -> None:
     out = json.loads(re.search(r"```json\n(.*?)\n```", page, re.S).group(1))
     command = re.search(r"Command: `(.*?)`", page).group(1)
     _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
-                                served={k: out.get(k) for k in RECIPE})
+                                served={k: out.get(k) for k in RECIPE}, plot_from=out.get("plot_corpus", "general"))
     where, when = page_header(page)  # the page keeps the machine and date it was measured on
     report(out, acc, name, command, (where, out.get("measured_at", when)))
 

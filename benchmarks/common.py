@@ -285,6 +285,12 @@ def result_name(name: str, args) -> str:
     return f"{name}_{slug}" + (f"-l{args.l_low}" if args.l_low else "")
 
 
+def corpus_slug(corpus: str) -> str:
+    """A corpus choice (``hmi plot build --corpus``) as part of a page's name: ``all``, prepared
+    corpora's names joined by ``-``, or a file's stem."""
+    return "-".join(Path(c.strip()).stem for c in corpus.split(","))
+
+
 def prepared_root(home: Path | None = None, root: str | None = None, l_low: int | None = None):
     """The current calibrated artifact of root ``root`` (an alias or a folder; the default root
     when None) split at ``l_low``, with its root PLOT built (``make bench`` prepares both for the

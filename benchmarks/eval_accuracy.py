@@ -55,6 +55,7 @@ from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DOCS,
     adapter_options,
+    corpus_slug,
     describe_adapter,
     finish,
     prepared_root,
@@ -265,6 +266,7 @@ def main() -> None:
     from benchmarks.bench_tenants import FullContextLower
     from hmi.adapters.spec import AdapterSpec
     from hmi.data import TASK_DOMAIN, is_tagging, load_corpus, load_task, task_labels
+    from hmi.plot.build import plot_corpus
     from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
@@ -290,6 +292,7 @@ def main() -> None:
     max_len = 64 if args.quick else 128
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
+    plot_from = plot_corpus(version.store)
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
                                                         (HBERT_LEARNED, "learned"), (HBERT_LEARNED_COMPUTE, "learned+compute"),
@@ -377,7 +380,9 @@ def main() -> None:
                  + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
                  + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
                      columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16)) + ".")
-        text = f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}).\n\n" + text
+        text = (f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}); root PLOT "
+                f"built from the corpus {plot_from!r}.\n\n" + text)
+        res["plot_corpus"] = plot_from
         res["adapter"] = adapter
         if cls_adapter:
             res["classification_adapter"] = cls_adapter
@@ -396,6 +401,8 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if cal.get("corpus", "general") != "general":  # another recipe's windows: their own page
             page += f"_corpus-{cal['corpus']}"
+        if plot_from != "general":  # a root PLOT of other text: its own page
+            page += f"_plot-{corpus_slug(plot_from)}"
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if cls_adapter:

@@ -197,3 +197,14 @@ def test_columns_measured_over_several_seeds_are_read_as_their_mean_and_the_gaps
     assert out["gap_to_adapter_at_1_5x_per_seed"] == [1.0, 1.0]
     assert out["default_served_gap_vs_full_ft_per_seed"] == [1.0, 0.0]
     assert "the mean over 2 seeds" in (tmp_path / "bench_front_trial.md").read_text()
+
+
+def test_a_record_of_a_root_plot_built_from_other_text_gives_only_the_front_of_such_a_plot(tmp_path, monkeypatch):
+    distilled = distilled_pages(tmp_path, monkeypatch)
+    # a table of the same artifact whose learned and distilled cells read a root PLOT of every corpus
+    write(tmp_path, "eval_accuracy_grid_plot-all", "l3", {**FREE, **HBERT, distilled: 90.0}, plot_corpus="all")
+    name, _, acc = bench_front.accuracy_record("l3", None)
+    assert name == "eval_accuracy_grid" and acc["average"][distilled] == 84.5
+    assert acc["column_records"][distilled] == ["eval_accuracy_partial_distilled", "l3"]
+    name, _, acc = bench_front.accuracy_record("l3", None, plot_from="all")
+    assert name == "eval_accuracy_grid_plot-all" and acc["average"][distilled] == 91.5

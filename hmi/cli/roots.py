@@ -185,7 +185,8 @@ def cmd_plot_build(args) -> int:
     out = Path(args.out) if args.out else root_plot_path(root)
     store = PlotStore(out, meta=plot_meta(root), readonly=False)
     try:
-        summary = build_from_corpus(store, root.plot_lower, root.tokenizer, lines, sel, max_len=args.max_len)
+        summary = build_from_corpus(store, root.plot_lower, root.tokenizer, lines, sel, max_len=args.max_len,
+                                    corpus=args.corpus)
     finally:
         store.close()
     if summary.get("up_to_date"):

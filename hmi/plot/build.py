@@ -24,6 +24,7 @@ from hmi.plot.pending import PLAN_FILE, plan_path
 from hmi.plot.store import PlotStore
 
 CHUNK = 2048
+CORPUS_RECORD = "corpus"  # the store record naming what a PLOT was built from
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,13 @@ def publish_plan(store: PlotStore, keys: np.ndarray, fingerprint: str, done: int
     store.put_record("build", {"fingerprint": fingerprint, "done": done, "total": len(keys), "complete": False})
 
 
+def plot_corpus(store: PlotStore) -> str:
+    """The corpus a PLOT was built from (``hmi plot build --corpus``: a prepared corpus, names joined
+    by commas, ``all``, or a file); ``general``, the corpus ``hmi prepare`` builds a root PLOT
+    from, where the PLOT predates the record."""
+    return store.get_record(CORPUS_RECORD) or "general"
+
+
 def tokenize_corpus(tokenizer, lines: list[str], max_len: int = 128, progress: bool = True) -> list[list[int]]:
     """Token ids of each line (as the tokenizer frames a text for serving), truncated as serving truncates."""
     out = []
@@ -170,8 +178,10 @@ def tokenize_corpus(tokenizer, lines: list[str], max_len: int = 128, progress: b
 
 
 def build_from_corpus(store: PlotStore, encoder: WindowedEncoder, tokenizer, lines: list[str], sel: Selection,
-                      max_len: int = 128, with_backoff: bool = True, progress: bool = True) -> dict:
-    """The whole pipeline of ``hmi plot build``: tokenize, count, select, compute, write.
+                      max_len: int = 128, with_backoff: bool = True, progress: bool = True,
+                      corpus: str = "general") -> dict:
+    """The whole pipeline of ``hmi plot build``: tokenize, count, select, compute, write; the
+    store records ``corpus``, what ``lines`` are (``plot_corpus``).
     ``encoder`` is a root's windowed encoder, or a decoder's ``CausalLower`` (``causal`` windows)."""
     t0 = time.time()
     causal = bool(getattr(encoder, "causal", False))
@@ -179,7 +189,8 @@ def build_from_corpus(store: PlotStore, encoder: WindowedEncoder, tokenizer, lin
     keys, counts = count_ngrams(token_lists, causal=causal)
     plan = plan_keys(keys, counts, sel, len(tokenizer) if with_backoff else 0, with_backoff, causal)
     summary = build(store, encoder, plan, progress=progress)
-    summary.update({"corpus_lines": len(lines), "distinct_trigrams": int(len(keys)),
+    store.put_record(CORPUS_RECORD, corpus)
+    summary.update({"corpus": corpus, "corpus_lines": len(lines), "distinct_trigrams": int(len(keys)),
                     "trigram_occurrences": int(counts.sum()), "planned": int(len(plan)),
                     "selection": sel.describe(), "total_seconds": round(time.time() - t0, 2)})
     return summary

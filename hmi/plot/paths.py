@@ -34,14 +34,16 @@ def root_plot_path(root, home: Path | None = None) -> Path:
     return Path(home or hmi_home()) / "plots" / root.artifact_id / "root"
 
 
-def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = None, progress: bool = True) -> dict:
-    """Builds (or finishes, or confirms) the root PLOT of ``root`` from ``lines`` (by default the
-    general corpus)."""
+def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = None, progress: bool = True,
+                     corpus: str = "general") -> dict:
+    """Builds (or finishes, or confirms) the root PLOT of ``root`` from ``lines``, the texts of
+    ``corpus`` (by default the general corpus's)."""
     if lines is None:
-        lines = load_corpus("general")
+        lines = load_corpus(corpus)
     store = PlotStore(root_plot_path(root, home), meta=plot_meta(root), readonly=False)
     try:
-        return build_from_corpus(store, root.plot_lower, root.tokenizer, lines, Selection("all"), progress=progress)
+        return build_from_corpus(store, root.plot_lower, root.tokenizer, lines, Selection("all"), progress=progress,
+                                 corpus=corpus)
     finally:
         store.close()
 

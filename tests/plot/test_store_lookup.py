@@ -252,3 +252,21 @@ def test_windows_no_level_holds_read_as_zeros_whatever_memory_held_before(tmp_pa
         reps, hits = lk.window_reps(windows)
         assert hits["zeros"] == 3
         assert not reps[1:].any() and reps[0].any()
+
+
+def test_a_plot_records_the_corpus_it_was_built_from_and_one_built_before_reads_as_general(tmp_path):
+    from hmi.model.root import default_spec, load_tokenizer
+    from hmi.plot.build import CORPUS_RECORD, build_from_corpus, plot_corpus
+
+    tok = load_tokenizer(default_spec().model_dir)
+    encoder = WindowedEncoder(tiny_bert(hidden=H, vocab=len(tok)), 2).eval()
+    store = PlotStore(tmp_path / "p", meta=META, readonly=False)
+    lines = ["the cat sat on the mat", "a dog ran"]
+    summary = build_from_corpus(store, encoder, tok, lines, Selection("all"), with_backoff=False, progress=False,
+                                corpus="reviews,news")
+    assert (plot_corpus(store), summary["corpus"]) == ("reviews,news", "reviews,news")
+    # built again from other text: the record follows the last build
+    build_from_corpus(store, encoder, tok, lines[:1], Selection("all"), with_backoff=False, progress=False, corpus="all")
+    assert plot_corpus(store) == "all"
+    store.put_record(CORPUS_RECORD, None)  # a store from before the record
+    assert plot_corpus(store) == "general"
