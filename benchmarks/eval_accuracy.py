@@ -380,9 +380,14 @@ def main() -> None:
                  + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
                  + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
                      columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16)) + ".")
-        text = (f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}); root PLOT "
-                f"built from the corpus {plot_from!r}.\n\n" + text)
         res["plot_corpus"] = plot_from
+        plot_stats = version.store.get_record("stats") or {}  # written when its build finished
+        if plot_stats:
+            res["plot_entries"], res["plot_mib"] = plot_stats["entries"], round(plot_stats["file_bytes"] / 2**20, 1)
+        text = (f"Root: {root.spec.name}, split {l_low}+{n_layers - l_low} (artifact {root.artifact_id}); root PLOT "
+                f"built from the corpus {plot_from!r}"
+                + (f" ({plot_stats['entries']:,} n-grams, {plot_stats['file_bytes'] / 2**30:.1f} GiB)" if plot_stats else "")
+                + ".\n\n" + text)
         res["adapter"] = adapter
         if cls_adapter:
             res["classification_adapter"] = cls_adapter
