@@ -36,7 +36,8 @@ from hmi.model.artifact import (
 from hmi.model.catalog import root_spec
 from hmi.model.decoder import CausalLower
 from hmi.model.root import full_forward, mean_pool, weights_fingerprint
-from hmi.plot.build import Selection, build_from_corpus
+from hmi.plot import learned
+from hmi.plot.build import Selection, build_from_corpus, plot_corpus
 from hmi.plot.learned import TRAIN_STEPS, resolve_policy
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
@@ -145,9 +146,31 @@ def cmd_info(args) -> int:
     if shortfall := calibration_shortfall(meta):
         print(f"  {shortfall}")
     print_quality(meta)
+    print_root_plot(home / "plots" / aid / "root")
     if args.json:
         print(json.dumps(meta, indent=1))
     return 0
+
+
+def print_root_plot(path: Path) -> None:
+    """What the artifact's root PLOT at ``path`` holds: its size, the corpus it was built from, how
+    far an unfinished build got, and the learned back-off beside it."""
+    try:
+        store = PlotStore(path, readonly=True)
+    except PlotMissingError:
+        print("root PLOT: none yet (`hmi prepare` builds it from the general corpus)")
+        return
+    try:
+        stats, build, corpus = store.get_record("stats") or {}, store.get_record("build") or {}, plot_corpus(store)
+    finally:
+        store.close()
+    if build and not build.get("complete"):
+        size = f"build unfinished: {build.get('done', 0):,} of {build.get('total', 0):,} n-grams"
+    else:
+        size = f"{stats['entries']:,} n-grams, {stats['file_bytes'] / 2**20:,.0f} MiB" if stats else "size unrecorded"
+    model = learned.fingerprint(path)
+    print(f"root PLOT: {path} ({size}; built from the corpus {corpus!r}); learned back-off: "
+          + (model or "none (`hmi plot learn-backoff` trains it)"))
 
 
 def parse_selection(text: str):

@@ -134,3 +134,33 @@ def test_a_plot_builds_corpus_argument_reads_prepared_corpora_joined_or_all_or_a
     assert read_corpus_arg(str(tmp_path / "mine.txt")) == ["one line", "another"]
     with pytest.raises(SystemExit, match="neither a prepared corpus"):
         read_corpus_arg("news,poetry")
+
+
+def test_info_says_what_the_root_plot_holds_and_what_it_was_built_from(capsys):
+    import json
+
+    from hmi.home import hmi_home
+    from hmi.io import atomic_write_text
+    from hmi.model.hplm import WindowedEncoder
+    from hmi.model.root import default_spec, load_tokenizer
+    from hmi.plot.build import Selection, build_from_corpus
+    from hmi.plot.store import PlotMeta, PlotStore
+    from tests.conftest import tiny_bert
+
+    aid, roots = "minilm-l3-tiny", hmi_home() / "roots"
+    (roots / aid).mkdir(parents=True)
+    (roots / aid / "config.json").write_text(json.dumps({"root": "minilm-l6", "l_low": 3, "hidden_size": 32}))
+    atomic_write_text(roots / "current", aid)
+    main(["info"])
+    assert "root PLOT: none yet (`hmi prepare`" in capsys.readouterr().out
+    tok = load_tokenizer(default_spec().model_dir)
+    store = PlotStore(hmi_home() / "plots" / aid / "root", meta=PlotMeta(root_artifact=aid, l_low=3, hidden_size=32),
+                      readonly=False)
+    build_from_corpus(store, WindowedEncoder(tiny_bert(hidden=32, vocab=len(tok)), 3).eval(), tok,
+                      ["the cat sat on the mat"], Selection("all"), with_backoff=False, progress=False, corpus="all")
+    n = len(store)
+    store.close()
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"({n:,} n-grams, " in out and "built from the corpus 'all'" in out
+    assert "learned back-off: none (`hmi plot learn-backoff` trains it)" in out
