@@ -53,11 +53,11 @@ from benchmarks.bench_tenants import FullContextLower, SharedRoot, direct_rps, s
 from benchmarks.common import (  # noqa: E402
     DOCS,
     adapter_variants,
-    corpus_slug,
     cut_texts,
     finish,
     machine,
     page_header,
+    plot_page_suffix,
     prepared_root,
     provenance,
     result_name,
@@ -385,7 +385,7 @@ def main() -> None:
                + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
     try:
         # the page names the commit and date the record took when the measurement ended, before any output was written
-        page = result_name("bench_front", args) + (f"_plot-{corpus_slug(plot_from)}" if plot_from != "general" else "")
+        page = result_name("bench_front", args) + plot_page_suffix(plot_from)
         report(out, acc, page, command, (machine(), out["measured_at"]))
     except Exception:
         print(json.dumps(out), flush=True)  # the measurement outlives a failure to write its page

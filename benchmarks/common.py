@@ -285,10 +285,11 @@ def result_name(name: str, args) -> str:
     return f"{name}_{slug}" + (f"-l{args.l_low}" if args.l_low else "")
 
 
-def corpus_slug(corpus: str) -> str:
-    """A corpus choice (``hmi plot build --corpus``) as part of a page's name: ``all``, prepared
-    corpora's names joined by ``-``, or a file's stem."""
-    return "-".join(Path(c.strip()).stem for c in corpus.split(","))
+def plot_page_suffix(corpus: str) -> str:
+    """What a results page's name adds for a root PLOT built from ``corpus`` (``hmi plot build
+    --corpus``): nothing for ``general``, else ``_plot-`` and ``all``, prepared corpora's names
+    joined by ``-``, or a file's stem."""
+    return "" if corpus == "general" else "_plot-" + "-".join(Path(c.strip()).stem for c in corpus.split(","))
 
 
 def prepared_root(home: Path | None = None, root: str | None = None, l_low: int | None = None):

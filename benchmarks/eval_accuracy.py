@@ -55,9 +55,9 @@ from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DOCS,
     adapter_options,
-    corpus_slug,
     describe_adapter,
     finish,
+    plot_page_suffix,
     prepared_root,
     result_name,
     root_flags,
@@ -406,8 +406,7 @@ def main() -> None:
         page = result_name("eval_accuracy_partial" if partial or len(done) < len(tasks) else "eval_accuracy", args)
         if cal.get("corpus", "general") != "general":  # another recipe's windows: their own page
             page += f"_corpus-{cal['corpus']}"
-        if plot_from != "general":  # a root PLOT of other text: its own page
-            page += f"_plot-{corpus_slug(plot_from)}"
+        page += plot_page_suffix(plot_from)  # a root PLOT of other text: its own page
         if args.adapter is not None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if cls_adapter:

@@ -40,7 +40,7 @@ from hmi.plot import learned
 from hmi.plot.build import Selection, build_from_corpus, plot_corpus
 from hmi.plot.learned import TRAIN_STEPS, resolve_policy
 from hmi.plot.lookup import PlotLookup, PlotVersion
-from hmi.plot.paths import open_root_store, open_root_version, plot_meta, root_plot_path
+from hmi.plot.paths import artifact_plot_path, open_root_store, open_root_version, plot_meta, root_plot_path
 from hmi.plot.store import PlotMissingError, PlotStore
 from hmi.timelimit import EXIT_UNFINISHED
 from hmi.training import backoff
@@ -146,7 +146,7 @@ def cmd_info(args) -> int:
     if shortfall := calibration_shortfall(meta):
         print(f"  {shortfall}")
     print_quality(meta)
-    print_root_plot(home / "plots" / aid / "root")
+    print_root_plot(artifact_plot_path(aid, home))
     if args.json:
         print(json.dumps(meta, indent=1))
     return 0

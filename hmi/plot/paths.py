@@ -31,19 +31,22 @@ def plot_meta(root) -> PlotMeta:
 
 
 def root_plot_path(root, home: Path | None = None) -> Path:
-    return Path(home or hmi_home()) / "plots" / root.artifact_id / "root"
+    return artifact_plot_path(root.artifact_id, home)
 
 
-def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = None, progress: bool = True,
-                     corpus: str = "general") -> dict:
-    """Builds (or finishes, or confirms) the root PLOT of ``root`` from ``lines``, the texts of
-    ``corpus`` (by default the general corpus's)."""
+def artifact_plot_path(artifact_id: str, home: Path | None = None) -> Path:
+    """Where the root PLOT of the artifact ``artifact_id`` lives, without loading the root."""
+    return Path(home or hmi_home()) / "plots" / artifact_id / "root"
+
+
+def ensure_root_plot(root, lines: list[str] | None = None, home: Path | None = None, progress: bool = True) -> dict:
+    """Builds (or finishes, or confirms) the root PLOT of ``root`` from ``lines`` (by default the
+    general corpus)."""
     if lines is None:
-        lines = load_corpus(corpus)
+        lines = load_corpus("general")
     store = PlotStore(root_plot_path(root, home), meta=plot_meta(root), readonly=False)
     try:
-        return build_from_corpus(store, root.plot_lower, root.tokenizer, lines, Selection("all"), progress=progress,
-                                 corpus=corpus)
+        return build_from_corpus(store, root.plot_lower, root.tokenizer, lines, Selection("all"), progress=progress)
     finally:
         store.close()
 
