@@ -97,12 +97,17 @@ HBERT_FULL = "hBERT, full-context lower layers"
 # rate chosen on dev) on the training texts and --transfer unlabeled lines of the task's domain corpus
 # (on request: --schemes hBERT-distilled; `distil` on a fine-tune job)
 HBERT_DISTILLED = "hBERT, learned back-off, distilled"
+# the same distillation with the uni-gram misses computed (on request: --schemes hBERT-distilled-compute;
+# `--miss-policy learned+compute` with `distil`)
+HBERT_DISTILLED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed, distilled"
+DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute"}  # scheme -> miss policy served
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
-                                                  HBERT_DISTILLED]
+                                                  HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE]
 # --schemes names without a comma
 SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
                 "hBERT-adapter-upper": ADAPTER_UPPER,
-                "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED}
+                "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED,
+                "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE}
 
 
 def chosen_tasks(arg: str | None) -> list[str]:
@@ -165,6 +170,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
                          "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
                          f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
                          "trained again with the same seed) as well as the labels (`hmi.training.distil`)",
+        HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
+                                 "(`--miss-policy learned+compute`)",
     }
     return [(label, what[label]) for label in columns if label in what]
 
@@ -208,7 +215,8 @@ def main() -> None:
                                           "misses that would fall to the uni-gram computed), hBERT-full (hBERT on the "
                                           "full-context lower layers: perfect windows) and hBERT-adapter-upper "
                                           "(hBERT-adapter's adapters in the upper layers only) and hBERT-distilled (the "
-                                          "learned back-off's adapters distilled from hBERT-adapter: --transfer)")
+                                          "learned back-off's adapters distilled from hBERT-adapter: --transfer) and "
+                                          "hBERT-distilled-compute (the same with --miss-policy learned+compute)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS + OTHER_TASKS)
                         + f" (default the first {len(TASKS)})")
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
@@ -246,7 +254,7 @@ def main() -> None:
     args = start(__doc__, options)
     default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
                        and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE,
-                                                                                    HBERT_DISTILLED)]
+                                                                                    *DISTILLED)]
     schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = chosen_tasks(args.tasks)
     adapter = adapter_options(args.adapter)
@@ -296,18 +304,20 @@ def main() -> None:
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
                                                         (HBERT_LEARNED, "learned"), (HBERT_LEARNED_COMPUTE, "learned+compute"),
-                                                        (HBERT_FULL, "full"), (HBERT_DISTILLED, "learned"))
+                                                        (HBERT_FULL, "full"), *DISTILLED.items())
                   if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
     if args.dedicated_lr is not None:
         lrs["dedicated"] = args.dedicated_lr
-    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs[HBERT_DISTILLED] = lrs["hBERT"]
+    lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs["hBERT"]
+    lrs.update(dict.fromkeys(DISTILLED, lrs["hBERT"]))
     learned = HBERT_LEARNED in schemes
     mixed = HBERT_LEARNED_COMPUTE in schemes
     distilled = HBERT_DISTILLED in schemes
+    distilled_compute = HBERT_DISTILLED_COMPUTE in schemes
     # a learned back-off's cells are its model's: one trained again is another run
-    learned_id = learned_fingerprint(version.store.path) if learned or mixed or distilled else None
-    if (learned or mixed or distilled) and learned_id is None:
+    learned_id = learned_fingerprint(version.store.path) if learned or mixed or distilled or distilled_compute else None
+    if (learned or mixed or distilled or distilled_compute) and learned_id is None:
         raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
                          f"`hmi plot learn-backoff{root_flags(args)}`")
     cells = Cells("eval_accuracy", {
@@ -350,6 +360,8 @@ def main() -> None:
             res["avg_gap_learned_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED_COMPUTE], 2)
         if "dedicated" in avg and HBERT_DISTILLED in avg:
             res["avg_gap_distilled_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_DISTILLED], 2)
+        if "dedicated" in avg and HBERT_DISTILLED_COMPUTE in avg:
+            res["avg_gap_distilled_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_DISTILLED_COMPUTE], 2)
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
                 res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]  # on average
@@ -363,7 +375,9 @@ def main() -> None:
             ("hBERT", "avg_gap_vs_full_ft"), ("with exact windows", "avg_gap_exact_windows_vs_full_ft"),
             ("with the learned back-off", "avg_gap_learned_backoff_vs_full_ft"),
             ("with the learned back-off and every uni-gram miss computed", "avg_gap_learned_compute_vs_full_ft"),
-            ("with the learned back-off, distilled", "avg_gap_distilled_vs_full_ft")) if key in res]
+            ("with the learned back-off, distilled", "avg_gap_distilled_vs_full_ft"),
+            ("with the learned back-off and every uni-gram miss computed, distilled",
+             "avg_gap_distilled_compute_vs_full_ft")) if key in res]
         gap = " Average gap to dedicated (full fine-tuning), points: " + "; ".join(gaps) if gaps else ""
         seeds_text = (f" Each figure is the mean over {len(seeds)} seeds (initialization, batch order, dropout) of the "
                       "test accuracy of the pooling and learning rate dev chooses for that seed, ± the standard deviation "
@@ -420,9 +434,13 @@ def main() -> None:
         if mixed:
             page += "_learned-compute"
         if distilled:
-            page += "_distilled" + (f"-transfer-{args.transfer}" if args.transfer != 2000 else "")
+            page += "_distilled"
+        if distilled_compute:
+            page += "_distilled-compute"
+        if distilled or distilled_compute:
+            page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             res["transfer_lines"] = args.transfer
-        if learned or mixed or distilled:
+        if learned or mixed or distilled or distilled_compute:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
@@ -444,7 +462,7 @@ def main() -> None:
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
-               + (f" --transfer {args.transfer}" if distilled and args.transfer != 2000 else "") + root_flags(args))
+               + (f" --transfer {args.transfer}" if (distilled or distilled_compute) and args.transfer != 2000 else "") + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
         for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
@@ -501,7 +519,7 @@ def main() -> None:
             return teachers[seed]
 
         runs = [(label, lambda spec, lr, seed, policy=policy, label=label: hbert(
-                     spec, lr, seed, policy, distillation(seed) if label == HBERT_DISTILLED else None))
+                     spec, lr, seed, policy, distillation(seed) if label in DISTILLED else None))
                 for label, policy in hbert_runs]
         runs += [(label, lambda spec, lr, seed, mode=mode: full(spec, lr, seed, mode)) for label, mode in full_context]
 
@@ -514,7 +532,7 @@ def main() -> None:
                     key["learned_backoff"] = learned_id
                     if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
                         key["learned_bf16"] = True
-                if label == HBERT_DISTILLED:
+                if label in DISTILLED:
                     key["transfer"] = args.transfer
                     key["distil"] = [Distillation.temperature, Distillation.weight]
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
