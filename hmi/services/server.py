@@ -139,13 +139,7 @@ class Server:
         except ValueError as exc:
             pooling, self.embedding_error = SentencePooling(), str(exc)
         self._closing = threading.Event()
-        if cfg.plot_hot_mb > 0:
-            threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
-        if cfg.heap_trim_s > 0:
-            threading.Thread(target=self._trim_heap, name="heap-trim", daemon=True).start()
-        if isinstance(lookup.chain[0].store, PendingStore):
-            threading.Thread(target=self._await_plot, args=(lookup.chain[0], "root PLOT"), name="root-plot",
-                             daemon=True).start()
+        self._start_background()
         root.bert.share_memory()
         root.windowed.share_memory()
         ctx = WorkerContext(root.bert, root.windowed, root.spec.model_dir, root.spec.l_low, str(plot_path),
@@ -217,6 +211,17 @@ class Server:
             self.tenants.job_finished(job, state, info)
         elif state == "succeeded":
             self.domains.changed(job["domain"])
+
+    def _start_background(self) -> None:
+        """The server's own threads: the hot tier's build, the heap's trimming, and the wait for a root
+        PLOT still being built; each ends with the process (daemon) or at ``_closing``."""
+        if self.cfg.plot_hot_mb > 0:
+            threading.Thread(target=self._build_hot_tier, name="hot-tier", daemon=True).start()
+        if self.cfg.heap_trim_s > 0:
+            threading.Thread(target=self._trim_heap, name="heap-trim", daemon=True).start()
+        if isinstance(self.lookup.chain[0].store, PendingStore):
+            threading.Thread(target=self._await_plot, args=(self.lookup.chain[0], "root PLOT"), name="root-plot",
+                             daemon=True).start()
 
     def _build_hot_tier(self) -> None:
         """The root PLOT's hot tier, in the background: lookups read LMDB alone until it is there."""
