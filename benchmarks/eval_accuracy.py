@@ -116,6 +116,21 @@ def chosen_tasks(arg: str | None) -> list[str]:
     return list(TASKS) if arg is None else subset(arg, TASKS + OTHER_TASKS, "--tasks")
 
 
+def default_schemes(quick: bool, exact: bool, learned: bool) -> list[str]:
+    """The columns of a run without --schemes, the full table: every scheme of ``SCHEMES`` but the
+    upper-layers adapter, and hBERT; the exact windows unless --quick (then with --exact), the
+    learned back-off with --learned; the other hBERT schemes only when named."""
+    return [s for s in ALL_SCHEMES if (s != HBERT_EXACT or exact or not quick) and (s != HBERT_LEARNED or learned)
+            and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE, *DISTILLED)]
+
+
+def partial_table(schemes: list[str], tasks: list[str], full_table: list[str]) -> bool:
+    """Whether a run of ``schemes`` on ``tasks`` makes a partial page: it lacks a column of the full
+    table (``full_table``: schemes named beyond it do not make up for one missing) or runs other
+    tasks than the four."""
+    return not set(full_table) <= set(schemes) or set(tasks) != set(TASKS)
+
+
 def subset(arg: str, known: list[str], flag: str) -> list[str]:
     """The comma-separated names of ``arg``, in ``known``'s order."""
     names = [SCHEME_FLAGS.get(a.strip(), a.strip()) for a in arg.split(",") if a.strip()]
@@ -252,15 +267,13 @@ def main() -> None:
         root_options(ap)
 
     args = start(__doc__, options)
-    default_schemes = [s for s in ALL_SCHEMES if (s != HBERT_EXACT or args.exact or not args.quick)
-                       and (s != HBERT_LEARNED or args.learned) and s not in (ADAPTER_UPPER, HBERT_FULL, HBERT_LEARNED_COMPUTE,
-                                                                                    *DISTILLED)]
-    schemes = default_schemes if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
+    full_table = default_schemes(args.quick, args.exact, args.learned)
+    schemes = full_table if args.schemes is None else subset(args.schemes, ALL_SCHEMES, "--schemes")
     tasks = chosen_tasks(args.tasks)
     adapter = adapter_options(args.adapter)
     cls_adapter = adapter_options(args.classification_adapter, "--classification-adapter")
     grid = not args.quick if args.grid is None else args.grid
-    partial = (len(schemes) < len(default_schemes) or set(tasks) != set(TASKS) or args.adapter is not None
+    partial = (partial_table(schemes, tasks, full_table) or args.adapter is not None
                or args.classification_adapter is not None
                or args.dedicated_lr is not None)
     if args.seeds < 1:

@@ -1,11 +1,23 @@
-"""eval_accuracy's choice of tasks, the page's description of its columns, and its runs over several seeds
+"""eval_accuracy's choice of tasks, which runs make a partial page, the page's description of its columns,
+and its runs over several seeds
 (``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the one-seed table's run, read back rather
 than trained again; every other seed trains every option and dev chooses per seed."""
 
 import pytest
 
 from benchmarks.cells import Cells
-from benchmarks.eval_accuracy import ALL_SCHEMES, HBERT_DISTILLED, HBERT_LEARNED, TASKS, chosen_tasks, scheme_descriptions, seeded_cells
+from benchmarks.eval_accuracy import (
+    ALL_SCHEMES,
+    HBERT_DISTILLED,
+    HBERT_DISTILLED_COMPUTE,
+    HBERT_LEARNED,
+    TASKS,
+    chosen_tasks,
+    default_schemes,
+    partial_table,
+    scheme_descriptions,
+    seeded_cells,
+)
 
 KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
 OPTIONS = [("cls", 3e-3), ("mean", 3e-3)]
@@ -48,3 +60,14 @@ def test_the_page_describes_every_column_it_shows_and_no_scheme_the_run_left_out
     assert "2000 unlabeled lines" in two[HBERT_DISTILLED] and "all 6 layers" in two[HBERT_DISTILLED]
     assert "bf16" in two[HBERT_LEARNED]
     assert "fp32" in dict(scheme_descriptions([HBERT_LEARNED], lrs, 6, 3, 0, False))[HBERT_LEARNED]
+
+
+def test_a_run_lacking_a_column_of_the_full_table_makes_a_partial_page_however_many_schemes_it_names():
+    full = default_schemes(quick=True, exact=False, learned=False)
+    assert "dedicated" in full and "hBERT" in full
+    assert not partial_table(full, TASKS, full)
+    assert not partial_table(full + [HBERT_DISTILLED], TASKS, full)  # a column beyond the table: still the full one
+    five = ["shared", "hBERT-adapter", HBERT_LEARNED, HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE]
+    assert len(five) >= len(full) and partial_table(five, TASKS, full)  # as many columns, not the table's
+    assert partial_table(full, ["news-topic"], full)
+    assert partial_table(full, TASKS + ["license-category"], full)
