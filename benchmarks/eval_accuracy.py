@@ -101,6 +101,15 @@ HBERT_DISTILLED = "hBERT, learned back-off, distilled"
 # `--miss-policy learned+compute` with `distil`)
 HBERT_DISTILLED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed, distilled"
 DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute"}  # scheme -> miss policy served
+# (column, the record's key of its average gap to dedicated, how the page's sentence of gaps names it)
+GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
+            (HBERT_EXACT, "avg_gap_exact_windows_vs_full_ft", "with exact windows"),
+            (HBERT_LEARNED, "avg_gap_learned_backoff_vs_full_ft", "with the learned back-off"),
+            (HBERT_LEARNED_COMPUTE, "avg_gap_learned_compute_vs_full_ft",
+             "with the learned back-off and every uni-gram miss computed"),
+            (HBERT_DISTILLED, "avg_gap_distilled_vs_full_ft", "with the learned back-off, distilled"),
+            (HBERT_DISTILLED_COMPUTE, "avg_gap_distilled_compute_vs_full_ft",
+             "with the learned back-off and every uni-gram miss computed, distilled")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
                                                   HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE]
 # --schemes names without a comma
@@ -328,9 +337,11 @@ def main() -> None:
     mixed = HBERT_LEARNED_COMPUTE in schemes
     distilled = HBERT_DISTILLED in schemes
     distilled_compute = HBERT_DISTILLED_COMPUTE in schemes
+    distils = distilled or distilled_compute  # a teacher per task and seed, and --transfer lines
+    reads_learned = learned or mixed or distils  # the root PLOT's learned back-off serves a column
     # a learned back-off's cells are its model's: one trained again is another run
-    learned_id = learned_fingerprint(version.store.path) if learned or mixed or distilled or distilled_compute else None
-    if (learned or mixed or distilled or distilled_compute) and learned_id is None:
+    learned_id = learned_fingerprint(version.store.path) if reads_learned else None
+    if reads_learned and learned_id is None:
         raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
                          f"`hmi plot learn-backoff{root_flags(args)}`")
     cells = Cells("eval_accuracy", {
@@ -363,18 +374,8 @@ def main() -> None:
             res["average_per_seed"] = {c: [round(v, 2) for v in vs] for c, vs in by_seed.items()}
             res["average_sd"] = {c: round(v, 2) for c, v in sd.items()}
             res["seeds"] = len(seeds)
-        if "dedicated" in avg and "hBERT" in avg:
-            res["avg_gap_vs_full_ft"] = round(avg["dedicated"] - avg["hBERT"], 2)
-        if "dedicated" in avg and HBERT_EXACT in avg:
-            res["avg_gap_exact_windows_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_EXACT], 2)
-        if "dedicated" in avg and HBERT_LEARNED in avg:
-            res["avg_gap_learned_backoff_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED], 2)
-        if "dedicated" in avg and HBERT_LEARNED_COMPUTE in avg:
-            res["avg_gap_learned_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_LEARNED_COMPUTE], 2)
-        if "dedicated" in avg and HBERT_DISTILLED in avg:
-            res["avg_gap_distilled_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_DISTILLED], 2)
-        if "dedicated" in avg and HBERT_DISTILLED_COMPUTE in avg:
-            res["avg_gap_distilled_compute_vs_full_ft"] = round(avg["dedicated"] - avg[HBERT_DISTILLED_COMPUTE], 2)
+        res.update({key: round(avg["dedicated"] - avg[col], 2) for col, key, _ in GAP_KEYS
+                    if "dedicated" in avg and col in avg})
         for other in ("shared", "compress"):
             if other in avg and "hBERT" in avg:
                 res[f"hbert_above_{other}"] = avg["hBERT"] > avg[other]  # on average
@@ -384,13 +385,7 @@ def main() -> None:
         res["root_artifact"] = root.artifact_id
         res["pooling"] = args.pooling
         text = table(table_rows, ("task", "train examples", *columns))
-        gaps = [f"{what} {res[key]}" for what, key in (
-            ("hBERT", "avg_gap_vs_full_ft"), ("with exact windows", "avg_gap_exact_windows_vs_full_ft"),
-            ("with the learned back-off", "avg_gap_learned_backoff_vs_full_ft"),
-            ("with the learned back-off and every uni-gram miss computed", "avg_gap_learned_compute_vs_full_ft"),
-            ("with the learned back-off, distilled", "avg_gap_distilled_vs_full_ft"),
-            ("with the learned back-off and every uni-gram miss computed, distilled",
-             "avg_gap_distilled_compute_vs_full_ft")) if key in res]
+        gaps = [f"{what} {res[key]}" for _, key, what in GAP_KEYS if key in res]
         gap = " Average gap to dedicated (full fine-tuning), points: " + "; ".join(gaps) if gaps else ""
         seeds_text = (f" Each figure is the mean over {len(seeds)} seeds (initialization, batch order, dropout) of the "
                       "test accuracy of the pooling and learning rate dev chooses for that seed, ± the standard deviation "
@@ -450,10 +445,10 @@ def main() -> None:
             page += "_distilled"
         if distilled_compute:
             page += "_distilled-compute"
-        if distilled or distilled_compute:
+        if distils:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             res["transfer_lines"] = args.transfer
-        if learned or mixed or distilled or distilled_compute:
+        if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
@@ -475,7 +470,7 @@ def main() -> None:
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
-               + (f" --transfer {args.transfer}" if (distilled or distilled_compute) and args.transfer != 2000 else "") + root_flags(args))
+               + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "") + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
         for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
