@@ -66,6 +66,7 @@ from benchmarks.common import (  # noqa: E402
     table,
 )
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
+from hmi.training.distil import Distillation  # noqa: E402
 from hmi.training.full_context import COMPRESS_LAYERS, train_full_context  # noqa: E402
 
 # The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
@@ -101,6 +102,7 @@ HBERT_DISTILLED = "hBERT, learned back-off, distilled"
 # `--miss-policy learned+compute` with `distil`)
 HBERT_DISTILLED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed, distilled"
 DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute"}  # scheme -> miss policy served
+DISTIL_WEIGHT = Distillation.weight  # the teacher's weight in a distilled fine-tune's loss (--distil-weight)
 # (column, the record's key of its average gap to dedicated, how the page's sentence of gaps names it)
 GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
             (HBERT_EXACT, "avg_gap_exact_windows_vs_full_ft", "with exact windows"),
@@ -169,7 +171,7 @@ def learning_rates(arg: str) -> tuple[float, ...]:
 
 
 def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int, transfer: int,
-                        bf16: bool) -> list[tuple[str, str]]:
+                        bf16: bool, weight: float = DISTIL_WEIGHT) -> list[tuple[str, str]]:
     """What each of the page's columns trains, in the columns' order (a scheme the run left out is not described)."""
     upper = n_layers - l_low
     lr = {label: f" (lr {lr_text(lrs[label])})" if label in lrs else "" for label in columns}
@@ -193,7 +195,9 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
         HBERT_DISTILLED: f"the learned back-off's adapters trained on the training texts and {transfer} unlabeled "
                          "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
                          f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
-                         "trained again with the same seed) as well as the labels (`hmi.training.distil`)",
+                         "trained again with the same seed) as well as the labels"
+                         + (f" (the teacher's answers weighted {weight:g}, the labels {1 - weight:g})"
+                            if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
                                  "(`--miss-policy learned+compute`)",
     }
@@ -272,6 +276,9 @@ def main() -> None:
         ap.add_argument("--transfer", type=int, default=2000, metavar="N",
                         help="hBERT-distilled: unlabeled lines of each task's domain corpus the teacher answers "
                              "beside the training texts (default 2000)")
+        ap.add_argument("--distil-weight", type=float, default=DISTIL_WEIGHT, metavar="W",
+                        help="hBERT-distilled: the weight of the teacher's answers in the loss of the labelled texts, "
+                             f"1 - W the labels' (default {DISTIL_WEIGHT:g}; hmi.training.distil)")
         ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
@@ -290,6 +297,8 @@ def main() -> None:
     seeds = range(args.seeds)
     if args.transfer < 0:
         raise SystemExit(f"--transfer must be 0 or more lines, got {args.transfer}")
+    if not 0 <= args.distil_weight <= 1:
+        raise SystemExit(f"--distil-weight must be between 0 and 1, got {args.distil_weight:g}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -300,7 +309,6 @@ def main() -> None:
     from hmi.plot.learned import SERVE_BF16
     from hmi.plot.learned import fingerprint as learned_fingerprint
     from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
-    from hmi.training.distil import Distillation
     from hmi.training.examples import encode
     from hmi.training.finetune import FinetuneConfig, finetune, fit, tenant_model
 
@@ -401,7 +409,7 @@ def main() -> None:
                  + f"; the adapters are {describe_adapter(adapter)}"
                  + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
                  + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
-                     columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16)) + ".")
+                     columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16, args.distil_weight)) + ".")
         res["plot_corpus"] = plot_from
         plot_stats = version.store.get_record("stats") or {}  # written when its build finished
         if plot_stats:
@@ -447,7 +455,9 @@ def main() -> None:
             page += "_distilled-compute"
         if distils:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
+            page += f"-weight-{args.distil_weight:g}" if args.distil_weight != DISTIL_WEIGHT else ""
             res["transfer_lines"] = args.transfer
+            res["distil_weight"] = args.distil_weight
         if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
@@ -470,7 +480,9 @@ def main() -> None:
                + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
                   else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
-               + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "") + root_flags(args))
+               + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "")
+               + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
+               + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
         for stale in partial_pages - {page}:  # every task done: the page of fewer tasks goes
@@ -523,7 +535,8 @@ def main() -> None:
                                                 [seed], options,
                                                 lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0]
                 teachers[seed] = Distillation(full(specs[pool], lr, seed, "adapter")["teacher"],
-                                              load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [])
+                                              load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
+                                              weight=args.distil_weight)
             return teachers[seed]
 
         runs = [(label, lambda spec, lr, seed, policy=policy, label=label: hbert(
@@ -542,7 +555,7 @@ def main() -> None:
                         key["learned_bf16"] = True
                 if label in DISTILLED:
                     key["transfer"] = args.transfer
-                    key["distil"] = [Distillation.temperature, Distillation.weight]
+                    key["distil"] = [Distillation.temperature, args.distil_weight]
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

@@ -60,6 +60,9 @@ def test_the_page_describes_every_column_it_shows_and_no_scheme_the_run_left_out
     assert "2000 unlabeled lines" in two[HBERT_DISTILLED] and "all 6 layers" in two[HBERT_DISTILLED]
     assert "bf16" in two[HBERT_LEARNED]
     assert "fp32" in dict(scheme_descriptions([HBERT_LEARNED], lrs, 6, 3, 0, False))[HBERT_LEARNED]
+    assert "weighted" not in two[HBERT_DISTILLED]  # the default weight goes unsaid
+    heavy = dict(scheme_descriptions([HBERT_DISTILLED], lrs, 6, 3, 2000, True, weight=0.9))[HBERT_DISTILLED]
+    assert "the teacher's answers weighted 0.9, the labels 0.1" in heavy
 
 
 def test_a_run_lacking_a_column_of_the_full_table_makes_a_partial_page_however_many_schemes_it_names():
