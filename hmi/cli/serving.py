@@ -86,8 +86,9 @@ def arguments(command: str, srv) -> None:
                           "measures the cost)")
     srv.add_argument("--miss-policy", default="auto",
                      choices=["auto", "backoff", "compute", "compute+insert", "learned", "learned+compute"],
-                     help="auto (the default: learned where the root PLOT has a learned back-off, as the default root "
-                          "has, shipped with hmi; else backoff: docs/front.md), backoff (fast, the paper's), compute "
+                     help="auto (the default: where the root PLOT has a learned back-off, as the default root has, "
+                          "shipped with hmi, the root's choice on its front, learned on the default root; else backoff: "
+                          "docs/front.md), backoff (fast, the paper's), compute "
                           "(exact windowed layers on misses), compute+insert "
                           "(computed once, then kept in the domain's PLOT, bounded by --plot-keep-mb: the next text "
                           "holding the window hits; a tenant's training texts are kept by its fine-tune) or learned "

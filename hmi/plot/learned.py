@@ -162,16 +162,17 @@ def install(path: Path | str, shipped: Path) -> bool:
     return True
 
 
-def resolve_policy(policy: str, version, artifact_id: str) -> str:
-    """The miss policy a server serves: ``policy``, or for ``auto`` ``learned`` where the root
-    PLOT (``version``'s store) has a learned back-off, else ``backoff``.  The package ships the
-    learned back-off of its shipped default artifact: it is placed beside that artifact's root
-    PLOT first (``install``)."""
+def resolve_policy(policy: str, version, artifact_id: str, learned_policy: str = "learned") -> str:
+    """The miss policy a server serves: ``policy``, or for ``auto`` ``learned_policy`` (a policy
+    that reads the learned back-off: the root's choice, ``hmi.model.aliases.auto_miss_policy``)
+    where the root PLOT (``version``'s store) has a learned back-off, else ``backoff``.  The package
+    ships the learned back-off of its shipped default artifact: it is placed beside that artifact's
+    root PLOT first (``install``)."""
     if policy != "auto":
         return policy
     path = getattr(version.store, "store", version.store).path  # a PLOT being built: hmi.plot.pending
     install(path, SHIPPED_DIR / artifact_id)
-    return "learned" if trained(path) else "backoff"
+    return learned_policy if trained(path) else "backoff"
 
 
 def fingerprint(path: Path | str) -> str | None:

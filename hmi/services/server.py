@@ -47,8 +47,9 @@ class ServerConfig:
     max_body_mb: float = 32.0
     pool_slots: int = 64
     host_cache_mb: float = 1024
-    # The PLOT's miss policy (hmi.plot.lookup.POLICIES), or auto: learned where the root PLOT has a
-    # learned back-off, else backoff (``resolve_policy``; the front's choice: docs/front.md).
+    # The PLOT's miss policy (hmi.plot.lookup.POLICIES), or auto: the root's choice on its front where
+    # the root PLOT has a learned back-off (``hmi.model.aliases.auto_miss_policy``), else backoff
+    # (``resolve_policy``; docs/front.md).
     miss_policy: str = "auto"
     plot_keep_mb: float = DEFAULT_BUDGET_MB  # compute+insert: the kept misses each PLOT may hold (hmi.plot.kept)
     # Encoder fine-tunes distil the served adapter from a full-context teacher (hmi.training.distil)

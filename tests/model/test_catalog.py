@@ -1,8 +1,9 @@
-"""Roots by name: aliases, checkpoint folders (converted once into HMI_HOME), splits, pointers."""
+"""Roots by name: aliases, checkpoint folders (converted once into HMI_HOME), splits, pointers, and what
+`--miss-policy auto` serves on each."""
 
 import pytest
 
-from hmi.model.aliases import pointer_name, source_of
+from hmi.model.aliases import ALIASES, DEFAULT_ROOT, auto_miss_policy, pointer_name, source_of
 from hmi.model.catalog import RootUnavailableError, resolve_root, root_spec
 from hmi.model.root import default_spec
 from tests.helpers.checkpoints import tiny_checkpoint
@@ -12,6 +13,15 @@ def test_the_default_alias_is_the_packaged_minilm_with_its_first_names():
     spec = root_spec("minilm-l6", home=None)
     assert spec == default_spec(3)
     assert (spec.source, spec.prefix, spec.pointer) == (None, "minilm", "current")
+
+
+def test_auto_serves_each_packaged_roots_choice_at_its_default_split_and_the_learned_back_off_elsewhere():
+    for alias, root in ALIASES.items():
+        source = None if alias == DEFAULT_ROOT else alias
+        assert auto_miss_policy(source, root.l_low) == root.miss_policy
+        assert auto_miss_policy(source, root.l_low + 1) == "learned"  # another split: not what its front chose
+    assert auto_miss_policy(None, 3) == "learned"  # the default root's front: docs/front.md
+    assert auto_miss_policy("/models/my-bert", 3) == "learned"
 
 
 def test_each_split_of_the_default_root_has_its_own_pointer_so_calibrating_one_leaves_the_served_default_alone():

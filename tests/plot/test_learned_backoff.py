@@ -285,6 +285,7 @@ def test_the_default_policy_serves_the_shipped_learned_backoff_of_the_shipped_ar
     assert learned.resolve_policy("auto", version, "minilm-l3-not-shipped") == "backoff" and not learned.trained(tmp_path / "plot")
     assert learned.resolve_policy("backoff", version, artifact.name) == "backoff" and not learned.trained(tmp_path / "plot")
     assert learned.resolve_policy("auto", version, artifact.name) == "learned"
+    assert learned.resolve_policy("auto", version, artifact.name, "learned+compute") == "learned+compute"  # the root's choice
     assert learned.fingerprint(tmp_path / "plot") == learned.fingerprint(SHIPPED_DIR / artifact.name)
     damaged = tmp_path / "damaged"
     shutil.copytree(artifact, damaged)
