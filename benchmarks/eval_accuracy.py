@@ -10,7 +10,7 @@ the paper's protocol; ``--grid``, the default of the full run): full fine-tuning
 2e-5, adapters (on the full-context root and on the PLOT alike) 3e-3 and 1e-3, heads 3e-3, 1e-2
 and 1e-3, the 2-layer student 5e-4 and 1e-4; the choice is in the JSON (``tasks.*.lr``).  Without
 the grid (the default of ``--quick``) each scheme trains at the first rate of its grid
-(``--dedicated-lr 1e-4,2e-5`` sets full fine-tuning's own).  ``--quick`` trains on 224 examples per task
+(``--dedicated-lr 1e-4,2e-5`` sets full fine-tuning's own, ``--shared-lr`` the head's).  ``--quick`` trains on 224 examples per task
 (``--train N`` sets another count) for 4 epochs with texts cut to 64 tokens; the full run on up to
 4,000 for 5 epochs at 128 tokens and adds hBERT with exact windows.
 
@@ -81,6 +81,8 @@ HBERT_LR = 3e-3
 # same on the full-context root and on the PLOT (hBERT-adapter, hBERT).
 GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compress": (5e-4, 1e-4),
          "hBERT-adapter": (3e-3, 1e-3), ADAPTER_UPPER: (3e-3, 1e-3), "hBERT": (3e-3, 1e-3)}
+# schemes whose learning rates a flag sets (--dedicated-lr, --shared-lr): scheme -> argparse attribute
+LR_FLAGS = {"dedicated": "dedicated_lr", "shared": "shared_lr"}
 # Bumped when a cell's training changes, so that cells of earlier code are not read back.
 CELL_FORMAT = 1
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]  # the four every table averages
@@ -259,6 +261,9 @@ def main() -> None:
                         help="the learning rate of full fine-tuning (default 1e-4, chosen for the six-layer root; 2e-5 "
                              "is the usual one for a base-size root), or several: per task the one with the better "
                              "dev accuracy (e.g. 1e-4,2e-5); another than the default writes its own page")
+        ap.add_argument("--shared-lr", type=learning_rates, metavar="LR[,LR...]",
+                        help="the learning rates of the head on the frozen root (shared), as --dedicated-lr (its grid: "
+                             "3e-3,1e-2,1e-3); another than the default writes its own page")
         ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=None,
                         help="every scheme's learning rate chosen per task on dev from a small grid (the paper's "
                              "protocol; the default without --quick): " + "; ".join(
@@ -291,7 +296,7 @@ def main() -> None:
     grid = not args.quick if args.grid is None else args.grid
     partial = (partial_table(schemes, tasks, full_table) or args.adapter is not None
                or args.classification_adapter is not None
-               or args.dedicated_lr is not None)
+               or any(getattr(args, flag) is not None for flag in LR_FLAGS.values()))
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
     seeds = range(args.seeds)
@@ -337,8 +342,7 @@ def main() -> None:
                                                         (HBERT_FULL, "full"), *DISTILLED.items())
                   if label in schemes]
     lrs = dict(GRIDS) if grid else {**{label: (lr,) for label, _, lr in SCHEMES}, "hBERT": (HBERT_LR,)}
-    if args.dedicated_lr is not None:
-        lrs["dedicated"] = args.dedicated_lr
+    lrs.update({scheme: getattr(args, flag) for scheme, flag in LR_FLAGS.items() if getattr(args, flag) is not None})
     lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs["hBERT"]
     lrs.update(dict.fromkeys(DISTILLED, lrs["hBERT"]))
     learned = HBERT_LEARNED in schemes
@@ -463,8 +467,9 @@ def main() -> None:
             res["learned_backoff_bf16"] = SERVE_BF16
         if args.tasks is not None:  # a run on some tasks keeps other runs' pages
             page += "_" + "-".join(tasks) + (f"_train-{args.train}" if args.train else "")
-        if args.dedicated_lr is not None:
-            page += "_dedicated-lr-" + "-".join(f"{x:g}" for x in args.dedicated_lr)
+        for scheme, flag in LR_FLAGS.items():
+            if getattr(args, flag) is not None:
+                page += f"_{scheme}-lr-" + "-".join(f"{x:g}" for x in getattr(args, flag))
         if len(seeds) > 1:
             page += f"_seeds-{len(seeds)}"
         if grid == args.quick:  # not the default of this kind of run
@@ -477,8 +482,9 @@ def main() -> None:
                + (f" --schemes {args.schemes}" if args.schemes else "") + (f" --tasks {args.tasks}" if args.tasks else "")
                + (f" --adapter {args.adapter}" if args.adapter else "")
                + (f" --classification-adapter {args.classification_adapter}" if cls_adapter else "")
-               + (" --dedicated-lr " + ",".join(f"{x:g}" for x in args.dedicated_lr) if args.dedicated_lr is not None
-                  else "") + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
+               + "".join(f" --{scheme}-lr " + ",".join(f"{x:g}" for x in getattr(args, flag))
+                         for scheme, flag in LR_FLAGS.items() if getattr(args, flag) is not None)
+               + ((" --grid" if grid else " --no-grid") if grid == args.quick else "")
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
                + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "")
                + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
