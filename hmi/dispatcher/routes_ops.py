@@ -50,7 +50,7 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
                               "tenants_servable": s.served.count(), "root_artifact": s.root.artifact_id,
                               "registry": s.registry.where, "preparing": s.preparing(),
-                              "upper_precision": s.scheduler.cfg.upper_precision})
+                              "upper_precision": s.scheduler.cfg.upper_precision, "miss_policy": s.lookup.policy})
 
 
 async def refresh_metrics(s: Server) -> dict[str, float]:

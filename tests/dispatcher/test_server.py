@@ -206,6 +206,7 @@ def test_metrics_and_health(live):
         assert name in req
     got, health = raw(live["url"], "GET", "/healthz", token=None)
     assert got == 200 and health["status"] == "ok" and health["upper_precision"] == "fp32"
+    assert health["miss_policy"] == "compute"  # what the server resolved (tiny_server's; `auto` names none)
 
 
 def test_cancel_a_running_job(live):
