@@ -317,8 +317,7 @@ def main() -> None:
                            "seconds": round(time.perf_counter() - t0, 1)}
         lookups["backoff+hot"] = PlotLookup([hot_version], "backoff")
         # what `hmi serve` serves on this root without flags (it places a shipped learned back-off first)
-        default_config = learned.resolve_policy("auto", version, root.artifact_id,
-                                                auto_miss_policy(root.spec.source, root.spec.l_low))
+        default_config = learned.resolve_policy("auto", version, root)
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")

@@ -25,16 +25,7 @@ from hmi.cli.common import add_root_options, read_corpus_arg, refuse_encoder_roo
 from hmi.data import CORPORA, held_out_texts
 from hmi.hgpt.runtime import DEFAULT_RANK
 from hmi.home import hmi_home
-from hmi.model.aliases import (
-    ALIASES,
-    DECODER_L_LOW,
-    DEFAULT_L_LOW,
-    DEFAULT_ROOT,
-    auto_miss_policy,
-    default_l_low,
-    pointer_name,
-    source_of,
-)
+from hmi.model.aliases import ALIASES, DECODER_L_LOW, DEFAULT_L_LOW, DEFAULT_ROOT, default_l_low, pointer_name, source_of
 from hmi.model.artifact import (
     ArtifactMissingError,
     artifact_config,
@@ -285,8 +276,7 @@ def demo_trainings(home: Path, decoder: bool):
         return [(d, lambda d=d: train_demo_decoder(d, gpt, lookup, DEFAULT_RANK), identity) for d in DEMO_DECODER_TENANTS]
     root = prepare_default(home)
     version = open_root_version(root)
-    lookup = PlotLookup([version], policy=resolve_policy("auto", version, root.artifact_id,  # a default server's
-                                                         auto_miss_policy(root.spec.source, root.spec.l_low)))
+    lookup = PlotLookup([version], policy=resolve_policy("auto", version, root))  # a default server's
     identity = trained_on(root.artifact_id, weights_fingerprint(root.bert), version.store, lookup.policy)
     return [(d, lambda d=d: train_demo(d, root.bert, root.l_low, lookup, root.tokenizer), identity) for d in DEMO_TENANTS]
 

@@ -26,7 +26,7 @@ from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_de
 from hmi.dispatcher.routes_tenants import create_from_body
 from hmi.hgpt.runtime import HgptRuntime
 from hmi.home import hmi_home
-from hmi.model.aliases import DEFAULT_ROOT, auto_miss_policy
+from hmi.model.aliases import DEFAULT_ROOT
 from hmi.model.artifact import load_root
 from hmi.plot.kept import Keeper
 from hmi.plot.learned import LearnedBackoffMissingError, resolve_policy
@@ -45,7 +45,7 @@ def build_server(cfg: ServerConfig, home: Path | None = None, root=None, job_lau
     keeps = cfg.miss_policy == "compute+insert"
     version = open_root_version(root, home, writable=keeps)
     version.store = serving_store(version.store, version.encoder)  # a build in progress: served as it will be
-    policy = resolve_policy(cfg.miss_policy, version, root.artifact_id, auto_miss_policy(root.spec.source, root.spec.l_low))
+    policy = resolve_policy(cfg.miss_policy, version, root)
     try:
         lookup = PlotLookup([version], policy=policy, keeper=Keeper(cfg.plot_keep_mb) if keeps else None)
     except LearnedBackoffMissingError as exc:

@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from hmi.io import atomic_write_bytes, sha256_file
+from hmi.model.aliases import auto_miss_policy
 from hmi.model.artifact import SHIPPED_DIR
 from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls
 from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
@@ -162,17 +163,17 @@ def install(path: Path | str, shipped: Path) -> bool:
     return True
 
 
-def resolve_policy(policy: str, version, artifact_id: str, learned_policy: str = "learned") -> str:
-    """The miss policy a server serves: ``policy``, or for ``auto`` ``learned_policy`` (a policy
-    that reads the learned back-off: the root's choice, ``hmi.model.aliases.auto_miss_policy``)
-    where the root PLOT (``version``'s store) has a learned back-off, else ``backoff``.  The package
-    ships the learned back-off of its shipped default artifact: it is placed beside that artifact's
-    root PLOT first (``install``)."""
+def resolve_policy(policy: str, version, root) -> str:
+    """The miss policy a server of ``root`` (an artifact: its ``artifact_id`` and ``spec``) serves:
+    ``policy``, or for ``auto`` the root's choice (``hmi.model.aliases.auto_miss_policy``, a policy
+    that reads the learned back-off) where the root PLOT (``version``'s store) has a learned
+    back-off, else ``backoff``.  The package ships the learned back-off of its shipped default
+    artifact: it is placed beside that artifact's root PLOT first (``install``)."""
     if policy != "auto":
         return policy
     path = getattr(version.store, "store", version.store).path  # a PLOT being built: hmi.plot.pending
-    install(path, SHIPPED_DIR / artifact_id)
-    return learned_policy if trained(path) else "backoff"
+    install(path, SHIPPED_DIR / root.artifact_id)
+    return auto_miss_policy(root.spec.source, root.spec.l_low) if trained(path) else "backoff"
 
 
 def fingerprint(path: Path | str) -> str | None:

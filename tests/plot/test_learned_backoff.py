@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from hmi.cli import main
+from hmi.model.aliases import MPNET
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.kernels import NATIVE_BF16
 from hmi.plot import learned
@@ -282,10 +283,15 @@ def test_the_default_policy_serves_the_shipped_learned_backoff_of_the_shipped_ar
     artifact = find_shipped(load_bert(default_spec().model_dir), 3)
     assert artifact is not None and learned.trained(artifact), "the default artifact ships its learned back-off"
     version = SimpleNamespace(store=SimpleNamespace(path=tmp_path / "plot"))  # only the PLOT's path is read
-    assert learned.resolve_policy("auto", version, "minilm-l3-not-shipped") == "backoff" and not learned.trained(tmp_path / "plot")
-    assert learned.resolve_policy("backoff", version, artifact.name) == "backoff" and not learned.trained(tmp_path / "plot")
-    assert learned.resolve_policy("auto", version, artifact.name) == "learned"
-    assert learned.resolve_policy("auto", version, artifact.name, "learned+compute") == "learned+compute"  # the root's choice
+    def root(artifact_id, source=None, l_low=3):  # only its artifact and spec are read
+        return SimpleNamespace(artifact_id=artifact_id, spec=SimpleNamespace(source=source, l_low=l_low))
+
+    assert learned.resolve_policy("auto", version, root("minilm-l3-not-shipped")) == "backoff"
+    assert not learned.trained(tmp_path / "plot")
+    assert learned.resolve_policy("backoff", version, root(artifact.name)) == "backoff" and not learned.trained(tmp_path / "plot")
+    assert learned.resolve_policy("auto", version, root(artifact.name)) == "learned"
+    # with its learned back-off placed, the PLOT serves what the root chose on its front
+    assert learned.resolve_policy("auto", version, root(artifact.name, "mpnet-base", 6)) == MPNET.miss_policy
     assert learned.fingerprint(tmp_path / "plot") == learned.fingerprint(SHIPPED_DIR / artifact.name)
     damaged = tmp_path / "damaged"
     shutil.copytree(artifact, damaged)
