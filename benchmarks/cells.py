@@ -43,7 +43,7 @@ def digest(obj) -> str:
 
 class Cells:
     def __init__(self, benchmark: str, config: dict, max_minutes: float | None = None, fresh: bool = False,
-                 home: Path | None = None, record_dir: Path | None = None):
+                 home: Path | None = None, record_dir: Path | None = None, train: bool = True):
         self.config, config_hash = config, digest(config)
         self.folder = (home or hmi_home()) / "runs" / benchmark / config_hash
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -56,6 +56,7 @@ class Cells:
                 self.record.unlink(missing_ok=True)
         self.recorded = self._read_record()
         self.limit = TimeLimit(max_minutes)
+        self.train = train  # False: cells are read back, none is run (``work`` raises OutOfTime)
         self.reused = self.ran = 0
 
     def _path(self, key: dict) -> Path:
@@ -112,7 +113,9 @@ class Cells:
     def work(self, fn: Callable[[], object]):
         """``fn()``, under the limit of ``run``: a unit of work that keeps its own result (a
         checkpointed job, a published branch). Raises ``OutOfTime`` instead of starting it past
-        ``max_minutes`` once this invocation has done some work."""
+        ``max_minutes`` once this invocation has done some work, or at once where it trains nothing."""
+        if not self.train:
+            raise OutOfTime("this invocation trains nothing")
         if self.ran and self.limit.spent():
             raise OutOfTime(f"{self.limit.minutes:g} minutes spent")
         out = fn()

@@ -30,12 +30,14 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--max-minutes M] [--fresh]
+                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--max-minutes M] [--report-only]
+                                          [--fresh]
 
 Long runs: every training run (one per task, scheme, pooling and learning rate) is kept under
 ``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
 ones back, so a stopped table continues where it stopped; ``--max-minutes M`` ends one invocation
-after M minutes (exit code 75, the finished tasks on the page), ``--fresh`` starts over.
+after M minutes (exit code 75, the finished tasks on the page), ``--report-only`` trains nothing
+and writes the page of what is finished, ``--fresh`` starts over.
 
 On another root than the default the results page is docs/eval_accuracy_<root>.md (and
 docs/eval_accuracy_partial_<root>.md); its JSON names the root.
@@ -278,6 +280,9 @@ def main() -> None:
                              "the same command run again continues where it stopped, reading back every finished "
                              "run (one per task, scheme, pooling and learning rate, kept under "
                              "$HMI_HOME/runs/eval_accuracy/); exit code 75 while runs are left")
+        ap.add_argument("--report-only", action="store_true",
+                        help="train nothing: write the page of the tasks whose runs are all finished (a partial page, "
+                             "exit code 75, while runs are left)")
         ap.add_argument("--transfer", type=int, default=2000, metavar="N",
                         help="hBERT-distilled: unlabeled lines of each task's domain corpus the teacher answers "
                              "beside the training texts (default 2000)")
@@ -361,6 +366,7 @@ def main() -> None:
         "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
         "epochs": epochs, "max_len": max_len, "adapter": adapter,
         **({"classification_adapter": cls_adapter} if cls_adapter else {})}, max_minutes=args.max_minutes, fresh=args.fresh,
+        train=not args.report_only,
         record_dir=DOCS / "cells")
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]

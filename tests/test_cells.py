@@ -64,6 +64,17 @@ def test_a_time_limit_stops_the_invocation_after_a_finished_cell_and_the_next_on
             cells.run(k, counting(calls, 0.0))
 
 
+def test_an_invocation_that_trains_nothing_reads_finished_cells_back_and_stops_at_the_first_unfinished(tmp_path):
+    calls = []
+    keys = [{"task": "t", "lr": lr} for lr in (1e-4, 5e-5)]
+    Cells("bench", CONFIG, home=tmp_path).run(keys[0], counting(calls, 1e-4))
+    cells = Cells("bench", CONFIG, home=tmp_path, train=False)
+    assert cells.run(keys[0], counting(calls, 0.0)) is not None  # read back
+    with pytest.raises(OutOfTime, match="trains nothing"):
+        cells.run(keys[1], counting(calls, 5e-5))
+    assert calls == [1e-4]  # nothing ran in the second invocation, not even one cell
+
+
 def test_work_that_keeps_its_own_result_counts_against_the_same_time_limit_as_cells(tmp_path):
     """A benchmark's branch (published by its own job, not a cell file) runs under the same limit:
     the invocation's first piece of work always runs, none starts once the minutes are spent."""
