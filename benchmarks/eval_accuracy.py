@@ -265,7 +265,8 @@ def main() -> None:
                              "dev accuracy (e.g. 1e-4,2e-5); another than the default writes its own page")
         ap.add_argument("--shared-lr", type=learning_rates, metavar="LR[,LR...]",
                         help="the learning rates of the head on the frozen root (shared), as --dedicated-lr (its grid: "
-                             "3e-3,1e-2,1e-3); another than the default writes its own page")
+                             + ",".join(f"{x:g}" for x in GRIDS["shared"]) + "); another than the default writes its "
+                             "own page")
         ap.add_argument("--grid", action=argparse.BooleanOptionalAction, default=None,
                         help="every scheme's learning rate chosen per task on dev from a small grid (the paper's "
                              "protocol; the default without --quick): " + "; ".join(
@@ -287,8 +288,8 @@ def main() -> None:
                         help="hBERT-distilled: unlabeled lines of each task's domain corpus the teacher answers "
                              "beside the training texts (default 2000)")
         ap.add_argument("--distil-weight", type=float, default=DISTIL_WEIGHT, metavar="W",
-                        help="hBERT-distilled: the weight of the teacher's answers in the loss of the labelled texts, "
-                             f"1 - W the labels' (default {DISTIL_WEIGHT:g}; hmi.training.distil)")
+                        help="hBERT-distilled: the weight of the teacher's answers in the loss, 1 - W the labels' "
+                             f"(default {DISTIL_WEIGHT:g}; hmi.training.distil)")
         ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
