@@ -316,8 +316,7 @@ def main() -> None:
         out["hot_tier"] = {"entries": len(hot), "mb": round(hot.nbytes / 2**20, 1),
                            "seconds": round(time.perf_counter() - t0, 1)}
         lookups["backoff+hot"] = PlotLookup([hot_version], "backoff")
-        # what `hmi serve` serves on this root without flags (it places a shipped learned back-off first)
-        default_config = learned.resolve_policy("auto", version, root)
+        learned.place_shipped(version, root)  # as `hmi serve` does before it serves
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")
@@ -385,8 +384,8 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     out.update({"configs": configs, "measured": measured, "root_name": root.spec.name,
-                "split": [l_low, bert.config.num_hidden_layers - l_low], "measured_at": provenance(),
-                "default_config": default_config})
+                "split": [l_low, bert.config.num_hidden_layers - l_low], "measured_at": provenance()})
+    out["default_config"] = served_by_default(out)
     command = ("python benchmarks/bench_front.py" + (" --quick" if args.quick else "")
                + (f" --stream {args.stream}" if args.stream is not None else "")
                + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
