@@ -87,7 +87,8 @@ def arguments(command: str, srv) -> None:
     srv.add_argument("--miss-policy", default="auto",
                      choices=["auto", "backoff", "compute", "compute+insert", "learned", "learned+compute"],
                      help="auto (the default: where the root PLOT has a learned back-off, as the default root has, "
-                          "shipped with hmi, the root's choice on its front, learned on the default root; else backoff: "
+                          "shipped with hmi, the root's choice on its front: learned on the default root, learned+compute on "
+                          "mpnet-base; else backoff: "
                           "docs/front.md), backoff (fast, the paper's), compute "
                           "(exact windowed layers on misses), compute+insert "
                           "(computed once, then kept in the domain's PLOT, bounded by --plot-keep-mb: the next text "
