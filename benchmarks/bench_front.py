@@ -316,7 +316,7 @@ def main() -> None:
         out["hot_tier"] = {"entries": len(hot), "mb": round(hot.nbytes / 2**20, 1),
                            "seconds": round(time.perf_counter() - t0, 1)}
         lookups["backoff+hot"] = PlotLookup([hot_version], "backoff")
-        learned.place_shipped(version, root)  # as `hmi serve` does before it serves
+        learned.place_shipped(version.store, root)  # as `hmi serve` does before it serves
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")

@@ -133,6 +133,24 @@ def prepare_default(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = No
     return root
 
 
+def learn_served_backoff(root, store, cfg=None) -> dict | None:
+    """What ``hmi prepare`` does last: where ``--miss-policy auto`` serves a learned back-off on
+    ``root`` at its split (``auto_miss_policy``) and none ships for its artifact, the one of its root
+    PLOT ``store`` is trained (or resumed from its last checkpoint) as ``hmi plot learn-backoff``
+    trains it (``cfg``: its ``TrainConfig``, default the command's), so that a prepared home serves
+    the root's choice. Returns the training's record, or None where there was nothing to train."""
+    from hmi.model.aliases import auto_miss_policy
+    from hmi.plot import learned
+    from hmi.training import backoff
+
+    if learned.trained(learned.place_shipped(store, root)) or \
+            not auto_miss_policy(root.spec.source, root.spec.l_low).startswith("learned"):
+        return None
+    print("training the root PLOT's learned back-off, which `--miss-policy auto` serves on this root "
+          "(as `hmi plot learn-backoff` does; stopped, it continues from its last checkpoint)", flush=True)
+    return backoff.train(store, cfg or backoff.TrainConfig())
+
+
 def is_prepared(home: Path, root: str = DEFAULT_ROOT, l_low: int | None = None, plot: bool = True) -> bool:
     """Whether data, a calibrated root and (with ``plot``) its complete root PLOT exist, read from
     their records alone (no tokenizing, no model loading)."""

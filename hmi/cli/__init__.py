@@ -23,7 +23,7 @@ COMMANDS = {
     "data": ("data", "real datasets and domain corpora"),
     "calibrate": ("roots", "distill the windowed lower layers from the full root"),
     "plot": ("roots", "PLOT lookup tables"),
-    "prepare": ("roots", "data, calibrated root and root PLOT (or --decoder's), each only when missing"),
+    "prepare": ("roots", "data, calibrated root, root PLOT and the learned back-off auto serves (or --decoder's), each only when missing"),
     "demo": ("roots", "set up the embedded default and encode held-out texts through it"),
     "serve": ("serving", "run the HTTP server (prepares the embedded default when missing)"),
     "generate": ("tenants", "generate text with a decoder tenant (streams as it comes)"),

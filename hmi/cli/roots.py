@@ -17,6 +17,7 @@ from hmi.bootstrap import (
     check_shipped,
     check_shipped_decoder,
     ensure_data,
+    learn_served_backoff,
     prepare_decoder,
     prepare_default,
     quiet_transformers,
@@ -251,8 +252,9 @@ def cmd_plot_stats(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    """Data, calibrated root and root PLOT of the embedded default (with ``--decoder``, of the hGPT
-    decoder root and its causal PLOT), each only when missing."""
+    """Data, calibrated root, root PLOT and the learned back-off ``auto`` serves on the root
+    (``learn_served_backoff``) of the embedded default (with ``--decoder``, the hGPT decoder root
+    and its causal PLOT), each only when missing."""
     refuse_encoder_root_with_decoder(args, "prepare")
     quiet_transformers()
     if args.decoder:
@@ -261,7 +263,13 @@ def cmd_prepare(args) -> int:
         print(f"ready: decoder root {gpt.artifact_id} and its causal PLOT in {hmi_home()}")
         return 0
     root = prepare_default(hmi_home(), args.root, args.l_low)
-    print(f"ready: root {root.artifact_id} and its root PLOT in {hmi_home()}")
+    store = open_root_store(root)
+    try:
+        learned_record = learn_served_backoff(root, store)
+    finally:
+        store.close()
+    also = f" (its learned back-off trained in {learned_record['seconds']} s)" if learned_record else ""
+    print(f"ready: root {root.artifact_id} and its root PLOT{also} in {hmi_home()}")
     return 0
 
 

@@ -26,7 +26,7 @@ from hmi.dispatcher.launch import banner, create_demo_tenants, import_shipped_de
 from hmi.dispatcher.routes_tenants import create_from_body
 from hmi.hgpt.runtime import HgptRuntime
 from hmi.home import hmi_home
-from hmi.model.aliases import DEFAULT_ROOT
+from hmi.model.aliases import DEFAULT_ROOT, auto_miss_policy
 from hmi.model.artifact import load_root
 from hmi.plot.kept import Keeper
 from hmi.plot.learned import LearnedBackoffMissingError, resolve_policy
@@ -89,6 +89,11 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
     server = build_server(cfg, home, prepared)
     startup_report(home, server.root.meta, server.root.artifact_id, server.admin_token, server.admin_token_new,
                    server.recovered, server.resumed)
+    choice = auto_miss_policy(server.root.spec.source, server.root.spec.l_low)
+    if cfg.miss_policy == "auto" and server.lookup.policy != choice:
+        flags = (f" --root {root}" if root != DEFAULT_ROOT else "") + (f" --l-low {l_low}" if l_low else "")
+        print(f"miss policy: {server.lookup.policy}; this root's choice, {choice}, serves the root PLOT's learned "
+              f"back-off, which `hmi prepare{flags}` trains (then start again; docs/front.md)")
     if builder is not None:
         print("the root PLOT is being built in the background (GET /healthz says how far): until it is done, the "
               "values it does not hold yet are computed on demand, and the answers are the ones it will give")

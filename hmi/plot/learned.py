@@ -171,15 +171,15 @@ def resolve_policy(policy: str, version, root) -> str:
     artifact: it is placed beside that artifact's root PLOT first (``install``)."""
     if policy != "auto":
         return policy
-    path = place_shipped(version, root)
+    path = place_shipped(version.store, root)
     return auto_miss_policy(root.spec.source, root.spec.l_low) if trained(path) else "backoff"
 
 
-def place_shipped(version, root) -> Path:
-    """Places the learned back-off shipped for ``root``'s artifact beside the root PLOT (``version``'s
-    store) where that PLOT has none (``install``), as a server of the root does first; returns the
-    PLOT's path."""
-    path = Path(getattr(version.store, "store", version.store).path)  # a PLOT being built: hmi.plot.pending
+def place_shipped(store, root) -> Path:
+    """Places the learned back-off shipped for ``root``'s artifact beside its root PLOT ``store``
+    where that PLOT has none (``install``), as a server of the root does first; returns the PLOT's
+    path."""
+    path = Path(getattr(store, "store", store).path)  # a PLOT being built: hmi.plot.pending
     install(path, SHIPPED_DIR / root.artifact_id)
     return path
 

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from hmi.bootstrap import learn_served_backoff
 from hmi.cli import main
+from hmi.model import aliases
 from hmi.model.aliases import MPNET
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.kernels import NATIVE_BF16
@@ -298,3 +300,35 @@ def test_the_default_policy_serves_the_shipped_learned_backoff_of_the_shipped_ar
     (damaged / learned.WEIGHTS).write_bytes(b"x" + (damaged / learned.WEIGHTS).read_bytes()[1:])
     with pytest.raises(learned.ShippedBackoffDamagedError, match="damaged"):
         learned.install(tmp_path / "other", damaged)
+
+
+def test_prepare_trains_the_learned_backoff_auto_serves_where_none_ships_and_only_there(tmp_path, plot, monkeypatch):
+    """``hmi prepare``'s last step (``learn_served_backoff``): a root whose choice on its front reads a
+    learned back-off gets its root PLOT's trained once; the default root's shipped one is placed,
+    not trained; a root whose choice reads none gets none."""
+    from hmi.model.artifact import find_shipped
+    from hmi.model.root import default_spec, load_bert
+
+    def root(artifact_id, source, l_low):  # only its artifact and spec are read
+        return SimpleNamespace(artifact_id=artifact_id, spec=SimpleNamespace(source=source, l_low=l_low))
+
+    path = tmp_path / "p"
+    shutil.copytree(plot, path)
+    store = PlotStore(path, readonly=True)
+    record = learn_served_backoff(root("tiny-a", "/models/tiny", 2), store, SMALL)
+    assert record["steps"] == SMALL.steps and learned.trained(path)
+    assert learn_served_backoff(root("tiny-a", "/models/tiny", 2), store, SMALL) is None  # trained: nothing to do
+    store.close()
+
+    shipped = find_shipped(load_bert(default_spec().model_dir), 3)
+    placed = SimpleNamespace(path=tmp_path / "default")  # only the PLOT's path is read
+    assert learn_served_backoff(root(shipped.name, None, 3), placed, SMALL) is None
+    assert learned.fingerprint(tmp_path / "default") == learned.fingerprint(shipped)
+
+    monkeypatch.setitem(aliases.ALIASES, "mpnet-base", dataclasses.replace(MPNET, miss_policy="compute"))
+    other = tmp_path / "q"
+    shutil.copytree(plot, other)
+    store = PlotStore(other, readonly=True)
+    assert learn_served_backoff(root("tiny-a", "mpnet-base", MPNET.l_low), store, SMALL) is None
+    assert not learned.trained(other)
+    store.close()
