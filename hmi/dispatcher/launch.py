@@ -70,7 +70,8 @@ def import_shipped_demo(server, name: str, model: str = "encoder") -> dict | Non
     if shipped is None:
         return None
     token = server.transfer.import_adapter(name, model, shipped.spec, shipped.weights, truncate=model == "encoder",
-                                           metrics={**shipped.meta.get("metrics", {}), "shipped": True})
+                                           metrics={**shipped.meta.get("metrics", {}), "shipped": True,
+                                                    "miss_policy": identity["miss_policy"]})
     return {"tenant": name, "token": token, "job": None}
 
 

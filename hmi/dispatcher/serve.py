@@ -94,6 +94,11 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
         flags = (f" --root {root}" if root != DEFAULT_ROOT else "") + (f" --l-low {l_low}" if l_low else "")
         print(f"miss policy: {server.lookup.policy}; this root's choice, {choice}, serves the root PLOT's learned "
               f"back-off, which `hmi prepare{flags}` trains (then start again; docs/front.md)")
+    if other := server.tenants.trained_with_another_policy(server.lookup.policy):
+        print(f"{len(other)} tenant(s) were trained on windows read with another miss policy than this server's "
+              f"{server.lookup.policy} ({', '.join(other[:5])}{', ...' if len(other) > 5 else ''}): their answers may "
+              "differ from the accuracy their fine-tune measured until POST /v1/tenants/{tenant}/update trains them "
+              "again (GET /v1/tenants/{tenant}: metrics.miss_policy)")
     if builder is not None:
         print("the root PLOT is being built in the background (GET /healthz says how far): until it is done, the "
               "values it does not hold yet are computed on demand, and the answers are the ones it will give")

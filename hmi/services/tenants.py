@@ -144,6 +144,15 @@ class Tenants:
             elif rec["state"] in ("ready", "updating") and not is_private(rec):
                 served.serve(name, rec)
 
+    def trained_with_another_policy(self, policy: str) -> list[str]:
+        """The encoder tenants served here whose adapter was trained on features read with another
+        miss policy than ``policy`` (their fine-tune records it in ``metrics.miss_policy``; tenants
+        trained before it did, and uploaded adapters, are not known): their answers may differ from
+        the accuracy their fine-tune measured until an update trains them again."""
+        return sorted(name for name, rec in self.registry.items("tenants")
+                      if rec.get("model") != "decoder" and not is_private(rec) and not self.served.is_foreign(name)
+                      and rec.get("metrics", {}).get("miss_policy", policy) != policy)
+
     # -- serving ---------------------------------------------------------------------------------
     async def resolve(self, tenant: str) -> TenantEntry:
         """The tenant's entry for a request, brought up to its registry record first on a shared

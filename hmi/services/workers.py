@@ -189,6 +189,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,
             on_progress=student_report, should_stop=cancel.is_set, distil=distil)
+        metrics["miss_policy"] = lookup.policy  # what its features were read with (Tenants.trained_with_another_policy)
         if distil is not None:
             metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts)}
         if lookup.keeper is not None:

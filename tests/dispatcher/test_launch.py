@@ -93,6 +93,7 @@ def test_demo_tenants_whose_adapters_ship_for_this_root_serve_at_once_and_the_ot
         assert set(tokens) == {news["name"], reviews["name"]}
         ready, training = server.registry.get("tenants", news["name"]), server.registry.get("tenants", reviews["name"])
         assert (ready["state"], ready["job"], ready["truncate"], ready["metrics"]["shipped"]) == ("ready", None, True, True)
+        assert ready["metrics"]["miss_policy"] == server.lookup.policy  # what it was trained on, as a fine-tune records
         assert training["state"] == "training" and training["job"]
         stored = server.store.load(news["name"])
         assert all(torch.equal(stored[k], v) for k, v in as_shipped(weights).items())

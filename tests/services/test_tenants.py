@@ -26,3 +26,28 @@ def test_a_deleted_tenant_leaves_no_usage_token_or_entry_behind(tmp_path):
         server.tenants.register("gone", {**rec, "state": "training"})  # the name is free again
     finally:
         server.shutdown()
+
+
+def test_a_fine_tune_records_the_miss_policy_it_read_with_and_a_server_of_another_names_its_tenant(
+        tmp_path, monkeypatch):
+    """A tenant trained under one miss policy and served under another answers otherwise than its
+    fine-tune measured: the job records the policy (``metrics.miss_policy``) and a server serving
+    another one names the tenant (``hmi serve`` says so at start); one serving the same, or a
+    tenant that records none (trained before the record was kept), is not named."""
+    from tests.helpers.servers import ADMIN, train_once
+
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    train_once(tmp_path, "alpha", miss_policy="compute")
+    same = tiny_server(tmp_path, miss_policy="compute")
+    try:
+        assert same.registry.get("tenants", "alpha")["metrics"]["miss_policy"] == "compute"
+        rec = {"domain": "root", "spec": AdapterSpec(labels=("neg", "pos")).to_dict(), "state": "ready"}
+        same.tenants.register("older", rec)  # no record of its policy
+        assert same.tenants.trained_with_another_policy("compute") == []
+    finally:
+        same.shutdown()
+    other = tiny_server(tmp_path, miss_policy="backoff")
+    try:
+        assert other.tenants.trained_with_another_policy(other.lookup.policy) == ["alpha"]
+    finally:
+        other.shutdown()
