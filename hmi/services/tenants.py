@@ -151,7 +151,7 @@ class Tenants:
         the accuracy their fine-tune measured until an update trains them again."""
         return sorted(name for name, rec in self.registry.items("tenants")
                       if rec.get("model") != "decoder" and not is_private(rec) and not self.served.is_foreign(name)
-                      and rec.get("metrics", {}).get("miss_policy", policy) != policy)
+                      and (rec.get("metrics") or {}).get("miss_policy", policy) != policy)
 
     # -- serving ---------------------------------------------------------------------------------
     async def resolve(self, tenant: str) -> TenantEntry:
