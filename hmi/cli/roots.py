@@ -147,7 +147,9 @@ def cmd_info(args) -> int:
     if shortfall := calibration_shortfall(meta):
         print(f"  {shortfall}")
     print_quality(meta)
-    print_root_plot(artifact_plot_path(aid, home))
+    path = artifact_plot_path(aid, home)
+    print_root_plot(path)
+    print(f"`--miss-policy auto` serves: {learned.auto_choice(path, aid, source_of(args.root), l_low)} (docs/front.md)")
     if args.json:
         print(json.dumps(meta, indent=1))
     return 0
@@ -171,7 +173,7 @@ def print_root_plot(path: Path) -> None:
         size = f"{stats['entries']:,} n-grams, {stats['file_bytes'] / 2**20:,.0f} MiB" if stats else "size unrecorded"
     model = learned.fingerprint(path)
     print(f"root PLOT: {path} ({size}; built from the corpus {corpus!r}); learned back-off: "
-          + (model or "none (`hmi plot learn-backoff` trains it)"))
+          + (model or "none (`hmi prepare` trains it where `auto` serves one; `hmi plot learn-backoff`)"))
 
 
 def parse_selection(text: str):

@@ -172,7 +172,15 @@ def resolve_policy(policy: str, version, root) -> str:
     if policy != "auto":
         return policy
     path = place_shipped(version.store, root)
-    return auto_miss_policy(root.spec.source, root.spec.l_low) if trained(path) else "backoff"
+    return auto_choice(path, root.artifact_id, root.spec.source, root.spec.l_low)
+
+
+def auto_choice(path: Path | str, artifact_id: str, source: str | None, l_low: int) -> str:
+    """What ``auto`` serves over the root PLOT at ``path`` of the artifact ``artifact_id`` (of the
+    root named by ``source``, split at ``l_low``): the root's choice (``auto_miss_policy``) where
+    that PLOT has a learned back-off or the package ships one for the artifact, else ``backoff``."""
+    has_model = trained(path) or trained(SHIPPED_DIR / artifact_id)
+    return auto_miss_policy(source, l_low) if has_model else "backoff"
 
 
 def place_shipped(store, root) -> Path:

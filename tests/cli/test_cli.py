@@ -111,6 +111,7 @@ def test_info_says_when_an_artifact_of_an_earlier_time_budget_holds_fewer_steps_
         assert ("decayed over those" in out) == bool(extra)  # a planned run says what its shortened schedule cost
         assert "the whole recipe (continuing from the run's checkpoint" in out.lower()
         assert "`hmi calibrate --l-low 3`" in out
+        assert "`--miss-policy auto` serves: backoff" in out  # no root PLOT, no learned back-off shipped for it
 
 
 def test_serve_refuses_bf16_upper_layers_on_a_device_that_would_not_run_them_faster(capsys, monkeypatch):
@@ -163,4 +164,5 @@ def test_info_says_what_the_root_plot_holds_and_what_it_was_built_from(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"({n:,} n-grams, " in out and "built from the corpus 'all'" in out
-    assert "learned back-off: none (`hmi plot learn-backoff` trains it)" in out
+    assert "learned back-off: none (`hmi prepare` trains it where `auto` serves one; `hmi plot learn-backoff`)" in out
+    assert "`--miss-policy auto` serves: backoff" in out

@@ -288,6 +288,8 @@ def test_the_default_policy_serves_the_shipped_learned_backoff_of_the_shipped_ar
     def root(artifact_id, source=None, l_low=3):  # only its artifact and spec are read
         return SimpleNamespace(artifact_id=artifact_id, spec=SimpleNamespace(source=source, l_low=l_low))
 
+    assert learned.auto_choice(tmp_path / "plot", artifact.name, None, 3) == "learned"  # before it is placed
+    assert learned.auto_choice(tmp_path / "plot", "minilm-l3-not-shipped", None, 3) == "backoff"
     assert learned.resolve_policy("auto", version, root("minilm-l3-not-shipped")) == "backoff"
     assert not learned.trained(tmp_path / "plot")
     assert learned.resolve_policy("backoff", version, root(artifact.name)) == "backoff" and not learned.trained(tmp_path / "plot")
