@@ -122,10 +122,7 @@ calibrate: setup
 # or in a fresh home, goes on.
 PAPER_ROOT := --root mpnet-base --l-low 6
 paper-table: setup
-	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare
-	HF_HUB_OFFLINE=1 $(BIN)/hmi calibrate $(PAPER_ROOT)
-	HF_HUB_OFFLINE=1 $(BIN)/hmi plot build $(PAPER_ROOT)
-	HF_HUB_OFFLINE=1 $(BIN)/hmi plot learn-backoff $(PAPER_ROOT)
+	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare $(PAPER_ROOT)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/eval_accuracy.py --quick --train 640 --test 1000 --pooling mean \
 	  --exact --learned --grid $(PAPER_ROOT)
 
