@@ -141,10 +141,11 @@ def learn_served_backoff(root, store, cfg=None) -> dict | None:
     the root's choice. Returns the training's record, or None where there was nothing to train."""
     from hmi.model.aliases import auto_miss_policy
     from hmi.plot import learned
+    from hmi.plot.lookup import LEARNED_POLICIES
     from hmi.training import backoff
 
     if learned.trained(learned.place_shipped(store, root)) or \
-            not auto_miss_policy(root.spec.source, root.spec.l_low).startswith("learned"):
+            auto_miss_policy(root.spec.source, root.spec.l_low) not in LEARNED_POLICIES:
         return None
     print("training the root PLOT's learned back-off, which `--miss-policy auto` serves on this root "
           "(as `hmi plot learn-backoff` does; stopped, it continues from its last checkpoint)", flush=True)
