@@ -105,7 +105,11 @@ HBERT_DISTILLED = "hBERT, learned back-off, distilled"
 # the same distillation with the uni-gram misses computed (on request: --schemes hBERT-distilled-compute;
 # `--miss-policy learned+compute` with `distil`)
 HBERT_DISTILLED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed, distilled"
-DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute"}  # scheme -> miss policy served
+# the same distillation on the full-context lower layers' output: perfect windows, the ceiling of every
+# distilled PLOT scheme at the split (on request: --schemes hBERT-full-distilled)
+HBERT_FULL_DISTILLED = "hBERT, full-context lower layers, distilled"
+# scheme -> miss policy served ("full": the full-context lower layers, no PLOT)
+DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_FULL_DISTILLED: "full"}
 DISTIL_WEIGHT = Distillation.weight  # the teacher's weight in a distilled fine-tune's loss (--distil-weight)
 # (column, the record's key of its average gap to dedicated, how the page's sentence of gaps names it)
 GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
@@ -117,12 +121,12 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
             (HBERT_DISTILLED_COMPUTE, "avg_gap_distilled_compute_vs_full_ft",
              "with the learned back-off and every uni-gram miss computed, distilled")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
-                                                  HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE]
+                                                  HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_FULL_DISTILLED]
 # --schemes names without a comma
 SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
                 "hBERT-adapter-upper": ADAPTER_UPPER,
                 "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED,
-                "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE}
+                "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE, "hBERT-full-distilled": HBERT_FULL_DISTILLED}
 
 
 def chosen_tasks(arg: str | None) -> list[str]:
@@ -204,6 +208,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
                             if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
                                  "(`--miss-policy learned+compute`)",
+        HBERT_FULL_DISTILLED: "the same distillation (the same teacher) on the full-context lower layers' output "
+                              "(perfect windows: the ceiling of every distilled PLOT scheme at this split)",
     }
     return [(label, what[label]) for label in columns if label in what]
 
@@ -248,7 +254,8 @@ def main() -> None:
                                           "full-context lower layers: perfect windows) and hBERT-adapter-upper "
                                           "(hBERT-adapter's adapters in the upper layers only) and hBERT-distilled (the "
                                           "learned back-off's adapters distilled from hBERT-adapter: --transfer) and "
-                                          "hBERT-distilled-compute (the same with --miss-policy learned+compute)")
+                                          "hBERT-distilled-compute (the same with --miss-policy learned+compute) and "
+                                          "hBERT-full-distilled (the same on perfect windows)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS + OTHER_TASKS)
                         + f" (default the first {len(TASKS)})")
         ap.add_argument("--adapter", help="the adapters of hBERT and hBERT-adapter: bottleneck[:REDUCTION] (default "
@@ -355,8 +362,10 @@ def main() -> None:
     mixed = HBERT_LEARNED_COMPUTE in schemes
     distilled = HBERT_DISTILLED in schemes
     distilled_compute = HBERT_DISTILLED_COMPUTE in schemes
-    distils = distilled or distilled_compute  # a teacher per task and seed, and --transfer lines
-    reads_learned = learned or mixed or distils  # the root PLOT's learned back-off serves a column
+    full_distilled = HBERT_FULL_DISTILLED in schemes
+    distils = any(label in DISTILLED for label in schemes)  # a teacher per task and seed, and --transfer lines
+    # the root PLOT's learned back-off serves a column
+    reads_learned = any(policy in LEARNED_POLICIES for _, policy in hbert_runs)
     # a learned back-off's cells are its model's: one trained again is another run
     learned_id = learned_fingerprint(version.store.path) if reads_learned else None
     if reads_learned and learned_id is None:
@@ -456,6 +465,8 @@ def main() -> None:
             page += "_upper"
         if HBERT_FULL in columns:
             page += "_full"
+        if full_distilled:
+            page += "_full-distilled"
         if learned:
             page += "_learned"
         if mixed:
@@ -521,7 +532,7 @@ def main() -> None:
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
-                           train, dev, test, cfg, progress=False)[1]
+                           train, dev, test, cfg, progress=False, distil=distil)[1]
             lookup = PlotLookup([version], policy=policy)
             if policy in LEARNED_POLICIES and learned_fingerprint(version.store.path) != learned_id:
                 # the cells are keyed by the model the table started with; this run would train on another

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.bench_tenants import FullContextLower
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import default_spec, load_tokenizer
@@ -14,7 +15,7 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
 from hmi.training.distil import Distillation, unlabeled
 from hmi.training.examples import IGNORE
-from hmi.training.finetune import FinetuneConfig, finetune
+from hmi.training.finetune import FinetuneConfig, finetune, fit, tenant_model
 from tests.conftest import tiny_bert
 
 H, L_LOW = 32, 2
@@ -90,10 +91,13 @@ def tiny_lookup(tmp_path):
     return bert, load_tokenizer(default_spec().model_dir), PlotLookup([PlotVersion("root", store, enc)], policy="compute")
 
 
-def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup):
+@pytest.mark.parametrize("reader", ["plot", "full-context"])
+def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup, reader):
     """The labelled texts say nothing about "wonderful" (all "neg"); the teacher answers "pos" for
     every text that holds it.  Distilled, the student answers as the teacher on texts it never saw
-    labelled; fine-tuned on the labels alone, it answers "neg" throughout."""
+    labelled; fine-tuned on the labels alone, it answers "neg" throughout.  The same on the PLOT
+    lookup (as served) and on the full-context lower layers (eval_accuracy's perfect windows,
+    ``--schemes hBERT-full-distilled``)."""
     bert, tok, lookup = tiny_lookup
     spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
     wonderful = tok.convert_tokens_to_ids("wonderful")
@@ -107,9 +111,16 @@ def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup
         return [torch.tensor([0.0, 6.0]) if wonderful in e.ids else torch.tensor([6.0, 0.0]) for e in exs]
 
     cfg = FinetuneConfig(epochs=12, lr=3e-2, batch_size=8, patience=12)
-    _, plain = finetune(bert, L_LOW, lookup, tok, spec, train, [], judged, cfg, progress=False)
-    _, taught = finetune(bert, L_LOW, lookup, tok, spec, train, [], judged, cfg, progress=False,
-                         distil=Distillation(teacher, texts=texts, temperature=1.0, weight=0.9))
+
+    def trained(distil=None) -> dict:
+        if reader == "plot":
+            return finetune(bert, L_LOW, lookup, tok, spec, train, [], judged, cfg, progress=False, distil=distil)[1]
+        model = tenant_model(bert, L_LOW, spec, None, cfg.seed)
+        return fit(model, FullContextLower(bert, L_LOW, "cpu"), tok, train, [], judged, cfg, progress=False,
+                   distil=distil)[1]
+
+    plain = trained()
+    taught = trained(Distillation(teacher, texts=texts, temperature=1.0, weight=0.9))
     assert plain["test"]["accuracy"] == 0.5  # every text "neg"
     assert taught["test"]["accuracy"] >= 0.9
     assert taught["train"]["n"] == len(train)  # the training metrics count the labelled texts alone
