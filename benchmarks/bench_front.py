@@ -67,6 +67,7 @@ from benchmarks.common import (  # noqa: E402
     table,
 )
 from benchmarks.eval_accuracy import (  # noqa: E402
+    HBERT_BACKOFF_DISTILLED,
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
     HBERT_EXACT,
@@ -84,10 +85,12 @@ TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar tr
 COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, "learned+compute": HBERT_LEARNED_COMPUTE,
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
           "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
-          "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE}
+          "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE,
+          "backoff, distilled": HBERT_BACKOFF_DISTILLED}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
-SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute"}
+SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
+             "backoff, distilled": "backoff"}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
@@ -97,7 +100,8 @@ WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a spli
 RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
 # Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
 # when the front's record lacks them.
-OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"], COLUMN["learned+compute, distilled"])
+OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"], COLUMN["learned+compute, distilled"],
+            COLUMN["backoff, distilled"])
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:

@@ -105,11 +105,15 @@ HBERT_DISTILLED = "hBERT, learned back-off, distilled"
 # the same distillation with the uni-gram misses computed (on request: --schemes hBERT-distilled-compute;
 # `--miss-policy learned+compute` with `distil`)
 HBERT_DISTILLED_COMPUTE = "hBERT, learned back-off, uni-gram misses computed, distilled"
+# the same distillation with every miss backed off as the paper does (on request: --schemes
+# hBERT-backoff-distilled; `--miss-policy backoff` with `distil`)
+HBERT_BACKOFF_DISTILLED = "hBERT, back-off, distilled"
 # the same distillation on the full-context lower layers' output: perfect windows, the ceiling of every
 # distilled PLOT scheme at the split (on request: --schemes hBERT-full-distilled)
 HBERT_FULL_DISTILLED = "hBERT, full-context lower layers, distilled"
 # scheme -> miss policy served ("full": the full-context lower layers, no PLOT)
-DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_FULL_DISTILLED: "full"}
+DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_BACKOFF_DISTILLED: "backoff",
+             HBERT_FULL_DISTILLED: "full"}
 DISTIL_WEIGHT = Distillation.weight  # the teacher's weight in a distilled fine-tune's loss (--distil-weight)
 # (column, the record's key of its average gap to dedicated, how the page's sentence of gaps names it)
 GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
@@ -119,14 +123,17 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
              "with the learned back-off and every uni-gram miss computed"),
             (HBERT_DISTILLED, "avg_gap_distilled_vs_full_ft", "with the learned back-off, distilled"),
             (HBERT_DISTILLED_COMPUTE, "avg_gap_distilled_compute_vs_full_ft",
-             "with the learned back-off and every uni-gram miss computed, distilled")]
+             "with the learned back-off and every uni-gram miss computed, distilled"),
+            (HBERT_BACKOFF_DISTILLED, "avg_gap_backoff_distilled_vs_full_ft", "with the back-off, distilled")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
-                                                  HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_FULL_DISTILLED]
+                                                  HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_BACKOFF_DISTILLED,
+                                                  HBERT_FULL_DISTILLED]
 # --schemes names without a comma
 SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
                 "hBERT-adapter-upper": ADAPTER_UPPER,
                 "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED,
-                "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE, "hBERT-full-distilled": HBERT_FULL_DISTILLED}
+                "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE, "hBERT-full-distilled": HBERT_FULL_DISTILLED,
+                "hBERT-backoff-distilled": HBERT_BACKOFF_DISTILLED}
 
 
 def chosen_tasks(arg: str | None) -> list[str]:
@@ -208,6 +215,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
                             if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
                                  "(`--miss-policy learned+compute`)",
+        HBERT_BACKOFF_DISTILLED: "the same distillation (the same teacher) with every miss backed off as the paper "
+                                 "does (`--miss-policy backoff`)",
         HBERT_FULL_DISTILLED: "the same distillation (the same teacher) on the full-context lower layers' output "
                               "(perfect windows: the ceiling of every distilled PLOT scheme at this split)",
     }
@@ -255,6 +264,7 @@ def main() -> None:
                                           "(hBERT-adapter's adapters in the upper layers only) and hBERT-distilled (the "
                                           "learned back-off's adapters distilled from hBERT-adapter: --transfer) and "
                                           "hBERT-distilled-compute (the same with --miss-policy learned+compute) and "
+                                          "hBERT-backoff-distilled (the same with --miss-policy backoff) and "
                                           "hBERT-full-distilled (the same on perfect windows)")
         ap.add_argument("--tasks", help="comma-separated subset of: " + ", ".join(TASKS + OTHER_TASKS)
                         + f" (default the first {len(TASKS)})")
@@ -363,6 +373,7 @@ def main() -> None:
     distilled = HBERT_DISTILLED in schemes
     distilled_compute = HBERT_DISTILLED_COMPUTE in schemes
     full_distilled = HBERT_FULL_DISTILLED in schemes
+    backoff_distilled = HBERT_BACKOFF_DISTILLED in schemes
     distils = any(label in DISTILLED for label in schemes)  # a teacher per task and seed, and --transfer lines
     # the root PLOT's learned back-off serves a column
     reads_learned = any(policy in LEARNED_POLICIES for _, policy in hbert_runs)
@@ -465,6 +476,8 @@ def main() -> None:
             page += "_upper"
         if HBERT_FULL in columns:
             page += "_full"
+        if backoff_distilled:
+            page += "_backoff-distilled"
         if full_distilled:
             page += "_full-distilled"
         if learned:
