@@ -128,12 +128,23 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
                                                   HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_BACKOFF_DISTILLED,
                                                   HBERT_FULL_DISTILLED]
+# what a column beyond the full table adds to its page's name, in the name's order
+PAGE_SUFFIXES = [(ADAPTER_UPPER, "_upper"), (HBERT_FULL, "_full"), (HBERT_BACKOFF_DISTILLED, "_backoff-distilled"),
+                 (HBERT_FULL_DISTILLED, "_full-distilled"), (HBERT_LEARNED, "_learned"),
+                 (HBERT_LEARNED_COMPUTE, "_learned-compute"), (HBERT_DISTILLED, "_distilled"),
+                 (HBERT_DISTILLED_COMPUTE, "_distilled-compute")]
 # --schemes names without a comma
 SCHEME_FLAGS = {"hBERT-exact": HBERT_EXACT, "hBERT-learned": HBERT_LEARNED, "hBERT-learned-compute": HBERT_LEARNED_COMPUTE,
                 "hBERT-adapter-upper": ADAPTER_UPPER,
                 "hBERT-full": HBERT_FULL, "hBERT-distilled": HBERT_DISTILLED,
                 "hBERT-distilled-compute": HBERT_DISTILLED_COMPUTE, "hBERT-full-distilled": HBERT_FULL_DISTILLED,
                 "hBERT-backoff-distilled": HBERT_BACKOFF_DISTILLED}
+
+
+def page_suffix(columns: list[str]) -> str:
+    """What the columns beyond the full table add to a page's name, in ``PAGE_SUFFIXES``' order
+    whatever the order of ``columns``."""
+    return "".join(suffix for scheme, suffix in PAGE_SUFFIXES if scheme in columns)
 
 
 def chosen_tasks(arg: str | None) -> list[str]:
@@ -368,12 +379,6 @@ def main() -> None:
     lrs.update({scheme: getattr(args, flag) for scheme, flag in LR_FLAGS.items() if getattr(args, flag) is not None})
     lrs[HBERT_EXACT] = lrs[HBERT_LEARNED] = lrs[HBERT_LEARNED_COMPUTE] = lrs[HBERT_FULL] = lrs["hBERT"]
     lrs.update(dict.fromkeys(DISTILLED, lrs["hBERT"]))
-    learned = HBERT_LEARNED in schemes
-    mixed = HBERT_LEARNED_COMPUTE in schemes
-    distilled = HBERT_DISTILLED in schemes
-    distilled_compute = HBERT_DISTILLED_COMPUTE in schemes
-    full_distilled = HBERT_FULL_DISTILLED in schemes
-    backoff_distilled = HBERT_BACKOFF_DISTILLED in schemes
     distils = any(label in DISTILLED for label in schemes)  # a teacher per task and seed, and --transfer lines
     # the root PLOT's learned back-off serves a column
     reads_learned = any(policy in LEARNED_POLICIES for _, policy in hbert_runs)
@@ -472,22 +477,7 @@ def main() -> None:
             page += "_adapter-" + args.adapter.replace(":", "-")
         if cls_adapter:
             page += "_cls-adapter-" + args.classification_adapter.replace(":", "-")
-        if ADAPTER_UPPER in columns:
-            page += "_upper"
-        if HBERT_FULL in columns:
-            page += "_full"
-        if backoff_distilled:
-            page += "_backoff-distilled"
-        if full_distilled:
-            page += "_full-distilled"
-        if learned:
-            page += "_learned"
-        if mixed:
-            page += "_learned-compute"
-        if distilled:
-            page += "_distilled"
-        if distilled_compute:
-            page += "_distilled-compute"
+        page += page_suffix(columns)
         if distils:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             page += f"-weight-{args.distil_weight:g}" if args.distil_weight != DISTIL_WEIGHT else ""

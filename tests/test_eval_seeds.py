@@ -11,9 +11,11 @@ from benchmarks.eval_accuracy import (
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
     HBERT_LEARNED,
+    PAGE_SUFFIXES,
     TASKS,
     chosen_tasks,
     default_schemes,
+    page_suffix,
     partial_table,
     scheme_descriptions,
     seeded_cells,
@@ -74,3 +76,10 @@ def test_a_run_lacking_a_column_of_the_full_table_makes_a_partial_page_however_m
     assert len(five) >= len(full) and partial_table(five, TASKS, full)  # as many columns, not the table's
     assert partial_table(full, ["news-topic"], full)
     assert partial_table(full, TASKS + ["license-category"], full)
+
+
+def test_columns_beyond_the_full_table_name_their_page_in_one_order_whatever_order_they_are_asked_in():
+    # the names of the pages already written (e.g. eval_accuracy_partial_learned_distilled_grid)
+    assert page_suffix([HBERT_DISTILLED, "shared", HBERT_LEARNED]) == "_learned_distilled"
+    assert page_suffix([HBERT_DISTILLED_COMPUTE, HBERT_LEARNED, HBERT_DISTILLED]) == "_learned_distilled_distilled-compute"
+    assert len({suffix for _, suffix in PAGE_SUFFIXES}) == len(PAGE_SUFFIXES)
