@@ -318,6 +318,9 @@ def main() -> None:
         ap.add_argument("--distil-weight", type=float, default=DISTIL_WEIGHT, metavar="W",
                         help="hBERT-distilled: the weight of the teacher's answers in the loss, 1 - W the labels' "
                              f"(default {DISTIL_WEIGHT:g}; hmi.training.distil)")
+        ap.add_argument("--distil-epochs", type=int, metavar="E",
+                        help="hBERT-distilled: the student's epochs, the best on dev kept (default: the table's, "
+                             "4 with --quick; the teacher keeps the table's)")
         ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
@@ -338,6 +341,8 @@ def main() -> None:
         raise SystemExit(f"--transfer must be 0 or more lines, got {args.transfer}")
     if not 0 <= args.distil_weight <= 1:
         raise SystemExit(f"--distil-weight must be between 0 and 1, got {args.distil_weight:g}")
+    if args.distil_epochs is not None and args.distil_epochs < 1:
+        raise SystemExit(f"--distil-epochs must be at least 1, got {args.distil_epochs}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -366,6 +371,8 @@ def main() -> None:
             raise SystemExit(f"--test must be at least 2 examples, got {args.test}")
         n_eval = args.test
     epochs = 4 if args.quick else 5
+    # the student's epochs in a distilled fine-tune; None: the table's
+    distil_epochs = args.distil_epochs if args.distil_epochs not in (None, epochs) else None
     max_len = 64 if args.quick else 128
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
@@ -445,7 +452,9 @@ def main() -> None:
                  + f"; the adapters are {describe_adapter(adapter)}"
                  + (f" (on the classification tasks {describe_adapter(cls_adapter)})" if cls_adapter else "")
                  + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
-                     columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16, args.distil_weight)) + ".")
+                     columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16, args.distil_weight)) + "."
+                 + (f" The distilled students train {distil_epochs} epochs (the teacher {epochs}), the best on dev "
+                    "kept." if distils and distil_epochs else ""))
         res["plot_corpus"] = plot_from
         plot_stats = version.store.get_record("stats") or {}  # written when its build finished
         if plot_stats:
@@ -481,8 +490,10 @@ def main() -> None:
         if distils:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             page += f"-weight-{args.distil_weight:g}" if args.distil_weight != DISTIL_WEIGHT else ""
+            page += f"-epochs-{distil_epochs}" if distil_epochs else ""
             res["transfer_lines"] = args.transfer
             res["distil_weight"] = args.distil_weight
+            res["distil_epochs"] = distil_epochs or epochs
         if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
@@ -509,6 +520,7 @@ def main() -> None:
                + (f" --seeds {len(seeds)}" if len(seeds) > 1 else "")
                + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "")
                + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
+               + (f" --distil-epochs {distil_epochs}" if distils and distil_epochs else "")
                + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
@@ -531,7 +543,8 @@ def main() -> None:
         vals, secs, chosen, chosen_lr, per_seed = {}, {}, {}, {}, {}
 
         def hbert(spec, lr, seed, policy, distil=None):
-            cfg = FinetuneConfig(epochs=epochs, lr=lr, max_len=max_len, patience=epochs, seed=seed)
+            e = distil_epochs if distil is not None and distil_epochs else epochs
+            cfg = FinetuneConfig(epochs=e, lr=lr, max_len=max_len, patience=e, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
@@ -583,6 +596,8 @@ def main() -> None:
                 if label in DISTILLED:
                     key["transfer"] = args.transfer
                     key["distil"] = [Distillation.temperature, args.distil_weight]
+                    if distil_epochs:
+                        key["distil_epochs"] = distil_epochs
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))
