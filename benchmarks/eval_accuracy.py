@@ -234,6 +234,26 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
     return [(label, what[label]) for label in columns if label in what]
 
 
+def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bool, transfer: int,
+             distil_weight: float, distil_epochs: int | None) -> dict:
+    """The key of a scheme's cells on a task (its pooling, learning rate and seed are added per cell):
+    whatever else makes two runs of the scheme differ, so that a run reads back only its own cells.
+    ``learned_id`` names the learned back-off a scheme reads (None: it reads none); ``distil_epochs`` the
+    distilled students' epochs where they differ from the table's (None: the table's, as every
+    earlier run's key has it)."""
+    key = {"task": task, "train": train, "scheme": label}
+    if learned_id is not None:
+        key["learned_backoff"] = learned_id
+        if bf16:  # its products in bf16, as served on this CPU: another run than fp32's
+            key["learned_bf16"] = True
+    if label in DISTILLED:
+        key["transfer"] = transfer
+        key["distil"] = [Distillation.temperature, distil_weight]
+        if distil_epochs:
+            key["distil_epochs"] = distil_epochs
+    return key
+
+
 def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) -> list[tuple[tuple, dict]]:
     """Per seed, the option (pooling, learning rate) whose cell has the best dev accuracy, with that
     cell's result: every option of ``options`` is trained with ``train(option, seed)`` (or read back
@@ -588,16 +608,9 @@ def main() -> None:
             for label, run in runs:
                 # every pooling and learning rate is trained (or read back from an earlier run of the same
                 # command); the one with the best dev accuracy is kept
-                key = {"task": task, "train": len(train), "scheme": label}
-                if dict(hbert_runs).get(label) in LEARNED_POLICIES:
-                    key["learned_backoff"] = learned_id
-                    if SERVE_BF16:  # its products in bf16, as served on this CPU: another run than fp32's
-                        key["learned_bf16"] = True
-                if label in DISTILLED:
-                    key["transfer"] = args.transfer
-                    key["distil"] = [Distillation.temperature, args.distil_weight]
-                    if distil_epochs:
-                        key["distil_epochs"] = distil_epochs
+                reads = dict(hbert_runs).get(label) in LEARNED_POLICIES
+                key = cell_key(task, len(train), label, learned_id if reads else None, SERVE_BF16, args.transfer,
+                               args.distil_weight, distil_epochs)
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

@@ -1,7 +1,10 @@
 """eval_accuracy's choice of tasks, which runs make a partial page, the page's description of its columns,
-and its runs over several seeds
+the keys of its cells, and its runs over several seeds
 (``benchmarks.eval_accuracy.seeded_cells``): seed 0 is the one-seed table's run, read back rather
 than trained again; every other seed trains every option and dev chooses per seed."""
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,7 @@ from benchmarks.eval_accuracy import (
     HBERT_LEARNED,
     PAGE_SUFFIXES,
     TASKS,
+    cell_key,
     chosen_tasks,
     default_schemes,
     page_suffix,
@@ -83,3 +87,21 @@ def test_columns_beyond_the_full_table_name_their_page_in_one_order_whatever_ord
     assert page_suffix([HBERT_DISTILLED, "shared", HBERT_LEARNED]) == "_learned_distilled"
     assert page_suffix([HBERT_DISTILLED_COMPUTE, HBERT_LEARNED, HBERT_DISTILLED]) == "_learned_distilled_distilled-compute"
     assert len({suffix for _, suffix in PAGE_SUFFIXES}) == len(PAGE_SUFFIXES)
+
+
+def test_a_distilled_student_trained_longer_has_cells_of_its_own_and_the_tables_epochs_keep_the_recorded_keys():
+    record = Path(__file__).resolve().parents[1] / "docs/results/cells/eval_accuracy-a2216e4c7e3c93d7.jsonl"
+    lines = [json.loads(line) for line in record.read_text().splitlines()[1:]]
+    per_cell = ("pooling", "lr", "seed")
+    recorded = [{k: v for k, v in c["key"].items() if k not in per_cell} for c in lines
+                if c["key"]["scheme"] == HBERT_DISTILLED and c["key"]["task"] == "review-sentiment"]
+    table = cell_key("review-sentiment", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None)
+    longer = cell_key("review-sentiment", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, 8)
+    # the table's own epochs: the key every earlier run wrote, so their cells read back
+    assert table in recorded
+    # 8 epochs: another key, so a 4-epoch cell is never read back as an 8-epoch one (and the reverse)
+    assert longer == {**table, "distil_epochs": 8}
+    assert longer in recorded  # the --distil-epochs 8 run's cells
+    # a scheme that is not distilled has one key whatever the students' epochs
+    assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, 8) == \
+        {"task": "news-topic", "train": 640, "scheme": "hBERT-adapter"}
