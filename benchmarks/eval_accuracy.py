@@ -30,8 +30,13 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--max-minutes M] [--report-only]
-                                          [--fresh]
+                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--branches]
+                                          [--max-minutes M] [--report-only] [--fresh]
+
+``--branches`` serves each task's PLOT columns on its domain's branch (news, reviews, social,
+literature; ``hmi domain create DOMAIN --corpus DOMAIN`` first), as the server serves a tenant of that
+domain: the branch's PLOT, then the root's, then back-off, and the branch's lower layers for what is
+computed.  The columns that read no PLOT (the full-context ones) are the root's and read back as such.
 
 Long runs: every training run (one per task, scheme, pooling and learning rate) is kept under
 ``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
@@ -235,13 +240,16 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
 
 
 def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bool, transfer: int,
-             distil_weight: float, distil_epochs: int | None) -> dict:
+             distil_weight: float, distil_epochs: int | None, branch: list | None = None) -> dict:
     """The key of a scheme's cells on a task (its pooling, learning rate and seed are added per cell):
     whatever else makes two runs of the scheme differ, so that a run reads back only its own cells.
     ``learned_id`` names the learned back-off a scheme reads (None: it reads none); ``distil_epochs`` the
     distilled students' epochs where they differ from the table's (None: the table's, as every
-    earlier run's key has it)."""
+    earlier run's key has it); ``branch`` the domain branch whose chain a scheme reads (its name and
+    PLOT fingerprint; None: the root PLOT alone, as every earlier run's key has it)."""
     key = {"task": task, "train": train, "scheme": label}
+    if branch is not None:
+        key["branch"] = branch
     if learned_id is not None:
         key["learned_backoff"] = learned_id
         if bf16:  # its products in bf16, as served on this CPU: another run than fp32's
@@ -252,6 +260,27 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
         if distil_epochs:
             key["distil_epochs"] = distil_epochs
     return key
+
+
+def task_chain(tree, version, task: str, flags: str) -> tuple[list, dict | None]:
+    """The PLOT chain ``task``'s PLOT columns are served on: the root PLOT ``version`` alone, or with
+    ``--branches`` (``tree``, the root's ``VersionTree``) the chain of the task's domain (its branch,
+    the branch's ancestors, the root), as a tenant of that domain is served; with the branch for the
+    cells' keys and the page (None without one)."""
+    from hmi.data import TASK_DOMAIN
+    from hmi.training.further_pretrain import summary
+
+    if tree is None:
+        return [version], None
+    domain = TASK_DOMAIN[task]
+    node = tree.nodes().get(domain)
+    if node is None:
+        raise SystemExit(f"--branches serves {task} on the domain branch {domain!r}, which this root has not: "
+                         f"create it with `hmi domain create {domain} --corpus {domain}{flags}`")
+    chain = [tree.version(name) for name in tree.chain(domain)]
+    built = chain[0].store.get_record("build") or {}
+    return chain, {"name": domain, "plot": built.get("fingerprint"), "entries": node.plot.get("entries"),
+                   "mib": round(node.plot.get("file_bytes", 0) / 2**20), "further_pretraining": summary(node.fpt)}
 
 
 def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) -> list[tuple[tuple, dict]]:
@@ -341,6 +370,10 @@ def main() -> None:
         ap.add_argument("--distil-epochs", type=int, metavar="E",
                         help="hBERT-distilled: the student's epochs, the best on dev kept (default: the table's, "
                              "4 with --quick; the teacher keeps the table's)")
+        ap.add_argument("--branches", action="store_true",
+                        help="serve each task's PLOT columns on its domain's branch, as a tenant of that domain is "
+                             "(the chain branch -> root; create it first with `hmi domain create DOMAIN --corpus "
+                             "DOMAIN`: news, reviews, social, literature); writes its own page (..._branches)")
         ap.add_argument("--fresh", action="store_true", help="forget the finished runs of this configuration")
         root_options(ap)
 
@@ -375,6 +408,7 @@ def main() -> None:
     from hmi.plot.lookup import LEARNED_POLICIES, PlotLookup
     from hmi.training.examples import encode
     from hmi.training.finetune import FinetuneConfig, finetune, fit, tenant_model
+    from hmi.version_tree.tree import VersionTree
 
     caps = dict.fromkeys(tasks, 224) if args.quick else \
         {"news-topic": 1700, "review-sentiment": 4000, "tweet-sentiment": 4000, "pos-tagging": 2000,
@@ -396,6 +430,7 @@ def main() -> None:
     max_len = 64 if args.quick else 128
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     n_layers, l_low = root.bert.config.num_hidden_layers, root.spec.l_low
+    tree = VersionTree(root, root_version=version) if args.branches else None
     plot_from = plot_corpus(version.store)
     rows, results = [], {"tasks": {}}
     hbert_runs = [(label, policy) for label, policy in (("hBERT", "backoff"), (HBERT_EXACT, "compute"),
@@ -507,6 +542,13 @@ def main() -> None:
         if cls_adapter:
             page += "_cls-adapter-" + args.classification_adapter.replace(":", "-")
         page += page_suffix(columns)
+        if tree is not None:
+            page += "_branches"
+            res["branches"] = {t: res["tasks"][t]["branch"]["name"] for t in done}
+            text += ("\n\nThe PLOT columns are served on each task's domain branch (the chain branch -> root, as a "
+                     "tenant of that domain is served; `hmi domain create`): " + "; ".join(
+                         f"{t}: {b['name']} ({b['entries']:,} entries, {b['mib']} MiB; {b['further_pretraining']})"
+                         for t in done for b in [res["tasks"][t]["branch"]]) + ".")
         if distils:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             page += f"-weight-{args.distil_weight:g}" if args.distil_weight != DISTIL_WEIGHT else ""
@@ -541,6 +583,7 @@ def main() -> None:
                + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "")
                + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
                + (f" --distil-epochs {distil_epochs}" if distils and distil_epochs else "")
+               + (" --branches" if tree is not None else "")
                + root_flags(args))
         if len(done) < len(tasks):
             partial_pages.add(page)
@@ -560,6 +603,7 @@ def main() -> None:
         test = load_task(task, "test", n_eval)
         ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
+        chain, branch = task_chain(tree, version, task, root_flags(args))
         vals, secs, chosen, chosen_lr, per_seed = {}, {}, {}, {}, {}
 
         def hbert(spec, lr, seed, policy, distil=None):
@@ -569,7 +613,7 @@ def main() -> None:
                 model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
                            train, dev, test, cfg, progress=False, distil=distil)[1]
-            lookup = PlotLookup([version], policy=policy)
+            lookup = PlotLookup(chain, policy=policy)
             if policy in LEARNED_POLICIES and learned_fingerprint(version.store.path) != learned_id:
                 # the cells are keyed by the model the table started with; this run would train on another
                 raise SystemExit("the root PLOT's learned back-off was trained again while the table ran; "
@@ -609,8 +653,10 @@ def main() -> None:
                 # every pooling and learning rate is trained (or read back from an earlier run of the same
                 # command); the one with the best dev accuracy is kept
                 reads = dict(hbert_runs).get(label) in LEARNED_POLICIES
+                on_plot = dict(hbert_runs).get(label, "full") != "full"  # the column reads the PLOT chain
                 key = cell_key(task, len(train), label, learned_id if reads else None, SERVE_BF16, args.transfer,
-                               args.distil_weight, distil_epochs)
+                               args.distil_weight, distil_epochs,
+                               [branch["name"], branch["plot"]] if branch and on_plot else None)
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))
@@ -630,6 +676,8 @@ def main() -> None:
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
         if not tagging:
             results["tasks"][task]["pooling"] = chosen
+        if branch:
+            results["tasks"][task]["branch"] = branch
         if chosen_lr:
             results["tasks"][task]["lr"] = chosen_lr
         if per_seed:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hmi.cli.common import client, read_corpus_arg, run_client, show
+from hmi.cli.common import add_root_options, client, read_corpus_arg, run_client, show
 from hmi.cli.roots import load_current_root
 from hmi.data import CORPORA
 from hmi.home import hmi_home
+from hmi.model.aliases import DEFAULT_ROOT
 from hmi.services.registry import Registry
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.further_pretrain import summary as fpt_summary
@@ -16,8 +17,10 @@ from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
 from hmi.version_tree.tree import DomainError, VersionTree, forget_checkpoint
 
 
-def _tree():
-    return VersionTree(load_current_root())
+def _tree(args):
+    """The version tree of the root ``--root``/``--l-low`` name (the default root at its default split):
+    each root artifact has a tree of its own in the home."""
+    return VersionTree(load_current_root(args.root, args.l_low))
 
 
 def _domain_error(fn):
@@ -32,7 +35,14 @@ def _domain_error(fn):
 
 
 def _domain_via_server(args) -> bool:
-    return bool(getattr(args, "url", None))
+    """Whether the command goes through a server (``--url``); the server's root serves its domains, so
+    a root named as well is refused before anything is sent."""
+    if not getattr(args, "url", None):
+        return False
+    if args.root != DEFAULT_ROOT or args.l_low is not None:
+        raise DomainError("--root and --l-low choose the root of the local home's domains; through a server "
+                          "(--url) the server's root serves them")
+    return True
 
 
 def _fpt_config(args):
@@ -44,7 +54,7 @@ def cmd_domain_create(args):
     if _domain_via_server(args):
         return _domain_client(args, "create")
 
-    tree, lines = _tree(), read_corpus_arg(args.corpus)
+    tree, lines = _tree(args), read_corpus_arg(args.corpus)
     node = _kept_until_done(tree.resume_checkpoint("create", args.name), lambda checkpoint: tree.create(
         args.name, args.parent, lines, args.alpha, _fpt_config(args), checkpoint=checkpoint))
     print(f"domain {node.name}: parent {node.parent}, {node.plot['entries']} PLOT entries, its tri-grams covering "
@@ -95,7 +105,7 @@ def cmd_domain_update(args):
     if _domain_via_server(args):
         return _domain_client(args, "update")
 
-    tree, lines = _tree(), read_corpus_arg(args.corpus)
+    tree, lines = _tree(args), read_corpus_arg(args.corpus)
     node = _kept_until_done(tree.resume_checkpoint("update", args.name), lambda checkpoint: tree.update(
         args.name, lines, _fpt_config(args), checkpoint=checkpoint))
     print(f"domain {node.name} updated: {node.corpus['lines']} corpus lines, {node.plot['entries']} PLOT entries; "
@@ -113,7 +123,7 @@ def cmd_domain_delete(args):
         reg = Registry(reg_path)
         in_use = {r.get("domain") for _, r in reg.items("tenants")}
         reg.close()
-    _tree().delete(args.name, in_use)
+    _tree(args).delete(args.name, in_use)
     print(f"domain {args.name} deleted")
 
 
@@ -124,11 +134,12 @@ def _domain_list_client(args):
               f"entries={(d.get('plot') or {}).get('entries')}")
 
 
+@_domain_error
 def cmd_domain_list(args):
     if _domain_via_server(args):
         return _domain_list_client(args)
 
-    for d in _tree().listing():
+    for d in _tree(args).listing():
         if d["name"] == "root":
             print("root")
             continue
@@ -168,4 +179,5 @@ def arguments(command: str, parser) -> None:
 def _server_args(p):
     p.add_argument("--url", default=None, help="act through this server instead of on HMI_HOME directly")
     p.add_argument("--token", default=None)
+    add_root_options(p)  # the local home's root: its domains are that artifact's
     return p

@@ -14,8 +14,16 @@ def test_every_subcommand_has_help():
                  ["plot", "learn-backoff"],
                  ["serve"], ["info"],
                  ["demo"], ["infer", "t", "x"], ["tenant", "list"], ["jobs"], ["domain", "list"],
-                 ["domain", "create", "d", "--corpus", "legal"]):
+                 ["domain", "create", "d", "--corpus", "legal"],
+                 ["domain", "create", "d", "--corpus", "legal", "--root", "mpnet-base", "--l-low", "6"]):
         assert parser.parse_args(argv).func
+
+
+def test_a_domain_command_through_a_server_refuses_a_root_named_beside_it(capsys):
+    """``--root`` chooses the local home's tree of domains; a server serves its own root's, so naming
+    one with ``--url`` is refused before anything is sent (nothing listens at that address)."""
+    assert main(["domain", "list", "--url", "http://127.0.0.1:9", "--root", "mpnet-base"]) == 2
+    assert "through a server (--url) the server's root serves them" in capsys.readouterr().err
 
 
 def test_console_script_prints_help():

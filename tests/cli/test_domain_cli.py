@@ -17,7 +17,7 @@ def test_a_local_domain_create_stopped_in_its_plot_build_continues_there_when_ru
         real_root, tmp_path, monkeypatch, capsys):
     """Ctrl+C during the branch's PLOT build: the command says how to go on; run again, it takes the
     distillation's last checkpoint and the PLOT's last chunk written, and leaves nothing behind."""
-    monkeypatch.setattr(domains_cli, "load_current_root", lambda: real_root)
+    monkeypatch.setattr(domains_cli, "load_current_root", lambda root, l_low: real_root)
     ensure_data()  # the packaged corpora, prepared once per checkout
     corpus = tmp_path / "licenses.txt"
     corpus.write_text("\n".join(load_corpus("legal", 500)) + "\n")

@@ -319,3 +319,27 @@ def test_a_domain_branch_of_mpnet_base_distils_its_steps_as_the_roots_calibratio
     # bf16 products: near the fp32 run's weights, not at them (the present tokens alone, in fp32,
     # differ from it by about 1e-7)
     assert 1e-5 < max(diffs) < 0.05
+
+
+def test_eval_accuracy_serves_a_task_on_its_domains_branch_with_cells_of_its_own_and_names_a_missing_branchs_command(
+        root, tmp_path):
+    """``eval_accuracy.py --branches``: a task's PLOT columns read the chain a tenant of the task's domain
+    is served on, keyed by the branch's PLOT so that no root-PLOT cell (nor an earlier build's) is read
+    back as the branch's; without the branch the run stops before training, saying how to make it."""
+    from benchmarks.eval_accuracy import HBERT_DISTILLED, cell_key, task_chain
+
+    tree = VersionTree(root, tmp_path)
+    on_root = tree.version("root")
+    assert task_chain(None, on_root, "review-sentiment", "") == ([on_root], None)
+    with pytest.raises(SystemExit, match="hmi domain create reviews --corpus reviews --root mpnet-base`"):
+        task_chain(tree, on_root, "review-sentiment", " --root mpnet-base")
+    tree.create("reviews", "root", corpus(), alpha=0.5, fpt=FAST, progress=False)
+    chain, branch = task_chain(tree, on_root, "review-sentiment", "")
+    assert [v.name for v in chain] == ["reviews", "root"] and chain[1] is on_root
+    assert branch["name"] == "reviews" and branch["entries"] == tree.nodes()["reviews"].plot["entries"] > 0
+    key = {"task": "review-sentiment", "train": 640, "scheme": HBERT_DISTILLED, "transfer": 2000, "distil": [2.0, 0.5]}
+    assert cell_key("review-sentiment", 640, HBERT_DISTILLED, None, False, 2000, 0.5, None) == key
+    assert cell_key("review-sentiment", 640, HBERT_DISTILLED, None, False, 2000, 0.5, None,
+                    [branch["name"], branch["plot"]]) == {**key, "branch": ["reviews", branch["plot"]]}
+    tree.update("reviews", corpus(seed=3), fpt=FAST, progress=False)  # another build of the branch: other cells
+    assert task_chain(tree, on_root, "review-sentiment", "")[1]["plot"] != branch["plot"]
