@@ -240,13 +240,16 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
 
 
 def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bool, transfer: int,
-             distil_weight: float, distil_epochs: int | None, branch: list | None = None) -> dict:
+             distil_weight: float, distil_epochs: int | None, branch: list | None = None,
+             distil_start: str = "new") -> dict:
     """The key of a scheme's cells on a task (its pooling, learning rate and seed are added per cell):
     whatever else makes two runs of the scheme differ, so that a run reads back only its own cells.
     ``learned_id`` names the learned back-off a scheme reads (None: it reads none); ``distil_epochs`` the
     distilled students' epochs where they differ from the table's (None: the table's, as every
     earlier run's key has it); ``branch`` the domain branch whose chain a scheme reads (its name and
-    PLOT fingerprint; None: the root PLOT alone, as every earlier run's key has it)."""
+    PLOT fingerprint; None: the root PLOT alone, as every earlier run's key has it); ``distil_start``
+    where a distilled student starts ("teacher": its teacher's upper layers; "new", as every earlier
+    run's key has it)."""
     key = {"task": task, "train": train, "scheme": label}
     if branch is not None:
         key["branch"] = branch
@@ -259,6 +262,8 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
         key["distil"] = [Distillation.temperature, distil_weight]
         if distil_epochs:
             key["distil_epochs"] = distil_epochs
+        if distil_start != "new":
+            key["distil_start"] = distil_start
     return key
 
 
@@ -370,6 +375,10 @@ def main() -> None:
         ap.add_argument("--distil-epochs", type=int, metavar="E",
                         help="hBERT-distilled: the student's epochs, the best on dev kept (default: the table's, "
                              "4 with --quick; the teacher keeps the table's)")
+        ap.add_argument("--distil-start", choices=("new", "teacher"), default="new",
+                        help="hBERT-distilled: where the student starts, a new adapter and head (default) or the "
+                             "teacher's adapter of the served layers and its head (`Distillation.start`); teacher "
+                             "writes its own page (...-start-teacher)")
         ap.add_argument("--branches", action="store_true",
                         help="serve each task's PLOT columns on its domain's branch, as a tenant of that domain is "
                              "(the chain branch -> root; create it first with `hmi domain create DOMAIN --corpus "
@@ -509,7 +518,10 @@ def main() -> None:
                  + ". " + "; ".join(f"{label}: {what}" for label, what in scheme_descriptions(
                      columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16, args.distil_weight)) + "."
                  + (f" The distilled students train {distil_epochs} epochs (the teacher {epochs}), the best on dev "
-                    "kept." if distils and distil_epochs else ""))
+                    "kept." if distils and distil_epochs else "")
+                 + (" Each distilled student starts from its teacher: the teacher's adapter of the upper "
+                    f"{n_layers - l_low} layers and its head (`Distillation.start`), not a new one."
+                    if distils and args.distil_start == "teacher" else ""))
         res["plot_corpus"] = plot_from
         plot_stats = version.store.get_record("stats") or {}  # written when its build finished
         if plot_stats:
@@ -553,9 +565,11 @@ def main() -> None:
             page += f"-transfer-{args.transfer}" if args.transfer != 2000 else ""
             page += f"-weight-{args.distil_weight:g}" if args.distil_weight != DISTIL_WEIGHT else ""
             page += f"-epochs-{distil_epochs}" if distil_epochs else ""
+            page += f"-start-{args.distil_start}" if args.distil_start != "new" else ""
             res["transfer_lines"] = args.transfer
             res["distil_weight"] = args.distil_weight
             res["distil_epochs"] = distil_epochs or epochs
+            res["distil_start"] = args.distil_start
         if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
@@ -583,6 +597,7 @@ def main() -> None:
                + (f" --transfer {args.transfer}" if distils and args.transfer != 2000 else "")
                + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
                + (f" --distil-epochs {distil_epochs}" if distils and distil_epochs else "")
+               + (f" --distil-start {args.distil_start}" if distils and args.distil_start != "new" else "")
                + (" --branches" if tree is not None else "")
                + root_flags(args))
         if len(done) < len(tasks):
@@ -610,7 +625,7 @@ def main() -> None:
             e = distil_epochs if distil is not None and distil_epochs else epochs
             cfg = FinetuneConfig(epochs=e, lr=lr, max_len=max_len, patience=e, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
-                model = tenant_model(root.bert, root.spec.l_low, spec, None, cfg.seed)
+                model = tenant_model(root.bert, root.spec.l_low, spec, distil.start if distil else None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
                            train, dev, test, cfg, progress=False, distil=distil)[1]
             lookup = PlotLookup(chain, policy=policy)
@@ -638,9 +653,11 @@ def main() -> None:
                 (pool, lr), _, _ = seeded_cells(cells, {"task": task, "train": len(train), "scheme": "hBERT-adapter"},
                                                 [seed], options,
                                                 lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0]
-                teachers[seed] = Distillation(full(specs[pool], lr, seed, "adapter")["teacher"],
+                trained = full(specs[pool], lr, seed, "adapter")
+                teachers[seed] = Distillation(trained["teacher"],
                                               load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
-                                              weight=args.distil_weight)
+                                              weight=args.distil_weight,
+                                              start=trained["upper"](l_low) if args.distil_start == "teacher" else None)
             return teachers[seed]
 
         runs = [(label, lambda spec, lr, seed, policy=policy, label=label: hbert(
@@ -656,7 +673,7 @@ def main() -> None:
                 on_plot = dict(hbert_runs).get(label, "full") != "full"  # the column reads the PLOT chain
                 key = cell_key(task, len(train), label, learned_id if reads else None, SERVE_BF16, args.transfer,
                                args.distil_weight, distil_epochs,
-                               [branch["name"], branch["plot"]] if branch and on_plot else None)
+                               [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start)
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

@@ -105,3 +105,14 @@ def test_a_distilled_student_trained_longer_has_cells_of_its_own_and_the_tables_
     # a scheme that is not distilled has one key whatever the students' epochs
     assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, 8) == \
         {"task": "news-topic", "train": 640, "scheme": "hBERT-adapter"}
+
+
+def test_a_student_started_from_its_teacher_has_cells_of_its_own_and_a_new_start_keeps_the_recorded_key():
+    new = cell_key("review-sentiment", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None)
+    assert cell_key("review-sentiment", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None,
+                    distil_start="new") == new
+    assert cell_key("review-sentiment", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None,
+                    distil_start="teacher") == {**new, "distil_start": "teacher"}
+    # the teacher's own cells (hBERT-adapter) are the same whichever way its students start
+    assert cell_key("review-sentiment", 640, "hBERT-adapter", None, True, 2000, 0.5, None, distil_start="teacher") == \
+        {"task": "review-sentiment", "train": 640, "scheme": "hBERT-adapter"}

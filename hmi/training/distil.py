@@ -29,6 +29,9 @@ class Distillation:
     texts: list[str] = field(default_factory=list)  # unlabeled texts of the tenant's domain
     temperature: float = 2.0
     weight: float = 0.5
+    # where the student starts: the teacher's adapter of the served layers and its head, canonical
+    # (``FullContextModel.upper_weights``); None: a new adapter and head
+    start: dict[str, torch.Tensor] | None = None
 
     def extend(self, tokenizer, train: list[Example], spec: AdapterSpec, max_len: int
                ) -> tuple[list[Example], list[torch.Tensor], list[torch.Tensor]]:

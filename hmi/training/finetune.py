@@ -128,9 +128,11 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
              should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None
              ) -> tuple[dict[str, torch.Tensor], dict]:
     """Trains (or, with ``init``, continues training) a hosted tenant's adapter and head on the
-    root's upper layers (``fit``; with ``distil``, from a teacher too).  Returns canonical weights
-    and a metrics record."""
+    root's upper layers (``fit``; with ``distil``, from a teacher too, starting where its ``start``
+    says when ``init`` does not).  Returns canonical weights and a metrics record."""
     cfg = cfg or FinetuneConfig()
+    if init is None and distil is not None:
+        init = distil.start
     model = tenant_model(root_bert, l_low, spec, init, cfg.seed)
     weights, metrics = fit(model, lookup, tokenizer, train, dev, test, cfg, progress, on_progress, should_stop, distil)
     metrics["lookup_hits"] = dict(lookup.hits)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hmi.adapters.batched import pooled
-from hmi.adapters.interop import attach, library_model
+from hmi.adapters.interop import attach, from_library, library_model
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
 from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
@@ -130,6 +130,17 @@ class FullContextModel:
         self.head.load_state_dict(state[1])
         return best if ex_dev else None
 
+    def upper_weights(self, l_low: int) -> dict[str, torch.Tensor]:
+        """The trained adapter of the layers from ``l_low`` up and the head, copied, in the canonical
+        layout of a tenant served at split ``l_low`` (``hmi.adapters.spec``): where a distilled
+        student can start from its teacher (``Distillation.start``).  Modes "adapter" and "upper"."""
+        if self.mode not in ("adapter", "upper"):
+            raise ValueError(f"mode {self.mode!r} trains no adapter a tenant could start from")
+        weights = from_library(self.model, "t", self.spec, l_low)
+        weights["head.w"] = self.head.weight.detach().t().contiguous()
+        weights["head.b"] = self.head.bias.detach().clone()
+        return weights
+
     def _snapshot(self) -> tuple[dict, dict]:
         return ({k: v.clone() for k, v in self.model.state_dict().items()},
                 {k: v.clone() for k, v in self.head.state_dict().items()})
@@ -138,10 +149,10 @@ class FullContextModel:
 def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev: list[Example],
                        ex_test: list[Example], mode: str, epochs: int, lr: float, seed: int = 0, l_low: int = 0) -> dict:
     """A reference scheme trained and scored: ``{"dev": {"accuracy"}, "test": metrics, "teacher":
-    the trained model's answers}``."""
+    the trained model's answers, "upper": its ``upper_weights``}``."""
     m = FullContextModel(bert, spec, mode, l_low, seed)
     best = m.train(ex_train, ex_dev, epochs, lr, seed)
-    return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers}
+    return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers, "upper": m.upper_weights}
 
 
 def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], cfg: FinetuneConfig,

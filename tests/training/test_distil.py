@@ -147,3 +147,43 @@ def test_a_teacher_learns_its_task_on_the_full_context_root_and_answers_each_exa
                                FinetuneConfig(epochs=1, max_len=16))
     (ex,) = unlabeled(tok, ["cats sleep soundly"], tags, 16)
     assert tuple(answers([ex])[0].shape) == (len(ex.ids), 2)
+
+
+@pytest.mark.parametrize("kind", ["bottleneck", "lora"])
+def test_a_student_started_from_its_teacher_answers_as_the_teachers_upper_layers_before_any_step(tiny_lookup, kind):
+    """``Distillation.start``: a teacher with adapters from ``L_LOW`` up (mode "upper": its lower
+    layers are the root's), its weights moved away from the library's zero start; the student built
+    from ``upper_weights`` answers exactly as the teacher on the full-context lower layers' output,
+    in float64 (the two differ in their order of operations alone, about 1e-15 relative; a key read
+    into the wrong layer, site or orientation moves the logits by 1e-2 or more).  A fine-tune given
+    that start at learning rate 0 ends where it started."""
+    from hmi.training.examples import encode, pad
+    from hmi.training.full_context import FullContextModel
+
+    _, tok, lookup = tiny_lookup
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        bert = tiny_bert(layers=4, hidden=H, vocab=30522).double()
+        spec = AdapterSpec(kind, labels=("neg", "pos", "mixed"), pooling="mean",
+                           **({"reduction_factor": 4} if kind == "bottleneck" else {"rank": 4}))
+        teacher = FullContextModel(bert, spec, "upper", L_LOW, seed=0)
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in teacher.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        rows = [{"text": t, "label": "neg"} for t in ("a plain day", "my wonderful film was long", "our meal")]
+        exs = encode(tok, rows, spec, 16)
+        student = tenant_model(bert, L_LOW, spec, teacher.upper_weights(L_LOW))
+        ids, mask = pad(exs)  # the lower layers' output in float64 (a fine-tune keeps it in float16, as served)
+        got = student.logits(FullContextLower(bert, L_LOW, "cpu").merged(ids, mask), torch.from_numpy(mask))
+        want = torch.stack(teacher.answers(exs))
+        assert float(want.std()) > 0.1  # the teacher's adapters and head do move its answers
+        torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+    finally:
+        torch.set_default_dtype(before)
+    bert32, _, _ = tiny_lookup
+    start = tenant_model(bert32, L_LOW, spec, None, seed=5).weights()  # any start other than a new tenant's (seed 0)
+    kept, _ = finetune(bert32, L_LOW, lookup, tok, spec, rows, [], None, FinetuneConfig(epochs=1, lr=0.0, max_len=16),
+                       progress=False, distil=Distillation(lambda e: [torch.zeros(3) for _ in e], start=start))
+    assert all(torch.equal(kept[k], start[k]) for k in start)
