@@ -74,7 +74,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.distil import Distillation  # noqa: E402
-from hmi.training.full_context import COMPRESS_LAYERS, train_full_context  # noqa: E402
+from hmi.training.full_context import COMPRESS_LAYERS, PROBE_LR, train_full_context  # noqa: E402
 
 # The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
 # library's model): what the lower layers' adapters are worth there (on request: --schemes
@@ -241,7 +241,7 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
 
 def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bool, transfer: int,
              distil_weight: float, distil_epochs: int | None, branch: list | None = None,
-             distil_start: str = "new") -> dict:
+             distil_start: str = "new", probe_first: int = 0) -> dict:
     """The key of a scheme's cells on a task (its pooling, learning rate and seed are added per cell):
     whatever else makes two runs of the scheme differ, so that a run reads back only its own cells.
     ``learned_id`` names the learned back-off a scheme reads (None: it reads none); ``distil_epochs`` the
@@ -249,10 +249,13 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
     earlier run's key has it); ``branch`` the domain branch whose chain a scheme reads (its name and
     PLOT fingerprint; None: the root PLOT alone, as every earlier run's key has it); ``distil_start``
     where a distilled student starts ("teacher": its teacher's upper layers; "new", as every earlier
-    run's key has it)."""
+    run's key has it); ``probe_first`` the epochs hBERT-adapter (and so every teacher) trains its head
+    alone first (0: none, as every earlier run's key has it)."""
     key = {"task": task, "train": train, "scheme": label}
     if branch is not None:
         key["branch"] = branch
+    if probe_first and label == "hBERT-adapter":
+        key["probe_first"] = probe_first
     if learned_id is not None:
         key["learned_backoff"] = learned_id
         if bf16:  # its products in bf16, as served on this CPU: another run than fp32's
@@ -264,6 +267,8 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
             key["distil_epochs"] = distil_epochs
         if distil_start != "new":
             key["distil_start"] = distil_start
+        if probe_first:
+            key["teacher_probe_first"] = probe_first
     return key
 
 
@@ -379,6 +384,10 @@ def main() -> None:
                         help="hBERT-distilled: where the student starts, a new adapter and head (default) or the "
                              "teacher's adapter of the served layers and its head (`Distillation.start`); teacher "
                              "writes its own page (...-start-teacher)")
+        ap.add_argument("--probe-first", type=int, default=0, metavar="E",
+                        help="hBERT-adapter, and so every distilled student's teacher: train the head alone for E "
+                             "epochs first, then everything from there (LP-FT), dev choosing among all the epochs; "
+                             "writes its own page (..._probe-first-E)")
         ap.add_argument("--branches", action="store_true",
                         help="serve each task's PLOT columns on its domain's branch, as a tenant of that domain is "
                              "(the chain branch -> root; create it first with `hmi domain create DOMAIN --corpus "
@@ -405,6 +414,8 @@ def main() -> None:
         raise SystemExit(f"--distil-weight must be between 0 and 1, got {args.distil_weight:g}")
     if args.distil_epochs is not None and args.distil_epochs < 1:
         raise SystemExit(f"--distil-epochs must be at least 1, got {args.distil_epochs}")
+    if args.probe_first < 0:
+        raise SystemExit(f"--probe-first must be 0 or more epochs, got {args.probe_first}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -519,6 +530,9 @@ def main() -> None:
                      columns, lrs, n_layers, l_low, args.transfer, SERVE_BF16, args.distil_weight)) + "."
                  + (f" The distilled students train {distil_epochs} epochs (the teacher {epochs}), the best on dev "
                     "kept." if distils and distil_epochs else "")
+                 + (f" hBERT-adapter (and so every teacher) trains its head alone for {args.probe_first} epochs at "
+                    f"lr {PROBE_LR:g} first, then everything from there (LP-FT), dev choosing among all "
+                    f"{epochs + args.probe_first} epochs." if args.probe_first else "")
                  + (" Each distilled student starts from its teacher: the teacher's adapter of the upper "
                     f"{n_layers - l_low} layers and its head (`Distillation.start`), not a new one."
                     if distils and args.distil_start == "teacher" else ""))
@@ -570,6 +584,9 @@ def main() -> None:
             res["distil_weight"] = args.distil_weight
             res["distil_epochs"] = distil_epochs or epochs
             res["distil_start"] = args.distil_start
+        if args.probe_first:
+            page += f"_probe-first-{args.probe_first}"
+            res["probe_first_epochs"] = args.probe_first
         if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
@@ -598,6 +615,7 @@ def main() -> None:
                + (f" --distil-weight {args.distil_weight:g}" if distils and args.distil_weight != DISTIL_WEIGHT else "")
                + (f" --distil-epochs {distil_epochs}" if distils and distil_epochs else "")
                + (f" --distil-start {args.distil_start}" if distils and args.distil_start != "new" else "")
+               + (f" --probe-first {args.probe_first}" if args.probe_first else "")
                + (" --branches" if tree is not None else "")
                + root_flags(args))
         if len(done) < len(tasks):
@@ -638,7 +656,7 @@ def main() -> None:
 
         def full(spec, lr, seed, mode):
             return train_full_context(root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, seed=seed,
-                                      l_low=l_low)
+                                      l_low=l_low, probe_epochs=args.probe_first if mode == "adapter" else 0)
 
         def cell(run, spec, lr, seed) -> dict:
             t0 = time.time()
@@ -650,7 +668,9 @@ def main() -> None:
         def distillation(seed) -> Distillation:
             if seed not in teachers:
                 options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
-                (pool, lr), _, _ = seeded_cells(cells, {"task": task, "train": len(train), "scheme": "hBERT-adapter"},
+                (pool, lr), _, _ = seeded_cells(cells, cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16,
+                                                                args.transfer, args.distil_weight, None,
+                                                                probe_first=args.probe_first),
                                                 [seed], options,
                                                 lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0]
                 trained = full(specs[pool], lr, seed, "adapter")
@@ -673,7 +693,8 @@ def main() -> None:
                 on_plot = dict(hbert_runs).get(label, "full") != "full"  # the column reads the PLOT chain
                 key = cell_key(task, len(train), label, learned_id if reads else None, SERVE_BF16, args.transfer,
                                args.distil_weight, distil_epochs,
-                               [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start)
+                               [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start,
+                               args.probe_first)
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

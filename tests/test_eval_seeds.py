@@ -116,3 +116,16 @@ def test_a_student_started_from_its_teacher_has_cells_of_its_own_and_a_new_start
     # the teacher's own cells (hBERT-adapter) are the same whichever way its students start
     assert cell_key("review-sentiment", 640, "hBERT-adapter", None, True, 2000, 0.5, None, distil_start="teacher") == \
         {"task": "review-sentiment", "train": 640, "scheme": "hBERT-adapter"}
+
+
+def test_a_probe_first_keys_the_adapter_column_and_its_students_apart_and_none_keeps_the_recorded_keys():
+    adapter = cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None)
+    distilled = cell_key("news-topic", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None)
+    assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None, probe_first=0) == adapter
+    assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None, probe_first=2) == \
+        {**adapter, "probe_first": 2}
+    # a student of such a teacher is another student; a column that has no teacher is the same column
+    assert cell_key("news-topic", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None, probe_first=2) == \
+        {**distilled, "teacher_probe_first": 2}
+    assert cell_key("news-topic", 640, "shared", None, True, 2000, 0.5, None, probe_first=2) == \
+        {"task": "news-topic", "train": 640, "scheme": "shared"}

@@ -26,6 +26,7 @@ from hmi.training.fit import Fit, early_stopping
 MODES = ("full", "adapter", "upper", "head", "compress")
 COMPRESS_LAYERS = 2
 BATCH = 32
+PROBE_LR = 1e-2  # the head's rate while it is trained alone first (the frozen root's grid: 3e-3, 1e-2, 1e-3)
 
 
 class FullContextModel:
@@ -106,26 +107,40 @@ class FullContextModel:
 
     def train(self, ex_train: list[Example], ex_dev: list[Example], epochs: int, lr: float, seed: int = 0,
               on_progress: Callable[[float, dict], None] | None = None,
-              should_stop: Callable[[], bool] | None = None) -> float | None:
+              should_stop: Callable[[], bool] | None = None, probe_epochs: int = 0) -> float | None:
         """AdamW for ``epochs`` epochs of batches of 32 in a seeded order, every epoch run; the best
-        epoch on dev accuracy is kept (loaded), without dev examples the last.  Returns the kept
+        epoch on dev accuracy is kept (loaded), without dev examples the last.  With ``probe_epochs``
+        (modes "adapter" and "upper"), the head alone is trained first for that many epochs at
+        ``PROBE_LR``, the adapters still at their start, and the training goes on from there (LP-FT,
+        Kumar et al., 2022): the probe's epochs are among those dev chooses from.  Returns the kept
         epoch's dev accuracy (None without dev examples)."""
-        rng = np.random.default_rng(seed)
-        with Fit(self.parameters(), epochs * -(-len(ex_train) // BATCH), lr=lr, weight_decay=0.01, progress=False,
-                 on_progress=on_progress, should_stop=should_stop, report_every=5) as fit:
+        if probe_epochs and self.mode not in ("adapter", "upper"):
+            raise ValueError(f"a probe first is for the adapter modes, not {self.mode!r}")
+        rng, steps = np.random.default_rng(seed), -(-len(ex_train) // BATCH)
+        score = (lambda r: r["dev"]) if ex_dev else (lambda r: r["epoch"])
+        adapters = [p for p in self.model.parameters() if p.requires_grad]
+        best, state, done = float("-inf"), None, 0
+        for n, rate, probing in ((probe_epochs, PROBE_LR, True), (epochs, lr, False)):
+            if n == 0:
+                continue
+            for p in adapters:  # frozen while the head is probed: nothing flows back through the root then
+                p.requires_grad_(not probing)
+            with Fit(self.parameters(), (epochs + probe_epochs) * steps, lr=rate, weight_decay=0.01, progress=False,
+                     start=done, on_progress=on_progress, should_stop=should_stop, report_every=5) as fit:
 
-            def run_epoch(epoch: int) -> dict:
-                order = rng.permutation(len(ex_train))
-                for s in range(0, len(order), BATCH):
-                    fit.check()
-                    exs = [ex_train[i] for i in order[s:s + BATCH]]
-                    ids, mask, y = self.batch(exs)
-                    out = self.logits(exs, ids, mask, True)
-                    fit.step(F.cross_entropy(out.reshape(-1, self.spec.num_labels), y.reshape(-1), ignore_index=IGNORE))
-                return {"dev": self.evaluate(ex_dev)["accuracy"] if ex_dev else None, "epoch": epoch}
+                def run_epoch(epoch: int, fit=fit, first=done // steps) -> dict:
+                    order = rng.permutation(len(ex_train))
+                    for s in range(0, len(order), BATCH):
+                        fit.check()
+                        exs = [ex_train[i] for i in order[s:s + BATCH]]
+                        ids, mask, y = self.batch(exs)
+                        out = self.logits(exs, ids, mask, True)
+                        fit.step(F.cross_entropy(out.reshape(-1, self.spec.num_labels), y.reshape(-1),
+                                                 ignore_index=IGNORE))
+                    return {"dev": self.evaluate(ex_dev)["accuracy"] if ex_dev else None, "epoch": first + epoch}
 
-            best, state, _ = early_stopping(epochs, epochs, run_epoch, lambda r: r["dev"] if ex_dev else r["epoch"],
-                                            self._snapshot)
+                best, state, _ = early_stopping(n, n, run_epoch, score, self._snapshot, best, state)
+                done = fit.step_count
         self.model.load_state_dict(state[0])
         self.head.load_state_dict(state[1])
         return best if ex_dev else None
@@ -147,11 +162,13 @@ class FullContextModel:
 
 
 def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev: list[Example],
-                       ex_test: list[Example], mode: str, epochs: int, lr: float, seed: int = 0, l_low: int = 0) -> dict:
-    """A reference scheme trained and scored: ``{"dev": {"accuracy"}, "test": metrics, "teacher":
-    the trained model's answers, "upper": its ``upper_weights``}``."""
+                       ex_test: list[Example], mode: str, epochs: int, lr: float, seed: int = 0, l_low: int = 0,
+                       probe_epochs: int = 0) -> dict:
+    """A reference scheme trained and scored (``probe_epochs``: ``FullContextModel.train``'s):
+    ``{"dev": {"accuracy"}, "test": metrics, "teacher": the trained model's answers, "upper": its
+    ``upper_weights``}``."""
     m = FullContextModel(bert, spec, mode, l_low, seed)
-    best = m.train(ex_train, ex_dev, epochs, lr, seed)
+    best = m.train(ex_train, ex_dev, epochs, lr, seed, probe_epochs=probe_epochs)
     return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers, "upper": m.upper_weights}
 
 

@@ -187,3 +187,38 @@ def test_a_student_started_from_its_teacher_answers_as_the_teachers_upper_layers
     kept, _ = finetune(bert32, L_LOW, lookup, tok, spec, rows, [], None, FinetuneConfig(epochs=1, lr=0.0, max_len=16),
                        progress=False, distil=Distillation(lambda e: [torch.zeros(3) for _ in e], start=start))
     assert all(torch.equal(kept[k], start[k]) for k in start)
+
+
+def test_a_probe_first_trains_the_head_alone_and_the_adapters_go_on_from_the_probes_state(tiny_lookup):
+    """LP-FT (``probe_epochs``): the probe's epochs move the head and leave the adapters at the
+    library's start and the root untouched; a fine-tune after it starts from the probe's state, and
+    dev keeps that state when the fine-tune cannot better it (at learning rate 0 it stays there);
+    at a learning rate it moves the adapters."""
+    from hmi.training.examples import encode
+    from hmi.training.full_context import FullContextModel
+
+    bert, tok, _ = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
+    rows = [{"text": f"{s} {w} {n}", "label": "pos" if w == "wonderful" else "neg"}
+            for s in ("the", "my", "our", "his") for w in ("wonderful", "plain") for n in ("day", "film")]
+    exs = encode(tok, rows, spec, 16)
+    root = [p.detach().clone() for p in bert.parameters()]
+
+    def trained(epochs: int, lr: float, dev=exs) -> FullContextModel:
+        m = FullContextModel(bert, spec, "adapter", 0, seed=0)
+        m.train(exs, dev, epochs, lr, seed=0, probe_epochs=3)
+        return m
+
+    start = FullContextModel(bert, spec, "adapter", 0, seed=0)
+    probed, continued = trained(0, 3e-2), trained(2, 0.0)
+    adapters = {k: v for k, v in start.model.state_dict().items() if ".adapters." in k}
+    assert adapters and all(torch.equal(probed.model.state_dict()[k], v) for k, v in adapters.items())
+    assert not torch.equal(probed.head.weight, start.head.weight)
+    assert all(torch.equal(a, b) for a, b in zip(root, bert.parameters()))
+    for m in (probed, continued):  # the fine-tune's rate does not reach the probe's epochs
+        assert torch.equal(m.head.weight, probed.head.weight)
+    assert all(torch.equal(continued.model.state_dict()[k], v) for k, v in adapters.items())
+    moved = trained(2, 3e-2, dev=[])  # without dev examples the last epoch is kept: the fine-tune's
+    assert any(not torch.equal(moved.model.state_dict()[k], v) for k, v in adapters.items())
+    with pytest.raises(ValueError, match="adapter modes"):
+        FullContextModel(bert, spec, "head", 0).train(exs, exs, 1, 1e-2, probe_epochs=1)
