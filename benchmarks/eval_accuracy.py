@@ -30,8 +30,9 @@ table alone.
 Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--exact] [--pooling dev|mean|cls]
                                           [--schemes hBERT,dedicated,...] [--tasks news-topic,...]
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
-                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--branches]
-                                          [--max-minutes M] [--report-only] [--fresh]
+                                          [--grid|--no-grid] [--seeds N] [--transfer N] [--distil-weight W]
+                                          [--distil-epochs E] [--distil-start new|teacher] [--probe-first E]
+                                          [--branches] [--max-minutes M] [--report-only] [--fresh]
 
 ``--branches`` serves each task's PLOT columns on its domain's branch (news, reviews, social,
 literature; ``hmi domain create DOMAIN --corpus DOMAIN`` first), as the server serves a tenant of that
