@@ -18,6 +18,12 @@ is read back from the home or from the record; every cell a run finishes or read
 home is added to the record (rewritten atomically), so the same command on a fresh home, with
 the record committed, continues where the table stopped.
 
+A cell that does not depend on everything its configuration names (an accuracy table's columns that
+never read the root's windows are the same for every calibrated artifact of that root) may also be
+read back from the records of other configurations: ``adopt(config, key)`` says which cells of a
+record of configuration ``config`` are this one's; such a cell joins this configuration's record,
+with the machine that ran it.
+
 ``max_minutes`` limits one invocation, not the recipe: a cell starts only while the invocation's
 elapsed time is under it, so every invocation finishes at least one cell and the next invocation
 of the same command continues after it."""
@@ -43,7 +49,8 @@ def digest(obj) -> str:
 
 class Cells:
     def __init__(self, benchmark: str, config: dict, max_minutes: float | None = None, fresh: bool = False,
-                 home: Path | None = None, record_dir: Path | None = None, train: bool = True):
+                 home: Path | None = None, record_dir: Path | None = None, train: bool = True,
+                 adopt: Callable[[dict, dict], bool] | None = None):
         self.config, config_hash = config, digest(config)
         self.folder = (home or hmi_home()) / "runs" / benchmark / config_hash
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -55,6 +62,7 @@ class Cells:
             if self.record is not None:
                 self.record.unlink(missing_ok=True)
         self.recorded = self._read_record()
+        self.adopted = self._read_others(benchmark, adopt) if adopt is not None and self.record is not None else {}
         self.limit = TimeLimit(max_minutes)
         self.train = train  # False: cells are read back, none is run (``work`` raises OutOfTime)
         self.reused = self.ran = 0
@@ -79,12 +87,33 @@ class Cells:
             return {}
         return {digest(c["key"]): c for c in cells[1:] if isinstance(c, dict) and {"key", "result"} <= set(c)}
 
+    def _read_others(self, benchmark: str, adopt: Callable[[dict, dict], bool]) -> dict[str, dict]:
+        """The cells of other configurations' records of ``benchmark`` that ``adopt(config, key)``
+        accepts, by key digest (the first record in name order wins)."""
+        out: dict[str, dict] = {}
+        for path in sorted(self.record.parent.glob(f"{benchmark}-*.jsonl")):
+            if path == self.record:
+                continue
+            lines = []
+            for line in path.read_text().splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue
+            if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("config"), dict):
+                continue
+            for c in lines[1:]:
+                if isinstance(c, dict) and {"key", "result"} <= set(c) and adopt(lines[0]["config"], c["key"]):
+                    out.setdefault(digest(c["key"]), c)
+        return out
+
     def _kept(self, key: dict) -> dict | None:
-        """Cell ``key`` as kept in the home, else in the record (None when in neither or unreadable)."""
+        """Cell ``key`` as kept in the home, else in the record, else among the adopted ones (None
+        when in none or unreadable)."""
         try:
             stored = json.loads(self._path(key).read_text())
         except (OSError, ValueError):
-            stored = self.recorded.get(digest(key))
+            stored = self.recorded.get(digest(key)) or self.adopted.get(digest(key))
         return stored if isinstance(stored, dict) and stored.get("key") == key else None
 
     def run(self, key: dict, fn: Callable[[], dict]) -> dict:

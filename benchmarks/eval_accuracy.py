@@ -43,7 +43,10 @@ Long runs: every training run (one per task, scheme, pooling and learning rate) 
 ``$HMI_HOME/runs/eval_accuracy/`` when it ends, and the same command run again reads the finished
 ones back, so a stopped table continues where it stopped; ``--max-minutes M`` ends one invocation
 after M minutes (exit code 75, the finished tasks on the page), ``--report-only`` trains nothing
-and writes the page of what is finished, ``--fresh`` starts over.
+and writes the page of what is finished, ``--fresh`` starts over.  The columns that read neither the
+windows nor the split (``ARTIFACT_FREE``: full fine-tuning, the frozen root with a head, the 2-layer
+student, hBERT-adapter) are read back from the recorded cells of any table of the same root and
+settings, whatever its artifact (not with ``--fresh``).
 
 On another root than the default the results page is docs/eval_accuracy_<root>.md (and
 docs/eval_accuracy_partial_<root>.md); its JSON names the root.
@@ -93,6 +96,12 @@ GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compres
 LR_FLAGS = {"dedicated": "dedicated_lr", "shared": "shared_lr"}
 # Bumped when a cell's training changes, so that cells of earlier code are not read back.
 CELL_FORMAT = 1
+# Columns that read neither the windows nor the split (every weight of the root, its head alone, the first
+# two layers, adapters in every layer): one cell serves every calibrated artifact and split of a root, so a
+# table of a new artifact reads them from the records of the root's others (``artifact_free``).
+ARTIFACT_FREE = ("dedicated", "shared", "compress", "hBERT-adapter")
+# what a table's configuration names that such a column does not depend on
+WINDOWS_CONFIG = ("root_artifact", "l_low", "plot")
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]  # the four every table averages
 # tasks outside the four, on request (--tasks): how a default chosen on the four does elsewhere
 OTHER_TASKS = ["license-category"]
@@ -271,6 +280,16 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
         if probe_first:
             key["teacher_probe_first"] = probe_first
     return key
+
+
+def artifact_free(config: dict):
+    """``Cells``' ``adopt`` for the table of ``config``: a cell of another table of the same root and
+    settings whose column reads neither the windows nor the split (``ARTIFACT_FREE``)."""
+    mine = {k: v for k, v in config.items() if k not in WINDOWS_CONFIG}
+
+    def adopt(other: dict, key: dict) -> bool:
+        return key.get("scheme") in ARTIFACT_FREE and {k: v for k, v in other.items() if k not in WINDOWS_CONFIG} == mine
+    return adopt
 
 
 def task_chain(tree, version, task: str, flags: str) -> tuple[list, dict | None]:
@@ -470,13 +489,12 @@ def main() -> None:
     if reads_learned and learned_id is None:
         raise SystemExit(f"the root PLOT ({version.store.path}) has no learned back-off yet: train it with "
                          f"`hmi plot learn-backoff{root_flags(args)}`")
-    cells = Cells("eval_accuracy", {
-        "format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
-        "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
-        "epochs": epochs, "max_len": max_len, "adapter": adapter,
-        **({"classification_adapter": cls_adapter} if cls_adapter else {})}, max_minutes=args.max_minutes, fresh=args.fresh,
-        train=not args.report_only,
-        record_dir=DOCS / "cells")
+    config = {"format": CELL_FORMAT, "root": root.spec.name, "root_artifact": root.artifact_id, "l_low": l_low,
+              "plot": (version.store.get_record("build") or {}).get("fingerprint"), "n_eval": n_eval,
+              "epochs": epochs, "max_len": max_len, "adapter": adapter,
+              **({"classification_adapter": cls_adapter} if cls_adapter else {})}
+    cells = Cells("eval_accuracy", config, max_minutes=args.max_minutes, fresh=args.fresh, train=not args.report_only,
+                  record_dir=DOCS / "cells", adopt=None if args.fresh else artifact_free(config))
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
     partial_pages: set[str] = set()  # written by this run while tasks remained

@@ -132,3 +132,33 @@ def test_a_record_cut_short_or_of_another_configuration_is_not_read_and_fresh_re
     assert calls == [0.8, 0.8, 0.6, 0.5]
     Cells("bench", CONFIG, fresh=True, home=tmp_path / "b", record_dir=record)
     assert not cells.record.exists()
+
+
+def test_a_cell_another_configuration_recorded_is_adopted_only_where_adopt_says_and_joins_this_record(tmp_path):
+    """``adopt``: an accuracy table of a new artifact reads the columns that do not depend on the
+    artifact from an earlier artifact's record, and runs the others; a record of other settings, or
+    of another benchmark, lends nothing."""
+    calls, record = [], tmp_path / "cells"
+    earlier = Cells("bench", CONFIG, home=tmp_path / "a", record_dir=record)
+    earlier.run({"scheme": "free"}, counting(calls, 0.8))
+    earlier.run({"scheme": "windows"}, counting(calls, 0.7))
+    Cells("other", {**CONFIG, "root_artifact": "b"}, home=tmp_path / "a", record_dir=record).run(
+        {"scheme": "free", "lr": 1}, counting(calls, 0.5))
+    Cells("bench", {**CONFIG, "root_artifact": "c", "epochs": 5}, home=tmp_path / "a", record_dir=record).run(
+        {"scheme": "free", "lr": 2}, counting(calls, 0.4))
+
+    def adopt(config, key):
+        return key["scheme"] == "free" and config["epochs"] == 4
+
+    new = Cells("bench", {**CONFIG, "root_artifact": "b"}, home=tmp_path / "b", record_dir=record, adopt=adopt)
+    assert new.run({"scheme": "free"}, counting(calls, 0.1)) == {"dev": 0.8, "test": 0.4}
+    assert new.run({"scheme": "windows"}, counting(calls, 0.6)) == {"dev": 0.6, "test": 0.3}
+    new.run({"scheme": "free", "lr": 1}, counting(calls, 0.3))  # the other benchmark's cell: run here
+    new.run({"scheme": "free", "lr": 2}, counting(calls, 0.2))  # other settings: run here
+    assert calls == [0.8, 0.7, 0.5, 0.4, 0.6, 0.3, 0.2] and (new.ran, new.reused) == (3, 1)
+    mine = [json.loads(line) for line in new.record.read_text().splitlines()]
+    assert mine[0] == {"config": {**CONFIG, "root_artifact": "b"}} and mine[1]["key"] == {"scheme": "free"}
+    # without adopt (eval_accuracy's --fresh), the earlier record lends nothing
+    alone = Cells("bench", {**CONFIG, "root_artifact": "d"}, home=tmp_path / "c", record_dir=record)
+    alone.run({"scheme": "free"}, counting(calls, 0.9))
+    assert calls[-1] == 0.9

@@ -129,3 +129,16 @@ def test_a_probe_first_keys_the_adapter_column_and_its_students_apart_and_none_k
         {**distilled, "teacher_probe_first": 2}
     assert cell_key("news-topic", 640, "shared", None, True, 2000, 0.5, None, probe_first=2) == \
         {"task": "news-topic", "train": 640, "scheme": "shared"}
+
+
+def test_a_table_of_another_artifact_adopts_only_the_columns_that_never_read_the_windows():
+    from benchmarks.eval_accuracy import ARTIFACT_FREE, artifact_free
+
+    record = Path(__file__).resolve().parents[1] / "docs/results/cells/eval_accuracy-a2216e4c7e3c93d7.jsonl"
+    config = json.loads(record.read_text().splitlines()[0])["config"]
+    adopt = artifact_free({**config, "root_artifact": "minilm-l3-other", "plot": "another", "l_low": 2})
+    assert all(adopt(config, {"task": "t", "scheme": s}) for s in ARTIFACT_FREE)
+    for scheme in ("hBERT", HBERT_LEARNED, HBERT_DISTILLED, "hBERT-adapter, upper layers"):
+        assert not adopt(config, {"task": "t", "scheme": scheme})  # these read the windows or the split
+    assert not adopt({**config, "epochs": 5}, {"task": "t", "scheme": "shared"})  # other settings
+    assert not adopt({**config, "root": "mpnet-base"}, {"task": "t", "scheme": "shared"})  # another root
