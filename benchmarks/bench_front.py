@@ -67,6 +67,7 @@ from benchmarks.common import (  # noqa: E402
     table,
 )
 from benchmarks.eval_accuracy import (  # noqa: E402
+    ARTIFACT_FREE,
     HBERT_BACKOFF_DISTILLED,
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
@@ -94,8 +95,9 @@ SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "lea
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
-# root): the same for every split and artifact of one root, so a split's own record may take them from another.
-SPLIT_FREE = ("dedicated", "shared", "hBERT-adapter")
+# root; eval_accuracy's ARTIFACT_FREE that the front needs): the same for every split and artifact of one
+# root, so a split's own record may take them from another.
+SPLIT_FREE = tuple(c for c in ARTIFACT_FREE if c in NEEDED)
 WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a split's own record must hold
 RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
 # Columns of configurations that eval_accuracy measures only on request: taken from a page of their own

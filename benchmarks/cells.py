@@ -47,6 +47,25 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def read_record(path: Path) -> tuple[dict | None, dict[str, dict]]:
+    """A record's configuration (None where its first line names none) and its cells by key digest,
+    of the lines that read whole (a line cut short by a crash is left out)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None, {}
+    lines = []
+    for line in text.splitlines():
+        try:
+            lines.append(json.loads(line))
+        except ValueError:
+            continue
+    if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("config"), dict):
+        return None, {}
+    return lines[0]["config"], {digest(c["key"]): c for c in lines[1:]
+                                if isinstance(c, dict) and {"key", "result"} <= set(c)}
+
+
 class Cells:
     def __init__(self, benchmark: str, config: dict, max_minutes: float | None = None, fresh: bool = False,
                  home: Path | None = None, record_dir: Path | None = None, train: bool = True,
@@ -73,38 +92,18 @@ class Cells:
     def _read_record(self) -> dict[str, dict]:
         """The record's cells by key digest: those of this configuration whose lines read whole
         (a record of another configuration, or a line cut short, is not read)."""
-        try:
-            lines = self.record.read_text().splitlines() if self.record is not None else []
-        except OSError:
-            return {}
-        cells = []
-        for line in lines:
-            try:
-                cells.append(json.loads(line))
-            except ValueError:
-                continue
-        if not cells or not isinstance(cells[0], dict) or digest(cells[0].get("config")) != digest(self.config):
-            return {}
-        return {digest(c["key"]): c for c in cells[1:] if isinstance(c, dict) and {"key", "result"} <= set(c)}
+        config, cells = read_record(self.record) if self.record is not None else (None, {})
+        return cells if config is not None and digest(config) == digest(self.config) else {}
 
     def _read_others(self, benchmark: str, adopt: Callable[[dict, dict], bool]) -> dict[str, dict]:
         """The cells of other configurations' records of ``benchmark`` that ``adopt(config, key)``
         accepts, by key digest (the first record in name order wins)."""
         out: dict[str, dict] = {}
         for path in sorted(self.record.parent.glob(f"{benchmark}-*.jsonl")):
-            if path == self.record:
-                continue
-            lines = []
-            for line in path.read_text().splitlines():
-                try:
-                    lines.append(json.loads(line))
-                except ValueError:
-                    continue
-            if not lines or not isinstance(lines[0], dict) or not isinstance(lines[0].get("config"), dict):
-                continue
-            for c in lines[1:]:
-                if isinstance(c, dict) and {"key", "result"} <= set(c) and adopt(lines[0]["config"], c["key"]):
-                    out.setdefault(digest(c["key"]), c)
+            config, cells = read_record(path) if path != self.record else (None, {})
+            for k, c in cells.items():
+                if config is not None and adopt(config, c["key"]):
+                    out.setdefault(k, c)
         return out
 
     def _kept(self, key: dict) -> dict | None:
