@@ -19,7 +19,10 @@ the PLOT has kept, the hot tier):
 - ``compute+insert tenants``: after the tenants' training texts were kept (their fine-tunes
   keep them);
 - ``compute+insert warm``: after also a stream of unlabeled text from the tasks' own domains
-  (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain.
+  (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain;
+- ``learned, distilled, auto``: tenants fine-tuned with ``"serving": "auto"``: those of a task
+  whose record chose whole (eval_accuracy's served-auto column, ``res.tasks.*.serving``) served
+  on the full root with their adapter in every layer, the others on the learned back-off.
 
 Accuracy is not measured here: it is the eval_accuracy record of the same root artifact (the fair
 bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-base 6+6,
@@ -44,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +72,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from benchmarks.eval_accuracy import (  # noqa: E402
     ARTIFACT_FREE,
+    HBERT_AUTO,
     HBERT_BACKOFF_DISTILLED,
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
@@ -80,6 +85,7 @@ from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
+AUTO = "learned, distilled, auto"  # tenants served as `"serving": "auto"` chooses (whole_tasks)
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
@@ -87,7 +93,7 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, 
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
           "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
           "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE,
-          "backoff, distilled": HBERT_BACKOFF_DISTILLED}
+          "backoff, distilled": HBERT_BACKOFF_DISTILLED, AUTO: HBERT_AUTO}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
 SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
@@ -103,7 +109,7 @@ RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share
 # Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
 # when the front's record lacks them.
 OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"], COLUMN["learned+compute, distilled"],
-            COLUMN["backoff, distilled"])
+            COLUMN["backoff, distilled"], COLUMN[AUTO])
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -193,8 +199,10 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
 def with_columns(rec: dict, name: str, other: dict, cols: list[str]) -> dict:
     """``rec`` with columns ``cols`` (averages and per task) taken from the record ``other`` of
     page ``name``, which ``column_records`` names for each."""
+    serving = HBERT_AUTO in cols  # how that column served each task comes with it
     return {**rec, "average": {**rec["average"], **{c: other["average"][c] for c in cols}},
-            "tasks": {t: {**rec["tasks"][t], **{c: other["tasks"][t][c] for c in cols}} for t in TASKS},
+            "tasks": {t: {**rec["tasks"][t], **{c: other["tasks"][t][c] for c in cols},
+                          **({"serving": other["tasks"][t]["serving"]} if serving else {})} for t in TASKS},
             "column_records": {**rec.get("column_records", {}), **{c: [name, other.get("root_artifact")] for c in cols}}}
 
 
@@ -229,6 +237,19 @@ def make_traces(texts: dict[str, list[str]], n_batches: int, n: int, seed: int) 
             reqs.append(texts[task][used[task]])
             used[task] += 1
         out.append(([tenants[i * B:(i + 1) * B].tolist() for i in range(n_batches)], reqs))
+    return out
+
+
+def whole_tasks(acc: dict) -> list[str]:
+    """The tasks whose tenants ``"serving": "auto"`` serves on the full root in the accuracy record
+    ``acc`` (its served-auto column's choice, ``tasks.*.serving``: one mode, or one per seed; whole
+    when most seeds chose it)."""
+    out = []
+    for t in TASKS:
+        modes = acc["tasks"][t].get("serving", "windows")
+        modes = [modes] if isinstance(modes, str) else modes
+        if 2 * modes.count("whole") > len(modes):
+            out.append(t)
     return out
 
 
@@ -358,6 +379,18 @@ def main() -> None:
         out["hit_rate_curve"] = curve
         out["tenant_windows_cost"] = kept_cost
 
+        if "learned" in lookups and HBERT_AUTO in acc["average"]:
+            out["whole_tasks"] = whole_tasks(acc)
+            whole = replace(spec, whole=True)
+            auto_store = AdapterStore(tmp / "adapters-auto", host_cache_mb=1024)
+            whole_variants = adapter_variants(bert, l_low, whole, 8, seed=1)
+            auto_entries = {}
+            for i in range(TENANTS):
+                name, on_whole = f"t{i:05d}", TASKS[i % len(TASKS)] in out["whole_tasks"]
+                auto_entries[name] = TenantEntry(name, whole if on_whole else spec)
+                auto_store.save(name, auto_entries[name].spec, (whole_variants if on_whole else variants)[i % 8])
+                auto_store.load(name)
+            lookups[AUTO] = lookups["learned"]
         full_lower = FullContextLower(bert, l_low)
         shared = SharedRoot(bert, TENANTS)
 
@@ -366,7 +399,8 @@ def main() -> None:
             if config == "shared":
                 return direct_rps(shared, tok, reqs, batches, 1)
             lower = full_lower if config == "hBERT-adapter" else lookups[config]
-            s = Scheduler(bert, l_low, tok, store, FixedTenants(entries), FixedTenants(entries, lower),
+            ents, adapters = (auto_entries, auto_store) if config == AUTO else (entries, store)
+            s = Scheduler(bert, l_low, tok, adapters, FixedTenants(ents), FixedTenants(ents, lower),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=config != "hBERT-adapter"))
             try:
                 return scheduler_rps(s, reqs, batches, 1)
@@ -452,6 +486,8 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     served = out["default_config"]
     if ServerConfig.distil:  # hmi serve's fine-tunes distil by default: what it serves is the distilled point
         served = next((c for c, like in SERVED_AS.items() if like == served and c in configs), served)
+        if ServerConfig.serving == "auto" and served == "learned, distilled" and AUTO in configs:
+            served = AUTO  # and choose whole where the teacher leads on dev
     out["default_served"] = served
     default = next(p for p in points if p["config"] == served)
     out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
@@ -492,7 +528,11 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              + f" (the fair bar, dedicated: {fair}); every compute and compute+insert state answers a text with its exact "
              "windows (column 'hBERT, exact windows'), however warm the PLOT is."
              + "".join(f" {c}: served as {like} is, the adapters trained otherwise, so its requests/s are {like}'s."
-                       for c, like in SERVED_AS.items() if c in configs) + "\n\n")
+                       for c, like in SERVED_AS.items() if c in configs)
+             + (f" {AUTO}: the tenants of {', '.join(out['whole_tasks']) or 'no task'} served on the full root with "
+                "their adapter in every layer (as `\"serving\": \"auto\"` chose for those tasks), the others as "
+                "'learned, distilled'; its accuracy is column "
+                f"'{HBERT_AUTO}'." if AUTO in configs else "") + "\n\n")
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
              f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}"
              + (": the miss policy and distilled fine-tunes" if served in SERVED_AS else "") + "): "

@@ -79,6 +79,7 @@ from benchmarks.common import (  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.distil import Distillation  # noqa: E402
 from hmi.training.full_context import COMPRESS_LAYERS, PROBE_LR, train_full_context  # noqa: E402
+from hmi.training.serving import WHOLE_MARGIN  # noqa: E402
 
 # The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
 # library's model): what the lower layers' adapters are worth there (on request: --schemes
@@ -126,6 +127,10 @@ HBERT_BACKOFF_DISTILLED = "hBERT, back-off, distilled"
 # the same distillation on the full-context lower layers' output: perfect windows, the ceiling of every
 # distilled PLOT scheme at the split (on request: --schemes hBERT-full-distilled)
 HBERT_FULL_DISTILLED = "hBERT, full-context lower layers, distilled"
+# each tenant served as `"serving": "auto"` serves it (``hmi.training.serving.choose_serving``): the teacher
+# (hBERT-adapter) where it leads the learned back-off, distilled, on dev by more than WHOLE_MARGIN, else that
+# student; per seed, from those two columns' cells (a table with both has it)
+HBERT_AUTO = "hBERT, distilled, served auto"
 # scheme -> miss policy served ("full": the full-context lower layers, no PLOT)
 DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_BACKOFF_DISTILLED: "backoff",
              HBERT_FULL_DISTILLED: "full"}
@@ -139,7 +144,8 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
             (HBERT_DISTILLED, "avg_gap_distilled_vs_full_ft", "with the learned back-off, distilled"),
             (HBERT_DISTILLED_COMPUTE, "avg_gap_distilled_compute_vs_full_ft",
              "with the learned back-off and every uni-gram miss computed, distilled"),
-            (HBERT_BACKOFF_DISTILLED, "avg_gap_backoff_distilled_vs_full_ft", "with the back-off, distilled")]
+            (HBERT_BACKOFF_DISTILLED, "avg_gap_backoff_distilled_vs_full_ft", "with the back-off, distilled"),
+            (HBERT_AUTO, "avg_gap_served_auto_vs_full_ft", "distilled, served auto")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
                                                   HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_BACKOFF_DISTILLED,
                                                   HBERT_FULL_DISTILLED]
@@ -245,6 +251,9 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
                                  "does (`--miss-policy backoff`)",
         HBERT_FULL_DISTILLED: "the same distillation (the same teacher) on the full-context lower layers' output "
                               "(perfect windows: the ceiling of every distilled PLOT scheme at this split)",
+        HBERT_AUTO: "each seed's tenant as `\"serving\": \"auto\"` serves it: hBERT-adapter (its teacher, served on "
+                    f"the full root) where its dev accuracy leads {HBERT_DISTILLED}'s by more than "
+                    f"{WHOLE_MARGIN:g}, else that distilled adapter (res.tasks.*.serving)",
     }
     return [(label, what[label]) for label in columns if label in what]
 
@@ -325,6 +334,19 @@ def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) ->
         best = max(tried, key=lambda o: tried[o]["dev"])
         picks.append((best, tried[best], sum(r["seconds"] for r in tried.values())))
     return picks
+
+
+def served_auto(teacher: list[dict], student: list[dict]) -> list[tuple[str, float]]:
+    """Per seed, how ``"serving": "auto"`` serves the tenant (``choose_serving`` on the two cells'
+    dev accuracy) and the test accuracy it then gets: ``teacher`` (hBERT-adapter) and ``student``
+    (the distilled adapter) are the seeds' chosen cells, ``{"dev", "test"}`` each."""
+    from hmi.training.serving import choose_serving
+
+    out = []
+    for t, s in zip(teacher, student):
+        mode = choose_serving("auto", True, t["dev"], s["dev"])["mode"]
+        out.append((mode, t["test"] if mode == "whole" else s["test"]))
+    return out
 
 
 def lr_text(lrs: tuple[float, ...]) -> str:
@@ -497,6 +519,8 @@ def main() -> None:
                   record_dir=DOCS / "cells", adopt=None if args.fresh else artifact_free(config))
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
+    if {"hBERT-adapter", HBERT_DISTILLED} <= set(columns):
+        columns.append(HBERT_AUTO)  # derived from those two columns' cells
     partial_pages: set[str] = set()  # written by this run while tasks remained
 
     def report(done: list[str]) -> None:
@@ -566,7 +590,8 @@ def main() -> None:
         res["adapter"] = adapter
         if cls_adapter:
             res["classification_adapter"] = cls_adapter
-        res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns}
+        res["lr"] = {label: list(lrs[label]) if len(lrs[label]) > 1 else lrs[label][0] for label in columns
+                     if label in lrs}  # a derived column (served auto) trains nothing
         res["lr_grid"] = grid
         if "dedicated" in columns:
             res["dedicated_lr_chosen_on_dev"] = len(lrs["dedicated"]) > 1
@@ -656,7 +681,7 @@ def main() -> None:
         ex = {k: encode(root.tokenizer, v, specs[poolings[0]], max_len)
               for k, v in (("train", train), ("dev", dev), ("test", test))}
         chain, branch = task_chain(tree, version, task, root_flags(args))
-        vals, secs, chosen, chosen_lr, per_seed = {}, {}, {}, {}, {}
+        vals, secs, chosen, chosen_lr, per_seed, picked = {}, {}, {}, {}, {}, {}
 
         def hbert(spec, lr, seed, policy, distil=None):
             e = distil_epochs if distil is not None and distil_epochs else epochs
@@ -716,6 +741,7 @@ def main() -> None:
                                args.probe_first)
                 picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
+                picked[label] = [r for _, r, _ in picks]
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))
                 secs[label] = sum(s for _, _, s in picks)
                 if len(seeds) > 1:
@@ -729,8 +755,17 @@ def main() -> None:
             print(f"stopped: {exc} ({len(rows)} of {len(tasks)} tasks done; {cells.summary()}); run the same command "
                   "again to continue", flush=True)
             sys.exit(EXIT_UNFINISHED)
+        serving = None
+        if HBERT_AUTO in columns:
+            auto = served_auto(picked["hBERT-adapter"], picked[HBERT_DISTILLED])
+            serving = [mode for mode, _ in auto]
+            vals[HBERT_AUTO], secs[HBERT_AUTO] = float(np.mean([r for _, r in auto])), 0.0
+            if len(seeds) > 1:
+                per_seed[HBERT_AUTO] = [round(100 * r, 2) for _, r in auto]
         results["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
+        if serving:
+            results["tasks"][task]["serving"] = serving[0] if len(seeds) == 1 else serving
         if not tagging:
             results["tasks"][task]["pooling"] = chosen
         if branch:

@@ -149,19 +149,22 @@ class Client:
     def create_tenant(self, name: str, labels: list[str], task_type: str = "classification", training_data=None,
                       dataset: str | None = None, domain: str = "root", adapter: dict | None = None,
                       max_train: int | None = None, epochs: int | None = None, pooling: str | None = None,
-                      truncate: bool = False, max_eval: int | None = None, distil: bool | None = None) -> dict:
+                      truncate: bool = False, max_eval: int | None = None, distil: bool | None = None,
+                      serving: str | None = None) -> dict:
         body = {"name": name, "domain": domain, "task": {"type": task_type, "labels": labels}, "truncate": truncate}
         if pooling is not None:
             body["task"]["pooling"] = pooling
         for k, v in (("training_data", training_data), ("dataset", dataset), ("adapter", adapter),
-                     ("max_train", max_train), ("max_eval", max_eval), ("epochs", epochs), ("distil", distil)):
+                     ("max_train", max_train), ("max_eval", max_eval), ("epochs", epochs), ("distil", distil),
+                     ("serving", serving)):
             if v is not None:
                 body[k] = v
         return self.request("POST", "/v1/tenants", body)
 
-    def update_tenant(self, name: str, training_data=None, dataset=None, max_train=None, epochs=None) -> dict:
+    def update_tenant(self, name: str, training_data=None, dataset=None, max_train=None, epochs=None,
+                      distil: bool | None = None, serving: str | None = None) -> dict:
         body = {k: v for k, v in (("training_data", training_data), ("dataset", dataset), ("max_train", max_train),
-                                  ("epochs", epochs)) if v is not None}
+                                  ("epochs", epochs), ("distil", distil), ("serving", serving)) if v is not None}
         return self.request("POST", f"/v1/tenants/{name}/update", body)
 
     def delete_tenant(self, name: str) -> dict:

@@ -11,6 +11,7 @@ import pytest
 from benchmarks.cells import Cells
 from benchmarks.eval_accuracy import (
     ALL_SCHEMES,
+    HBERT_AUTO,
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
     HBERT_LEARNED,
@@ -23,6 +24,7 @@ from benchmarks.eval_accuracy import (
     partial_table,
     scheme_descriptions,
     seeded_cells,
+    served_auto,
 )
 
 KEY = {"task": "t", "train": 8, "scheme": "hBERT"}
@@ -142,3 +144,14 @@ def test_a_table_of_another_artifact_adopts_only_the_columns_that_never_read_the
         assert not adopt(config, {"task": "t", "scheme": scheme})  # these read the windows or the split
     assert not adopt({**config, "epochs": 5}, {"task": "t", "scheme": "shared"})  # other settings
     assert not adopt({**config, "root": "mpnet-base"}, {"task": "t", "scheme": "shared"})  # another root
+
+
+def test_the_served_auto_column_takes_the_teacher_only_where_it_leads_on_dev_by_more_than_the_margin():
+    """Per seed, as a fine-tune with ``"serving": "auto"`` chooses: the teacher's test accuracy where
+    its dev accuracy leads the student's by more than 0.03, the student's otherwise (ties and small
+    leads stay on the windows)."""
+    teacher = [{"dev": 0.806, "test": 0.768}, {"dev": 0.80, "test": 0.77}, {"dev": 0.96, "test": 0.96}]
+    student = [{"dev": 0.752, "test": 0.731}, {"dev": 0.78, "test": 0.73}, {"dev": 0.94, "test": 0.95}]
+    assert served_auto(teacher, student) == [("whole", 0.768), ("windows", 0.73), ("windows", 0.95)]
+    lrs = {label: (3e-3,) for label in ALL_SCHEMES}
+    assert "0.03" in dict(scheme_descriptions([HBERT_AUTO], lrs, 6, 3, 2000, True))[HBERT_AUTO]

@@ -257,3 +257,21 @@ def test_a_record_of_a_root_plot_built_from_other_text_gives_only_the_front_of_s
     assert acc["column_records"][distilled] == ["eval_accuracy_partial_distilled", "l3"]
     name, _, acc = bench_front.accuracy_record("l3", None, plot_from="all")
     assert name == "eval_accuracy_grid_plot-all" and acc["average"][distilled] == 91.5
+
+
+def test_the_served_auto_column_comes_with_the_tasks_it_served_whole_and_those_tenants_are_whole(tmp_path, monkeypatch):
+    """The front's ``learned, distilled, auto`` point serves on the full root the tenants of the tasks
+    that the record's served-auto column chose whole (most of its seeds), the others on the windows."""
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_auto", "l3", {bench_front.HBERT_AUTO: 83.0})
+    page = tmp_path / "eval_accuracy_partial_auto.md"
+    rec = json.loads(page.read_text().split("```json\n")[1].split("\n```")[0])
+    modes = {"news-topic": "windows", "review-sentiment": ["whole", "whole"], "tweet-sentiment": ["whole", "windows"],
+             "pos-tagging": "whole"}
+    for t, m in modes.items():
+        rec["tasks"][t]["serving"] = m
+    page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
+    _, _, acc = bench_front.accuracy_record("l3", None)
+    assert acc["column_records"] == {bench_front.HBERT_AUTO: ["eval_accuracy_partial_auto", "l3"]}
+    assert bench_front.whole_tasks(acc) == ["review-sentiment", "pos-tagging"]  # a tie of seeds stays on the windows

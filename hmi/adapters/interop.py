@@ -77,9 +77,10 @@ def library_model(model):
 
 
 def from_library(model, name: str, spec: AdapterSpec, l_low: int) -> dict[str, torch.Tensor]:
-    """Canonical adapter weights (no head) of a library adapter."""
+    """Canonical adapter weights (no head) of a library adapter (from layer ``spec.first_layer(l_low)``)."""
     sd = model.state_dict()
     out = {}
+    l_low = spec.first_layer(l_low)
     for layer in range(l_low, model.config.num_hidden_layers):
         for key, (lib, how) in library_keys(spec, name, layer).items():
             out[f"layers.{layer - l_low}.{key}"] = convert(sd[lib].detach(), how).clone()
@@ -87,9 +88,10 @@ def from_library(model, name: str, spec: AdapterSpec, l_low: int) -> dict[str, t
 
 
 def to_library(model, name: str, spec: AdapterSpec, l_low: int, weights: dict[str, torch.Tensor]) -> None:
-    """Loads canonical weights into an attached library adapter."""
+    """Loads canonical weights into an attached library adapter (from layer ``spec.first_layer(l_low)``)."""
     sd = {}
     params = dict(model.named_parameters())
+    l_low = spec.first_layer(l_low)
     for layer in range(l_low, model.config.num_hidden_layers):
         for key, (lib, how) in library_keys(spec, name, layer).items():
             t = weights[f"layers.{layer - l_low}.{key}"]

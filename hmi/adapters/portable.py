@@ -133,7 +133,9 @@ def _canonical_key(key: str) -> tuple[int, str] | None:
 
 
 def read_encoder(files: dict[str, bytes], root: RootShape) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
-    """An encoder tenant's spec and canonical weights from an adapters-library folder."""
+    """An encoder tenant's spec and canonical weights from an adapters-library folder; an adapter
+    with weights in the lower layers is read as in every layer (``AdapterSpec.whole``: its tenant
+    is served on the full root)."""
     saved = _json(files, "adapter_config.json")
     cfg = _library_config(saved.get("config", saved))
     if saved.get("model_type", root.model_type) != root.model_type:
@@ -146,7 +148,8 @@ def read_encoder(files: dict[str, bytes], root: RootShape) -> tuple[AdapterSpec,
     _check_config(kind, cfg)
     raw = _tensors(files, "adapter.safetensors")
     head_spec, head = _read_head(files, root)
-    params = {"pooling": "cls", **head_spec, "kind": kind}
+    params = {"pooling": "cls", **head_spec, "kind": kind,
+              "whole": any((k := _canonical_key(key)) is not None and k[0] < root.l_low for key in raw)}
     if kind == "lora":
         params.update(rank=cfg["r"], alpha=cfg["alpha"], targets=_lora_targets(cfg))
     if kind == "bottleneck":
@@ -169,18 +172,19 @@ def _library_weights(raw: dict[str, torch.Tensor], spec: AdapterSpec, root: Root
         if parsed is None:
             raise PortableError("unexpected_weights", f"adapter.safetensors holds {key}, which is no adapter weight")
         found[parsed] = t
-    lower = sorted({layer for layer, _ in found if layer < root.l_low})
-    if lower:
-        raise PortableError("lower_layer_weights", f"the adapter has weights in layers {lower}, which this server "
-                            f"reads from its PLOT; train it with leave_out={list(range(root.l_low))}")
+    first = spec.first_layer(root.l_low)
     out = {}
-    for layer in range(root.l_low, root.layers):
+    for layer in range(first, root.layers):
         for canon, (lib, how) in library_keys(spec, "{name}", layer).items():
             t = found.pop((layer, lib), None)
+            if t is None and spec.whole:
+                raise PortableError("lower_layer_weights", f"the adapter has weights in some of the layers this server "
+                                    f"reads from its PLOT but no {lib}: leave out layers 0-{root.l_low - 1} "
+                                    f"(leave_out={list(range(root.l_low))}) or adapt every layer (served on the full root)")
             if t is None:
                 raise PortableError("missing_weights", f"the adapter has no {lib} (every upper layer "
                                     f"{root.l_low}-{root.layers - 1} needs its weights)")
-            out[f"layers.{layer - root.l_low}.{canon}"] = convert(t, how)
+            out[f"layers.{layer - first}.{canon}"] = convert(t, how)
     if found:
         extra = sorted(k for _, k in found)[:3]
         raise PortableError("unexpected_weights", f"adapter.safetensors holds weights this kind has no place for: {extra}")
@@ -259,9 +263,10 @@ def write_encoder(spec: AdapterSpec, weights: dict[str, torch.Tensor], root: Roo
 
     prefix = "bert."
     lib = {}
-    for layer in range(root.l_low, root.layers):
+    first = spec.first_layer(root.l_low)
+    for layer in range(first, root.layers):
         for canon, (key, how) in library_keys(spec, name, layer).items():
-            lib[prefix + key] = to_library_layout(weights[f"layers.{layer - root.l_low}.{canon}"].float(), how)
+            lib[prefix + key] = to_library_layout(weights[f"layers.{layer - first}.{canon}"].float(), how)
     cfg = {"config": spec.library_config(root.l_low).to_dict(), "hidden_size": root.hidden,
            "model_class": "BertAdapterModel", "model_name": root.name, "model_type": root.model_type, "name": name,
            "version": f"adapters.{adapters.__version__}"}

@@ -11,6 +11,10 @@ layer index i counts from 0 at the first upper layer):
   head size on decoders), H x I for ffn_in (the FFN's first projection) and I x H for ffn_out (its
   second); scaling alpha / r
 * ia3: ``layers.i.ia3.k`` (H,), ``layers.i.ia3.v`` (H,), ``layers.i.ia3.ffn`` (I,)
+
+A ``whole`` spec's adapter is in every layer of the root and its tenant is served on the full root
+(its texts never read the PLOT: the lower layers run on the whole text with the adapter); its layer
+index i counts from the root's first layer instead (``first_layer``).
 * head: ``head.w`` (H, C), ``head.b`` (C,) for classification and tagging; none for ``lm`` (the
   decoder's own language-model head).  A head of ``head_layers`` L > 1 (the ``adapters``
   library's default classification head has 2) has L - 1 hidden layers before it, each
@@ -93,6 +97,7 @@ class AdapterSpec:
     targets: tuple[str, ...] = DEFAULT_LORA_SITES  # lora: the projections it adapts (LORA_SITES)
     head_layers: int = 1  # linear layers of the head (hidden ones H -> H, then H -> C)
     head_activation: str | None = "tanh"  # after each hidden layer of the head (head_layers > 1)
+    whole: bool = False  # the adapter is in every layer and the tenant is served on the full root
 
     def __post_init__(self):
         object.__setattr__(self, "labels", tuple(self.labels))
@@ -119,8 +124,12 @@ class AdapterSpec:
         return cls(kind="lora", head=DECODER_HEAD, rank=rank, alpha=2.0 * rank if alpha is None else alpha)
 
     def validate(self) -> None:
+        if not isinstance(self.whole, bool):
+            raise SpecError(f"whole must be true or false, got {self.whole!r}")
         if self.head == DECODER_HEAD:
             self._validate_lora()
+            if self.whole:
+                raise SpecError("decoder tenants' LoRA is in the upper layers only")
             if self.kind != "lora" or self.labels:
                 raise SpecError("decoder tenants use LoRA with the language-model head, without labels")
             if self.targets != DEFAULT_LORA_SITES:
@@ -172,14 +181,21 @@ class AdapterSpec:
     def num_labels(self) -> int:
         return len(self.labels)
 
+    def first_layer(self, l_low: int) -> int:
+        """The first layer of the root that holds this adapter when the root is split at ``l_low``:
+        0 for a ``whole`` spec, else ``l_low``."""
+        return 0 if self.whole else l_low
+
     def bottleneck_dim(self, hidden: int) -> int:
         return max(1, hidden // self.reduction_factor)
 
     def pool_key(self, hidden: int) -> tuple:
         """Tenants with the same key share one stacked pool of device slots: the adapter's
-        signature, and the head's hidden layers and activation when it has any."""
+        signature, the head's hidden layers and activation when it has any, and whether it is in
+        every layer (``whole``: a pool of every layer's weights)."""
         sig = self.signature(hidden)
-        return sig if self.head_layers == 1 else (*sig, ("head", self.head_layers, self.head_activation))
+        sig = sig if self.head_layers == 1 else (*sig, ("head", self.head_layers, self.head_activation))
+        return (*sig, ("whole",)) if self.whole else sig
 
     def signature(self, hidden: int) -> tuple:
         """The adapter's kind and size (what its weights in the upper layers look like)."""
@@ -190,25 +206,29 @@ class AdapterSpec:
         return ("ia3",)
 
     def to_dict(self) -> dict:
-        """The spec as JSON; a one-layer head's fields are left out (as specs before them read)."""
+        """The spec as JSON; a one-layer head's fields and ``whole`` when false are left out (as
+        specs before them read)."""
         d = asdict(self)
         d["labels"] = list(self.labels)
         d["targets"] = list(self.targets)
         if self.head_layers == 1:
             del d["head_layers"], d["head_activation"]
+        if not self.whole:
+            del d["whole"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdapterSpec":
         keys = ("kind", "head", "labels", "reduction_factor", "rank", "alpha", "pooling", "targets", "head_layers",
-                "head_activation")
+                "head_activation", "whole")
         return cls(**{k: d[k] for k in keys if k in d})
 
     def library_config(self, lower_layers: int):
-        """The ``adapters`` library config of this spec, attached to the upper layers only."""
+        """The ``adapters`` library config of this spec, attached to the upper layers only (to
+        every layer when ``whole``)."""
         from adapters import BnConfig, IA3Config, LoRAConfig  # deferred: importing adapters patches transformers
 
-        leave_out = list(range(lower_layers))
+        leave_out = list(range(self.first_layer(lower_layers)))
         if self.kind == "bottleneck":
             return BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=self.reduction_factor,
                             non_linearity="relu", leave_out=leave_out)

@@ -14,6 +14,7 @@ from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.scaleout.ray_serve import serve as serve_ray
 from hmi.scheduler.pipeline import check_precision, pick_device
 from hmi.services.server import ServerConfig, ServerConfigError
+from hmi.training.serving import SERVING_MODES
 
 
 def cmd_serve(args) -> int:
@@ -46,7 +47,8 @@ def cmd_serve(args) -> int:
                        miss_policy=args.miss_policy, plot_keep_mb=args.plot_keep_mb, device=args.device,
                        max_len=args.max_len,
                        plot_hot_mb=args.plot_hot_mb, upper_precision=args.upper_precision,
-                       job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb, distil=args.distil)
+                       job_concurrency=args.jobs, job_memory_mb=args.job_memory_mb, distil=args.distil,
+                       serving=args.serving)
     try:
         if args.ray:
             if args.hgpt:
@@ -103,6 +105,11 @@ def arguments(command: str, srv) -> None:
                      help="encoder fine-tunes train a full-context teacher first and the served adapter on its answers "
                           "too, unless a request says otherwise (\"distil\"): more accurate as served, several times "
                           f"the fine-tune's time (default {'on' if ServerConfig.distil else 'off'}; docs/front.md)")
+    srv.add_argument("--serving", choices=SERVING_MODES, default=ServerConfig.serving,
+                     help="how fine-tuned encoder tenants are served unless a request says (\"serving\"): windows (the "
+                          "PLOT and the adapter in the upper layers), whole (the distilled fine-tune's teacher: the full "
+                          "root with the adapter in every layer), auto (whole where the teacher beats the windows on "
+                          f"the dev split by more than 3 points) (default {ServerConfig.serving}; docs/front.md)")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

@@ -11,6 +11,7 @@ from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, m
 from hmi.archive import zip_folder
 from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show
 from hmi.data import task_labels
+from hmi.training.serving import SERVING_MODES
 
 
 @run_client
@@ -66,7 +67,8 @@ def cmd_tenant_create(args):
         raise SystemExit("hmi: give --labels (comma-separated) or --dataset")
     c = client(args)
     out = c.create_tenant(args.name, labels, args.type, data, args.dataset, args.domain, adapter,
-                          args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate, distil=args.distil)
+                          args.max_train, args.epochs, pooling=args.pooling, truncate=args.truncate, distil=args.distil,
+                          serving=args.serving)
     show(out)
     if args.wait:
         show(c.wait_job(out["job"]))
@@ -91,7 +93,7 @@ def cmd_tenant_export(args):
 def cmd_tenant_update(args):
     data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)} if args.train else None
     c = client(args)
-    out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs)
+    out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs, args.distil, args.serving)
     show(out)
     if args.wait:
         show(c.wait_job(out["job"]))
@@ -171,6 +173,7 @@ def _tenant_args(parser) -> None:
     tu.add_argument("--dev")
     tu.add_argument("--max-train", type=int)
     tu.add_argument("--epochs", type=int)
+    add_teaching_args(tu)
     tu.add_argument("--wait", action="store_true")
     tu.set_defaults(func=cmd_tenant_update)
     td = client_args(ten.add_parser("delete", help="delete a tenant"))
@@ -209,9 +212,7 @@ def _create_args(tc) -> None:
                     help="texts without labels like those the tenant will be asked about: a file of one per line, or "
                          "a prepared corpus (kept in the PLOT under compute+insert; with distillation, answered by the "
                          "teacher and trained on)")
-    tc.add_argument("--distil", action=argparse.BooleanOptionalAction,
-                    help="train a full-context teacher first and the served adapter on its answers too (more accurate "
-                         "as served, several times the fine-tune's time; default: the server's)")
+    add_teaching_args(tc)
     tc.add_argument("--truncate", action="store_true",
                     help="cut texts over the server's token limit in training and inference (default: refuse them)")
     tc.add_argument("--wait", action="store_true", help="wait for the job and print it")
@@ -222,3 +223,14 @@ def _jobs_args(jobs) -> None:
     client_args(jobs)
     jobs.add_argument("--cancel", metavar="JOB_ID")
     jobs.set_defaults(func=cmd_jobs)
+
+
+def add_teaching_args(p) -> None:
+    """A fine-tune's ``--distil`` and ``--serving`` (create and update)."""
+    p.add_argument("--distil", action=argparse.BooleanOptionalAction,
+                   help="train a full-context teacher first and the served adapter on its answers too (more accurate "
+                        "as served, several times the fine-tune's time; default: the server's)")
+    p.add_argument("--serving", choices=SERVING_MODES,
+                   help="windows (the PLOT and the adapter in the upper layers), whole (the teacher: the full root "
+                        "with the adapter in every layer; needs --distil) or auto (whole where the teacher beats the "
+                        "windows on dev by more than 3 points) (default: the server's)")

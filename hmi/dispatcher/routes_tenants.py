@@ -110,6 +110,17 @@ def _spec(body) -> AdapterSpec:
         raise ApiError(422, "invalid_spec", str(exc)) from None
 
 
+def _teaching(s: Server, body) -> dict:
+    """A fine-tune's ``distil`` and ``serving`` (the body's, else the server's); 400 for serving
+    whole without the teacher it serves."""
+    distil = s.cfg.distil if body.distil is None else body.distil
+    serving = s.cfg.serving if body.serving is None else body.serving
+    if serving == "whole" and not distil:
+        raise ApiError(400, "serving_needs_teacher", "serving whole serves the distilled fine-tune's teacher; "
+                       "send \"distil\": true or another serving (windows, auto)")
+    return {"distil": distil, "serving": serving}
+
+
 def _training_data(body, spec: AdapterSpec) -> dict:
     """A validated body's training data (a prepared dataset, or examples) checked against the
     task: 422 when examples do not fit the head or use labels the task does not have."""
@@ -192,7 +203,7 @@ async def create_from_body(s: Server, raw: dict) -> dict:
     await _check_lengths(s, data, spec, body.truncate)
     token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
                                   data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
-                                  max_len=s.cfg.max_len, distil=s.cfg.distil if body.distil is None else body.distil)
+                                  max_len=s.cfg.max_len, **_teaching(s, body))
     return {"tenant": body.name, "token": token, "job": job}
 
 
@@ -238,7 +249,7 @@ async def update_tenant(request: web.Request) -> web.Response:
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, truncate)
     job = s.tenants.update(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
-                          max_len=s.cfg.max_len, distil=s.cfg.distil if body.distil is None else body.distil)
+                          max_len=s.cfg.max_len, **_teaching(s, body))
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 

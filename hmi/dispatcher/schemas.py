@@ -22,6 +22,7 @@ from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
+from hmi.training.serving import SERVING_MODES
 
 SEED_LIMIT = 2**63
 MAX_NEW_TOKENS = 1024
@@ -164,6 +165,12 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
             "training text up to 2,000): "
             "more accurate as served, at several times the fine-tune's time; serving is unchanged "
             "(default: the server's, on unless `hmi serve --no-distil`)"))
+        serving: Literal[SERVING_MODES] = Absent(description=(  # type: ignore[valid-type]
+            "how the tenant is served: windows (the domain's PLOT and the adapter in the upper layers: "
+            "the hPLM, fastest), whole (its distilled fine-tune's teacher: the full root with the adapter "
+            "in every layer, as slow as a plain adapter per text and as accurate), or auto (whole where the "
+            "teacher beats the windows on the dev split by more than 3 points, else windows); whole and "
+            "auto need distil (default: the server's, `hmi serve --serving`)"))
 
         @model_validator(mode="after")
         def _one_source(self):

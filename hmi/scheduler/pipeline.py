@@ -4,7 +4,9 @@
   merge per domain chain.  R of batch k+1 runs while C of batch k computes.
 * A (residency, a staging worker or a CUDA copy stream): copy the batch's missing adapters into
   the device pools layer by layer; C of layer l starts once layer l has landed.
-* C (compute, one thread): the shared upper layers with batched adapters, then the heads; their
+* C (compute, one thread): the shared upper layers with batched adapters, then the heads (the rows
+  of ``whole`` tenants, which stage R gave the root's embeddings, run every layer of the root with
+  their adapters instead, in passes of their own); their
   linear layers' products in bf16 with fp32 accumulation when ``upper_precision`` is ``bf16``
   (CPUs that multiply bf16 natively; everything else, the PLOT values included, stays fp32).
   A batch of long and short texts runs in groups of similar length (``split_by_length``).
@@ -119,17 +121,19 @@ class Scheduler:
         self.device = pick_device(self.cfg.device)
         check_precision(self.cfg.upper_precision, self.device)
         self._bf16 = self.cfg.upper_precision == "bf16"
-        layers = torch.nn.ModuleList(bert.encoder.layer[i] for i in range(l_low, bert.config.num_hidden_layers))
-        self.layers = copy.deepcopy(layers).to(self.device) if self.device.type != "cpu" else layers
+        every = torch.nn.ModuleList(bert.encoder.layer)
+        self.all_layers = copy.deepcopy(every).to(self.device) if self.device.type != "cpu" else every
+        self.layers = self.all_layers[l_low:]  # what every tenant but a whole one runs
         bias = getattr(bert, "relative_bias", None)
         self.relative_bias = copy.deepcopy(bias).to(self.device) if bias is not None and self.device.type != "cpu" else bias
         self.store = store
         self.hidden = bert.config.hidden_size
-        self.residency = ResidencyManager(len(layers), self.hidden, bert.config.intermediate_size,
-                                          self.cfg.pool_slots, self.device, self.cfg.max_labels)
+        self.residency = ResidencyManager(len(self.layers), self.hidden, bert.config.intermediate_size,
+                                          self.cfg.pool_slots, self.device, self.cfg.max_labels,
+                                          all_layers=len(self.all_layers))
         self.tracer = Tracer(self.cfg.trace)
         self.retrieval = Retrieval(tokenizer, store, tenants, lookups, self.residency, self.hidden, self.cfg.max_len,
-                                   self.device, self.tracer)
+                                   self.device, self.tracer, bert.embeddings)
         self.stats = defaultdict(int)
         self._ids = itertools.count()
         self._in: queue.Queue = queue.Queue(maxsize=self.cfg.max_pending)
@@ -260,11 +264,14 @@ class Scheduler:
                     fail(r, exc)
 
     def compute(self, p: Prepared) -> None:
-        """Stages A and C for one prepared batch, split when it holds more tenants than slots, and
-        into groups of similar length where padding to the longest would cost more."""
+        """Stages A and C for one prepared batch, split when it holds more tenants than slots, by
+        the layers its rows run (``whole`` tenants' rows: every layer), and into groups of similar
+        length where padding to the longest would cost more."""
         lengths = p.mask.sum(1).tolist()
         for pool_rows in split_by_pools(p.entries, self.hidden, self.cfg.pool_slots):
-            groups = split_by_length(pool_rows, lengths, PASS_OVERHEAD_TOKENS) if self.cfg.length_groups else [pool_rows]
+            groups = []
+            for part in split_whole(pool_rows, p.entries):
+                groups += split_by_length(part, lengths, PASS_OVERHEAD_TOKENS) if self.cfg.length_groups else [part]
             self.stats["length_groups"] += len(groups) - 1
             for rows in groups:
                 if self.cfg.batched_adapters:
@@ -280,10 +287,10 @@ class Scheduler:
 
     def _compute_rows(self, p: Prepared, rows: list[int]) -> None:
         entries = [p.entries[r] for r in rows]
-        whole = len(rows) == len(p.requests)
+        every_row = len(rows) == len(p.requests)
         idx = torch.tensor(rows)
-        hidden = (p.hidden if whole else p.hidden.index_select(0, idx)).to(self.device, non_blocking=True)
-        mask = (p.mask if whole else p.mask.index_select(0, idx)).to(self.device, non_blocking=True)
+        hidden = (p.hidden if every_row else p.hidden.index_select(0, idx)).to(self.device, non_blocking=True)
+        mask = (p.mask if every_row else p.mask.index_select(0, idx)).to(self.device, non_blocking=True)
         T = int(mask.sum(1).max())
         hidden, mask = hidden[:, :T], mask[:, :T]
         with self.tracer.span("A:acquire", p.batch_id):
@@ -295,10 +302,12 @@ class Scheduler:
                 return
         self.stats["adapters_loaded"] += res.loaded
         embed = [p.requests[r].embed for r in rows]
+        full_root = is_whole(entries[0])  # a pass runs one kind (split_whole)
         try:
-            with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
+            with self.tracer.span("C:whole" if full_root else "C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad(), bf16_matmuls(self._bf16):
-                    out = upper_forward(self.layers, hidden, mask, res.groups, before_layer=res.wait_layer,
+                    out = upper_forward(self.all_layers if full_root else self.layers, hidden, mask, res.groups,
+                                        before_layer=res.wait_layer,
                                         relative_bias=self.relative_bias)
                     res.wait_head()
                     logits = vectors = None
@@ -337,6 +346,18 @@ def split_by_pools(entries: list[TenantEntry], hidden: int, pool_slots: int) -> 
     if current:
         parts.append(current)
     return parts
+
+
+def is_whole(entry: TenantEntry) -> bool:
+    """Whether a row's tenant is served on the full root (its spec is ``whole``)."""
+    return entry.spec is not None and entry.spec.whole
+
+
+def split_whole(rows: list[int], entries: list[TenantEntry]) -> list[list[int]]:
+    """``rows`` as the rows that run the upper layers, then those that run every layer (``whole``
+    tenants'); an empty part is left out."""
+    parts = [[r for r in rows if not is_whole(entries[r])], [r for r in rows if is_whole(entries[r])]]
+    return [part for part in parts if part]
 
 
 def split_by_length(rows: list[int], lengths: list[int], overhead: int) -> list[list[int]]:

@@ -83,11 +83,13 @@ class Residency:
 
 
 class ResidencyManager:
-    """Pools per adapter signature, created on first use; one staging worker."""
+    """Pools per adapter signature, created on first use; one staging worker.  A pool holds
+    ``n_layers`` layers (the upper ones), or ``all_layers`` for ``whole`` specs (default: the same)."""
 
     def __init__(self, n_layers: int, hidden: int, intermediate: int, slots: int, device: torch.device,
-                 max_labels: int = 32, streams: CopyStreams | None = None):
+                 max_labels: int = 32, streams: CopyStreams | None = None, all_layers: int | None = None):
         self.n_layers, self.hidden, self.intermediate = n_layers, hidden, intermediate
+        self.all_layers = n_layers if all_layers is None else all_layers
         self.slots, self.device, self.max_labels = slots, torch.device(device), max_labels
         self.pools: dict[tuple, SlotPool] = {}
         if streams is None and self.device.type == "cuda":
@@ -102,7 +104,8 @@ class ResidencyManager:
         sig = entry.spec.pool_key(self.hidden)
         with self._lock:
             if sig not in self.pools:
-                self.pools[sig] = SlotPool.for_spec(entry.spec, self.slots, self.n_layers, self.hidden, self.intermediate,
+                layers = self.all_layers if entry.spec.whole else self.n_layers
+                self.pools[sig] = SlotPool.for_spec(entry.spec, self.slots, layers, self.hidden, self.intermediate,
                                                     self.max_labels, self.device)
                 if self.cuda:  # the copy stream writes the new pool only after the compute stream zeroed it
                     self.streams.copy.wait_stream(self.streams.compute())
@@ -126,7 +129,8 @@ class ResidencyManager:
 
         With ``pipelined`` the copies proceed layer by layer in the background; otherwise they
         finish before this returns.  Rows of the root itself (``ROOT``: no spec) join no group:
-        the upper layers run on them without an adapter.
+        the upper layers run on them without an adapter.  The batch waits layer by layer over its
+        pools' layers (all of them where its tenants are ``whole``; one pass runs one kind).
         """
         by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
         for row, e in enumerate(rows_entries):
@@ -155,7 +159,8 @@ class ResidencyManager:
                 p.release(slots)
             raise
         new = (lambda: Ready(self.streams.new_event())) if self.cuda else Ready
-        res = Residency(groups, acquired, [new() for _ in range(self.n_layers)], new(), len(to_copy),
+        n_layers = max((len(p.layers) for p, _ in acquired), default=self.n_layers)
+        res = Residency(groups, acquired, [new() for _ in range(n_layers)], new(), len(to_copy),
                         self.streams.compute if self.cuda else None)
         if pipelined and to_copy:
             self._stager.submit(self._copy, to_copy, res)
@@ -168,9 +173,10 @@ class ResidencyManager:
         done = 0
         try:
             with self.streams.use(stream) if self.cuda else nullcontext():
-                for li in range(self.n_layers):
+                for li in range(len(res.layer_ready)):
                     for pool, slot, w in to_copy:
-                        pool.write_layer(slot, li, w, non_blocking=self.cuda)
+                        if li < len(pool.layers):
+                            pool.write_layer(slot, li, w, non_blocking=self.cuda)
                     res.layer_ready[li].signal(stream)
                     done += 1
                 for pool, slot, w in to_copy:

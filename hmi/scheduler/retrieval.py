@@ -1,7 +1,8 @@
 """Stage R of the scheduler's pipeline (``hmi.scheduler.pipeline.Scheduler``): a batch's texts
 tokenized and checked against the token limit, its tenants' adapters read from the store (checked
 against their specs and the device pools), and its rows' lower representations read from their
-domains' PLOT lookups and merged: a ``Prepared`` batch for stage C (the upper layers)."""
+domains' PLOT lookups and merged (the rows of ``whole`` tenants, served on the full root: the
+root's embeddings instead): a ``Prepared`` batch for stage C (the upper layers, or every layer)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ class Retrieval:
     """Stage R for one scheduler: ``tenants`` says what each request's tenant is served with,
     ``lookups`` where each domain's PLOT is, ``store`` and ``residency`` hold the adapters;
     ``hidden`` is the root's width, ``max_len`` the token limit, ``device`` stage C's (a CUDA
-    device gets pinned tensors), ``tracer`` records the stage's spans."""
+    device gets pinned tensors), ``tracer`` records the stage's spans, ``embeddings`` is the root's
+    embedding module (the input of the rows of ``whole`` tenants)."""
 
     def __init__(self, tokenizer, store: AdapterStore, tenants: TenantView, lookups: LookupSource, residency,
-                 hidden: int, max_len: int, device: torch.device, tracer):
+                 hidden: int, max_len: int, device: torch.device, tracer, embeddings=None):
         self.tokenizer, self.store, self.tenants, self.lookups = tokenizer, store, tenants, lookups
         self.residency, self.hidden, self.max_len, self.device, self.tracer = residency, hidden, max_len, device, tracer
+        self.embeddings = embeddings
 
     def prepare(self, batch_id: int, reqs: list[InferRequest]) -> Prepared | None:
         """Stage R of one batch: tokenize, check, read adapters, PLOT lookup + merge.
@@ -106,12 +109,18 @@ class Retrieval:
 
     def _lookup_by_domain(self, rows: list, ids: np.ndarray, mask: np.ndarray, hidden: torch.Tensor) -> list[int]:
         """Writes each row's merged lower representation into ``hidden`` (B, T, H), one PLOT chain
-        lookup per domain; returns the rows that succeeded (a domain whose PLOT cannot be read
-        fails its own requests only)."""
-        by_domain = defaultdict(list)
+        lookup per domain (a ``whole`` tenant's row: the root's embeddings, positions 0..T-1 and
+        token type 0 as in ``hmi.model.root.full_forward``); returns the rows that succeeded (a
+        domain whose PLOT cannot be read fails its own requests only)."""
+        by_domain, whole = defaultdict(list), []
         for j, (_, e, *_) in enumerate(rows):
-            by_domain[e.domain].append(j)
+            (whole if e.spec is not None and e.spec.whole else by_domain[e.domain]).append(j)
         ok = []
+        if whole:
+            ids_t = torch.from_numpy(ids[whole]).long()
+            with torch.no_grad():
+                hidden[whole] = self.embeddings(input_ids=ids_t, token_type_ids=torch.zeros_like(ids_t))
+            ok += whole
         for domain, js in by_domain.items():
             try:
                 hidden[js] = self.lookups.lookup_for(domain).merged(ids[js], mask[js])

@@ -55,6 +55,9 @@ class ServerConfig:
     # Encoder fine-tunes distil the served adapter from a full-context teacher (hmi.training.distil)
     # unless the request says otherwise.
     distil: bool = True
+    # How fine-tuned encoder tenants are served unless the request says (hmi.training.serving):
+    # windows, whole, or auto (whole where the teacher beats the windows on dev).
+    serving: str = "windows"
     max_pending: int = 256
     # Fair shares (hmi.scheduler.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.

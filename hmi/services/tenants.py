@@ -151,6 +151,7 @@ class Tenants:
         the accuracy their fine-tune measured until an update trains them again."""
         return sorted(name for name, rec in self.registry.items("tenants")
                       if rec.get("model") != "decoder" and not is_private(rec) and not self.served.is_foreign(name)
+                      and not rec.get("spec", {}).get("whole")  # served on the full root: no PLOT read
                       and (rec.get("metrics") or {}).get("miss_policy", policy) != policy)
 
     # -- serving ---------------------------------------------------------------------------------
@@ -328,8 +329,9 @@ class Tenants:
             return
         if state == "succeeded":
             self.store.publish(t, job["id"])
+            spec = rec.get("spec") if rec.get("model") == "decoder" else self.store.spec(t).to_dict()  # whole or not
             rec = self.registry.update("tenants", t, state="ready", version=rec.get("version", 0) + 1,
-                                       metrics=info, error=None)
+                                       metrics=info, error=None, spec=spec)
             self.serve_new_version(t, rec)
             return
         self.store.discard(t, job["id"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,12 +30,14 @@ from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
 from hmi.training.distil import Distillation
+from hmi.training.examples import encode
 from hmi.training.finetune import FinetuneConfig, finetune
 from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
 from hmi.training.fit import Cancelled
 from hmi.training.full_context import train_teacher
 from hmi.training.further_pretrain import FPTConfig
 from hmi.training.objectives import DEFAULT_OBJECTIVE
+from hmi.training.serving import choose_serving
 from hmi.version_tree.tree import VersionTree
 
 FPT_SHARE = 0.75  # of a domain job's progress bar: further pretraining; the branch's PLOT build follows
@@ -167,13 +169,16 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
 
 
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
-    """Fine-tunes one encoder tenant and stores its adapter (unpublished, named by the job id)."""
+    """Fine-tunes one encoder tenant and stores what it will serve (unpublished, named by the job
+    id): the adapter of the upper layers, or its teacher on the full root where the job's
+    ``serving`` asks for it (``choose_serving``)."""
 
     def work(report) -> dict:
-        spec = AdapterSpec.from_dict(job["spec"])
+        spec = replace(AdapterSpec.from_dict(job["spec"]), whole=False)  # the served adapter's; a teacher's is whole
         train, dev, test = job_rows(job["data"])
         adapters = AdapterStore(ctx.tenants_dir)
-        init = adapters.load(job["tenant"]) if job["kind"] == "update" else None
+        update = job["kind"] == "update" and not adapters.spec(job["tenant"]).whole
+        init = adapters.load(job["tenant"]) if update else None
         # Jobs queued before tenants chose how long texts are read kept the old rule: cut at 128.
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
@@ -192,6 +197,17 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         metrics["miss_policy"] = lookup.policy  # what its features were read with (Tenants.trained_with_another_policy)
         if distil is not None:
             metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts)}
+        choice = choose_serving(job.get("serving", "windows"), distil is not None, teacher.get("dev"),
+                                (metrics["dev"] or {}).get("accuracy"))
+        if choice["mode"] == "whole":
+            model = teacher["model"]
+            spec, weights = model.whole_weights()
+            windows = {k: metrics.pop(k) for k in ("train", "dev", "test")}
+            ex = {name: encode(tokenizer, rows, spec, cfg.max_len, cfg.truncate) for name, rows in
+                  (("train", train), ("dev", dev), ("test", test))}
+            metrics.update({name: model.evaluate(e) if e else None for name, e in ex.items()})
+            metrics["windows"] = windows  # what the adapter of the upper layers scored
+        metrics["serving"] = choice
         if lookup.keeper is not None:
             keep_texts(lookup, tokenizer, job["data"].get("unlabeled", []), cfg.max_len)
             lookup.keeper.close()

@@ -8,6 +8,7 @@ batches, dropout and early stopping for all."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -156,6 +157,13 @@ class FullContextModel:
         weights["head.b"] = self.head.bias.detach().clone()
         return weights
 
+    def whole_weights(self) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
+        """What a tenant served on the full root stores: the spec made ``whole`` and the trained
+        adapter of every layer with the head (mode "adapter"; a head of one layer, as trained here)."""
+        if self.mode != "adapter":
+            raise ValueError(f"mode {self.mode!r} has no adapter in every layer")
+        return replace(self.spec, whole=True, head_layers=1), self.upper_weights(0)
+
     def _snapshot(self) -> tuple[dict, dict]:
         return ({k: v.clone() for k, v in self.model.state_dict().items()},
                 {k: v.clone() for k, v in self.head.state_dict().items()})
@@ -177,7 +185,8 @@ def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: li
                   should_stop: Callable[[], bool] | None = None) -> tuple[Callable[[list[Example]], list[torch.Tensor]], dict]:
     """A tenant's teacher: ``spec``'s adapters in every layer of the full-context root, trained on
     its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last).
-    Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None}``."""
+    Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None, "model": the trained
+    FullContextModel}`` (what a tenant served on the full root serves: ``whole_weights``)."""
     ex_train, ex_dev = (encode(tokenizer, rows, spec, cfg.max_len, cfg.truncate) for rows in (train, dev))
     m = FullContextModel(bert, spec, "adapter", 0, cfg.seed)
-    return m.answers, {"dev": m.train(ex_train, ex_dev, cfg.epochs, lr, cfg.seed, on_progress, should_stop)}
+    return m.answers, {"dev": m.train(ex_train, ex_dev, cfg.epochs, lr, cfg.seed, on_progress, should_stop), "model": m}

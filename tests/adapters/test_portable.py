@@ -126,8 +126,36 @@ def test_an_adapter_the_server_cannot_batch_is_refused_naming_the_difference(tmp
     refused(files, "unsupported_adapter", "non_linearity='swish'")
 
 
-def test_weights_in_the_lower_layers_are_refused(tmp_path):
-    files = saved(tmp_path, BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu"))
+@pytest.mark.parametrize("config", [
+    BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu"),
+    LoRAConfig(r=4, alpha=8, attn_matrices=["q", "v"]),
+    IA3Config(),
+], ids=["bottleneck", "lora", "ia3"])
+def test_an_adapter_in_every_layer_is_read_whole_and_served_on_the_full_root_as_the_library_computes_it(tmp_path, config):
+    """Weights in the lower layers make a ``whole`` tenant: every layer runs on the text with the
+    adapter (the root's embeddings in, no PLOT), as the library's model computes; written back,
+    the library loads the same adapter."""
+    model, folder = library_folder(tmp_path, config)
+    spec, weights = read_encoder(unzip(zip_folder(folder), 2**24), SHAPE)
+    assert spec.whole and "layers.0." + next(iter(weights)).split(".", 2)[2] in weights
+    pool = SlotPool.for_spec(spec, 2, LAYERS, H, 2 * H, max_labels=8)
+    pool.write(0, weights)
+    ids, mask = torch.tensor([[1, 17, 42, 99, 5, 2]]), torch.ones(1, 6, dtype=torch.long)
+    groups = [Group(torch.arange(1), torch.zeros(1, dtype=torch.long), pool, True)]
+    with torch.no_grad():
+        hidden = BERT.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+        out = upper_forward(BERT.encoder.layer, hidden, mask, groups)
+        got = batched_heads(out, groups, torch.tensor([False]), mask, torch.tensor([False]))[:, 0, :spec.num_labels]
+        ref = model.heads["mine"][1](model.bert(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    files = write_encoder(spec, weights, SHAPE, "again")
+    spec2, weights2 = read_encoder(files, SHAPE)
+    assert spec2 == spec and all(torch.equal(weights[k], weights2[k]) for k in weights)
+
+
+def test_weights_in_some_of_the_lower_layers_are_refused(tmp_path):
+    files = saved(tmp_path, BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4, non_linearity="relu",
+                                     leave_out=[0]))
     refused(files, "lower_layer_weights", "leave_out=[0, 1]")
 
 

@@ -2,8 +2,11 @@
 (``hmi serve --distil``, on unless ``--no-distil``) or a request's own ``distil``; the job says what the teacher scored and how
 many unlabeled texts it answered, and the tenant serves as any other."""
 
-from hmi.client import Client
+import pytest
+
+from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
+from hmi.training.serving import choose_serving
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
 UNLABELED = ["a great evening", "an awful evening", "a superb meal", "a terrible meal", "great acting again"]
@@ -40,3 +43,49 @@ def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkey
         assert job["state"] == "succeeded" and job["metrics"]["distilled"] == {"teacher_dev": None, "unlabeled_texts": 0}
     finally:
         stop()
+
+
+def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_says_so(tmp_path, monkeypatch):
+    """``serving: whole`` stores the distilled fine-tune's teacher (the adapter in every layer,
+    spec ``whole``): the record and the job say so, the scores it measured are the teacher's (the
+    windows' kept beside them), its answers come from the full root, and a retrain that asks for
+    windows serves the adapter of the upper layers again.  Without the teacher it is refused."""
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    url, stop = run_in_thread(tiny_server(tmp_path))
+    try:
+        admin = Client(url, ADMIN)
+        data = {"train": TRAIN, "dev": TRAIN[::2], "test": TRAIN[1::2]}
+        out = admin.create_tenant("w", ["neg", "pos"], training_data=data, epochs=2, serving="whole")
+        job = admin.wait_job(out["job"], 300)
+        assert job["state"] == "succeeded", job
+        m = job["metrics"]
+        assert m["serving"]["mode"] == m["serving"]["asked"] == "whole"
+        assert m["dev"]["accuracy"] == m["distilled"]["teacher_dev"] == m["serving"]["teacher_dev"]
+        assert m["windows"]["dev"]["accuracy"] == m["serving"]["windows_dev"]
+        rec = admin.tenant("w")
+        assert rec["spec"]["whole"] is True and rec["state"] == "ready"
+        answers = admin.infer("w", [r["text"] for r in TRAIN[1::2]])
+        right = sum(a["label"] == r["label"] for a, r in zip(answers, TRAIN[1::2])) / len(answers)
+        assert abs(right - m["test"]["accuracy"]) <= 1 / len(answers)  # as scored (fp16 storage may flip one)
+
+        up = admin.update_tenant("w", training_data=data, epochs=1, serving="windows")
+        assert admin.wait_job(up["job"], 300)["state"] == "succeeded"
+        assert "whole" not in admin.tenant("w")["spec"]
+        assert len(admin.infer("w", ["great fun"])) == 1
+
+        with pytest.raises(ApiError) as refused:
+            admin.create_tenant("x", ["neg", "pos"], training_data=data, epochs=1, serving="whole", distil=False)
+        assert refused.value.status == 400 and refused.value.code == "serving_needs_teacher"
+    finally:
+        stop()
+
+
+@pytest.mark.parametrize("teacher_dev,windows_dev,mode", [(0.80, 0.75, "whole"), (0.80, 0.78, "windows"),
+                                                          (None, 0.78, "windows"), (0.80, None, "windows")])
+def test_auto_serves_whole_only_where_the_teacher_leads_the_windows_on_dev_by_more_than_the_margin(
+        teacher_dev, windows_dev, mode):
+    assert choose_serving("auto", True, teacher_dev, windows_dev)["mode"] == mode
+    assert choose_serving("windows", True, teacher_dev, windows_dev)["mode"] == "windows"
+    assert choose_serving("whole", True, teacher_dev, windows_dev)["mode"] == "whole"
+    with pytest.raises(ValueError, match="distilled"):
+        choose_serving("whole", False, None, windows_dev)

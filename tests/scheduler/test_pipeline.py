@@ -284,3 +284,53 @@ def test_embeddings_of_the_root_and_of_tenants_batched_with_scoring_equal_their_
     assert not torch.allclose(torch.from_numpy(got[0]["embedding"]), torch.from_numpy(got[5]["embedding"]), atol=1e-3)
     for a, b in zip(got[10:], alone):
         same(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", [AdapterSpec("bottleneck", labels=("a", "b", "c"), pooling="mean", whole=True),
+                                  AdapterSpec("lora", rank=4, labels=("x", "y"), whole=True),
+                                  AdapterSpec("ia3", labels=("p", "q"), whole=True),
+                                  AdapterSpec("lora", rank=4, head="tagging", labels=("N", "V"), whole=True)],
+                         ids=["bottleneck", "lora", "ia3", "tagging"])
+def test_a_whole_tenant_in_a_mixed_batch_answers_as_the_full_root_with_its_library_adapter_in_every_layer(
+        world, spec, device):
+    """A ``whole`` tenant's rows skip the PLOT and run every layer of the root with its adapter:
+    its answers are the ``adapters`` library model's (the teacher a fine-tune trains), while the
+    windowed tenants batched with it answer as they do alone."""
+    from dataclasses import replace
+
+    from hmi.adapters.heads import decode, word_starts
+    from hmi.adapters.interop import to_library
+    from hmi.model.hplm import as_numpy_ids
+    from hmi.training.full_context import FullContextModel
+
+    bert, tok, adapters, tenants, lookup = world
+    teacher = FullContextModel(bert, replace(spec, whole=False), "adapter", 0, seed=3)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.2 * torch.randn(p.shape))
+    name = f"whole-{spec.kind}-{spec.head}"
+    adapters.save(name, spec, teacher.upper_weights(0))
+    stored = adapters.load(name)  # the fp16 weights that serving reads, back in the reference
+    to_library(teacher.model, "t", spec, L_LOW, stored)
+    with torch.no_grad():
+        teacher.head.weight.copy_(stored["head.w"].t())
+        teacher.head.bias.copy_(stored["head.b"])
+    mixed = FixedTenants({**tenants.entries, name: TenantEntry(name, spec)}, lookup)
+    s = Scheduler(bert, L_LOW, tok, adapters, mixed, mixed, SchedulerConfig(device=device))
+    others = workload(16, seed=4)
+    alone = s.infer(others)
+    got = s.infer([(name, t) for t in TEXTS] + others)
+    s.shutdown()
+    for a, b in zip(alone, got[len(TEXTS):]):
+        same(a, b)
+    enc = tok(TEXTS, return_offsets_mapping=True)
+    ids, mask = (torch.from_numpy(a) for a in as_numpy_ids(enc["input_ids"]))
+    with torch.no_grad():
+        logits = teacher.logits(None, ids, mask, False)
+    for i, g in enumerate(got[:len(TEXTS)]):
+        if spec.head == "tagging":
+            same(decode(spec, logits[i], word_starts(enc, i, TEXTS[i])), g)
+        else:
+            probs = torch.softmax(logits[i], -1)
+            assert [g["scores"][c] for c in spec.labels] == pytest.approx(probs.tolist(), abs=1e-4)

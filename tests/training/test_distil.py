@@ -135,7 +135,7 @@ def test_a_teacher_learns_its_task_on_the_full_context_root_and_answers_each_exa
             for s in ("the", "my", "our", "his") for w in ("wonderful", "plain") for n in ("day", "film")]
     before = [p.detach().clone() for p in bert.parameters()]
     answers, info = train_teacher(bert, tok, spec, rows, [], FinetuneConfig(epochs=30, max_len=16), lr=3e-2)
-    assert info == {"dev": None}  # without dev examples the last epoch is kept
+    assert info["dev"] is None  # without dev examples the last epoch is kept
     exs = unlabeled(tok, [r["text"] for r in rows], spec, 16)
     logits = answers(exs)
     assert [tuple(x.shape) for x in logits] == [(2,)] * len(rows)
