@@ -20,9 +20,10 @@ the PLOT has kept, the hot tier):
   keep them);
 - ``compute+insert warm``: after also a stream of unlabeled text from the tasks' own domains
   (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain;
-- ``learned, distilled, auto``: tenants fine-tuned with ``"serving": "auto"``: those of a task
-  whose record chose whole (eval_accuracy's served-auto column, ``res.tasks.*.serving``) served
-  on the full root with their adapter in every layer, the others on the learned back-off.
+- ``learned, distilled, auto`` (and ``learned+compute, distilled, auto``): tenants fine-tuned
+  with ``"serving": "auto"``: those of a task whose record chose whole (eval_accuracy's
+  served-auto column, ``res.tasks.*.serving``) served on the full root with their adapter in
+  every layer, the others on the learned back-off (with the uni-gram misses computed).
 
 Accuracy is not measured here: it is the eval_accuracy record of the same root artifact (the fair
 bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-base 6+6,
@@ -73,6 +74,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.eval_accuracy import (  # noqa: E402
     ARTIFACT_FREE,
     HBERT_AUTO,
+    HBERT_AUTO_COMPUTE,
     HBERT_BACKOFF_DISTILLED,
     HBERT_DISTILLED,
     HBERT_DISTILLED_COMPUTE,
@@ -85,7 +87,9 @@ from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
-AUTO = "learned, distilled, auto"  # tenants served as `"serving": "auto"` chooses (whole_tasks)
+# tenants served as `"serving": "auto"` chooses (whole_tasks), the others on a miss policy: config -> that policy
+AUTO, AUTO_COMPUTE = "learned, distilled, auto", "learned+compute, distilled, auto"
+AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute"}
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
@@ -93,7 +97,7 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, 
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
           "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
           "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE,
-          "backoff, distilled": HBERT_BACKOFF_DISTILLED, AUTO: HBERT_AUTO}
+          "backoff, distilled": HBERT_BACKOFF_DISTILLED, AUTO: HBERT_AUTO, AUTO_COMPUTE: HBERT_AUTO_COMPUTE}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
 SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
@@ -109,7 +113,7 @@ RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share
 # Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
 # when the front's record lacks them.
 OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"], COLUMN["learned+compute, distilled"],
-            COLUMN["backoff, distilled"], COLUMN[AUTO])
+            COLUMN["backoff, distilled"], COLUMN[AUTO], COLUMN[AUTO_COMPUTE])
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -199,10 +203,12 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
 def with_columns(rec: dict, name: str, other: dict, cols: list[str]) -> dict:
     """``rec`` with columns ``cols`` (averages and per task) taken from the record ``other`` of
     page ``name``, which ``column_records`` names for each."""
-    serving = HBERT_AUTO in cols  # how that column served each task comes with it
+    def serving(t: str) -> dict:  # how a served-auto column served each task comes with it
+        taken = {c: m for c, m in other["tasks"][t].get("serving", {}).items() if c in cols}
+        return {"serving": {**rec["tasks"][t].get("serving", {}), **taken}} if taken else {}
+
     return {**rec, "average": {**rec["average"], **{c: other["average"][c] for c in cols}},
-            "tasks": {t: {**rec["tasks"][t], **{c: other["tasks"][t][c] for c in cols},
-                          **({"serving": other["tasks"][t]["serving"]} if serving else {})} for t in TASKS},
+            "tasks": {t: {**rec["tasks"][t], **{c: other["tasks"][t][c] for c in cols}, **serving(t)} for t in TASKS},
             "column_records": {**rec.get("column_records", {}), **{c: [name, other.get("root_artifact")] for c in cols}}}
 
 
@@ -240,13 +246,13 @@ def make_traces(texts: dict[str, list[str]], n_batches: int, n: int, seed: int) 
     return out
 
 
-def whole_tasks(acc: dict) -> list[str]:
+def whole_tasks(acc: dict, column: str) -> list[str]:
     """The tasks whose tenants ``"serving": "auto"`` serves on the full root in the accuracy record
-    ``acc`` (its served-auto column's choice, ``tasks.*.serving``: one mode, or one per seed; whole
-    when most seeds chose it)."""
+    ``acc`` (the served-auto ``column``'s choice, ``tasks.*.serving``: one mode, or one per seed;
+    whole when most seeds chose it)."""
     out = []
     for t in TASKS:
-        modes = acc["tasks"][t].get("serving", "windows")
+        modes = acc["tasks"][t].get("serving", {}).get(column, "windows")
         modes = [modes] if isinstance(modes, str) else modes
         if 2 * modes.count("whole") > len(modes):
             out.append(t)
@@ -379,18 +385,22 @@ def main() -> None:
         out["hit_rate_curve"] = curve
         out["tenant_windows_cost"] = kept_cost
 
-        if "learned" in lookups and HBERT_AUTO in acc["average"]:
-            out["whole_tasks"] = whole_tasks(acc)
-            whole = replace(spec, whole=True)
-            auto_store = AdapterStore(tmp / "adapters-auto", host_cache_mb=1024)
-            whole_variants = adapter_variants(bert, l_low, whole, 8, seed=1)
+        whole = replace(spec, whole=True)
+        whole_variants = adapter_variants(bert, l_low, whole, 8, seed=1)
+        served_auto: dict = {}  # config -> (its tenants' entries, their store)
+        for config, policy in AUTO_POLICY.items():
+            if policy not in lookups or COLUMN[config] not in acc["average"]:
+                continue
+            on_full = out.setdefault("whole_tasks", {})[config] = whole_tasks(acc, COLUMN[config])
+            auto_store = AdapterStore(tmp / f"adapters-{policy}-auto", host_cache_mb=1024)
             auto_entries = {}
             for i in range(TENANTS):
-                name, on_whole = f"t{i:05d}", TASKS[i % len(TASKS)] in out["whole_tasks"]
-                auto_entries[name] = TenantEntry(name, whole if on_whole else spec)
-                auto_store.save(name, auto_entries[name].spec, (whole_variants if on_whole else variants)[i % 8])
+                name, is_whole = f"t{i:05d}", TASKS[i % len(TASKS)] in on_full
+                auto_entries[name] = TenantEntry(name, whole if is_whole else spec)
+                auto_store.save(name, auto_entries[name].spec, (whole_variants if is_whole else variants)[i % 8])
                 auto_store.load(name)
-            lookups[AUTO] = lookups["learned"]
+            served_auto[config] = (auto_entries, auto_store)
+            lookups[config] = lookups[policy]
         full_lower = FullContextLower(bert, l_low)
         shared = SharedRoot(bert, TENANTS)
 
@@ -399,7 +409,7 @@ def main() -> None:
             if config == "shared":
                 return direct_rps(shared, tok, reqs, batches, 1)
             lower = full_lower if config == "hBERT-adapter" else lookups[config]
-            ents, adapters = (auto_entries, auto_store) if config == AUTO else (entries, store)
+            ents, adapters = served_auto.get(config, (entries, store))
             s = Scheduler(bert, l_low, tok, adapters, FixedTenants(ents), FixedTenants(ents, lower),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=config != "hBERT-adapter"))
             try:
@@ -486,8 +496,9 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     served = out["default_config"]
     if ServerConfig.distil:  # hmi serve's fine-tunes distil by default: what it serves is the distilled point
         served = next((c for c, like in SERVED_AS.items() if like == served and c in configs), served)
-        if ServerConfig.serving == "auto" and served == "learned, distilled" and AUTO in configs:
-            served = AUTO  # and choose whole where the teacher leads on dev
+        auto = {"learned, distilled": AUTO, "learned+compute, distilled": AUTO_COMPUTE}.get(served)
+        if ServerConfig.serving == "auto" and auto in configs:
+            served = auto  # and serve whole where the teacher leads on dev
     out["default_served"] = served
     default = next(p for p in points if p["config"] == served)
     out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
@@ -529,10 +540,10 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              "windows (column 'hBERT, exact windows'), however warm the PLOT is."
              + "".join(f" {c}: served as {like} is, the adapters trained otherwise, so its requests/s are {like}'s."
                        for c, like in SERVED_AS.items() if c in configs)
-             + (f" {AUTO}: the tenants of {', '.join(out['whole_tasks']) or 'no task'} served on the full root with "
-                "their adapter in every layer (as `\"serving\": \"auto\"` chose for those tasks), the others as "
-                "'learned, distilled'; its accuracy is column "
-                f"'{HBERT_AUTO}'." if AUTO in configs else "") + "\n\n")
+             + "".join(f" {c}: the tenants of {', '.join(out['whole_tasks'][c]) or 'no task'} served on the full root "
+                       "with their adapter in every layer (as `\"serving\": \"auto\"` chose for those tasks), the "
+                       f"others as '{AUTO_POLICY[c]}, distilled'; its accuracy is column '{COLUMN[c]}'."
+                       for c in AUTO_POLICY if c in configs) + "\n\n")
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
              f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}"
              + (": the miss policy and distilled fine-tunes" if served in SERVED_AS else "") + "): "

@@ -128,9 +128,11 @@ HBERT_BACKOFF_DISTILLED = "hBERT, back-off, distilled"
 # distilled PLOT scheme at the split (on request: --schemes hBERT-full-distilled)
 HBERT_FULL_DISTILLED = "hBERT, full-context lower layers, distilled"
 # each tenant served as `"serving": "auto"` serves it (``hmi.training.serving.choose_serving``): the teacher
-# (hBERT-adapter) where it leads the learned back-off, distilled, on dev by more than WHOLE_MARGIN, else that
-# student; per seed, from those two columns' cells (a table with both has it)
+# (hBERT-adapter) where it leads a distilled student on dev by more than WHOLE_MARGIN, else that student;
+# per seed, from the two columns' cells (a table with both has it; AUTO_OF: the student -> the column)
 HBERT_AUTO = "hBERT, distilled, served auto"
+HBERT_AUTO_COMPUTE = "hBERT, uni-gram misses computed, distilled, served auto"
+AUTO_OF = {HBERT_DISTILLED: HBERT_AUTO, HBERT_DISTILLED_COMPUTE: HBERT_AUTO_COMPUTE}
 # scheme -> miss policy served ("full": the full-context lower layers, no PLOT)
 DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_BACKOFF_DISTILLED: "backoff",
              HBERT_FULL_DISTILLED: "full"}
@@ -145,7 +147,9 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
             (HBERT_DISTILLED_COMPUTE, "avg_gap_distilled_compute_vs_full_ft",
              "with the learned back-off and every uni-gram miss computed, distilled"),
             (HBERT_BACKOFF_DISTILLED, "avg_gap_backoff_distilled_vs_full_ft", "with the back-off, distilled"),
-            (HBERT_AUTO, "avg_gap_served_auto_vs_full_ft", "distilled, served auto")]
+            (HBERT_AUTO, "avg_gap_served_auto_vs_full_ft", "distilled, served auto"),
+            (HBERT_AUTO_COMPUTE, "avg_gap_served_auto_compute_vs_full_ft",
+             "with the uni-gram misses computed, distilled, served auto")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
                                                   HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_BACKOFF_DISTILLED,
                                                   HBERT_FULL_DISTILLED]
@@ -251,9 +255,9 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
                                  "does (`--miss-policy backoff`)",
         HBERT_FULL_DISTILLED: "the same distillation (the same teacher) on the full-context lower layers' output "
                               "(perfect windows: the ceiling of every distilled PLOT scheme at this split)",
-        HBERT_AUTO: "each seed's tenant as `\"serving\": \"auto\"` serves it: hBERT-adapter (its teacher, served on "
-                    f"the full root) where its dev accuracy leads {HBERT_DISTILLED}'s by more than "
-                    f"{WHOLE_MARGIN:g}, else that distilled adapter (res.tasks.*.serving)",
+        **{auto: "each seed's tenant as `\"serving\": \"auto\"` serves it: hBERT-adapter (its teacher, served on "
+                 f"the full root) where its dev accuracy leads {student}'s by more than {WHOLE_MARGIN:g}, else that "
+                 "distilled adapter (res.tasks.*.serving)" for student, auto in AUTO_OF.items()},
     }
     return [(label, what[label]) for label in columns if label in what]
 
@@ -519,8 +523,8 @@ def main() -> None:
                   record_dir=DOCS / "cells", adopt=None if args.fresh else artifact_free(config))
     full_context = [(label, mode) for label, mode, _ in SCHEMES if label in schemes]
     columns = [name for name, _ in full_context] + [label for label, _ in reversed(hbert_runs)]
-    if {"hBERT-adapter", HBERT_DISTILLED} <= set(columns):
-        columns.append(HBERT_AUTO)  # derived from those two columns' cells
+    columns += [auto for student, auto in AUTO_OF.items()  # derived from the two columns' cells
+                if {"hBERT-adapter", student} <= set(columns)]
     partial_pages: set[str] = set()  # written by this run while tasks remained
 
     def report(done: list[str]) -> None:
@@ -755,17 +759,20 @@ def main() -> None:
             print(f"stopped: {exc} ({len(rows)} of {len(tasks)} tasks done; {cells.summary()}); run the same command "
                   "again to continue", flush=True)
             sys.exit(EXIT_UNFINISHED)
-        serving = None
-        if HBERT_AUTO in columns:
-            auto = served_auto(picked["hBERT-adapter"], picked[HBERT_DISTILLED])
-            serving = [mode for mode, _ in auto]
-            vals[HBERT_AUTO], secs[HBERT_AUTO] = float(np.mean([r for _, r in auto])), 0.0
+        serving = {}
+        for student, column in AUTO_OF.items():
+            if column not in columns:
+                continue
+            auto = served_auto(picked["hBERT-adapter"], picked[student])
+            modes = [mode for mode, _ in auto]
+            serving[column] = modes[0] if len(seeds) == 1 else modes
+            vals[column], secs[column] = float(np.mean([r for _, r in auto])), 0.0
             if len(seeds) > 1:
-                per_seed[HBERT_AUTO] = [round(100 * r, 2) for _, r in auto]
+                per_seed[column] = [round(100 * r, 2) for _, r in auto]
         results["tasks"][task] = {**{k: round(100 * v, 2) for k, v in vals.items()}, "train": len(train), "test": len(test),
                               "seconds": {k: round(v, 1) for k, v in secs.items()}}
         if serving:
-            results["tasks"][task]["serving"] = serving[0] if len(seeds) == 1 else serving
+            results["tasks"][task]["serving"] = serving  # served-auto column -> whole or windows (per seed)
         if not tagging:
             results["tasks"][task]["pooling"] = chosen
         if branch:

@@ -56,8 +56,9 @@ class ServerConfig:
     # unless the request says otherwise.
     distil: bool = True
     # How fine-tuned encoder tenants are served unless the request says (hmi.training.serving):
-    # windows, whole, or auto (whole where the teacher beats the windows on dev).
-    serving: str = "windows"
+    # windows, whole, or auto: whole where the teacher beats the windows on dev, the front's best point
+    # at >= 1.5x hBERT-adapter's requests/s on the default root (docs/front.md).
+    serving: str = "auto"
     max_pending: int = 256
     # Fair shares (hmi.scheduler.batcher): batches formed ahead of the scheduler, and the requests
     # one tenant may have waiting before its own are refused (429) while the others' are served.
