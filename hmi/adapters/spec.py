@@ -11,14 +11,14 @@ layer index i counts from 0 at the first upper layer):
   head size on decoders), H x I for ffn_in (the FFN's first projection) and I x H for ffn_out (its
   second); scaling alpha / r
 * ia3: ``layers.i.ia3.k`` (H,), ``layers.i.ia3.v`` (H,), ``layers.i.ia3.ffn`` (I,)
-
-A ``whole`` spec's adapter is in every layer of the root and its tenant is served on the full root
-(its texts never read the PLOT: the lower layers run on the whole text with the adapter); its layer
-index i counts from the root's first layer instead (``first_layer``).
 * head: ``head.w`` (H, C), ``head.b`` (C,) for classification and tagging; none for ``lm`` (the
   decoder's own language-model head).  A head of ``head_layers`` L > 1 (the ``adapters``
   library's default classification head has 2) has L - 1 hidden layers before it, each
   ``head.hidden.j.w`` (H, H), ``head.hidden.j.b`` (H,) followed by ``head_activation``
+
+A ``whole`` spec's adapter is in every layer of the root and its tenant is served on the full root
+(its texts never read the PLOT: the lower layers run on the whole text with the adapter); its layer
+index i counts from the root's first layer instead (``first_layer``).
 """
 
 from __future__ import annotations

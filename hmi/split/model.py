@@ -158,6 +158,9 @@ class PrivateModel(TenantModel):
         self.tokenizer = load_tokenizer(str(model_dir))
         shape = RootShape(config.model_type, config.hidden_size, config.num_hidden_layers, l_low, config.hidden_size)
         spec, weights = read_encoder(adapter_files, shape)
+        if spec.whole:
+            raise ValueError(f"the adapter has weights in the lower layers 0-{l_low - 1}, which a private tenant reads "
+                             f"from the server's PLOT: train it with leave_out={list(range(l_low))}")
         super().__init__(layers, spec, weights, config.hidden_size, config.intermediate_size,
                          load_relative_bias(Path(model_dir), config))
 

@@ -162,6 +162,20 @@ def test_the_lower_layers_on_the_client_equal_the_servers_computed_lookup(live):
         PrivateModel(None, live["root_dir"], 2, PrivateModel.files_of(live["admin"].export_adapter("bn")))
 
 
+def test_an_adapter_in_every_layer_is_refused_by_a_private_tenant_naming_the_layers_to_leave_out(live, tmp_path):
+    """A private tenant runs the upper layers alone; an adapter of every layer (served whole when
+    hosted) would be served in part."""
+    from adapters import BnConfig
+
+    from hmi.archive import unzip, zip_folder
+    from tests.helpers.adapters import library_folder
+
+    _, folder = library_folder(tmp_path, BnConfig(mh_adapter=True, output_adapter=False, reduction_factor=4,
+                                                  non_linearity="relu"), bert=live["server"].root.bert)
+    with pytest.raises(ValueError, match=r"leave_out=\[0, 1\]"):
+        PrivateModel(BaseClient(live["url"], live["token"]), live["root_dir"], 2, unzip(zip_folder(folder), 2**24))
+
+
 def test_the_blind_split_refuses_noise_it_would_not_use(live):
     base = BaseClient(live["url"], live["token"])
     files = PrivateModel.files_of(live["admin"].export_adapter("bn"))
