@@ -196,7 +196,9 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             on_progress=student_report, should_stop=cancel.is_set, distil=distil)
         metrics["miss_policy"] = lookup.policy  # what its features were read with (Tenants.trained_with_another_policy)
         if distil is not None:
-            metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts)}
+            metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts),
+                                    "teacher_pooling": teacher["pooling"], "teacher_lr": teacher["lr"],
+                                    "teacher_tried": teacher["tried"]}
         choice = choose_serving(job.get("serving", "windows"), distil is not None, teacher.get("dev"),
                                 (metrics["dev"] or {}).get("accuracy"))
         if choice["mode"] == "whole":

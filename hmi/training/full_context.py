@@ -28,6 +28,9 @@ MODES = ("full", "adapter", "upper", "head", "compress")
 COMPRESS_LAYERS = 2
 BATCH = 32
 PROBE_LR = 1e-2  # the head's rate while it is trained alone first (the frozen root's grid: 3e-3, 1e-2, 1e-3)
+# A tenant's teacher's learning rates, dev choosing (``teacher_options``): the accuracy tables' grid of
+# hBERT-adapter, whose choice on dev the front's served-auto column assumes (docs/front.md).
+TEACHER_LRS = (3e-3, 1e-3)
 
 
 class FullContextModel:
@@ -180,13 +183,38 @@ def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev:
     return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers, "upper": m.upper_weights}
 
 
+def teacher_options(spec: AdapterSpec, has_dev: bool, lr: float | None = None) -> list[tuple[str, float]]:
+    """The (pooling, learning rate) a tenant's teacher is trained with, dev choosing among them:
+    ``TEACHER_LRS`` and, for a classification head, the [CLS] vector and the mean of the tokens
+    (the accuracy tables choose hBERT-adapter's the same way, in this order); one option, the
+    spec's pooling at ``lr`` (default the first of TEACHER_LRS), without dev examples or when
+    ``lr`` is given."""
+    if lr is not None or not has_dev:
+        return [(spec.pooling, TEACHER_LRS[0] if lr is None else lr)]
+    poolings = ("cls", "mean") if spec.head == "classification" else (spec.pooling,)
+    return [(p, rate) for p in poolings for rate in TEACHER_LRS]
+
+
 def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], cfg: FinetuneConfig,
-                  lr: float = 3e-3, on_progress: Callable[[float, dict], None] | None = None,
+                  lr: float | None = None, on_progress: Callable[[float, dict], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> tuple[Callable[[list[Example]], list[torch.Tensor]], dict]:
     """A tenant's teacher: ``spec``'s adapters in every layer of the full-context root, trained on
-    its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last).
-    Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None, "model": the trained
-    FullContextModel}`` (what a tenant served on the full root serves: ``whole_weights``)."""
-    ex_train, ex_dev = (encode(tokenizer, rows, spec, cfg.max_len, cfg.truncate) for rows in (train, dev))
-    m = FullContextModel(bert, spec, "adapter", 0, cfg.seed)
-    return m.answers, {"dev": m.train(ex_train, ex_dev, cfg.epochs, lr, cfg.seed, on_progress, should_stop), "model": m}
+    its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last) with each
+    of ``teacher_options``, the one with the best dev accuracy kept (the first of equals).
+    Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None, "pooling", "lr", "tried":
+    [[pooling, lr, dev], ...], "model": the kept FullContextModel}`` (what a tenant served on the
+    full root serves: ``whole_weights``)."""
+    options = teacher_options(spec, bool(dev), lr)
+    best, tried = None, []
+    for i, (pooling, rate) in enumerate(options):
+        s = replace(spec, pooling=pooling)
+        ex_train, ex_dev = (encode(tokenizer, rows, s, cfg.max_len, cfg.truncate) for rows in (train, dev))
+        m = FullContextModel(bert, s, "adapter", 0, cfg.seed)
+        part = None if on_progress is None else (
+            lambda f, info, i=i: on_progress((i + f) / len(options), {**info, "setting": i + 1, "settings": len(options)}))
+        acc = m.train(ex_train, ex_dev, cfg.epochs, rate, cfg.seed, part, should_stop)
+        tried.append([pooling, rate, acc])
+        if best is None or (acc is not None and acc > best[0]):
+            best = (acc, m, pooling, rate)
+    acc, m, pooling, rate = best
+    return m.answers, {"dev": acc, "pooling": pooling, "lr": rate, "tried": tried, "model": m}

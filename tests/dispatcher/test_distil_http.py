@@ -40,7 +40,10 @@ def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkey
         admin = Client(url, ADMIN)
         out = admin.create_tenant("t", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1, distil=True)
         job = admin.wait_job(out["job"], 300)
-        assert job["state"] == "succeeded" and job["metrics"]["distilled"] == {"teacher_dev": None, "unlabeled_texts": 0}
+        distilled = job["metrics"]["distilled"]
+        assert job["state"] == "succeeded" and (distilled["teacher_dev"], distilled["unlabeled_texts"]) == (None, 0)
+        # without a dev split nothing chooses: one teacher, the tenant's pooling at the first rate
+        assert distilled["teacher_tried"] == [["cls", 3e-3, None]]
     finally:
         stop()
 

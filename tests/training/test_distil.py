@@ -222,3 +222,24 @@ def test_a_probe_first_trains_the_head_alone_and_the_adapters_go_on_from_the_pro
     assert any(not torch.equal(moved.model.state_dict()[k], v) for k, v in adapters.items())
     with pytest.raises(ValueError, match="adapter modes"):
         FullContextModel(bert, spec, "head", 0).train(exs, exs, 1, 1e-2, probe_epochs=1)
+
+
+def test_a_teacher_with_dev_examples_is_trained_at_each_pooling_and_rate_and_the_best_on_dev_is_kept(tiny_lookup):
+    """As the accuracy tables choose hBERT-adapter's: (cls, mean) x TEACHER_LRS for classification,
+    the rates alone for tagging, in that order, the first of equal dev accuracies kept; the kept
+    teacher's answers are its model's."""
+    from hmi.training.full_context import TEACHER_LRS, teacher_options, train_teacher
+
+    bert, tok, _ = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
+    assert teacher_options(spec, True) == [(p, r) for p in ("cls", "mean") for r in TEACHER_LRS]
+    assert teacher_options(spec, False) == [("cls", TEACHER_LRS[0])] and teacher_options(spec, True, 0.1) == [("cls", 0.1)]
+    tags = AdapterSpec("lora", head="tagging", labels=("N", "V"))
+    assert teacher_options(tags, True) == [("cls", r) for r in TEACHER_LRS]
+    rows = [{"text": f"{s} {w}", "label": "pos" if w == "good" else "neg"} for s in ("a", "the", "my") for w in ("good", "bad")]
+    answers, info = train_teacher(bert, tok, spec, rows, rows[:4], FinetuneConfig(epochs=2, max_len=16))
+    assert [t[:2] for t in info["tried"]] == [list(o) for o in teacher_options(spec, True)]
+    devs = [t[2] for t in info["tried"]]
+    first_best = devs.index(max(devs))
+    assert (info["pooling"], info["lr"], info["dev"]) == (*info["tried"][first_best][:2], max(devs))
+    assert info["model"].spec.pooling == info["pooling"] and answers == info["model"].answers
