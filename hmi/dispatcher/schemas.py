@@ -169,8 +169,9 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
             "how the tenant is served: windows (the domain's PLOT and the adapter in the upper layers: "
             "the hPLM, fastest), whole (its distilled fine-tune's teacher: the full root with the adapter "
             "in every layer, as slow as a plain adapter per text and as accurate), or auto (whole where the "
-            "teacher beats the windows on the dev split by more than 3 points, else windows); whole and "
-            "auto need distil (default: the server's, `hmi serve --serving`)"))
+            "teacher beats the windows on the dev split by more than 3 points, else windows); whole needs "
+            "distil, and auto without distil or a dev split stays on the windows (default: the server's, "
+            "`hmi serve --serving`, auto unless changed)"))
 
         @model_validator(mode="after")
         def _one_source(self):
