@@ -111,8 +111,9 @@ def cmd_tenant_list(args):
             print(f"{t['name']:24s} {t['state']:10s} private (its adapter on its own side)")
             continue
         acc = ((t.get("metrics") or {}).get("test") or {}).get("accuracy")
+        served = "whole" if t["spec"].get("whole") else "windows"  # on the full root, or on the PLOT
         print(f"{t['name']:24s} {t['state']:10s} {t['spec']['kind']:10s} {t['spec']['head']:14s} "
-              f"labels={len(t['spec']['labels'])} test_acc={acc}")
+              f"labels={len(t['spec']['labels'])} served={served} test_acc={acc}")
 
 
 @run_client

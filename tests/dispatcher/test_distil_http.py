@@ -4,6 +4,7 @@ many unlabeled texts it answered, and the tenant serves as any other."""
 
 import pytest
 
+from hmi.cli import main
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
 from hmi.training.serving import choose_serving
@@ -48,7 +49,7 @@ def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkey
         stop()
 
 
-def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_says_so(tmp_path, monkeypatch):
+def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_says_so(tmp_path, monkeypatch, capsys):
     """``serving: whole`` stores the distilled fine-tune's teacher (the adapter in every layer,
     spec ``whole``): the record and the job say so, the scores it measured are the teacher's (the
     windows' kept beside them), its answers come from the full root, and a retrain that asks for
@@ -70,6 +71,8 @@ def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_say
         answers = admin.infer("w", [r["text"] for r in TRAIN[1::2]])
         right = sum(a["label"] == r["label"] for a, r in zip(answers, TRAIN[1::2])) / len(answers)
         assert abs(right - m["test"]["accuracy"]) <= 1 / len(answers)  # as scored (fp16 storage may flip one)
+        assert main(["tenant", "list", "--url", url, "--token", ADMIN]) in (0, None)
+        assert "served=whole" in capsys.readouterr().out
 
         up = admin.update_tenant("w", training_data=data, epochs=1, serving="windows")
         assert admin.wait_job(up["job"], 300)["state"] == "succeeded"
