@@ -48,7 +48,8 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     s: Server = request.app[SERVER]
     return web.json_response({"status": "ok", "uptime_s": round(time.time() - s.started, 1),
-                              "tenants_servable": s.served.count(), "root_artifact": s.root.artifact_id,
+                              "tenants_servable": s.served.count(), "tenants_whole": s.served.count_whole(),
+                              "root_artifact": s.root.artifact_id,
                               "registry": s.registry.where, "preparing": s.preparing(),
                               "upper_precision": s.scheduler.cfg.upper_precision, "miss_policy": s.lookup.policy})
 

@@ -71,6 +71,7 @@ def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_say
         answers = admin.infer("w", [r["text"] for r in TRAIN[1::2]])
         right = sum(a["label"] == r["label"] for a, r in zip(answers, TRAIN[1::2])) / len(answers)
         assert abs(right - m["test"]["accuracy"]) <= 1 / len(answers)  # as scored (fp16 storage may flip one)
+        assert admin.request("GET", "/healthz")["tenants_whole"] == 1
         assert main(["tenant", "list", "--url", url, "--token", ADMIN]) in (0, None)
         assert "served=whole" in capsys.readouterr().out
 
