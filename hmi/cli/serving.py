@@ -14,7 +14,7 @@ from hmi.plot.kept import DEFAULT_BUDGET_MB
 from hmi.scaleout.ray_serve import serve as serve_ray
 from hmi.scheduler.pipeline import check_precision, pick_device
 from hmi.services.server import ServerConfig, ServerConfigError
-from hmi.training.serving import SERVING_MODES
+from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
 
 def cmd_serve(args) -> int:
@@ -108,8 +108,8 @@ def arguments(command: str, srv) -> None:
     srv.add_argument("--serving", choices=SERVING_MODES, default=ServerConfig.serving,
                      help="how fine-tuned encoder tenants are served unless a request says (\"serving\"): windows (the "
                           "PLOT and the adapter in the upper layers), whole (the distilled fine-tune's teacher: the full "
-                          "root with the adapter in every layer), auto (whole where the teacher beats the windows on "
-                          f"the dev split by more than 3 points) (default {ServerConfig.serving}; docs/front.md)")
+                          f"root with the adapter in every layer), auto ({AUTO_RULE}) (default {ServerConfig.serving}; "
+                          "docs/front.md)")
     srv.add_argument("--hgpt", action="store_true",
                      help="also serve decoder tenants (SmolLM2-135M; builds its causal PLOT on first start)")
     srv.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],

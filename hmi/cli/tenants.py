@@ -11,7 +11,7 @@ from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, m
 from hmi.archive import zip_folder
 from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show
 from hmi.data import task_labels
-from hmi.training.serving import SERVING_MODES
+from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
 
 @run_client
@@ -233,5 +233,5 @@ def add_teaching_args(p) -> None:
                         "as served, several times the fine-tune's time; default: the server's)")
     p.add_argument("--serving", choices=SERVING_MODES,
                    help="windows (the PLOT and the adapter in the upper layers), whole (the teacher: the full root "
-                        "with the adapter in every layer; needs --distil) or auto (whole where the teacher beats the "
-                        "windows on dev by more than 3 points) (default: the server's)")
+                        f"with the adapter in every layer; needs --distil) or auto ({AUTO_RULE}) (default: the "
+                        "server's)")

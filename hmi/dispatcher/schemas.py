@@ -22,7 +22,7 @@ from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
-from hmi.training.serving import SERVING_MODES
+from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
 SEED_LIMIT = 2**63
 MAX_NEW_TOKENS = 1024
@@ -168,8 +168,8 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         serving: Literal[SERVING_MODES] = Absent(description=(  # type: ignore[valid-type]
             "how the tenant is served: windows (the domain's PLOT and the adapter in the upper layers: "
             "the hPLM, fastest), whole (its distilled fine-tune's teacher: the full root with the adapter "
-            "in every layer, as slow as a plain adapter per text and as accurate), or auto (whole where the "
-            "teacher beats the windows on the dev split by more than 3 points, else windows); whole needs "
+            f"in every layer, as slow as a plain adapter per text and as accurate), or auto ({AUTO_RULE}, else "
+            "windows); whole needs "
             "distil, and auto without distil or a dev split stays on the windows (default: the server's, "
             "`hmi serve --serving`, auto unless changed)"))
 

@@ -302,7 +302,7 @@ class Scheduler:
                 return
         self.stats["adapters_loaded"] += res.loaded
         embed = [p.requests[r].embed for r in rows]
-        full_root = is_whole(entries[0])  # a pass runs one kind (split_whole)
+        full_root = entries[0].whole  # a pass runs one kind (split_whole)
         try:
             with self.tracer.span("C:whole" if full_root else "C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad(), bf16_matmuls(self._bf16):
@@ -348,15 +348,10 @@ def split_by_pools(entries: list[TenantEntry], hidden: int, pool_slots: int) -> 
     return parts
 
 
-def is_whole(entry: TenantEntry) -> bool:
-    """Whether a row's tenant is served on the full root (its spec is ``whole``)."""
-    return entry.spec is not None and entry.spec.whole
-
-
 def split_whole(rows: list[int], entries: list[TenantEntry]) -> list[list[int]]:
     """``rows`` as the rows that run the upper layers, then those that run every layer (``whole``
     tenants'); an empty part is left out."""
-    parts = [[r for r in rows if not is_whole(entries[r])], [r for r in rows if is_whole(entries[r])]]
+    parts = [[r for r in rows if not entries[r].whole], [r for r in rows if entries[r].whole]]
     return [part for part in parts if part]
 
 

@@ -104,7 +104,7 @@ class ResidencyManager:
         sig = entry.spec.pool_key(self.hidden)
         with self._lock:
             if sig not in self.pools:
-                layers = self.all_layers if entry.spec.whole else self.n_layers
+                layers = self.all_layers if entry.whole else self.n_layers
                 self.pools[sig] = SlotPool.for_spec(entry.spec, self.slots, layers, self.hidden, self.intermediate,
                                                     self.max_labels, self.device)
                 if self.cuda:  # the copy stream writes the new pool only after the compute stream zeroed it

@@ -114,7 +114,7 @@ class Retrieval:
         domain whose PLOT cannot be read fails its own requests only)."""
         by_domain, whole = defaultdict(list), []
         for j, (_, e, *_) in enumerate(rows):
-            (whole if e.spec is not None and e.spec.whole else by_domain[e.domain]).append(j)
+            (whole if e.whole else by_domain[e.domain]).append(j)
         ok = []
         if whole:
             ids_t = torch.from_numpy(ids[whole]).long()

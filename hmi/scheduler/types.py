@@ -30,6 +30,12 @@ class TenantEntry:
     truncate: bool = False  # the tenant's choice for texts over the limit (a request may override it)
     weight: float = 1.0  # the tenant's share of the batches relative to others (hmi.scheduler.batcher)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the tenant is served on the full root (its spec is ``whole``): its rows read the
+        root's embeddings, not the PLOT, and run every layer."""
+        return self.spec is not None and self.spec.whole
+
 
 ROOT = TenantEntry("", None)
 

@@ -70,7 +70,7 @@ class ServedTenants:
     def count_whole(self) -> int:
         """The encoder tenants served on the full root (``AdapterSpec.whole``): each of their texts
         costs what the full root with an adapter costs."""
-        return sum(e.spec.whole for e in list(self._entries.values()))
+        return sum(e.whole for e in list(self._entries.values()))
 
     def names(self) -> list[str]:
         """The tenants this process answers for now: encoder and decoder."""

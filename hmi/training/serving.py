@@ -11,6 +11,7 @@ SERVING_MODES = ("windows", "whole", "auto")
 # tweet-sentiment (hBERT-adapter against hBERT, learned back-off, distilled:
 # docs/results/cells/eval_accuracy-a2216e4c7e3c93d7.jsonl).
 WHOLE_MARGIN = 0.03
+AUTO_RULE = f"whole where the teacher beats the windows on the dev split by more than {100 * WHOLE_MARGIN:g} points"
 
 
 def choose_serving(asked: str, distilled: bool, teacher_dev: float | None, windows_dev: float | None) -> dict:
