@@ -78,6 +78,7 @@ from benchmarks.common import (  # noqa: E402
 )
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 from hmi.training.distil import Distillation  # noqa: E402
+from hmi.training.finetune import GRID_LRS  # noqa: E402
 from hmi.training.full_context import COMPRESS_LAYERS, PROBE_LR, train_full_context  # noqa: E402
 from hmi.training.serving import WHOLE_MARGIN  # noqa: E402
 
@@ -87,12 +88,13 @@ from hmi.training.serving import WHOLE_MARGIN  # noqa: E402
 ADAPTER_UPPER = "hBERT-adapter, upper layers"
 SCHEMES = [("dedicated", "full", 1e-4), ("shared", "head", 3e-3), ("compress", "compress", 5e-4),
            ("hBERT-adapter", "adapter", 3e-3), (ADAPTER_UPPER, "upper", 3e-3)]
-HBERT_LR = 3e-3
+HBERT_LR = GRID_LRS[0]
 # ``--grid``: each scheme's learning rates, the one with the best dev accuracy kept per task (the
 # paper's protocol); the first is the scheme's single rate without it. The adapters' grid is the
-# same on the full-context root and on the PLOT (hBERT-adapter, hBERT).
+# same on the full-context root and on the PLOT (hBERT-adapter, hBERT), and the one a tenant's fine-tune and
+# its teacher choose from on dev (GRID_LRS), so that the product serves what these columns report.
 GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compress": (5e-4, 1e-4),
-         "hBERT-adapter": (3e-3, 1e-3), ADAPTER_UPPER: (3e-3, 1e-3), "hBERT": (3e-3, 1e-3)}
+         "hBERT-adapter": GRID_LRS, ADAPTER_UPPER: GRID_LRS, "hBERT": GRID_LRS}
 # schemes whose learning rates a flag sets (--dedicated-lr, --shared-lr): scheme -> argparse attribute
 LR_FLAGS = {"dedicated": "dedicated_lr", "shared": "shared_lr"}
 # Bumped when a cell's training changes, so that cells of earlier code are not read back.
@@ -246,7 +248,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
         HBERT_DISTILLED: f"the learned back-off's adapters trained on the training texts and {transfer} unlabeled "
                          "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
                          f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
-                         "trained again with the same seed) as well as the labels"
+                         "trained again with the same seed) as well as the labels, at the teacher's pooling and "
+                         "learning rate (as a tenant's distilled fine-tune trains)"
                          + (f" (the teacher's answers weighted {weight:g}, the labels {1 - weight:g})"
                             if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
@@ -326,15 +329,16 @@ def task_chain(tree, version, task: str, flags: str) -> tuple[list, dict | None]
                    "mib": round(node.plot.get("file_bytes", 0) / 2**20), "further_pretraining": summary(node.fpt)}
 
 
-def seeded_cells(cells: Cells, key: dict, seeds, options: list[tuple], train) -> list[tuple[tuple, dict]]:
+def seeded_cells(cells: Cells, key: dict, seeds, options, train) -> list[tuple[tuple, dict]]:
     """Per seed, the option (pooling, learning rate) whose cell has the best dev accuracy, with that
-    cell's result: every option of ``options`` is trained with ``train(option, seed)`` (or read back
-    from ``cells``).  Seed 0's cells carry no seed in their key: they are the one-seed table's."""
+    cell's result: every option of ``options`` (a list, or the seed -> its list) is trained with
+    ``train(option, seed)`` (or read back from ``cells``).  Seed 0's cells carry no seed in their
+    key: they are the one-seed table's."""
     picks = []
     for seed in seeds:
         seeded = {**key, "seed": seed} if seed else key
         tried = {o: cells.run({**seeded, "pooling": o[0], "lr": o[1]}, lambda o=o, seed=seed: train(o, seed))
-                 for o in options}
+                 for o in (options(seed) if callable(options) else options)}
         best = max(tried, key=lambda o: tried[o]["dev"])
         picks.append((best, tried[best], sum(r["seconds"] for r in tried.values())))
     return picks
@@ -713,14 +717,17 @@ def main() -> None:
 
         teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
 
+        def teacher_setting(seed) -> tuple[str, float]:
+            """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's, and so its students'."""
+            options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
+            return seeded_cells(cells, cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer,
+                                                args.distil_weight, None, probe_first=args.probe_first),
+                                [seed], options,
+                                lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0][0]
+
         def distillation(seed) -> Distillation:
             if seed not in teachers:
-                options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
-                (pool, lr), _, _ = seeded_cells(cells, cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16,
-                                                                args.transfer, args.distil_weight, None,
-                                                                probe_first=args.probe_first),
-                                                [seed], options,
-                                                lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0]
+                pool, lr = teacher_setting(seed)
                 trained = full(specs[pool], lr, seed, "adapter")
                 teachers[seed] = Distillation(trained["teacher"],
                                               load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
@@ -743,7 +750,10 @@ def main() -> None:
                                args.distil_weight, distil_epochs,
                                [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start,
                                args.probe_first)
-                picks = seeded_cells(cells, key, seeds, [(p, lr) for p in poolings for lr in lrs[label]],
+                # a distilled student trains at its teacher's setting, as a tenant's fine-tune does
+                options = (lambda seed: [teacher_setting(seed)]) if label in DISTILLED else [
+                    (p, lr) for p in poolings for lr in lrs[label]]
+                picks = seeded_cells(cells, key, seeds, options,
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 picked[label] = [r for _, r, _ in picks]
                 vals[label] = float(np.mean([r["test"] for _, r, _ in picks]))

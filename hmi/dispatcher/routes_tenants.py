@@ -201,9 +201,12 @@ async def create_from_body(s: Server, raw: dict) -> dict:
     spec = _spec(body)
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, body.truncate)
-    token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate},
+    # a pooling asked for is kept; without one, dev chooses it with the learning rate (hmi.training.finetune.dev_options)
+    given = body.task.pooling is not None
+    token, job = s.tenants.create(body.name, {"domain": body.domain, "spec": spec.to_dict(), "truncate": body.truncate,
+                                              **({"pooling_given": True} if given else {})},
                                   data, epochs=body.epochs, domain=body.domain, truncate=body.truncate,
-                                  max_len=s.cfg.max_len, **_teaching(s, body))
+                                  max_len=s.cfg.max_len, keep_pooling=given, **_teaching(s, body))
     return {"tenant": body.name, "token": token, "job": job}
 
 
@@ -249,7 +252,7 @@ async def update_tenant(request: web.Request) -> web.Response:
     data = _training_data(body, spec)
     await _check_lengths(s, data, spec, truncate)
     job = s.tenants.update(tenant, data, epochs=body.epochs, domain=rec.get("domain", "root"), truncate=truncate,
-                          max_len=s.cfg.max_len, **_teaching(s, body))
+                          max_len=s.cfg.max_len, keep_pooling=rec.get("pooling_given", False), **_teaching(s, body))
     return web.json_response({"tenant": tenant, "job": job}, status=202)
 
 

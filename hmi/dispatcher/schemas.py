@@ -136,7 +136,10 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
     class Task(Body):
         type: Literal[HEADS] = "classification"  # type: ignore[valid-type]
         labels: list[NonEmpty] = Field(min_length=2, max_length=limits.max_labels, json_schema_extra={"uniqueItems": True})
-        pooling: Literal[POOLINGS] = Absent()  # type: ignore[valid-type]
+        pooling: Literal[POOLINGS] = Absent(description=(  # type: ignore[valid-type]
+            "what a classification head reads: the [CLS] vector (cls) or the mean of the text's tokens; "
+            "absent, each fine-tune with dev examples trains both at each of its learning rates and keeps "
+            "the best on dev (without dev examples: cls)"))
 
     Examples = list[TextExample | TagExample]
 

@@ -31,7 +31,7 @@ from hmi.plot.pending import serving_store
 from hmi.plot.store import PlotStore
 from hmi.training.distil import Distillation
 from hmi.training.examples import encode
-from hmi.training.finetune import FinetuneConfig, finetune
+from hmi.training.finetune import FinetuneConfig, dev_options, finetune
 from hmi.training.finetune_lm import LmFinetuneConfig, finetune_lm
 from hmi.training.fit import Cancelled
 from hmi.training.full_context import train_teacher
@@ -183,17 +183,21 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
         lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
-        distil, student_report, teacher = None, report, {}
+        keep_pooling = init is not None or job.get("keep_pooling", False)  # continued weights, or asked for
+        # the (pooling, rate) settings dev chooses among: the teacher's, whose choice its student then trains at
+        options, distil, student_report, teacher = dev_options(spec, bool(dev), cfg.lr, keep_pooling), None, report, {}
         if job.get("distil"):
             answers, teacher = train_teacher(
-                ctx.bert, tokenizer, spec, train, dev, cfg, should_stop=cancel.is_set,
+                ctx.bert, tokenizer, spec, train, dev, cfg, keep_pooling=keep_pooling, should_stop=cancel.is_set,
                 on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "training the teacher"}))
             distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
+            options = [(teacher["pooling"], teacher["lr"])]
             student_report = lambda f, info: report(  # noqa: E731
                 TEACHER_SHARE + (1 - TEACHER_SHARE) * f, {**info, "stage": "distilling the served adapter"})
         weights, metrics = finetune(
             ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,
-            on_progress=student_report, should_stop=cancel.is_set, distil=distil)
+            on_progress=student_report, should_stop=cancel.is_set, distil=distil, options=options)
+        spec = replace(spec, pooling=metrics["pooling"])  # the kept setting's
         metrics["miss_policy"] = lookup.policy  # what its features were read with (Tenants.trained_with_another_policy)
         if distil is not None:
             metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts),

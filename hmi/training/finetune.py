@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -28,6 +28,10 @@ from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
 from hmi.training.fit import Fit, early_stopping
 
 NAME = "tenant"
+# The learning rates dev chooses among, with the pooling of a classification head (``dev_options``): the
+# accuracy tables' grid for every adapter scheme (benchmarks/eval_accuracy.py, GRIDS), so that a tenant's
+# fine-tune and its teacher are chosen as the tables' columns are and serve what they report.
+GRID_LRS = (3e-3, 1e-3)
 
 
 @dataclass
@@ -41,6 +45,17 @@ class FinetuneConfig:
     seed: int = 0
     max_train: int | None = None
     truncate: bool = True  # texts over max_len are cut (else refused, naming the row), as inference reads them
+
+
+def dev_options(spec: AdapterSpec, has_dev: bool, single: float, keep_pooling: bool = False) -> list[tuple[str, float]]:
+    """The (pooling, learning rate) settings a fine-tune trains, dev keeping the best (``finetune``,
+    ``train_teacher``): ``GRID_LRS`` and, for a classification head unless ``keep_pooling`` (a fine-tune
+    continuing from weights trained with the spec's pooling), the [CLS] vector and the mean of the
+    tokens, in that order; without dev examples, the spec's pooling at ``single`` alone."""
+    if not has_dev:
+        return [(spec.pooling, single)]
+    poolings = ("cls", "mean") if spec.head == "classification" and not keep_pooling else (spec.pooling,)
+    return [(p, rate) for p in poolings for rate in GRID_LRS]
 
 
 def featurize(lookup: PlotLookup, examples: list[Example], batch: int = 64) -> list[torch.Tensor]:
@@ -125,25 +140,53 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
              dev: list[dict], test: list[dict] | None = None, cfg: FinetuneConfig | None = None,
              init: dict[str, torch.Tensor] | None = None, progress: bool = True,
              on_progress: Callable[[float, dict], None] | None = None,
-             should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None
-             ) -> tuple[dict[str, torch.Tensor], dict]:
+             should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None,
+             options: list[tuple[str, float]] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Trains (or, with ``init``, continues training) a hosted tenant's adapter and head on the
     root's upper layers (``fit``; with ``distil``, from a teacher too, starting where its ``start``
-    says when ``init`` does not).  Returns canonical weights and a metrics record."""
+    says when ``init`` does not).  With ``options`` ((pooling, learning rate) pairs: ``dev_options``)
+    one fit per setting from the same start, on features computed once, the best dev accuracy kept
+    (the first of equals); without, ``spec``'s pooling at ``cfg.lr``.  Returns canonical weights and
+    a metrics record: the kept fit's, with its ``pooling`` (the served spec's), ``tried`` ([[pooling,
+    lr, dev accuracy or None], ...]) and ``seconds`` over every setting."""
     cfg = cfg or FinetuneConfig()
     if init is None and distil is not None:
         init = distil.start
-    model = tenant_model(root_bert, l_low, spec, init, cfg.seed)
-    weights, metrics = fit(model, lookup, tokenizer, train, dev, test, cfg, progress, on_progress, should_stop, distil)
-    metrics["lookup_hits"] = dict(lookup.hits)
+    options = options or [(spec.pooling, cfg.lr)]
+    t0 = time.time()
+    prepared = prepare(lookup, tokenizer, spec, train, dev, test, cfg, distil)
+    best, tried = None, []
+    for i, (pooling, rate) in enumerate(options):
+        model = tenant_model(root_bert, l_low, replace(spec, pooling=pooling), init, cfg.seed)
+        part = None if on_progress is None or len(options) == 1 else (
+            lambda f, info, i=i: on_progress((i + f) / len(options), {**info, "setting": i + 1, "settings": len(options)}))
+        weights, metrics = fit(model, lookup, tokenizer, train, dev, test, replace(cfg, lr=rate), progress,
+                               part or on_progress, should_stop, distil, prepared)
+        score = metrics["dev"]["accuracy"] if metrics["dev"]["n"] else None
+        tried.append([pooling, rate, score])
+        if best is None or (score is not None and score > best[0]):
+            best = (score, weights, {**metrics, "pooling": pooling})
+    _, weights, metrics = best
+    metrics.update(tried=tried, seconds=round(time.time() - t0, 1), lookup_hits=dict(lookup.hits))
     return weights, metrics
 
 
-def encoded(tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], test: list[dict] | None,
-            cfg: FinetuneConfig, distil: Distillation | None):
-    """(the examples by split, the labelled training examples the train metric reads (at most
-    2,000), the teacher's logits and where they count, or None twice without ``distil``).  With
-    ``distil`` the training split is the labelled examples followed by the unlabeled texts."""
+@dataclass
+class Prepared:
+    """What every fit of one fine-tune reads, whatever its pooling and rate: the examples by split,
+    the labelled training examples the train metric reads (at most 2,000), the teacher's logits and
+    where they count (None twice without distillation), and each split's lower-layer features."""
+    ex: dict[str, list[Example]]
+    labelled: list[Example]
+    soft: object
+    where: object
+    feats: dict[str, list[torch.Tensor]]
+
+
+def prepare(lookup, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], test: list[dict] | None,
+            cfg: FinetuneConfig, distil: Distillation | None) -> Prepared:
+    """The examples and features of a fine-tune (``Prepared``).  With ``distil`` the training split
+    is the labelled examples followed by the unlabeled texts."""
     if not train:
         raise SpecError("no training examples")
     train = train[:cfg.max_train] if cfg.max_train else train
@@ -152,14 +195,14 @@ def encoded(tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], te
     labelled, soft, where = ex["train"][:2000], None, None
     if distil is not None:
         ex["train"], soft, where = distil.extend(tokenizer, ex["train"], spec, cfg.max_len)
-    return ex, labelled, soft, where
+    return Prepared(ex, labelled, soft, where, {name: featurize(lookup, e) for name, e in ex.items()})
 
 
 def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict], test: list[dict] | None = None,
         cfg: FinetuneConfig | None = None, progress: bool = True,
         on_progress: Callable[[float, dict], None] | None = None,
-        should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None
-        ) -> tuple[dict[str, torch.Tensor], dict]:
+        should_stop: Callable[[], bool] | None = None, distil: Distillation | None = None,
+        prepared: Prepared | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The tenant fine-tune loop, hosted or private: ``lookup.merged(ids, mask)`` gives the lower
     layers' output (computed once: the lower side is frozen), ``model`` runs the upper layers;
     with ``distil``, also on its unlabeled texts, against its teacher's answers as well.
@@ -167,14 +210,16 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     AdamW, seeded (``torch.manual_seed(cfg.seed)`` before the first step: the dropout masks are
     the same wherever the frozen projections run), early stopping on the dev metric (accuracy;
     the best epoch's weights are kept, and loaded into ``model``).  Returns canonical weights and
-    a metrics record."""
+    a metrics record.  ``prepared``: the examples and features of this fine-tune when an earlier fit
+    of it computed them (``prepare``)."""
     cfg = cfg or FinetuneConfig()
     spec, tagging = model.spec, model.spec.head == "tagging"
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     t0 = time.time()
-    ex, labelled, soft, where = encoded(tokenizer, spec, train, dev, test, cfg, distil)
-    feats = {name: featurize(lookup, e) for name, e in ex.items()}
+    prepared = prepared or prepare(lookup, tokenizer, spec, train, dev, test, cfg, distil)
+    ex, labelled, soft, where, feats = (prepared.ex, prepared.labelled, prepared.soft, prepared.where,
+                                        prepared.feats)
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size

@@ -21,16 +21,13 @@ from hmi.adapters.interop import attach, from_library, library_model
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
 from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
-from hmi.training.finetune import FinetuneConfig
+from hmi.training.finetune import GRID_LRS, FinetuneConfig, dev_options
 from hmi.training.fit import Fit, early_stopping
 
 MODES = ("full", "adapter", "upper", "head", "compress")
 COMPRESS_LAYERS = 2
 BATCH = 32
 PROBE_LR = 1e-2  # the head's rate while it is trained alone first (the frozen root's grid: 3e-3, 1e-2, 1e-3)
-# A tenant's teacher's learning rates, dev choosing (``teacher_options``): the accuracy tables' grid of
-# hBERT-adapter, whose choice on dev the front's served-auto column assumes (docs/front.md).
-TEACHER_LRS = (3e-3, 1e-3)
 
 
 class FullContextModel:
@@ -183,20 +180,18 @@ def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev:
     return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers, "upper": m.upper_weights}
 
 
-def teacher_options(spec: AdapterSpec, has_dev: bool, lr: float | None = None) -> list[tuple[str, float]]:
-    """The (pooling, learning rate) a tenant's teacher is trained with, dev choosing among them:
-    ``TEACHER_LRS`` and, for a classification head, the [CLS] vector and the mean of the tokens
-    (the accuracy tables choose hBERT-adapter's the same way, in this order); one option, the
-    spec's pooling at ``lr`` (default the first of TEACHER_LRS), without dev examples or when
-    ``lr`` is given."""
-    if lr is not None or not has_dev:
-        return [(spec.pooling, TEACHER_LRS[0] if lr is None else lr)]
-    poolings = ("cls", "mean") if spec.head == "classification" else (spec.pooling,)
-    return [(p, rate) for p in poolings for rate in TEACHER_LRS]
+def teacher_options(spec: AdapterSpec, has_dev: bool, lr: float | None = None,
+                    keep_pooling: bool = False) -> list[tuple[str, float]]:
+    """The (pooling, learning rate) a tenant's teacher is trained with, dev choosing among them
+    (``dev_options``: the accuracy tables choose hBERT-adapter's the same way, which the front's
+    served-auto column assumes); the spec's pooling at ``lr`` alone when ``lr`` is given, at the
+    first of ``GRID_LRS`` without dev examples."""
+    return [(spec.pooling, lr)] if lr is not None else dev_options(spec, has_dev, GRID_LRS[0], keep_pooling)
 
 
 def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], cfg: FinetuneConfig,
-                  lr: float | None = None, on_progress: Callable[[float, dict], None] | None = None,
+                  lr: float | None = None, keep_pooling: bool = False,
+                  on_progress: Callable[[float, dict], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> tuple[Callable[[list[Example]], list[torch.Tensor]], dict]:
     """A tenant's teacher: ``spec``'s adapters in every layer of the full-context root, trained on
     its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last) with each
@@ -204,7 +199,7 @@ def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: li
     Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None, "pooling", "lr", "tried":
     [[pooling, lr, dev], ...], "model": the kept FullContextModel}`` (what a tenant served on the
     full root serves: ``whole_weights``)."""
-    options = teacher_options(spec, bool(dev), lr)
+    options = teacher_options(spec, bool(dev), lr, keep_pooling)
     best, tried = None, []
     for i, (pooling, rate) in enumerate(options):
         s = replace(spec, pooling=pooling)

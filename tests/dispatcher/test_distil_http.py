@@ -7,6 +7,7 @@ import pytest
 from hmi.cli import main
 from hmi.client import ApiError, Client
 from hmi.dispatcher.serve import run_in_thread
+from hmi.training.finetune import GRID_LRS
 from hmi.training.serving import choose_serving
 from tests.helpers.servers import ADMIN, TRAIN, tiny_server
 
@@ -14,22 +15,47 @@ UNLABELED = ["a great evening", "an awful evening", "a superb meal", "a terrible
 
 
 def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwise(tmp_path, monkeypatch):
+    """With dev examples the teacher is trained at each pooling and rate (``dev_options``) and the
+    served adapter at the teacher's best on dev; on the labels alone the served adapter is trained
+    at each and the best on dev serves: the record takes its pooling and the answers are the ones
+    scored.  A pooling asked for is kept, by the fine-tune, its teacher and an update."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path))
     try:
         admin = Client(url, ADMIN)
-        taught = admin.create_tenant("taught", ["neg", "pos"], training_data={"train": TRAIN, "dev": TRAIN[::2], "unlabeled": UNLABELED},
-                                     epochs=2)
-        plain = admin.create_tenant("plain", ["neg", "pos"], training_data={"train": TRAIN}, epochs=2, distil=False)
-        taught_job, plain_job = admin.wait_job(taught["job"], 300), admin.wait_job(plain["job"], 300)
-        assert taught_job["state"] == plain_job["state"] == "succeeded"
-        distilled = taught_job["metrics"]["distilled"]
+        data = {"train": TRAIN, "dev": TRAIN[::2], "unlabeled": UNLABELED}
+        taught = admin.create_tenant("taught", ["neg", "pos"], training_data=data, epochs=2)
+        plain = admin.create_tenant("plain", ["neg", "pos"], training_data=data, epochs=2, distil=False)
+        mean = admin.create_tenant("mean", ["neg", "pos"], training_data=data, epochs=1, pooling="mean")
+        taught_job, plain_job, mean_job = (admin.wait_job(t["job"], 300) for t in (taught, plain, mean))
+        assert taught_job["state"] == plain_job["state"] == mean_job["state"] == "succeeded"
+        m = taught_job["metrics"]
+        distilled = m["distilled"]
         assert distilled["unlabeled_texts"] == len(UNLABELED) and 0 <= distilled["teacher_dev"] <= 1
-        assert taught_job["metrics"]["train"]["n"] == len(TRAIN)  # scored on the labelled texts alone
-        assert "distilled" not in plain_job["metrics"]
+        assert m["train"]["n"] == len(TRAIN)  # scored on the labelled texts alone
+        assert [t[:2] for t in distilled["teacher_tried"]] == [[p, r] for p in ("cls", "mean") for r in GRID_LRS]
+        assert m["tried"] == [[distilled["teacher_pooling"], distilled["teacher_lr"], m["dev"]["accuracy"]]]
+        assert admin.tenant("taught")["spec"]["pooling"] == m["pooling"] == distilled["teacher_pooling"]
         assert taught_job["info"]["stage"] == "distilling the served adapter", taught_job  # what the console shows
         answers = admin.infer("taught", UNLABELED)
         assert len(answers) == len(UNLABELED) and {a["label"] for a in answers} <= {"neg", "pos"}
+
+        p = plain_job["metrics"]
+        assert "distilled" not in p
+        assert [t[:2] for t in p["tried"]] == [[q, r] for q in ("cls", "mean") for r in GRID_LRS]
+        devs = [t[2] for t in p["tried"]]
+        assert p["tried"][devs.index(max(devs))][:2] == [p["pooling"], p["config"]["lr"]]
+        assert admin.tenant("plain")["spec"]["pooling"] == p["pooling"]
+        served = admin.infer("plain", [r["text"] for r in data["dev"]])
+        right = sum(a["label"] == r["label"] for a, r in zip(served, data["dev"])) / len(served)
+        assert abs(right - p["dev"]["accuracy"]) <= 1 / len(served)  # as scored (fp16 storage may flip one)
+
+        assert {t[0] for t in mean_job["metrics"]["tried"]} == {"mean"} == {
+            t[0] for t in mean_job["metrics"]["distilled"]["teacher_tried"]}
+        up = admin.update_tenant("mean", training_data=data, epochs=1, serving="whole")
+        up_job = admin.wait_job(up["job"], 300)
+        assert up_job["state"] == "succeeded" and {t[0] for t in up_job["metrics"]["distilled"]["teacher_tried"]} == {"mean"}
+        assert admin.tenant("mean")["spec"]["pooling"] == "mean"
     finally:
         stop()
 

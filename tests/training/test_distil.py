@@ -3,6 +3,7 @@ written-out reference, the positions a tagging teacher answers, and a fine-tune 
 lookup whose unlabeled texts carry the teacher's answers into the student."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -225,17 +226,18 @@ def test_a_probe_first_trains_the_head_alone_and_the_adapters_go_on_from_the_pro
 
 
 def test_a_teacher_with_dev_examples_is_trained_at_each_pooling_and_rate_and_the_best_on_dev_is_kept(tiny_lookup):
-    """As the accuracy tables choose hBERT-adapter's: (cls, mean) x TEACHER_LRS for classification,
+    """As the accuracy tables choose hBERT-adapter's: (cls, mean) x GRID_LRS for classification,
     the rates alone for tagging, in that order, the first of equal dev accuracies kept; the kept
     teacher's answers are its model's."""
-    from hmi.training.full_context import TEACHER_LRS, teacher_options, train_teacher
+    from hmi.training.finetune import GRID_LRS
+    from hmi.training.full_context import teacher_options, train_teacher
 
     bert, tok, _ = tiny_lookup
     spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
-    assert teacher_options(spec, True) == [(p, r) for p in ("cls", "mean") for r in TEACHER_LRS]
-    assert teacher_options(spec, False) == [("cls", TEACHER_LRS[0])] and teacher_options(spec, True, 0.1) == [("cls", 0.1)]
+    assert teacher_options(spec, True) == [(p, r) for p in ("cls", "mean") for r in GRID_LRS]
+    assert teacher_options(spec, False) == [("cls", GRID_LRS[0])] and teacher_options(spec, True, 0.1) == [("cls", 0.1)]
     tags = AdapterSpec("lora", head="tagging", labels=("N", "V"))
-    assert teacher_options(tags, True) == [("cls", r) for r in TEACHER_LRS]
+    assert teacher_options(tags, True) == [("cls", r) for r in GRID_LRS]
     rows = [{"text": f"{s} {w}", "label": "pos" if w == "good" else "neg"} for s in ("a", "the", "my") for w in ("good", "bad")]
     answers, info = train_teacher(bert, tok, spec, rows, rows[:4], FinetuneConfig(epochs=2, max_len=16))
     assert [t[:2] for t in info["tried"]] == [list(o) for o in teacher_options(spec, True)]
@@ -243,3 +245,35 @@ def test_a_teacher_with_dev_examples_is_trained_at_each_pooling_and_rate_and_the
     first_best = devs.index(max(devs))
     assert (info["pooling"], info["lr"], info["dev"]) == (*info["tried"][first_best][:2], max(devs))
     assert info["model"].spec.pooling == info["pooling"] and answers == info["model"].answers
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_a_fine_tune_with_options_serves_the_setting_best_on_dev_as_the_fits_one_by_one_would(tiny_lookup, distilled):
+    """A tenant's fine-tune trains each (pooling, rate) of ``dev_options`` and keeps the best on dev
+    (the first of equals), as the accuracy tables choose their columns: its weights, pooling and
+    scores are those of the same setting fine-tuned alone (features shared between the settings
+    change nothing), and ``tried`` lists every setting's dev accuracy in order."""
+    from hmi.training.finetune import GRID_LRS, dev_options
+
+    bert, tok, lookup = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4)
+    rows = [{"text": f"{s} {w} {n}", "label": "pos" if w == "good" else "neg"}
+            for s in ("a", "the", "my") for w in ("good", "bad") for n in ("day", "film")]
+    train, dev = rows[::2], rows[1::2]
+    distil = Distillation(lambda exs: [torch.tensor([0.0, 3.0]) for _ in exs], ["my plain meal"]) if distilled else None
+    options = dev_options(spec, True, 1e-3)
+    assert options == [(p, r) for p in ("cls", "mean") for r in GRID_LRS]
+    assert dev_options(spec, True, 1e-3, keep_pooling=True) == [("cls", r) for r in GRID_LRS]
+    assert dev_options(spec, False, 1e-3) == [("cls", 1e-3)]
+    cfg = FinetuneConfig(epochs=2, max_len=16, batch_size=4)
+    weights, metrics = finetune(bert, L_LOW, lookup, tok, spec, train, dev, dev, cfg, progress=False, distil=distil,
+                                options=options)
+    alone = [finetune(bert, L_LOW, lookup, tok, replace(spec, pooling=p), train, dev, dev, replace(cfg, lr=r),
+                      progress=False, distil=distil) for p, r in options]
+    devs = [m["dev"]["accuracy"] for _, m in alone]
+    assert metrics["tried"] == [[p, r, d] for (p, r), d in zip(options, devs)]
+    best = devs.index(max(devs))
+    assert metrics["pooling"] == options[best][0] and metrics["config"]["lr"] == options[best][1]
+    assert metrics["dev"] == alone[best][1]["dev"] and metrics["test"] == alone[best][1]["test"]
+    assert weights.keys() == alone[best][0].keys()
+    assert all(torch.equal(weights[k], alone[best][0][k]) for k in weights)
