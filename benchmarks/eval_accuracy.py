@@ -248,8 +248,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
         HBERT_DISTILLED: f"the learned back-off's adapters trained on the training texts and {transfer} unlabeled "
                          "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
                          f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
-                         "trained again with the same seed) as well as the labels, at the teacher's pooling and "
-                         "learning rate (as a tenant's distilled fine-tune trains)"
+                         "trained again with the same seed) as well as the labels, at the teacher's pooling (as a "
+                         "tenant's distilled fine-tune trains)"
                          + (f" (the teacher's answers weighted {weight:g}, the labels {1 - weight:g})"
                             if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
@@ -718,7 +718,7 @@ def main() -> None:
         teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
 
         def teacher_setting(seed) -> tuple[str, float]:
-            """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's, and so its students'."""
+            """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's (its pooling its students')."""
             options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
             return seeded_cells(cells, cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer,
                                                 args.distil_weight, None, probe_first=args.probe_first),
@@ -750,9 +750,9 @@ def main() -> None:
                                args.distil_weight, distil_epochs,
                                [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start,
                                args.probe_first)
-                # a distilled student trains at its teacher's setting, as a tenant's fine-tune does
-                options = (lambda seed: [teacher_setting(seed)]) if label in DISTILLED else [
-                    (p, lr) for p in poolings for lr in lrs[label]]
+                # a distilled student at its teacher's pooling, as a tenant's fine-tune trains it
+                options = (lambda seed, label=label: [(teacher_setting(seed)[0], lr) for lr in lrs[label]]
+                           ) if label in DISTILLED else [(p, lr) for p in poolings for lr in lrs[label]]
                 picks = seeded_cells(cells, key, seeds, options,
                                      lambda o, seed, run=run: cell(run, specs[o[0]], o[1], seed))
                 picked[label] = [r for _, r, _ in picks]

@@ -52,6 +52,19 @@ def test_seed_zero_is_the_one_seed_tables_cells_and_other_seeds_train_every_opti
     assert [(o, r["test"]) for o, r, _ in two] == [(("cls", 3e-3), 0.8), (("mean", 3e-3), 0.7)]
 
 
+def test_a_seeds_own_options_are_trained_alone_as_a_distilled_student_trains_at_its_teachers_pooling(tmp_path):
+    """``options`` as a function of the seed: each seed trains and chooses among its own (the
+    distilled columns: every rate at the pooling dev chose for that seed's teacher)."""
+    table = {(("cls", 3e-3), 0): (0.9, 0.8), (("cls", 1e-3), 0): (0.95, 0.85),
+             (("mean", 3e-3), 1): (0.6, 0.5), (("mean", 1e-3), 1): (0.5, 0.7)}
+    teacher_pooling = {0: "cls", 1: "mean"}
+    calls = []
+    picks = seeded_cells(Cells("bench", {"c": 2}, home=tmp_path), KEY, range(2),
+                         lambda seed: [(teacher_pooling[seed], r) for r in (3e-3, 1e-3)], trainer(calls, table))
+    assert calls == [(("cls", 3e-3), 0), (("cls", 1e-3), 0), (("mean", 3e-3), 1), (("mean", 1e-3), 1)]
+    assert [(o, r["test"]) for o, r, _ in picks] == [(("cls", 1e-3), 0.85), (("mean", 3e-3), 0.5)]
+
+
 def test_eval_accuracy_runs_the_four_tasks_by_default_and_a_task_outside_them_only_when_named():
     assert chosen_tasks(None) == TASKS and "license-category" not in TASKS
     assert chosen_tasks("license-category") == ["license-category"]

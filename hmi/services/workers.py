@@ -184,14 +184,15 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
                              truncate=job.get("truncate", True))
         lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
         keep_pooling = init is not None or job.get("keep_pooling", False)  # continued weights, or asked for
-        # the (pooling, rate) settings dev chooses among: the teacher's, whose choice its student then trains at
+        # the (pooling, rate) settings dev chooses among: the served adapter's, or the teacher's and then its
+        # student's at the pooling the teacher kept
         options, distil, student_report, teacher = dev_options(spec, bool(dev), cfg.lr, keep_pooling), None, report, {}
         if job.get("distil"):
             answers, teacher = train_teacher(
                 ctx.bert, tokenizer, spec, train, dev, cfg, keep_pooling=keep_pooling, should_stop=cancel.is_set,
                 on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "training the teacher"}))
             distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
-            options = [(teacher["pooling"], teacher["lr"])]
+            options = dev_options(replace(spec, pooling=teacher["pooling"]), bool(dev), teacher["lr"], keep_pooling=True)
             student_report = lambda f, info: report(  # noqa: E731
                 TEACHER_SHARE + (1 - TEACHER_SHARE) * f, {**info, "stage": "distilling the served adapter"})
         weights, metrics = finetune(

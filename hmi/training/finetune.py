@@ -30,7 +30,8 @@ from hmi.training.fit import Fit, early_stopping
 NAME = "tenant"
 # The learning rates dev chooses among, with the pooling of a classification head (``dev_options``): the
 # accuracy tables' grid for every adapter scheme (benchmarks/eval_accuracy.py, GRIDS), so that a tenant's
-# fine-tune and its teacher are chosen as the tables' columns are and serve what they report.
+# fine-tune, its teacher and its distilled student (at the teacher's pooling) are chosen as the tables'
+# columns are and serve what they report.
 GRID_LRS = (3e-3, 1e-3)
 
 

@@ -16,8 +16,8 @@ UNLABELED = ["a great evening", "an awful evening", "a superb meal", "a terrible
 
 def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwise(tmp_path, monkeypatch):
     """With dev examples the teacher is trained at each pooling and rate (``dev_options``) and the
-    served adapter at the teacher's best on dev; on the labels alone the served adapter is trained
-    at each and the best on dev serves: the record takes its pooling and the answers are the ones
+    served adapter at each rate with the pooling the teacher kept; on the labels alone the served
+    adapter is trained at each pooling and rate; the best on dev serves: the record takes its pooling and the answers are the ones
     scored.  A pooling asked for is kept, by the fine-tune, its teacher and an update."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path))
@@ -34,7 +34,9 @@ def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwi
         assert distilled["unlabeled_texts"] == len(UNLABELED) and 0 <= distilled["teacher_dev"] <= 1
         assert m["train"]["n"] == len(TRAIN)  # scored on the labelled texts alone
         assert [t[:2] for t in distilled["teacher_tried"]] == [[p, r] for p in ("cls", "mean") for r in GRID_LRS]
-        assert m["tried"] == [[distilled["teacher_pooling"], distilled["teacher_lr"], m["dev"]["accuracy"]]]
+        assert [t[:2] for t in m["tried"]] == [[distilled["teacher_pooling"], r] for r in GRID_LRS]
+        devs = [t[2] for t in m["tried"]]
+        assert m["tried"][devs.index(max(devs))][1:] == [m["config"]["lr"], m["dev"]["accuracy"]]
         assert admin.tenant("taught")["spec"]["pooling"] == m["pooling"] == distilled["teacher_pooling"]
         assert taught_job["info"]["stage"] == "distilling the served adapter", taught_job  # what the console shows
         answers = admin.infer("taught", UNLABELED)
