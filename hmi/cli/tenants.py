@@ -205,7 +205,8 @@ def _create_args(tc) -> None:
     tc.add_argument("--targets", help="lora: the projections it adapts, comma-separated of q, k, v, ffn_in, ffn_out, or "
                                       "'all' (default q,v; all in a tagging task's default adapter)")
     tc.add_argument("--pooling", choices=["cls", "mean"],
-                    help="what a classification head reads: the [CLS] vector (default) or the mean of the tokens")
+                    help="what a classification head reads: the [CLS] vector or the mean of the tokens (default: "
+                         "the fine-tune tries both and keeps the better on dev; cls without dev examples)")
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)
