@@ -50,9 +50,10 @@ class FinetuneConfig:
 
 def dev_options(spec: AdapterSpec, has_dev: bool, single: float, keep_pooling: bool = False) -> list[tuple[str, float]]:
     """The (pooling, learning rate) settings a fine-tune trains, dev keeping the best (``finetune``,
-    ``train_teacher``): ``GRID_LRS`` and, for a classification head unless ``keep_pooling`` (a fine-tune
-    continuing from weights trained with the spec's pooling), the [CLS] vector and the mean of the
-    tokens, in that order; without dev examples, the spec's pooling at ``single`` alone."""
+    ``train_teacher``): ``GRID_LRS`` and, for a classification head unless ``keep_pooling`` (a pooling
+    the tenant named, a fine-tune continuing from weights trained with it, a student at its teacher's),
+    the [CLS] vector and the mean of the tokens, in that order; without dev examples, the spec's
+    pooling at ``single`` alone."""
     if not has_dev:
         return [(spec.pooling, single)]
     poolings = ("cls", "mean") if spec.head == "classification" and not keep_pooling else (spec.pooling,)
