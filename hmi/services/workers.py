@@ -41,7 +41,7 @@ from hmi.training.serving import choose_serving
 from hmi.version_tree.tree import VersionTree
 
 FPT_SHARE = 0.75  # of a domain job's progress bar: further pretraining; the branch's PLOT build follows
-TEACHER_SHARE = 0.3  # of a distilled fine-tune's progress bar: the teacher; the served adapter follows
+TEACHER_SHARE = 0.5  # of a distilled fine-tune's progress bar: the teacher (four settings); the served adapter (two) follows
 # How often a worker returns its heap's free memory to the kernel (at a progress report). The tuned
 # allocator keeps what a training step frees for the next one; over hundreds of steps of varying
 # shapes that grew a distillation worker from 2.8 GB to 6.1 GB RSS in 95 steps (10,480 lines,
