@@ -33,6 +33,7 @@ from hmi.model.artifact import (
     calibration_shortfall,
     current_artifact_id,
     load_root,
+    uncalibrated,
 )
 from hmi.model.catalog import root_spec
 from hmi.model.decoder import CausalLower
@@ -194,6 +195,10 @@ def load_current_root(root: str = DEFAULT_ROOT, l_low: int | None = None):
     quiet_transformers()
 
     try:
+        if root in ALIASES:  # a root fetched on first use (mpnet-base) is not fetched where none is calibrated
+            split = l_low or default_l_low(root)
+            if current_artifact_id(None, pointer_name(source_of(root), split)) is None:
+                raise uncalibrated(source_of(root), split)
         return load_root(spec=root_spec(root, l_low))
     except ArtifactMissingError as exc:
         raise SystemExit(f"hmi: {exc}")

@@ -187,17 +187,23 @@ def load_windowed(folder: Path, config: dict, bert: BertModel, l_low: int) -> Wi
     return windowed
 
 
+def uncalibrated(source: str | None, l_low: int) -> ArtifactMissingError:
+    """The error of a root (``RootSpec.source``) split at ``l_low`` that has no calibrated artifact
+    in the home, with the command that makes one."""
+    if source is None and l_low == DEFAULT_L_LOW:
+        # The default root's artifact ships with hmi: installing it takes seconds, calibrating minutes.
+        return ArtifactMissingError("no calibrated root yet: run `hmi prepare` first (it installs the calibrated "
+                                    "default root shipped with hmi)")
+    named = f" --root {source}" if source else ""
+    return ArtifactMissingError(f"no calibrated root yet: run `hmi calibrate{named} --l-low {l_low}` first")
+
+
 def load_root(artifact_id: str | None = None, home: Path | None = None, spec: RootSpec | None = None) -> Root:
     """Loads a root and a calibrated artifact of it: by default the one ``spec``'s pointer names
     (the default root's when no spec is given); without ``spec``, the root the artifact records."""
     artifact_id = artifact_id or current_artifact_id(home, spec.pointer if spec else "current")
     if artifact_id is None:
-        if spec is None or (spec.source is None and spec.l_low == DEFAULT_L_LOW):
-            # The default root's artifact ships with hmi: installing it takes seconds, calibrating minutes.
-            raise ArtifactMissingError("no calibrated root yet: run `hmi prepare` first (it installs the calibrated "
-                                       "default root shipped with hmi)")
-        named = f" --root {spec.source}" if spec.source else ""
-        raise ArtifactMissingError(f"no calibrated root yet: run `hmi calibrate{named} --l-low {spec.l_low}` first")
+        raise uncalibrated(spec.source, spec.l_low) if spec else uncalibrated(None, DEFAULT_L_LOW)
     meta = artifact_config(artifact_id, home)
     if spec is None:
         source = meta.get("root_source")

@@ -168,12 +168,25 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     _run(job, progress, cancel, work)
 
 
+def _serve_whole(model, metrics: dict, tokenizer, rows: tuple, cfg: FinetuneConfig):
+    """A tenant served by its teacher on the full root: the teacher's spec and weights, its scores on
+    the job's splits in ``metrics`` (what the adapter of the upper layers scored kept as ``windows``)."""
+    spec, weights = model.whole_weights()
+    metrics["windows"] = {k: metrics.pop(k) for k in ("train", "dev", "test")}
+    for name, split in zip(("train", "dev", "test"), rows):
+        ex = encode(tokenizer, split, spec, cfg.max_len, cfg.truncate)
+        metrics[name] = model.evaluate(ex) if ex else None
+    return spec, weights
+
+
 def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     """Fine-tunes one encoder tenant and stores what it will serve (unpublished, named by the job
     id): the adapter of the upper layers, or its teacher on the full root where the job's
-    ``serving`` asks for it (``choose_serving``)."""
+    ``serving`` asks for it (``choose_serving``).  Its metrics' ``seconds`` are the whole job's (a
+    distilled one's ``distilled`` record splits them into the teacher's and the student's)."""
 
     def work(report) -> dict:
+        t0 = time.monotonic()
         spec = replace(AdapterSpec.from_dict(job["spec"]), whole=False)  # the served adapter's; a teacher's is whole
         train, dev, test = job_rows(job["data"])
         adapters = AdapterStore(ctx.tenants_dir)
@@ -188,9 +201,11 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         # student's at the pooling the teacher kept
         options, distil, student_report, teacher = dev_options(spec, bool(dev), cfg.lr, keep_pooling), None, report, {}
         if job.get("distil"):
+            t_teacher = time.monotonic()
             answers, teacher = train_teacher(
                 ctx.bert, tokenizer, spec, train, dev, cfg, keep_pooling=keep_pooling, should_stop=cancel.is_set,
                 on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "training the teacher"}))
+            teacher["seconds"] = round(time.monotonic() - t_teacher, 1)
             distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
             options = dev_options(replace(spec, pooling=teacher["pooling"]), bool(dev), teacher["lr"], keep_pooling=True)
             student_report = lambda f, info: report(  # noqa: E731
@@ -203,22 +218,18 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         if distil is not None:
             metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts),
                                     "teacher_pooling": teacher["pooling"], "teacher_lr": teacher["lr"],
-                                    "teacher_tried": teacher["tried"]}
+                                    "teacher_tried": teacher["tried"], "teacher_seconds": teacher["seconds"],
+                                    "student_seconds": metrics["seconds"]}
         choice = choose_serving(job.get("serving", "windows"), distil is not None, teacher.get("dev"),
                                 (metrics["dev"] or {}).get("accuracy"))
         if choice["mode"] == "whole":
-            model = teacher["model"]
-            spec, weights = model.whole_weights()
-            windows = {k: metrics.pop(k) for k in ("train", "dev", "test")}
-            ex = {name: encode(tokenizer, rows, spec, cfg.max_len, cfg.truncate) for name, rows in
-                  (("train", train), ("dev", dev), ("test", test))}
-            metrics.update({name: model.evaluate(e) if e else None for name, e in ex.items()})
-            metrics["windows"] = windows  # what the adapter of the upper layers scored
+            spec, weights = _serve_whole(teacher["model"], metrics, tokenizer, (train, dev, test), cfg)
         metrics["serving"] = choice
         if lookup.keeper is not None:
             keep_texts(lookup, tokenizer, job["data"].get("unlabeled", []), cfg.max_len)
             lookup.keeper.close()
             metrics["windows_kept"] = lookup.keeper.stats["added"]
+        metrics["seconds"] = round(time.monotonic() - t0, 1)
         adapters.save(job["tenant"], spec, weights, {"domain": job.get("domain", "root"), "metrics": metrics},
                       version=job["id"], publish=False)
         return metrics

@@ -26,6 +26,21 @@ def test_a_domain_command_through_a_server_refuses_a_root_named_beside_it(capsys
     assert "through a server (--url) the server's root serves them" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["domain", "list"], ["plot", "learn-backoff"], ["domain", "create", "d", "--corpus", "legal"]])
+def test_a_root_fetched_on_first_use_is_not_fetched_by_a_command_that_needs_it_calibrated(argv, capsys, monkeypatch):
+    """In a home that has not calibrated mpnet-base, a command that needs its calibrated artifact says
+    how to make one at once, instead of first fetching the root (about 400 MB) to say so."""
+    import hmi.model.catalog as catalog
+    from hmi.home import hmi_home
+
+    def fetched(*_a, **_kw):
+        raise AssertionError("the root was fetched")
+    monkeypatch.setattr(catalog, "fetch_mpnet", fetched)
+    with pytest.raises(SystemExit, match=r"no calibrated root yet: run `hmi calibrate --root mpnet-base --l-low 4` first"):
+        main([*argv, "--root", "mpnet-base", "--l-low", "4"])
+    assert not (hmi_home() / "models" / "mpnet-base").exists()
+
+
 def test_console_script_prints_help():
     script = Path(sys.executable).with_name("hmi")
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=True)

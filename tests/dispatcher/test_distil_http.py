@@ -77,7 +77,8 @@ def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkey
         stop()
 
 
-def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_says_so(tmp_path, monkeypatch, capsys):
+def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_says_so_with_the_jobs_whole_time(
+        tmp_path, monkeypatch, capsys):
     """``serving: whole`` stores the distilled fine-tune's teacher (the adapter in every layer,
     spec ``whole``): the record and the job say so, the scores it measured are the teacher's (the
     windows' kept beside them), its answers come from the full root, and a retrain that asks for
@@ -94,6 +95,9 @@ def test_a_tenant_served_whole_answers_with_its_teacher_on_the_full_root_and_say
         assert m["serving"]["mode"] == m["serving"]["asked"] == "whole"
         assert m["dev"]["accuracy"] == m["distilled"]["teacher_dev"] == m["serving"]["teacher_dev"]
         assert m["windows"]["dev"]["accuracy"] == m["serving"]["windows_dev"]
+        # the job's time is the teacher's, the student's and the scoring of what serves (rounded to 0.1 s each)
+        assert m["seconds"] >= m["distilled"]["teacher_seconds"] + m["distilled"]["student_seconds"] - 0.1
+        assert m["distilled"]["teacher_seconds"] > 0 and m["seconds"] <= job["finished"] - job["started"]
         rec = admin.tenant("w")
         assert rec["spec"]["whole"] is True and rec["state"] == "ready"
         answers = admin.infer("w", [r["text"] for r in TRAIN[1::2]])
