@@ -199,7 +199,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         keep_pooling = init is not None or job.get("keep_pooling", False)  # continued weights, or asked for
         # the (pooling, rate) settings dev chooses among: the served adapter's, or the teacher's and then its
         # student's at the pooling the teacher kept
-        options, distil, student_report, teacher = dev_options(spec, bool(dev), cfg.lr, keep_pooling), None, report, {}
+        options, distil, student_report, teacher = dev_options(spec, bool(dev), keep_pooling=keep_pooling), None, report, {}
         if job.get("distil"):
             t_teacher = time.monotonic()
             answers, teacher = train_teacher(

@@ -48,12 +48,14 @@ class FinetuneConfig:
     truncate: bool = True  # texts over max_len are cut (else refused, naming the row), as inference reads them
 
 
-def dev_options(spec: AdapterSpec, has_dev: bool, single: float, keep_pooling: bool = False) -> list[tuple[str, float]]:
+def dev_options(spec: AdapterSpec, has_dev: bool, single: float = GRID_LRS[0],
+                keep_pooling: bool = False) -> list[tuple[str, float]]:
     """The (pooling, learning rate) settings a fine-tune trains, dev keeping the best (``finetune``,
     ``train_teacher``): ``GRID_LRS`` and, for a classification head unless ``keep_pooling`` (a pooling
     the tenant named, a fine-tune continuing from weights trained with it, a student at its teacher's),
     the [CLS] vector and the mean of the tokens, in that order; without dev examples, the spec's
-    pooling at ``single`` alone."""
+    pooling at ``single`` alone (by default the grid's first rate, the one dev keeps more often in
+    the accuracy tables, for a fine-tune on the labels alone as for a teacher)."""
     if not has_dev:
         return [(spec.pooling, single)]
     poolings = ("cls", "mean") if spec.head == "classification" and not keep_pooling else (spec.pooling,)

@@ -21,7 +21,7 @@ from hmi.adapters.interop import attach, from_library, library_model
 from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
 from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
-from hmi.training.finetune import GRID_LRS, FinetuneConfig, dev_options
+from hmi.training.finetune import FinetuneConfig, dev_options
 from hmi.training.fit import Fit, early_stopping
 
 MODES = ("full", "adapter", "upper", "head", "compress")
@@ -186,7 +186,7 @@ def teacher_options(spec: AdapterSpec, has_dev: bool, lr: float | None = None,
     (``dev_options``: the accuracy tables choose hBERT-adapter's the same way, which the front's
     served-auto column assumes); the spec's pooling at ``lr`` alone when ``lr`` is given, at the
     first of ``GRID_LRS`` without dev examples."""
-    return [(spec.pooling, lr)] if lr is not None else dev_options(spec, has_dev, GRID_LRS[0], keep_pooling)
+    return [(spec.pooling, lr)] if lr is not None else dev_options(spec, has_dev, keep_pooling=keep_pooling)
 
 
 def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: list[dict], cfg: FinetuneConfig,

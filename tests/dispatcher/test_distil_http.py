@@ -62,17 +62,21 @@ def test_by_default_a_fine_tune_trains_a_teacher_unless_the_request_says_otherwi
         stop()
 
 
-def test_a_request_distils_on_a_server_that_does_not_by_default(tmp_path, monkeypatch):
+def test_a_request_distils_on_a_server_that_does_not_by_default_and_without_dev_every_fit_takes_the_first_rate(
+        tmp_path, monkeypatch):
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
     try:
         admin = Client(url, ADMIN)
         out = admin.create_tenant("t", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1, distil=True)
-        job = admin.wait_job(out["job"], 300)
+        plain = admin.create_tenant("p", ["neg", "pos"], training_data={"train": TRAIN}, epochs=1)
+        job, plain_job = admin.wait_job(out["job"], 300), admin.wait_job(plain["job"], 300)
         distilled = job["metrics"]["distilled"]
         assert job["state"] == "succeeded" and (distilled["teacher_dev"], distilled["unlabeled_texts"]) == (None, 0)
-        # without a dev split nothing chooses: one teacher, the tenant's pooling at the first rate
-        assert distilled["teacher_tried"] == [["cls", 3e-3, None]]
+        # without a dev split nothing chooses: the tenant's pooling at the grid's first rate, for the teacher,
+        # its student and a fine-tune on the labels alone alike
+        assert distilled["teacher_tried"] == job["metrics"]["tried"] == plain_job["metrics"]["tried"] == [
+            ["cls", GRID_LRS[0], None]]
     finally:
         stop()
 
