@@ -24,6 +24,10 @@ read back from the records of other configurations: ``adopt(config, key)`` says 
 record of configuration ``config`` are this one's; such a cell joins this configuration's record,
 with the machine that ran it.
 
+What several cells read and is long to make (a distilled column's teacher answers) is kept the same
+way, in the home only (``Cells.tensors``): a run continued after a stop reads it back instead of
+training the teacher again.
+
 ``max_minutes`` limits one invocation, not the recipe: a cell starts only while the invocation's
 elapsed time is under it, so every invocation finishes at least one cell and the next invocation
 of the same command continues after it."""
@@ -32,13 +36,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from benchmarks.common import machine
 from hmi.home import hmi_home
-from hmi.io import atomic_write_json, atomic_write_text
+from hmi.io import atomic_write_json, atomic_write_text, atomic_write_with
 from hmi.timelimit import OutOfTime, TimeLimit
 
 
@@ -129,6 +136,22 @@ class Cells:
         atomic_write_json(self._path(key), stored)
         self._add_to_record(stored)
         return result
+
+    def tensors(self, key: dict, compute: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Tensors that several cells read (a distilled column's teacher answers), ``key``'s: read
+        back from the home where an earlier run kept them, else ``compute()``, kept atomically.
+        Kept in the home only, not in the record: the cells that read them are recorded."""
+        path = self.folder / f"tensors-{digest(key)}.pt"
+        try:
+            kept = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # not kept, or cut short: computed again
+            kept = None
+        if isinstance(kept, dict) and kept.get("key") == json.dumps(key, sort_keys=True, default=str):
+            return kept["tensors"]
+        out = compute()
+        atomic_write_with(path, lambda f: torch.save({"key": json.dumps(key, sort_keys=True, default=str),
+                                                      "tensors": out}, f))
+        return out
 
     def _add_to_record(self, cell: dict) -> None:
         if self.record is None or digest(cell["key"]) in self.recorded:

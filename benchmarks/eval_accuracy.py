@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.cells import Cells  # noqa: E402
+from benchmarks.cells import Cells, digest  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DOCS,
     adapter_options,
@@ -717,22 +717,36 @@ def main() -> None:
 
         teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
 
+        teacher_key = cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer, args.distil_weight,
+                               None, probe_first=args.probe_first)
+
         def teacher_setting(seed) -> tuple[str, float]:
             """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's (its pooling its students')."""
             options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
-            return seeded_cells(cells, cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer,
-                                                args.distil_weight, None, probe_first=args.probe_first),
-                                [seed], options,
+            return seeded_cells(cells, teacher_key, [seed], options,
                                 lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0][0]
 
         def distillation(seed) -> Distillation:
             if seed not in teachers:
                 pool, lr = teacher_setting(seed)
-                trained = full(specs[pool], lr, seed, "adapter")
-                teachers[seed] = Distillation(trained["teacher"],
+                trained: dict = {}  # hBERT-adapter at that setting, trained again where first needed
+
+                def model() -> dict:
+                    if not trained:
+                        with torch.enable_grad():  # first needed where a student asks for answers, without grad
+                            trained.update(full(specs[pool], lr, seed, "adapter"))
+                    return trained
+
+                def answers(examples) -> list[torch.Tensor]:
+                    # kept in the run's folder: every student of the task, and a run continued after a stop,
+                    # read the teacher's answers back instead of training the teacher again
+                    key = {**teacher_key, "seed": seed, "pooling": pool, "lr": lr, "answers_to": digest([e.ids for e in examples])}
+                    return cells.tensors(key, lambda: [t.float() for t in model()["teacher"](examples)])
+
+                teachers[seed] = Distillation(answers,
                                               load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
                                               weight=args.distil_weight,
-                                              start=trained["upper"](l_low) if args.distil_start == "teacher" else None)
+                                              start=model()["upper"](l_low) if args.distil_start == "teacher" else None)
             return teachers[seed]
 
         runs = [(label, lambda spec, lr, seed, policy=policy, label=label: hbert(

@@ -162,3 +162,28 @@ def test_a_cell_another_configuration_recorded_is_adopted_only_where_adopt_says_
     alone = Cells("bench", {**CONFIG, "root_artifact": "d"}, home=tmp_path / "c", record_dir=record)
     alone.run({"scheme": "free"}, counting(calls, 0.9))
     assert calls[-1] == 0.9
+
+
+def test_tensors_several_cells_read_are_computed_once_and_read_back_by_a_run_continued_after_a_stop(tmp_path):
+    """A distilled column's teacher answers: computed where first needed, then read back, by the same
+    run and by the next; other answers (another key) are computed; a file cut short is computed again."""
+    import torch
+
+    calls = []
+
+    def answers(scale):
+        def compute():
+            calls.append(scale)
+            return [torch.full((3,), float(scale)), torch.arange(4.0).reshape(2, 2) * scale]
+        return compute
+
+    key = {"task": "t", "seed": 0, "answers_to": "abc"}
+    first = Cells("bench", CONFIG, home=tmp_path).tensors(key, answers(1))
+    again = Cells("bench", CONFIG, home=tmp_path).tensors(key, answers(2))
+    assert calls == [1] and all(torch.equal(a, b) for a, b in zip(first, again)) and len(again) == 2
+    other = Cells("bench", CONFIG, home=tmp_path).tensors({**key, "seed": 1}, answers(3))
+    assert calls == [1, 3] and torch.equal(other[0], torch.full((3,), 3.0))
+    for f in (tmp_path / "runs" / "bench").rglob("tensors-*.pt"):
+        f.write_bytes(f.read_bytes()[:20])
+    assert torch.equal(Cells("bench", CONFIG, home=tmp_path).tensors(key, answers(4))[0], torch.full((3,), 4.0))
+    assert calls == [1, 3, 4]
