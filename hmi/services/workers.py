@@ -23,6 +23,7 @@ from hmi.allocator import release_heap, tune_allocator
 from hmi.bootstrap import quiet_transformers
 from hmi.data import job_lines, job_rows, job_texts, job_unlabeled
 from hmi.lifetime import die_with
+from hmi.model.aliases import root_pooling
 from hmi.model.artifact import Root
 from hmi.model.root import RootSpec, load_tokenizer
 from hmi.plot.kept import DEFAULT_BUDGET_MB, Keeper, keep_texts
@@ -168,6 +169,19 @@ def domain_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
     _run(job, progress, cancel, work)
 
 
+def starting_pooling(spec: AdapterSpec, named: bool, continued: bool, source: str | None) -> tuple[AdapterSpec, bool]:
+    """The spec a fine-tune starts from, and whether every setting keeps its pooling (else dev
+    chooses it, ``dev_options``): kept where the tenant named it or the fine-tune continues weights
+    trained with it; on a packaged root that fixes one (``root_pooling``: mpnet-base reads the mean
+    of the tokens, as its tables do), that one, unless the tenant named another."""
+    fixed = root_pooling(source)
+    if named or continued:
+        return spec, True
+    if fixed is not None and spec.head == "classification":
+        return replace(spec, pooling=fixed), True
+    return spec, False
+
+
 def _serve_whole(model, metrics: dict, tokenizer, rows: tuple, cfg: FinetuneConfig):
     """A tenant served by its teacher on the full root: the teacher's spec and weights, its scores on
     the job's splits in ``metrics`` (what the adapter of the upper layers scored kept as ``windows``)."""
@@ -196,7 +210,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         cfg = FinetuneConfig(epochs=job.get("epochs", 4), seed=job.get("seed", 0), max_len=job.get("max_len", 128),
                              truncate=job.get("truncate", True))
         lookup, tokenizer = ctx.lookup(job.get("domain", "root")), load_tokenizer(ctx.tokenizer_dir)
-        keep_pooling = init is not None or job.get("keep_pooling", False)  # continued weights, or asked for
+        spec, keep_pooling = starting_pooling(spec, job.get("keep_pooling", False), init is not None, ctx.source)
         # the (pooling, rate) settings dev chooses among: the served adapter's, or the teacher's and then its
         # student's at the pooling the teacher kept
         options, distil, student_report, teacher = dev_options(spec, bool(dev), keep_pooling=keep_pooling), None, report, {}
