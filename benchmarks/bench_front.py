@@ -503,6 +503,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     default = next(p for p in points if p["config"] == served)
     out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
     out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[served]] < tasks[t]["shared"]]
+    out["below_shared_by"] = {t: round(tasks[t]["shared"] - tasks[t][COLUMN[served]], 2) for t in out["below_shared_on"]}
     # the same gaps seed by seed, where one record of several seeds holds both columns
     for key, point, bar in (("gap_to_adapter_at_1_5x", best, "hBERT-adapter"),
                             ("default_served_gap_vs_full_ft", default, "dedicated")):
@@ -548,7 +549,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}"
              + (": the miss policy and distilled fine-tunes" if served in SERVED_AS else "") + "): "
              f"{out['default_served_gap_vs_full_ft']} points under the fair bar; below the frozen root with a head on "
-             f"{', '.join(out['below_shared_on']) or 'no task'}."
+             f"{', '.join(_below(t, out['below_shared_by'][t], tasks[t]) for t in out['below_shared_on']) or 'no task'}."
              + "".join(f" {what} seed by seed: {', '.join(str(g) for g in out[key + '_per_seed'])}."
                        for key, what in (("gap_to_adapter_at_1_5x", "Gap to hBERT-adapter"),
                                          ("default_served_gap_vs_full_ft", "Gap of the default to the fair bar"))
@@ -564,6 +565,15 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
         text += f"\n\nlearned: {out['learned']}."
     plot_front(points, DOCS / f"{name}.png", out["root_name"], fair)
     finish(name, text, out, command, header)
+
+
+def _below(task: str, points: float, acc: dict) -> str:
+    """How far the default serves a task under the frozen root with a head, in points and, for a
+    classification task, in test texts (what one split of that size can tell apart)."""
+    n = acc.get("test")
+    if task == "pos-tagging" or not n:
+        return f"{task} (by {points} points)"
+    return f"{task} (by {points} points: about {round(points * n / 100)} of its {n} test texts)"
 
 
 def render(name: str) -> None:
