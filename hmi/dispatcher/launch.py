@@ -103,16 +103,22 @@ def startup_report(home: Path, root_meta: dict, artifact_id: str, admin_token: s
     return lines
 
 
-def banner(base: str, home: Path, hgpt_demo: bool = False, how: str = "") -> str:
-    """What a server prints once it serves: where, and ready-to-paste requests."""
+def banner(base: str, home: Path, hgpt_demo: bool = False, how: str = "", demo: bool = True) -> str:
+    """What a server prints once it serves: where, and ready-to-paste requests (to the demo tenants,
+    or, on a server without them, to a tenant the first command creates)."""
+    tenant = "demo-news" if demo else "my-news"
     text = f"""
 HMI serving on {base}{how}
   curl {base}/healthz
   ADMIN=$(cat {home / "admin_token"})
   curl -H "Authorization: Bearer $ADMIN" {base}/v1/tenants
-  curl -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' \\
-       -d '{{"inputs": ["Shares rose after the bank beat forecasts."]}}' {base}/v1/tenants/demo-news/infer
-  hmi infer demo-news "The striker scored twice in the final."   (uses $HMI_HOME/admin_token)
+"""
+    if not demo:
+        text += f"""  hmi tenant create {tenant} --dataset news-topic --max-train 640 --url {base} --wait   (minutes: a teacher first)
+"""
+    text += f"""  curl -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' \\
+       -d '{{"inputs": ["Shares rose after the bank beat forecasts."]}}' {base}/v1/tenants/{tenant}/infer
+  hmi infer {tenant} "The striker scored twice in the final." --url {base}   (uses $HMI_HOME/admin_token)
 """
     if hgpt_demo:
         text += """  hmi generate demo-legal-gpt "Permission is hereby granted"       (decoder tenant, streams tokens)

@@ -109,7 +109,7 @@ def serve(host: str, port: int, demo: bool, cfg: ServerConfig, hgpt: bool = Fals
         enable_hgpt(server, home)
     if demo:
         create_demo_tenants(home, *in_process(server), hgpt=hgpt)
-    print(banner(f"http://{host}:{port}", home, hgpt and demo), flush=True)
+    print(banner(f"http://{host}:{port}", home, hgpt and demo, demo=demo), flush=True)
     release_heap()  # what loading the roots left freed (the decoder's dequantized weights: about 1 GB)
     if not gate:
         web.run_app(make_app(server), host=host, port=port, print=None, handle_signals=True)

@@ -181,3 +181,23 @@ def test_a_decoder_demo_adapter_shipped_for_another_decoder_is_trained_by_its_jo
         assert rec["state"] == "training" and rec["job"]
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("demo", [True, False])
+def test_the_banner_names_only_tenants_the_server_has_and_its_commands_parse_for_its_address(demo):
+    """With the demo tenants, requests to them; without (``--no-demo``), the command that creates a
+    tenant first, then requests to it; every ``hmi`` line parses and names the server's address."""
+    import shlex
+    from pathlib import Path
+
+    from hmi.cli import build_parser
+    from hmi.dispatcher.launch import banner
+
+    base = "http://127.0.0.1:8124"
+    text = banner(base, Path("/home/x"), demo=demo)
+    assert ("demo-news" in text) == demo and ("hmi tenant create" in text) == (not demo)
+    commands = [shlex.split(line.split("  (")[0].strip())[1:] for line in text.splitlines()
+                if line.strip().startswith("hmi ")]
+    assert len(commands) == (1 if demo else 2)
+    for argv in commands:
+        assert build_parser().parse_args(argv).url == base
