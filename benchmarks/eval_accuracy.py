@@ -57,6 +57,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -342,6 +343,27 @@ def seeded_cells(cells: Cells, key: dict, seeds, options, train) -> list[tuple[t
         best = max(tried, key=lambda o: tried[o]["dev"])
         picks.append((best, tried[best], sum(r["seconds"] for r in tried.values())))
     return picks
+
+
+def kept_teacher(cells: Cells, key: dict, train: Callable[[], dict]) -> tuple[Callable, Callable[[], dict]]:
+    """A distilled column's teacher (hBERT-adapter at its setting, ``key``), trained by ``train()``
+    (``train_full_context``'s dict) where first needed, and its answers kept in the run's folder
+    (``Cells.tensors``): every student of the task, and a run continued after a stop, reads them
+    back instead of training the teacher again.  Returns the answers (a ``Teacher``) and the trained
+    teacher's dict (trained on call)."""
+    trained: dict = {}
+
+    def model() -> dict:
+        if not trained:
+            with torch.enable_grad():  # first needed where a student asks for answers, without grad
+                trained.update(train())
+        return trained
+
+    def answers(examples) -> list[torch.Tensor]:
+        return cells.tensors({**key, "answers_to": digest([e.ids for e in examples])},
+                             lambda: [t.float() for t in model()["teacher"](examples)])
+
+    return answers, model
 
 
 def served_auto(teacher: list[dict], student: list[dict]) -> list[tuple[str, float]]:
@@ -729,20 +751,8 @@ def main() -> None:
         def distillation(seed) -> Distillation:
             if seed not in teachers:
                 pool, lr = teacher_setting(seed)
-                trained: dict = {}  # hBERT-adapter at that setting, trained again where first needed
-
-                def model() -> dict:
-                    if not trained:
-                        with torch.enable_grad():  # first needed where a student asks for answers, without grad
-                            trained.update(full(specs[pool], lr, seed, "adapter"))
-                    return trained
-
-                def answers(examples) -> list[torch.Tensor]:
-                    # kept in the run's folder: every student of the task, and a run continued after a stop,
-                    # read the teacher's answers back instead of training the teacher again
-                    key = {**teacher_key, "seed": seed, "pooling": pool, "lr": lr, "answers_to": digest([e.ids for e in examples])}
-                    return cells.tensors(key, lambda: [t.float() for t in model()["teacher"](examples)])
-
+                answers, model = kept_teacher(cells, {**teacher_key, "seed": seed, "pooling": pool, "lr": lr},
+                                              lambda: full(specs[pool], lr, seed, "adapter"))
                 teachers[seed] = Distillation(answers,
                                               load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
                                               weight=args.distil_weight,

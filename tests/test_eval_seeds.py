@@ -168,3 +168,33 @@ def test_the_served_auto_column_takes_the_teacher_only_where_it_leads_on_dev_by_
     assert served_auto(teacher, student) == [("whole", 0.768), ("windows", 0.73), ("windows", 0.95)]
     lrs = {label: (3e-3,) for label in ALL_SCHEMES}
     assert "0.03" in dict(scheme_descriptions([HBERT_AUTO], lrs, 6, 3, 2000, True))[HBERT_AUTO]
+
+
+def test_a_distilled_columns_teacher_is_trained_once_and_its_answers_read_back_after_a_stop(tmp_path):
+    """``kept_teacher``: the teacher is trained where a student first asks for answers (inside the
+    student's no-grad call, so with grad enabled for its own training), its answers kept; a second
+    student, and a run continued after a stop, read the same answers back without training it;
+    answers to other examples are asked of the teacher."""
+    import torch
+
+    from benchmarks.eval_accuracy import kept_teacher
+    from hmi.training.examples import Example
+
+    trained = []
+
+    def train():
+        assert torch.is_grad_enabled(), "the teacher trains without grad"
+        trained.append(1)
+        return {"teacher": lambda exs: [torch.tensor([float(sum(e.ids)), float(len(trained))]) for e in exs]}
+
+    exs = [Example([1, 2, 3], 0), Example([4, 5], 1)]
+    key = {"task": "t", "seed": 0, "pooling": "mean", "lr": 3e-3}
+    answers, _ = kept_teacher(Cells("bench", {"c": 1}, home=tmp_path), key, train)
+    with torch.no_grad():  # as Distillation.extend asks
+        first = answers(exs)
+        second = answers(exs)
+    assert trained == [1] and all(torch.equal(a, b) for a, b in zip(first, second))
+    again, model = kept_teacher(Cells("bench", {"c": 1}, home=tmp_path), key, train)  # a run continued
+    assert all(torch.equal(a, b) for a, b in zip(again(exs), first)) and trained == [1]
+    other = again([Example([7], 0)])
+    assert trained == [1, 1] and other[0].tolist() == [7.0, 2.0] and model()["teacher"] is not None
