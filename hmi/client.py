@@ -11,6 +11,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from hmi.home import hmi_home
 
@@ -206,10 +207,16 @@ class Client:
     def delete_domain(self, name: str) -> dict:
         return self.request("DELETE", f"/v1/domains/{name}")
 
-    def wait_job(self, job_id: str, timeout: float = 1800, poll: float = 1.0) -> dict:
-        end = time.time() + timeout
-        while time.time() < end:
+    def wait_job(self, job_id: str, timeout: float | None = 1800, poll: float = 1.0,
+                 on_poll: Callable[[dict], None] | None = None) -> dict:
+        """The job once it has ended (succeeded, failed or cancelled), asked for every ``poll``
+        seconds, each answer passed to ``on_poll``; ``TimeoutError`` after ``timeout`` seconds
+        (None: no limit)."""
+        end = None if timeout is None else time.time() + timeout
+        while end is None or time.time() < end:
             job = self.job(job_id)
+            if on_poll is not None:
+                on_poll(job)
             if job["state"] in ("succeeded", "failed", "cancelled"):
                 return job
             time.sleep(poll)

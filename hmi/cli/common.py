@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from hmi.bootstrap import ensure_data
@@ -18,14 +19,82 @@ def client(args):
     return Client(args.url, args.token)
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60:02d} s"
+
+
+class JobProgress:
+    """A job followed by ``--wait``, on ``out`` (stderr): its state, per cent, stage and setting, the
+    time since the command began waiting and an estimate of what is left (the pace since the job was
+    first seen running).  On a terminal one line rewritten at every poll; otherwise a line at every
+    change of state, stage or setting, and every ``every`` seconds."""
+
+    def __init__(self, out, every: float = 30.0, clock=time.monotonic):
+        self.out, self.tty, self.every, self.clock = out, out.isatty(), every, clock
+        self.t0 = clock()
+        self.first: tuple[float, float] | None = None  # (when, progress) the job was first seen running
+        self.last: tuple | None = None
+        self.last_at = -every
+        self.width = 0
+
+    def line(self, job: dict, now: float) -> str:
+        p, info = job.get("progress") or 0.0, job.get("info") or {}
+        if job["state"] == "running" and self.first is None:
+            self.first = (now, p)
+        parts = [f"job {job['id']}: {job['state']}"] + ([f"{100 * p:.0f}%"] if job["state"] == "running" else [])
+        parts += [info["stage"]] if info.get("stage") else []
+        parts += [f"setting {info['setting']} of {info['settings']}"] if info.get("settings") else []
+        parts.append(f"{_duration(now - self.t0)} waited")
+        if job["state"] == "running" and self.first is not None and p > self.first[1]:
+            parts.append(f"about {_duration((now - self.first[0]) * (1 - p) / (p - self.first[1]))} left")
+        return ", ".join(parts)
+
+    def update(self, job: dict) -> None:
+        now = self.clock()
+        text, info = self.line(job, now), job.get("info") or {}
+        if self.tty:
+            self.out.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            key = (job["state"], info.get("stage"), info.get("setting"))
+            if key == self.last and now - self.last_at < self.every:
+                return
+            self.last, self.last_at = key, now
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.tty and self.width:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def wait_for_job(c: Client, job_id: str) -> int:
+    """``--wait``: follows the job until it ends (``JobProgress`` on stderr), then prints it; 0 when
+    it succeeded, 1 when it failed or was cancelled.  Ctrl+C stops the waiting, not the job (130)."""
+    progress = JobProgress(sys.stderr)
+    try:
+        job = c.wait_job(job_id, timeout=None, on_poll=progress.update)
+    except KeyboardInterrupt:
+        progress.end()
+        print(f"hmi: stopped waiting; job {job_id} goes on (`hmi jobs` shows it, `hmi jobs --cancel {job_id}` "
+              "cancels it)", file=sys.stderr)
+        return 130
+    progress.end()
+    show(job)
+    return 0 if job["state"] == "succeeded" else 1
+
+
 def show(obj) -> None:
     print(json.dumps(obj, indent=1))
 
 
 def run_client(fn):
-    def wrapped(args) -> int:
+    """A client command: an API or connection error is a message and exit code 1, not a traceback."""
+    def wrapped(args, *more) -> int:
         try:
-            return fn(args) or 0
+            return fn(args, *more) or 0
         except (ApiError, ConnectionError) as exc:
             print(f"hmi: {exc}", file=sys.stderr)
             return 1

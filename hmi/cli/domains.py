@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hmi.cli.common import add_root_options, client, read_corpus_arg, run_client, show
+from hmi.cli.common import add_root_options, client, read_corpus_arg, run_client, show, wait_for_job
 from hmi.cli.roots import load_current_root
 from hmi.data import CORPORA
 from hmi.home import hmi_home
@@ -97,7 +97,7 @@ def _domain_client(args, verb):
         c.update_domain(args.name, **kw)
     show(out)
     if args.wait:
-        show(c.wait_job(out["job"], timeout=7200))
+        return wait_for_job(c, out["job"])
 
 
 @_domain_error

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.archive import zip_folder
-from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show
+from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show, wait_for_job
 from hmi.data import task_labels
 from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
@@ -71,7 +71,7 @@ def cmd_tenant_create(args):
                           serving=args.serving)
     show(out)
     if args.wait:
-        show(c.wait_job(out["job"]))
+        return wait_for_job(c, out["job"])
 
 
 @run_client
@@ -96,7 +96,7 @@ def cmd_tenant_update(args):
     out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs, args.distil, args.serving)
     show(out)
     if args.wait:
-        show(c.wait_job(out["job"]))
+        return wait_for_job(c, out["job"])
 
 
 @run_client
