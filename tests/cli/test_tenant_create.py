@@ -7,22 +7,17 @@ import pytest
 
 from hmi.cli import main
 from hmi.client import Client
-from hmi.dispatcher.serve import run_in_thread
-from tests.helpers.servers import ADMIN, TAGS, TRAIN, tiny_server
+from tests.helpers.servers import ADMIN, TAGS, TRAIN, running_tiny_server
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HMI_ADMIN_TOKEN", ADMIN)
-        server = tiny_server(tmp_path_factory.mktemp("home"))
-    url, stop = run_in_thread(server)
     train = tmp_path_factory.mktemp("data") / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
     tags = train.with_name("tags.jsonl")
     tags.write_text("".join(json.dumps(r) + "\n" for r in TAGS))
-    yield {"url": url, "train": str(train), "tags": str(tags)}
-    stop()
+    with running_tiny_server(tmp_path_factory.mktemp("home")) as url:
+        yield {"url": url, "train": str(train), "tags": str(tags)}
 
 
 def create(live, name, *options):

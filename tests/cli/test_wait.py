@@ -9,23 +9,18 @@ import pytest
 import hmi.cli.common as common
 from hmi.cli import main
 from hmi.client import Client
-from hmi.dispatcher.serve import run_in_thread
-from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, tiny_server
+from tests.helpers.servers import ADMIN, TRAIN, domain_corpus, running_tiny_server
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HMI_ADMIN_TOKEN", ADMIN)
-        server = tiny_server(tmp_path_factory.mktemp("home"))
-    url, stop = run_in_thread(server)
     data = tmp_path_factory.mktemp("data")
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN))
     (data / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TRAIN[::2]))
     (data / "short.txt").write_text("\n".join(domain_corpus(300)) + "\n")  # under a domain's least tokens
     (data / "licenses.txt").write_text("\n".join(domain_corpus()) + "\n")
-    yield {"url": url, "data": data}
-    stop()
+    with running_tiny_server(tmp_path_factory.mktemp("home")) as url:
+        yield {"url": url, "data": data}
 
 
 def last_json(out: str) -> dict:

@@ -4,6 +4,9 @@ and the requests tests send it."""
 import json
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+
+import pytest
 
 from hmi.model.artifact import Root
 from hmi.model.hplm import WindowedEncoder
@@ -38,6 +41,22 @@ def tiny_server(home, seed=0, job_launcher=None, registry=None, source=None, l_l
     lookup = PlotLookup([version], policy, keeper=Keeper(cfg.get("plot_keep_mb", 512.0)) if keeps else None)
     cfg = {"max_inputs": 8, "max_input_chars": 2000, "max_body_mb": 1, **cfg}
     return Server(home, root, lookup, ServerConfig(**cfg), path, meta, job_launcher, registry)
+
+
+@contextmanager
+def running_tiny_server(home, **server):
+    """A tiny server on ``home`` (``server``: ``tiny_server``'s options) with the tests' admin token,
+    serving in a thread: its URL, the server stopped on exit."""
+    from hmi.dispatcher.serve import run_in_thread
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HMI_ADMIN_TOKEN", ADMIN)
+        built = tiny_server(home, **server)
+    url, stop = run_in_thread(built)
+    try:
+        yield url
+    finally:
+        stop()
 
 
 def train_once(home, name, epochs=1, **server):
