@@ -82,6 +82,7 @@ from benchmarks.eval_accuracy import (  # noqa: E402
     HBERT_LEARNED,
     HBERT_LEARNED_COMPUTE,
 )
+from hmi.data import is_tagging  # noqa: E402
 from hmi.model.aliases import auto_miss_policy  # noqa: E402
 from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
@@ -571,7 +572,7 @@ def _below(task: str, points: float, acc: dict) -> str:
     """How far the default serves a task under the frozen root with a head, in points and, for a
     classification task, in test texts (what one split of that size can tell apart)."""
     n = acc.get("test")
-    if task == "pos-tagging" or not n:
+    if is_tagging(task) or not n:
         return f"{task} (by {points} points)"
     return f"{task} (by {points} points: about {round(points * n / 100)} of its {n} test texts)"
 

@@ -141,16 +141,15 @@ class Cells:
         """Tensors that several cells read (a distilled column's teacher answers), ``key``'s: read
         back from the home where an earlier run kept them, else ``compute()``, kept atomically.
         Kept in the home only, not in the record: the cells that read them are recorded."""
-        path = self.folder / f"tensors-{digest(key)}.pt"
+        path, named = self.folder / f"tensors-{digest(key)}.pt", json.dumps(key, sort_keys=True, default=str)
         try:
             kept = torch.load(path, weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # not kept, or cut short: computed again
             kept = None
-        if isinstance(kept, dict) and kept.get("key") == json.dumps(key, sort_keys=True, default=str):
+        if isinstance(kept, dict) and kept.get("key") == named:
             return kept["tensors"]
         out = compute()
-        atomic_write_with(path, lambda f: torch.save({"key": json.dumps(key, sort_keys=True, default=str),
-                                                      "tensors": out}, f))
+        atomic_write_with(path, lambda f: torch.save({"key": named, "tensors": out}, f))
         return out
 
     def _add_to_record(self, cell: dict) -> None:

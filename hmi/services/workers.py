@@ -215,11 +215,9 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         # student's at the pooling the teacher kept
         options, distil, student_report, teacher = dev_options(spec, bool(dev), keep_pooling=keep_pooling), None, report, {}
         if job.get("distil"):
-            t_teacher = time.monotonic()
             answers, teacher = train_teacher(
                 ctx.bert, tokenizer, spec, train, dev, cfg, keep_pooling=keep_pooling, should_stop=cancel.is_set,
                 on_progress=lambda f, info: report(TEACHER_SHARE * f, {**info, "stage": "training the teacher"}))
-            teacher["seconds"] = round(time.monotonic() - t_teacher, 1)
             distil = Distillation(answers, job_unlabeled(job["data"], len(train)))
             options = dev_options(replace(spec, pooling=teacher["pooling"]), bool(dev), teacher["lr"], keep_pooling=True)
             student_report = lambda f, info: report(  # noqa: E731

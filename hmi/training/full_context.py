@@ -8,6 +8,7 @@ batches, dropout and early stopping for all."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import Callable
 
@@ -197,8 +198,9 @@ def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: li
     its rows (``cfg``'s epochs, seed and text limit; the best epoch on dev, else the last) with each
     of ``teacher_options``, the one with the best dev accuracy kept (the first of equals).
     Returns its answers (a ``Teacher``) and ``{"dev": accuracy or None, "pooling", "lr", "tried":
-    [[pooling, lr, dev], ...], "model": the kept FullContextModel}`` (what a tenant served on the
-    full root serves: ``whole_weights``)."""
+    [[pooling, lr, dev], ...], "model": the kept FullContextModel, "seconds" over every setting}``
+    (the model: what a tenant served on the full root serves, ``whole_weights``)."""
+    t0 = time.time()
     options = teacher_options(spec, bool(dev), lr, keep_pooling)
     best, tried = None, []
     for i, (pooling, rate) in enumerate(options):
@@ -212,4 +214,5 @@ def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: li
         if best is None or (acc is not None and acc > best[0]):
             best = (acc, m, pooling, rate)
     acc, m, pooling, rate = best
-    return m.answers, {"dev": acc, "pooling": pooling, "lr": rate, "tried": tried, "model": m}
+    return m.answers, {"dev": acc, "pooling": pooling, "lr": rate, "tried": tried, "model": m,
+                       "seconds": round(time.time() - t0, 1)}
