@@ -471,6 +471,11 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     accuracy record ``acc``, and the keys derived from both (``header``: the machine and date of
     the run, kept by a page written again)."""
     configs = out["configs"] + [c for c, like in SERVED_AS.items() if like in out["configs"] and COLUMN[c] in acc["average"]]
+    for c in (c for c in AUTO_POLICY if c in configs):  # its requests/s hold only for the tasks it served whole
+        if (chosen := whole_tasks(acc, COLUMN[c])) != out["whole_tasks"][c]:
+            raise SystemExit(f"'{c}' was measured with the tenants of {', '.join(out['whole_tasks'][c]) or 'no task'} "
+                             f"served whole, but the accuracy record now chooses {', '.join(chosen) or 'no task'}: "
+                             "measure the front again (a --render cannot)")
     measured = {**out["measured"], **{c: out["measured"][SERVED_AS[c]] for c in configs if c in SERVED_AS}}
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]

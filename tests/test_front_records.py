@@ -277,3 +277,26 @@ def test_the_served_auto_column_comes_with_the_tasks_it_served_whole_and_those_t
     # a tie of seeds stays on the windows; another served-auto column's choice is its own
     assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO) == ["review-sentiment", "pos-tagging"]
     assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO_COMPUTE) == []
+
+
+def test_a_served_auto_point_is_not_written_again_once_its_record_serves_other_tasks_whole(tmp_path, monkeypatch):
+    """A served-auto point's requests/s were measured with some tasks' tenants on the full root: a
+    page written again against a record that now chooses other tasks would pair those requests/s
+    with the accuracy of another mix, so it is refused."""
+    pages_in(tmp_path, monkeypatch)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_auto", "l3", {bench_front.HBERT_AUTO: 83.0})
+    page = tmp_path / "eval_accuracy_partial_auto.md"
+    rec = json.loads(page.read_text().split("```json\n")[1].split("\n```")[0])
+    rec["tasks"]["review-sentiment"]["serving"] = {bench_front.HBERT_AUTO: "whole"}
+    page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
+    out = {**learned_run(), "configs": ["learned", bench_front.AUTO, "hBERT-adapter", "shared"],
+           "whole_tasks": {bench_front.AUTO: ["review-sentiment"]}}
+    out["measured"][bench_front.AUTO] = [16.0]
+    bench_front.report(json.loads(json.dumps(out)), bench_front.accuracy_record("l3", None)[2], "bench_front_trial",
+                       "python benchmarks/bench_front.py")
+    rec["tasks"]["tweet-sentiment"]["serving"] = {bench_front.HBERT_AUTO: "whole"}  # the record's run went on
+    page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
+    with pytest.raises(SystemExit, match="served whole, but the accuracy record now chooses review-sentiment, "
+                                         "tweet-sentiment"):
+        bench_front.render("bench_front_trial")
