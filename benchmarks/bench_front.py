@@ -109,12 +109,12 @@ NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # root; eval_accuracy's ARTIFACT_FREE that the front needs): the same for every split and artifact of one
 # root, so a split's own record may take them from another.
 SPLIT_FREE = tuple(c for c in ARTIFACT_FREE if c in NEEDED)
-WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # the columns a split's own record must hold
+WINDOWED = tuple(c for c in NEEDED if c not in SPLIT_FREE)  # a split's own record holds one of them at least
 RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share (eval_accuracy record keys)
-# Columns of configurations that eval_accuracy measures only on request: taken from a page of their own
-# when the front's record lacks them.
-OPTIONAL = (COLUMN["learned+compute"], COLUMN["learned, distilled"], COLUMN["learned+compute, distilled"],
-            COLUMN["backoff, distilled"], COLUMN[AUTO], COLUMN[AUTO_COMPUTE])
+# The columns that read the windows (every one but the split-free): taken from a page of their own when the
+# front's record lacks them (those eval_accuracy measures only on request, and a windowed column that
+# another run of the artifact measured); a column no page holds leaves its points without accuracy.
+OPTIONAL = tuple(dict.fromkeys(c for c in COLUMN.values() if c not in SPLIT_FREE))
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -154,24 +154,27 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
                     served: dict | None = None, plot_from: str = "general") -> tuple[str, str | None, dict]:
     """(page name, the page its split-free columns come from or None, the record) with every column
     the front needs for ``artifact``: the page named, else that artifact's page with the most of
-    them (the learned back-off's too). A page named may hold another artifact of the served one's
-    recipe (``served``, ``same_recipe``): one calibrated on another machine, whose bits this
-    machine's kernels do not repeat; requests/s do not depend on the windows' values. When the
-    artifact's pages lack the split-free columns (``SPLIT_FREE``), they come from a comparable page
-    of another split of the same root. Only pages of a root PLOT built from ``plot_from`` count."""
+    them (the learned back-off's too); it holds one windowed column at least, and the others come
+    from other pages of the artifact where they hold them (``with_optional``). A page named may
+    hold another artifact of the served one's recipe (``served``, ``same_recipe``): one calibrated
+    on another machine, whose bits this machine's kernels do not repeat; requests/s do not depend
+    on the windows' values. When the artifact's pages lack the split-free columns (``SPLIT_FREE``),
+    they come from a comparable page of another split or calibration of the same root. Only pages
+    of a root PLOT built from ``plot_from`` count."""
     found = [(name, rec) for name, rec in _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
              if plot_of(rec) == plot_from]
-    complete = [(name, rec) for name, rec in found if all(c in rec["average"] for c in WINDOWED)]
+    complete = [(name, rec) for name, rec in found if any(c in rec["average"] for c in WINDOWED)]
     mine = [(name, rec) for name, rec in complete if page in (None, name)
             and (rec.get("root_artifact") == artifact or (page is not None and served and same_recipe(rec, served)))]
     if not mine:
         kin = [name for name, rec in complete if served and same_recipe(rec, served)]
-        raise SystemExit(f"no finished eval_accuracy record of artifact {artifact} with the columns {', '.join(NEEDED)} "
+        raise SystemExit(f"no finished eval_accuracy record of artifact {artifact} with a column of {', '.join(WINDOWED)} "
                          "in docs/: run `python benchmarks/eval_accuracy.py --quick --train 640 --test 1000 --pooling "
                          "mean --exact --learned --grid` (with this root's --root/--l-low) first"
                          + (f", or name a record of another calibration of the same recipe ({', '.join(kin)}) with "
                             "--accuracy" if kin and page is None else ""))
-    rank = (lambda r: (all(c in r["average"] for c in NEEDED), r.get("lr_grid", False), len(r["average"])))
+    rank = (lambda r: (all(c in r["average"] for c in NEEDED), all(c in r["average"] for c in WINDOWED),
+                       r.get("lr_grid", False), len(r["average"])))
     name, rec = max(mine, key=lambda m: rank(m[1]))
     if all(c in rec["average"] for c in NEEDED):
         return name, None, with_seeds(with_optional(rec, found, artifact, served), found, artifact, served)
@@ -538,7 +541,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
                 "windows cost the same to serve: the same PLOT keys, value sizes and layers)"
                 if out.get("accuracy_artifact", out["artifact"]) != out["artifact"] else "")
              + (f" (dedicated, shared and hBERT-adapter, which never read the windows, from "
-                f"`docs/results/{out['split_free_record']}.md`, another split of this root)" if out.get("split_free_record")
+                f"`docs/results/{out['split_free_record']}.md`, another split or calibration of this root)" if out.get("split_free_record")
                 else "")
              + "".join(f" (column '{c}' from `docs/results/{n}.md`, artifact {a}"
                        + (f", the mean over {acc['column_seeds'][c]} seeds" if c in acc.get("column_seeds", {}) else "")

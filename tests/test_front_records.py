@@ -300,3 +300,31 @@ def test_a_served_auto_point_is_not_written_again_once_its_record_serves_other_t
     with pytest.raises(SystemExit, match="served whole, but the accuracy record now chooses review-sentiment, "
                                          "tweet-sentiment"):
         bench_front.render("bench_front_trial")
+
+
+def test_an_artifact_whose_records_hold_its_exact_windows_alone_gives_a_front_without_the_columns_it_lacks(
+        tmp_path, monkeypatch):
+    """A new calibration measured on the columns that judge it (exact windows, distilled fine-tunes)
+    gives its front: the fair bar from a comparable record of another calibration of the root, the
+    distilled column from its own page, and the labels-alone back-off's points without accuracy."""
+    pages_in(tmp_path, monkeypatch)
+    distilled = bench_front.COLUMN["learned, distilled"]
+    write(tmp_path, "eval_accuracy_old", "old", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_new_exact", "new", {"shared": 79.0, "hBERT-adapter": 84.5,
+                                                        bench_front.HBERT_EXACT: 83.0})
+    write(tmp_path, "eval_accuracy_new_distilled", "new", {"shared": 79.0, "hBERT-adapter": 84.5, distilled: 82.0})
+    name, free, acc = bench_front.accuracy_record("new", None)
+    assert (name, free) == ("eval_accuracy_new_exact", "eval_accuracy_old")
+    assert acc["average"]["dedicated"] == 85.5 and acc["average"][distilled] == 83.5
+    assert "hBERT" not in acc["average"]  # no page of this artifact measured the back-off on the labels alone
+    out = {**learned_run(), "artifact": "new", "accuracy_record": name, "split_free_record": free,
+           "configs": ["backoff", "learned", "hBERT-adapter", "shared"]}
+    out["measured"]["backoff"] = [21.0]
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    points = {p["config"]: p["accuracy"] for p in out["points"]}
+    assert points["backoff"] is None and points["learned, distilled"] == 83.5
+    assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == ("learned, distilled", 2.5)
+    # a record of the artifact without any windowed column is no front's record
+    (tmp_path / "eval_accuracy_new_exact.md").unlink()
+    with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact new with a column of"):
+        bench_front.accuracy_record("new", None)
