@@ -10,7 +10,7 @@ from pathlib import Path
 from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.archive import zip_folder
 from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show, wait_for_job
-from hmi.data import task_labels
+from hmi.data import HOLD_OUT_MAX, HOLD_OUT_MIN_DEV, task_labels
 from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
 
@@ -50,11 +50,19 @@ def adapter_body(args) -> dict:
     return body
 
 
+def training_rows(args) -> dict | None:
+    """``training_data`` of a create or update command: the rows of --train and --dev, --hold-out's count."""
+    if not args.train:
+        if args.hold_out is not None:
+            raise SystemExit("hmi: --hold-out goes with --train (a --dataset has its own dev split)")
+        return None
+    data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)}
+    return data if args.hold_out is None else {**data, "hold_out": args.hold_out}
+
+
 @run_client
 def cmd_tenant_create(args):
-    data = None
-    if args.train:
-        data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)}
+    data = training_rows(args)
     if args.unlabeled:
         if data is None:
             raise SystemExit("hmi: --unlabeled goes with --train (with --dataset the domain corpus serves)")
@@ -91,7 +99,7 @@ def cmd_tenant_export(args):
 
 @run_client
 def cmd_tenant_update(args):
-    data = {"train": read_rows_arg(args.train), "dev": read_rows_arg(args.dev)} if args.train else None
+    data = training_rows(args)
     c = client(args)
     out = c.update_tenant(args.name, data, args.dataset, args.max_train, args.epochs, args.distil, args.serving)
     show(out)
@@ -188,7 +196,8 @@ def _create_args(tc) -> None:
     tc.add_argument("name")
     tc.add_argument("--dataset", help="a prepared task (e.g. news-topic) as training data")
     tc.add_argument("--train", help="JSON Lines of {text,label} or {tokens,tags}")
-    tc.add_argument("--dev", help="JSON Lines for early stopping")
+    tc.add_argument("--dev", help="JSON Lines of dev rows: they choose the settings, the epoch and auto's serving "
+                                  "(without them: --hold-out)")
     tc.add_argument("--labels", help="comma-separated label set (default: the dataset's)")
     tc.add_argument("--type", default="classification", choices=["classification", "tagging"])
     tc.add_argument("--kind", choices=KINDS,
@@ -206,7 +215,8 @@ def _create_args(tc) -> None:
                                       "'all' (default q,v; all in a tagging task's default adapter)")
     tc.add_argument("--pooling", choices=["cls", "mean"],
                     help="what a classification head reads: the [CLS] vector or the mean of the tokens (default: "
-                         "the fine-tune tries both and keeps the better on dev; cls without dev examples; on mpnet-base the mean, "
+                         "the fine-tune tries both and keeps the better on dev; cls without dev examples, given or held out; on "
+                         "mpnet-base the mean, "
                          "as its accuracy tables read)")
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
@@ -229,7 +239,11 @@ def _jobs_args(jobs) -> None:
 
 
 def add_teaching_args(p) -> None:
-    """A fine-tune's ``--distil`` and ``--serving`` (create and update)."""
+    """A fine-tune's ``--hold-out``, ``--distil`` and ``--serving`` (create and update)."""
+    p.add_argument("--hold-out", type=int, metavar="N",
+                   help="without --dev: how many --train rows become the dev split that chooses the settings, the "
+                        f"epoch and auto's serving; 0 trains on all (default: a tenth, at most {HOLD_OUT_MAX}, where "
+                        f"that is {HOLD_OUT_MIN_DEV} or more)")
     p.add_argument("--distil", action=argparse.BooleanOptionalAction,
                    help="train a full-context teacher first and the served adapter on its answers too (more accurate "
                         "as served, several times the fine-tune's time; default: the server's)")

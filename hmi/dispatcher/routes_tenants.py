@@ -142,7 +142,14 @@ def _training_data(body, spec: AdapterSpec) -> dict:
         raise ApiError(422, "labels_missing", f"labels {missing[:10]} occur in the training data but not in task.labels")
     if body.training_data.unlabeled:
         data["unlabeled"] = list(body.training_data.unlabeled)
-    return data
+    held = body.training_data.hold_out
+    if held and data["dev"]:
+        raise ApiError(422, "hold_out_with_dev", "training_data.hold_out makes a dev split of training rows; "
+                       "training_data.dev already gives one: send one of them")
+    if held is not None and held >= len(data["train"]):
+        raise ApiError(422, "hold_out_too_large", f"training_data.hold_out is {held}, but training_data.train has "
+                       f"{len(data['train'])} rows: at least one must be left to train on")
+    return data if held is None else {**data, "hold_out": held}
 
 
 async def _check_lengths(s: Server, data: dict, spec: AdapterSpec, truncate: bool) -> None:

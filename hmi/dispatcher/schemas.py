@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from hmi.adapters.spec import ALL_LORA_SITES, HEADS, KINDS, LORA_SITES, POOLINGS
-from hmi.data import CORPORA, TASKS
+from hmi.data import CORPORA, HOLD_OUT_MAX, HOLD_OUT_MIN_DEV, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
@@ -139,13 +139,18 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
         pooling: Literal[POOLINGS] = Absent(description=(  # type: ignore[valid-type]
             "what a classification head reads: the [CLS] vector (cls) or the mean of the text's tokens; "
             "absent, each fine-tune with dev examples trains both at each of its learning rates and keeps "
-            "the best on dev (without dev examples: cls; on mpnet-base: mean, as its accuracy tables read)"))
+            "the best on dev (without dev examples, given or held out: cls; on mpnet-base: mean, as its accuracy "
+            "tables read)"))
 
     Examples = list[TextExample | TagExample]
 
     class TrainingData(Body):
         train: Examples = Field(min_length=1, max_length=limits.max_examples)
         dev: Examples = Field([], max_length=limits.max_examples)
+        hold_out: Int = Absent(ge=0, description=(
+            "without dev examples: how many training examples (drawn with a fixed seed) become the dev split "
+            "that chooses the fine-tune's settings, its epoch and auto's serving; 0 trains on all of them "
+            f"(default: a tenth, at most {HOLD_OUT_MAX}, where that is {HOLD_OUT_MIN_DEV} or more, else 0)"))
         test: Examples = Field([], max_length=limits.max_examples)
         unlabeled: list[Text] = Field([], max_length=limits.max_examples, description=(
             "texts like those the tenant will be asked about, without labels: with the miss policy "
@@ -173,7 +178,7 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
             "the hPLM, fastest), whole (its distilled fine-tune's teacher: the full root with the adapter "
             f"in every layer, as slow as a plain adapter per text and as accurate), or auto ({AUTO_RULE}, else "
             "windows); whole needs "
-            "distil, and auto without distil or a dev split stays on the windows (default: the server's, "
+            "distil, and auto without distil or dev examples (given or held out) stays on the windows (default: the server's, "
             "`hmi serve --serving`, auto unless changed)"))
 
         @model_validator(mode="after")

@@ -21,7 +21,7 @@ from hmi.adapters.spec import AdapterSpec
 from hmi.adapters.store import AdapterStore
 from hmi.allocator import release_heap, tune_allocator
 from hmi.bootstrap import quiet_transformers
-from hmi.data import job_lines, job_rows, job_texts, job_unlabeled
+from hmi.data import hold_out, job_lines, job_rows, job_texts, job_unlabeled
 from hmi.lifetime import die_with
 from hmi.model.aliases import root_pooling
 from hmi.model.artifact import Root
@@ -203,6 +203,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
         t0 = time.monotonic()
         spec = replace(AdapterSpec.from_dict(job["spec"]), whole=False)  # the served adapter's; a teacher's is whole
         train, dev, test = job_rows(job["data"])
+        train, dev, held = hold_out(train, dev, job["data"].get("hold_out"))
         adapters = AdapterStore(ctx.tenants_dir)
         update = job["kind"] == "update" and not adapters.spec(job["tenant"]).whole
         init = adapters.load(job["tenant"]) if update else None
@@ -226,6 +227,8 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
             ctx.bert, ctx.l_low, lookup, tokenizer, spec, train, dev, test, cfg, init=init, progress=False,
             on_progress=student_report, should_stop=cancel.is_set, distil=distil, options=options)
         spec = replace(spec, pooling=metrics["pooling"])  # the kept setting's
+        if held:
+            metrics["dev_held_out"] = held  # training rows that became the dev split (none was given)
         metrics["miss_policy"] = lookup.policy  # what its features were read with (Tenants.trained_with_another_policy)
         if distil is not None:
             metrics["distilled"] = {"teacher_dev": teacher["dev"], "unlabeled_texts": len(distil.texts),

@@ -93,3 +93,14 @@ def test_a_training_file_that_is_missing_or_not_json_lines_is_refused_with_its_n
     with pytest.raises(SystemExit, match=r"broken\.jsonl line 3 is not a JSON object"):
         create_from(broken)
     assert "mistaken" not in {t["name"] for t in Client(live["url"], ADMIN).tenants()}
+
+
+def test_hold_out_reaches_the_job_and_is_refused_with_a_dataset_before_anything_is_sent(live):
+    assert create(live, "held", "--hold-out", "2", "--no-distil") == 0
+    client = Client(live["url"], ADMIN)
+    job = next(j for j in client.request("GET", "/v1/jobs")["jobs"] if j["tenant"] == "held")
+    assert (job["metrics"]["dev_held_out"], job["metrics"]["train"]["n"]) == (2, len(TRAIN) - 2)
+    with pytest.raises(SystemExit, match="--hold-out goes with --train"):
+        main(["tenant", "create", "dataset-held", "--url", live["url"], "--token", ADMIN, "--dataset", "news-topic",
+              "--hold-out", "5"])
+    assert "dataset-held" not in {t["name"] for t in client.tenants()}

@@ -132,3 +132,34 @@ def test_auto_serves_whole_only_where_the_teacher_leads_the_windows_on_dev_by_mo
     assert choose_serving("whole", True, teacher_dev, windows_dev)["mode"] == "whole"
     with pytest.raises(ValueError, match="distilled"):
         choose_serving("whole", False, None, windows_dev)
+
+
+def test_training_rows_without_dev_give_a_held_out_dev_split_that_chooses_and_a_request_may_ask_for_none(
+        tmp_path, monkeypatch):
+    """200 training rows and no dev rows: 20 of them become the dev split (the job says so), which
+    chooses among every setting as a dev split given does; ``hold_out: 0`` trains on all 200 at the
+    first setting; a hold-out beside dev rows, or of every row, is refused with what was wrong."""
+    monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
+    url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
+    try:
+        admin = Client(url, ADMIN)
+        rows = TRAIN * 25
+        held = admin.create_tenant("held", ["neg", "pos"], training_data={"train": rows}, epochs=1)
+        every = admin.create_tenant("every", ["neg", "pos"], training_data={"train": rows, "hold_out": 0}, epochs=1)
+        held_job, every_job = admin.wait_job(held["job"], 300), admin.wait_job(every["job"], 300)
+        assert held_job["state"] == every_job["state"] == "succeeded"
+        m = held_job["metrics"]
+        assert (m["dev_held_out"], m["train"]["n"], m["dev"]["n"]) == (20, 180, 20)
+        assert [t[:2] for t in m["tried"]] == [[p, r] for p in ("cls", "mean") for r in GRID_LRS]
+        assert all(t[2] is not None for t in m["tried"])
+        e = every_job["metrics"]
+        assert "dev_held_out" not in e and e["train"]["n"] == 200 and e["tried"] == [["cls", GRID_LRS[0], None]]
+        for data, code in (({"train": rows, "dev": TRAIN, "hold_out": 10}, "hold_out_with_dev"),
+                           ({"train": TRAIN, "hold_out": 8}, "hold_out_too_large")):
+            with pytest.raises(ApiError) as refused:
+                admin.create_tenant("refused", ["neg", "pos"], training_data=data, epochs=1)
+            assert (refused.value.status, refused.value.code) == (422, code)
+            assert "training_data.hold_out" in str(refused.value)
+        assert "refused" not in {t["name"] for t in admin.tenants()}
+    finally:
+        stop()
