@@ -132,31 +132,35 @@ class DomainCreate(DomainUpdate):
     alpha: float = Field(0.5, ge=0, le=1)
 
 
+# What the encoder fields mean (the OpenAPI document's words).
+POOLING_HELP = (
+    "what a classification head reads: the [CLS] vector (cls) or the mean of the text's tokens; absent, each "
+    "fine-tune with dev examples trains both at each of its learning rates and keeps the best on dev (without dev "
+    "examples, given or held out: cls; on mpnet-base: mean, as its accuracy tables read)")
+HOLD_OUT_HELP = (
+    "without dev examples: how many training examples (drawn with a fixed seed) become the dev split that chooses "
+    "the fine-tune's settings, its epoch and auto's serving; 0 trains on all of them (default: a tenth, at most "
+    f"{HOLD_OUT_MAX}, where that is {HOLD_OUT_MIN_DEV} or more, else 0)")
+UNLABELED_HELP = (
+    "texts like those the tenant will be asked about, without labels: with the miss policy compute+insert the "
+    "fine-tune keeps their windows in the domain's PLOT (with its training texts'), so they hit from the first "
+    "request; with distil, the teacher answers them and the served adapter learns from those answers")
+
+
 def _encoder_models(limits) -> list[type[BaseModel]]:
     class Task(Body):
         type: Literal[HEADS] = "classification"  # type: ignore[valid-type]
         labels: list[NonEmpty] = Field(min_length=2, max_length=limits.max_labels, json_schema_extra={"uniqueItems": True})
-        pooling: Literal[POOLINGS] = Absent(description=(  # type: ignore[valid-type]
-            "what a classification head reads: the [CLS] vector (cls) or the mean of the text's tokens; "
-            "absent, each fine-tune with dev examples trains both at each of its learning rates and keeps "
-            "the best on dev (without dev examples, given or held out: cls; on mpnet-base: mean, as its accuracy "
-            "tables read)"))
+        pooling: Literal[POOLINGS] = Absent(description=POOLING_HELP)  # type: ignore[valid-type]
 
     Examples = list[TextExample | TagExample]
 
     class TrainingData(Body):
         train: Examples = Field(min_length=1, max_length=limits.max_examples)
         dev: Examples = Field([], max_length=limits.max_examples)
-        hold_out: Int = Absent(ge=0, description=(
-            "without dev examples: how many training examples (drawn with a fixed seed) become the dev split "
-            "that chooses the fine-tune's settings, its epoch and auto's serving; 0 trains on all of them "
-            f"(default: a tenth, at most {HOLD_OUT_MAX}, where that is {HOLD_OUT_MIN_DEV} or more, else 0)"))
+        hold_out: Int = Absent(ge=0, description=HOLD_OUT_HELP)
         test: Examples = Field([], max_length=limits.max_examples)
-        unlabeled: list[Text] = Field([], max_length=limits.max_examples, description=(
-            "texts like those the tenant will be asked about, without labels: with the miss policy "
-            "compute+insert the fine-tune keeps their windows in the domain's PLOT (with its training "
-            "texts'), so they hit from the first request; with distil, the teacher answers them and the "
-            "served adapter learns from those answers"))
+        unlabeled: list[Text] = Field([], max_length=limits.max_examples, description=UNLABELED_HELP)
 
     class EncoderUpdate(Body):
         model_config = ConfigDict(json_schema_extra=one_of("training_data", "dataset"))
