@@ -154,6 +154,7 @@ def test_training_rows_without_dev_give_a_held_out_dev_split_that_chooses_and_a_
         assert all(t[2] is not None for t in m["tried"])
         e = every_job["metrics"]
         assert "dev_held_out" not in e and e["train"]["n"] == 200 and e["tried"] == [["cls", GRID_LRS[0], None]]
+        assert e["serving"]["windows_dev"] is None and m["serving"]["windows_dev"] == m["dev"]["accuracy"]
         for data, code in (({"train": rows, "dev": TRAIN, "hold_out": 10}, "hold_out_with_dev"),
                            ({"train": TRAIN, "hold_out": 8}, "hold_out_too_large")):
             with pytest.raises(ApiError) as refused:
