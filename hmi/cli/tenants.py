@@ -10,7 +10,7 @@ from pathlib import Path
 from hmi.adapters.spec import HEAD_DEFAULTS, KIND_OPTIONS, KINDS, AdapterSpec, misplaced_option
 from hmi.archive import zip_folder
 from hmi.cli.common import client, client_args, read_corpus_arg, read_rows_arg, run_client, show, wait_for_job
-from hmi.data import HOLD_OUT_MAX, HOLD_OUT_MIN_DEV, task_labels
+from hmi.data import task_labels
 from hmi.training.serving import AUTO_RULE, SERVING_MODES
 
 
@@ -242,8 +242,7 @@ def add_teaching_args(p) -> None:
     """A fine-tune's ``--hold-out``, ``--distil`` and ``--serving`` (create and update)."""
     p.add_argument("--hold-out", type=int, metavar="N",
                    help="without --dev: how many --train rows become the dev split that chooses the settings, the "
-                        f"epoch and auto's serving; 0 trains on all (default: a tenth, at most {HOLD_OUT_MAX}, where "
-                        f"that is {HOLD_OUT_MIN_DEV} or more)")
+                        "epoch and auto's serving (default 0: every row trains)")
     p.add_argument("--distil", action=argparse.BooleanOptionalAction,
                    help="train a full-context teacher first and the served adapter on its answers too (more accurate "
                         "as served, several times the fine-tune's time; default: the server's)")

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from pydantic_core import PydanticCustomError
 
 from hmi.adapters.spec import ALL_LORA_SITES, HEADS, KINDS, LORA_SITES, POOLINGS
-from hmi.data import CORPORA, HOLD_OUT_MAX, HOLD_OUT_MIN_DEV, TASKS
+from hmi.data import CORPORA, TASKS
 from hmi.dispatcher.validation import ApiError
 from hmi.names import NAME_PATTERN
 from hmi.training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, steps_help
@@ -139,8 +139,8 @@ POOLING_HELP = (
     "examples, given or held out: cls; on mpnet-base: mean, as its accuracy tables read)")
 HOLD_OUT_HELP = (
     "without dev examples: how many training examples (drawn with a fixed seed) become the dev split that chooses "
-    "the fine-tune's settings, its epoch and auto's serving; 0 trains on all of them (default: a tenth, at most "
-    f"{HOLD_OUT_MAX}, where that is {HOLD_OUT_MIN_DEV} or more, else 0)")
+    "the fine-tune's settings, its epoch and auto's serving (default 0: every example trains, at the first "
+    "setting, for every epoch)")
 UNLABELED_HELP = (
     "texts like those the tenant will be asked about, without labels: with the miss policy compute+insert the "
     "fine-tune keeps their windows in the domain's PLOT (with its training texts'), so they hit from the first "

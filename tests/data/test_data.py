@@ -138,20 +138,18 @@ def test_the_corpus_all_is_every_domain_corpus_and_not_the_general_sample_of_the
         corpus_texts(" , ")
 
 
-def test_a_fine_tune_without_dev_rows_holds_out_a_tenth_of_its_training_rows_where_that_is_twenty_or_more():
-    from hmi.data import HOLD_OUT_MAX, default_hold_out, hold_out
+def test_training_rows_held_out_as_dev_are_drawn_once_each_the_same_every_time_and_only_when_asked_for():
+    from hmi.data import hold_out
 
     rows = [{"text": f"text {i}", "label": "ab"[i % 2]} for i in range(640)]
-    train, dev, held = hold_out(rows, [])
+    train, dev, held = hold_out(rows, [], 64)
     assert (len(train), len(dev), held) == (576, 64, 64)
     # every row once, each split in the rows' order, and the same split every time (a resumed job's too)
     assert sorted(map(rows.index, train + dev)) == list(range(640))
     assert train == sorted(train, key=rows.index) and dev == sorted(dev, key=rows.index)
-    assert hold_out(rows, []) == (train, dev, 64) and hold_out(list(rows), [], 64) == (train, dev, 64)
-    assert [default_hold_out(n) for n in (8, 199, 200, 640, 10_000)] == [0, 0, 20, 64, HOLD_OUT_MAX]
-    assert hold_out(rows[:199], []) == (rows[:199], [], 0)  # too few rows: every one trains
-    assert hold_out(rows, [], 0) == (rows, [], 0)  # asked for none
-    assert hold_out(rows, rows[:5]) == (rows, rows[:5], 0)  # a dev split given is the dev split
-    assert len(hold_out(rows[:8], [], 3)[1]) == 3  # asked for: held out however few the rows
+    assert hold_out(list(rows), [], 64) == (train, dev, 64)
+    assert hold_out(rows, []) == hold_out(rows, [], 0) == (rows, [], 0)  # not asked for: every row trains
+    assert hold_out(rows, rows[:5], 64) == (rows, rows[:5], 0)  # a dev split given is the dev split
+    assert len(hold_out(rows[:8], [], 3)[1]) == 3
     with pytest.raises(ValueError, match="leaves none to train on"):
         hold_out(rows[:8], [], 8)

@@ -154,7 +154,7 @@ def test_the_server_view_charts_requests_latency_plot_hits_residency_and_jobs_li
     login(browser, live["url"], ADMIN)
     wait_for(browser, "#who", "admin")
     open_view(browser, "server")
-    job = live["admin"].update_tenant("reviews", training_data={"train": TRAIN * 400, "hold_out": 0}, epochs=5)["job"]
+    job = live["admin"].update_tenant("reviews", training_data={"train": TRAIN * 400}, epochs=5)["job"]
     stop = threading.Event()
 
     def load():

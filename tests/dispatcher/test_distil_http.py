@@ -134,18 +134,19 @@ def test_auto_serves_whole_only_where_the_teacher_leads_the_windows_on_dev_by_mo
         choose_serving("whole", False, None, windows_dev)
 
 
-def test_training_rows_without_dev_give_a_held_out_dev_split_that_chooses_and_a_request_may_ask_for_none(
+def test_training_rows_held_out_on_request_are_a_dev_split_that_chooses_and_by_default_every_row_trains(
         tmp_path, monkeypatch):
-    """200 training rows and no dev rows: 20 of them become the dev split (the job says so), which
-    chooses among every setting as a dev split given does; ``hold_out: 0`` trains on all 200 at the
-    first setting; a hold-out beside dev rows, or of every row, is refused with what was wrong."""
+    """200 training rows, no dev rows and ``hold_out: 20``: 20 of them become the dev split (the job
+    says so), which chooses among every setting as a dev split given does; without ``hold_out`` all
+    200 train at the first setting; a hold-out beside dev rows, or of every row, is refused with what
+    was wrong."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
     try:
         admin = Client(url, ADMIN)
         rows = TRAIN * 25
-        held = admin.create_tenant("held", ["neg", "pos"], training_data={"train": rows}, epochs=1)
-        every = admin.create_tenant("every", ["neg", "pos"], training_data={"train": rows, "hold_out": 0}, epochs=1)
+        held = admin.create_tenant("held", ["neg", "pos"], training_data={"train": rows, "hold_out": 20}, epochs=1)
+        every = admin.create_tenant("every", ["neg", "pos"], training_data={"train": rows}, epochs=1)
         held_job, every_job = admin.wait_job(held["job"], 300), admin.wait_job(every["job"], 300)
         assert held_job["state"] == every_job["state"] == "succeeded"
         m = held_job["metrics"]

@@ -37,7 +37,7 @@ def test_a_job_whose_server_was_killed_runs_again_at_the_next_start_and_its_tena
         url = child.stdout.readline().strip()
         admin = Client(url, ADMIN)
         # no dev set, so no early stop: twelve epochs, seconds of running however fast the machine
-        out = admin.create_tenant("survivor", ["neg", "pos"], training_data={"train": TRAIN * 100, "hold_out": 0}, epochs=12)
+        out = admin.create_tenant("survivor", ["neg", "pos"], training_data={"train": TRAIN * 100}, epochs=12)
         assert (tmp_path / "jobs" / f"{out['job']}.json").is_file()  # kept before the job was accepted
         wait_state(admin, out["job"], ("running",))
         child.send_signal(signal.SIGKILL)
@@ -102,7 +102,7 @@ def test_jobs_stopped_by_shutdowns_run_again_without_using_up_their_attempts(tmp
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path))
     admin = Client(url, ADMIN)
-    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 100, "hold_out": 0}, epochs=12)
+    out = admin.create_tenant("patient", ["neg", "pos"], training_data={"train": TRAIN * 100}, epochs=12)
     waiting = admin.create_tenant("queued", ["neg", "pos"], training_data={"train": TRAIN})
     wait_state(admin, out["job"], ("running",))
     stop()
@@ -188,7 +188,7 @@ def test_a_live_servers_check_for_orphans_takes_dead_processes_jobs_and_never_it
     try:
         admin = Client(url, ADMIN)
         # no dev set, so no early stop: six epochs of 2,400 texts, seconds of running however fast the machine
-        mine = admin.create_tenant("mine", ["neg", "pos"], training_data={"train": TRAIN * 300, "hold_out": 0}, epochs=6)
+        mine = admin.create_tenant("mine", ["neg", "pos"], training_data={"train": TRAIN * 300}, epochs=6)
         wait_state(admin, mine["job"], ("running",))
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         dead_owner = f"{process_owner().rpartition(':')[0]}:{gone.stdout.strip()}"

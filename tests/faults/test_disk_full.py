@@ -79,8 +79,8 @@ def test_a_full_disk_fails_the_work_that_writes_clearly_and_the_same_work_succee
         # Jobs accepted with space left that meet a full disk on the way: failed, saying why; the
         # tenant that was served still is, with its version; no new tenant or domain is served.
         for name, submit in (
-                ("beta", lambda: admin.create_tenant("beta", ["neg", "pos"], training_data={"train": TRAIN * 30, "hold_out": 0}, epochs=3)),
-                ("alpha", lambda: admin.update_tenant("alpha", training_data={"train": TRAIN * 30, "hold_out": 0}, epochs=3)),
+                ("beta", lambda: admin.create_tenant("beta", ["neg", "pos"], training_data={"train": TRAIN * 30}, epochs=3)),
+                ("alpha", lambda: admin.update_tenant("alpha", training_data={"train": TRAIN * 30}, epochs=3)),
                 ("legal", lambda: admin.create_domain("legal", corpus=domain_corpus(), steps=20))):
             job = submit()["job"]
             filler = fill(small_disk)
