@@ -103,7 +103,8 @@ def main() -> None:
             f"accuracy in % over up to {args.test} test texts answered through HTTP. Held out: a tenth of the rows "
             "(drawn with a fixed seed) is the dev split that chooses the teacher's and the served adapter's pooling, "
             "rate and epoch and auto's serving; every row trains: one setting (the [CLS] vector, rate 0.003), the "
-            "last epoch, served on the windows.")
+            "last epoch, served on the windows. Job seconds: the job's metrics.seconds, with whatever ran beside it (a "
+            "ratio within one run holds; the seconds themselves are the machine's of that moment).")
     command = ("python benchmarks/eval_hold_out.py" + (f" --tasks {args.tasks}" if tasks != TASKS else "")
                + (f" --train {args.train}" if args.train != 640 else "") + (f" --test {args.test}" if args.test != 1000 else ""))
     finish("eval_hold_out", text, {"tasks": results, "average": average, **config}, command)
