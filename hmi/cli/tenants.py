@@ -215,9 +215,8 @@ def _create_args(tc) -> None:
                                       "'all' (default q,v; all in a tagging task's default adapter)")
     tc.add_argument("--pooling", choices=["cls", "mean"],
                     help="what a classification head reads: the [CLS] vector or the mean of the tokens (default: "
-                         "the fine-tune tries both and keeps the better on dev; cls without dev examples, given or held out; on "
-                         "mpnet-base the mean, "
-                         "as its accuracy tables read)")
+                         "the fine-tune tries both and keeps the better on dev; cls without dev examples, given or "
+                         "held out; on mpnet-base the mean, as its accuracy tables read)")
     tc.add_argument("--domain", default="root")
     tc.add_argument("--max-train", type=int)
     tc.add_argument("--epochs", type=int)

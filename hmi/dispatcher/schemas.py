@@ -182,8 +182,8 @@ def _encoder_models(limits) -> list[type[BaseModel]]:
             "the hPLM, fastest), whole (its distilled fine-tune's teacher: the full root with the adapter "
             f"in every layer, as slow as a plain adapter per text and as accurate), or auto ({AUTO_RULE}, else "
             "windows); whole needs "
-            "distil, and auto without distil or dev examples (given or held out) stays on the windows (default: the server's, "
-            "`hmi serve --serving`, auto unless changed)"))
+            "distil, and auto without distil or dev examples (given or held out) stays on the windows (default: "
+            "the server's, `hmi serve --serving`, auto unless changed)"))
 
         @model_validator(mode="after")
         def _one_source(self):
