@@ -5,8 +5,8 @@ rows (the lines of the task's domain corpus that a ``dataset`` job reads,
 ``hmi.data.job_unlabeled``), side by side, as a new user meets it.
 
 A server on a temporary home sharing the prepared root (``hmi serve``'s defaults: distilled
-fine-tunes, ``serving: auto``, the root's miss policy) answers real HTTP requests: per task, two
-tenants created from the same ``--train`` rows of its training split (no dev rows), then the
+fine-tunes, ``serving: auto``, the root's miss policy) answers real HTTP requests: per task, a
+tenant of each way created from the same ``--train`` rows of its training split (no dev rows), then the
 task's test texts (up to ``--test``) sent to each through ``/v1/tenants/{tenant}/infer``; the
 table gives their test accuracy, what each job chose (pooling, learning rate, served on the
 windows or whole) and how long it took.
