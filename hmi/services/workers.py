@@ -235,7 +235,7 @@ def finetune_worker(ctx: WorkerContext, job: dict, progress, cancel) -> None:
                                     "teacher_pooling": teacher["pooling"], "teacher_lr": teacher["lr"],
                                     "teacher_tried": teacher["tried"], "teacher_seconds": teacher["seconds"],
                                     "student_seconds": metrics["seconds"]}
-        scored = metrics["dev"] if metrics["dev"] and metrics["dev"]["n"] else {}  # none without dev rows
+        scored = metrics["dev"] or {}  # None without dev rows
         choice = choose_serving(job.get("serving", "windows"), distil is not None, teacher.get("dev"),
                                 scored.get("accuracy"))
         if choice["mode"] == "whole":

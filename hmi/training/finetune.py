@@ -127,10 +127,11 @@ def tenant_model(root_bert, l_low: int, spec: AdapterSpec, init: dict[str, torch
 
 
 @torch.no_grad()
-def evaluate(model: TenantModel, examples: list[Example], feats: list[torch.Tensor], batch: int = 64) -> dict:
-    """Accuracy and macro F1 of ``model`` on encoded examples with their lower-layer features."""
+def evaluate(model: TenantModel, examples: list[Example], feats: list[torch.Tensor], batch: int = 64) -> dict | None:
+    """Accuracy and macro F1 of ``model`` on encoded examples with their lower-layer features; None
+    without examples (no score, rather than a 0.0 that reads as one)."""
     if not examples:
-        return {"accuracy": 0.0, "macro_f1": 0.0, "n": 0}
+        return None
     tagging = model.spec.head == "tagging"
 
     def batches():
@@ -166,7 +167,7 @@ def finetune(root_bert, l_low: int, lookup: PlotLookup, tokenizer, spec: Adapter
             lambda f, info, i=i: on_progress((i + f) / len(options), {**info, "setting": i + 1, "settings": len(options)}))
         weights, metrics = fit(model, lookup, tokenizer, train, dev, test, replace(cfg, lr=rate), progress,
                                part or on_progress, should_stop, distil, prepared)
-        score = metrics["dev"]["accuracy"] if metrics["dev"]["n"] else None
+        score = metrics["dev"]["accuracy"] if metrics["dev"] else None
         tried.append([pooling, rate, score])
         if best is None or (score is not None and score > best[0]):
             best = (score, weights, {**metrics, "pooling": pooling})
@@ -241,7 +242,7 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
                 loss = (F.cross_entropy(logits.reshape(-1, spec.num_labels), y.reshape(-1), ignore_index=IGNORE)
                         if distil is None else distil.loss(logits, y, *distil.batch(soft, where, idx, tagging)))
                 fit.step(loss, {"epoch": epoch + 1}, epoch=epoch + 1)
-            dev_m = evaluate(model, ex["dev"], feats["dev"]) if ex["dev"] else None
+            dev_m = evaluate(model, ex["dev"], feats["dev"])
             return {"epoch": epoch + 1, "loss": round(fit.last_loss, 4), "dev": dev_m}
 
         # Without a dev set the score is the last batch's loss.
@@ -251,7 +252,7 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     model.load(best_state)
     metrics = {"train": evaluate(model, labelled, feats["train"][:len(labelled)]),  # the labelled come first
                "dev": evaluate(model, ex["dev"], feats["dev"]),
-               "test": evaluate(model, ex["test"], feats["test"]) if ex["test"] else None,
+               "test": evaluate(model, ex["test"], feats["test"]),
                "epochs_run": len(history), "history": history, "seconds": round(time.time() - t0, 1),
                "config": asdict(cfg)}
     if on_progress is not None:

@@ -134,11 +134,11 @@ def test_auto_serves_whole_only_where_the_teacher_leads_the_windows_on_dev_by_mo
         choose_serving("whole", False, None, windows_dev)
 
 
-def test_training_rows_held_out_on_request_are_a_dev_split_that_chooses_and_by_default_every_row_trains(
+def test_training_rows_held_out_on_request_are_a_dev_split_that_chooses_and_by_default_every_row_trains_unscored(
         tmp_path, monkeypatch):
     """200 training rows, no dev rows and ``hold_out: 20``: 20 of them become the dev split (the job
     says so), which chooses among every setting as a dev split given does; without ``hold_out`` all
-    200 train at the first setting; a hold-out beside dev rows, or of every row, is refused with what
+    200 train at the first setting and report no dev score (null, not a 0.0); a hold-out beside dev rows, or of every row, is refused with what
     was wrong."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
@@ -155,6 +155,7 @@ def test_training_rows_held_out_on_request_are_a_dev_split_that_chooses_and_by_d
         assert all(t[2] is not None for t in m["tried"])
         e = every_job["metrics"]
         assert "dev_held_out" not in e and e["train"]["n"] == 200 and e["tried"] == [["cls", GRID_LRS[0], None]]
+        assert e["dev"] is None and e["test"] is None
         assert e["serving"]["windows_dev"] is None and m["serving"]["windows_dev"] == m["dev"]["accuracy"]
         for data, code in (({"train": rows, "dev": TRAIN, "hold_out": 10}, "hold_out_with_dev"),
                            ({"train": TRAIN, "hold_out": 8}, "hold_out_too_large")):
