@@ -13,8 +13,9 @@ windows or whole) and how long it took.
 
 Every (task, way) is a cell (``benchmarks.cells``): the same command continues a stopped run.
 
-Usage: python benchmarks/eval_hold_out.py [--tasks news-topic,review-sentiment,tweet-sentiment]
+Usage: python benchmarks/eval_hold_out.py [--quick | --tiny] [--tasks news-topic,review-sentiment,tweet-sentiment]
                                           [--train 640] [--test 1000] [--max-minutes M]
+(``--quick``: 160 training rows and 200 test texts per tenant; ``--tiny``: 40 and 20, a rehearsal.)
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ BATCH = 64  # texts per infer request
 
 def options(ap) -> None:
     ap.add_argument("--tasks", default=",".join(TASKS), help="classification tasks, comma-separated")
-    ap.add_argument("--train", type=int, default=640, help="training rows per tenant (the accuracy tables' 640)")
-    ap.add_argument("--test", type=int, default=1000, help="test texts scored per tenant")
+    ap.add_argument("--train", type=int, help="training rows per tenant (default: the accuracy tables' 640; "
+                    "--quick 160, --tiny 40)")
+    ap.add_argument("--test", type=int, help="test texts scored per tenant (default 1000; --quick 200, --tiny 20)")
     ap.add_argument("--max-minutes", type=float, help="start no cell after this many minutes (the next run goes on)")
 
 
@@ -64,6 +66,14 @@ def tenant_cell(admin, task: str, way: str, n_train: int, n_test: int) -> dict:
             "miss_policy": m["miss_policy"]}
 
 
+def first_setting(results: dict) -> str:
+    """What the tenants that trained on every row kept, in words ("the [CLS] vector, rate 0.003"):
+    their one setting, read from the cells (several where tasks differ)."""
+    kept = sorted({(r["pooling"], r["lr"]) for ways in results.values() for way, r in ways.items() if way != WAYS[0]})
+    words = {"cls": "the [CLS] vector", "mean": "the mean of the tokens"}
+    return "; ".join(f"{words.get(p, p)}, rate {lr}" for p, lr in kept)
+
+
 def main() -> None:
     args = start(__doc__, options)
     import shutil
@@ -74,6 +84,8 @@ def main() -> None:
     from hmi.services.server import ServerConfig
 
     tasks = args.tasks.split(",")
+    sizes = (40, 20) if args.tiny else (160, 200) if args.quick else (640, 1000)
+    args.train, args.test = args.train or sizes[0], args.test or sizes[1]
     home, token, root, _ = bench_home("hmi-eval-hold-out-", 0)
     cfg = ServerConfig()
     config = {"format": 1, "root": root.spec.name, "l_low": root.spec.l_low, "root_artifact": root.artifact_id,
@@ -107,13 +119,15 @@ def main() -> None:
             f"defaults (distil {cfg.distil}, serving {cfg.serving}), texts cut to the server's token limit; test "
             f"accuracy in % over up to {args.test} test texts answered through HTTP. Held out: a tenth of the rows "
             "(drawn with a fixed seed) is the dev split that chooses the teacher's and the served adapter's pooling, "
-            "rate and epoch and auto's serving; every row trains: one setting (the [CLS] vector, rate 0.003), the "
+            "rate and epoch and auto's serving; every row trains: one setting (" + first_setting(results) + "), the "
             "last epoch, served on the windows; with unlabeled texts: the same, the teacher also answering the "
             "first lines of the task's domain corpus (four per training row, at most 2000; they hold no test text) "
             "for the served adapter to learn from. Job seconds: the job's metrics.seconds, with whatever ran beside it (a "
             "ratio within one run holds; the seconds themselves are the machine's of that moment).")
-    command = ("python benchmarks/eval_hold_out.py" + (f" --tasks {args.tasks}" if tasks != TASKS else "")
-               + (f" --train {args.train}" if args.train != 640 else "") + (f" --test {args.test}" if args.test != 1000 else ""))
+    command = ("python benchmarks/eval_hold_out.py" + (" --tiny" if args.tiny else " --quick" if args.quick else "")
+               + (f" --tasks {args.tasks}" if tasks != TASKS else "")
+               + (f" --train {args.train}" if args.train != sizes[0] else "")
+               + (f" --test {args.test}" if args.test != sizes[1] else ""))
     finish("eval_hold_out", text, {"tasks": results, "average": average, **config}, command)
 
 
