@@ -11,6 +11,7 @@ from hmi.adapters.portable import RootShape, write_encoder
 from hmi.archive import zip_files
 from hmi.bootstrap import quiet_transformers
 from hmi.cli.common import add_root_options, read_rows_arg, show
+from hmi.data import hold_out
 from hmi.model.artifact import ArtifactMismatchError, ArtifactMissingError
 from hmi.model.catalog import root_spec
 from hmi.split.client import BaseClient, BaseExecutorError
@@ -67,6 +68,12 @@ def cmd_private_train(args) -> int:
     """Trains the archive's adapter further here and writes the result as an archive of the same
     format (loadable by the adapters library, uploadable as a hosted tenant)."""
     train, dev = read_rows_arg(args.train), read_rows_arg(args.dev)
+    if args.hold_out and dev:
+        raise SystemExit("hmi private train: --hold-out makes a dev split of --train's rows; --dev already gives one")
+    try:
+        train, dev, held = hold_out(train, dev, args.hold_out)
+    except ValueError as exc:
+        raise SystemExit(f"hmi private train: {exc}") from exc
     try:
         model = _model(args, "train")
         cfg = FinetuneConfig(epochs=args.epochs, max_len=args.max_len, seed=args.seed)
@@ -78,8 +85,8 @@ def cmd_private_train(args) -> int:
     shape = RootShape(c.model_type, c.hidden_size, c.num_hidden_layers, model.l_low, c.hidden_size)
     out = Path(args.out)
     out.write_bytes(zip_files(write_encoder(model.spec, weights, shape, out.stem), out.stem))
-    show({"wrote": str(out), "dev": metrics["dev"], "epochs_run": metrics["epochs_run"],
-          "round_trips": metrics["round_trips"], "seconds": metrics["seconds"]})
+    show({"wrote": str(out), "dev": metrics["dev"], **({"dev_held_out": held} if held else {}),
+          "epochs_run": metrics["epochs_run"], "round_trips": metrics["round_trips"], "seconds": metrics["seconds"]})
     return 0
 
 
@@ -125,6 +132,9 @@ def arguments(command: str, parser) -> None:
     _common(tr)
     tr.add_argument("--train", required=True, help="JSON Lines of {text,label} or {tokens,tags}")
     tr.add_argument("--dev", help="JSON Lines for early stopping")
+    tr.add_argument("--hold-out", type=int, metavar="N",
+                    help="without --dev: how many --train rows (drawn with a fixed seed) become the dev split that "
+                         "chooses the epoch (default 0: every row trains, the last epoch kept)")
     tr.add_argument("--epochs", type=int, default=4)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("-o", "--out", required=True, help="the trained adapter's archive (same format)")

@@ -138,8 +138,8 @@ def test_training_rows_held_out_on_request_are_a_dev_split_that_chooses_and_by_d
         tmp_path, monkeypatch):
     """200 training rows, no dev rows and ``hold_out: 20``: 20 of them become the dev split (the job
     says so), which chooses among every setting as a dev split given does; without ``hold_out`` all
-    200 train at the first setting and report no dev score (null, not a 0.0); a hold-out beside dev rows, or of every row, is refused with what
-    was wrong."""
+    200 train at the first setting and report no dev score (null, not a 0.0); a hold-out beside dev
+    rows, or of every row, is refused with what was wrong."""
     monkeypatch.setenv("HMI_ADMIN_TOKEN", ADMIN)
     url, stop = run_in_thread(tiny_server(tmp_path, distil=False))
     try:

@@ -659,6 +659,31 @@ def test_fresh_noise_over_every_direction_is_subtracted_exactly_and_only_slows_t
     assert attack.extraction_error(pooled, true) > errors[1]
 
 
+def test_hmi_private_train_holds_out_training_rows_as_its_dev_split_only_when_asked_and_without_dev(
+        live, tmp_path, capsys):
+    """``--hold-out 2`` on 8 training rows and no ``--dev``: 2 of them score each epoch (the output
+    says so); beside ``--dev``, or holding out every row, it stops with what was wrong."""
+    import json
+
+    from hmi.cli import main
+
+    archive, out, rows = tmp_path / "ia3.zip", tmp_path / "trained.zip", tmp_path / "train.jsonl"
+    archive.write_bytes(live["admin"].export_adapter("ia3"))
+    rows.write_text("\n".join(json.dumps(r) for r in TRAIN))
+    common = [str(archive), "--train", str(rows), "--epochs", "2", "-o", str(out), "--url", live["url"],
+              "--token", live["token"], "--root", str(live["root_dir"]), "--l-low", "2", "--max-len", "32"]
+    assert main(["private", "train", *common, "--hold-out", "2"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["dev_held_out"], shown["dev"]["n"], shown["epochs_run"]) == (2, 2, 2)
+    assert main(["private", "train", *common]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert "dev_held_out" not in shown and shown["dev"] is None
+    for extra, words in ((["--hold-out", "2", "--dev", str(rows)], "--dev already gives one"),
+                         (["--hold-out", str(len(TRAIN))], "leaves none to train on")):
+        with pytest.raises(SystemExit, match=words):
+            main(["private", "train", *common, *extra])
+
+
 def test_hmi_private_train_writes_an_archive_that_serves_hosted_as_it_trained(live, tmp_path, capsys):
     import json
 
