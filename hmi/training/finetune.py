@@ -214,7 +214,8 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
 
     AdamW, seeded (``torch.manual_seed(cfg.seed)`` before the first step: the dropout masks are
     the same wherever the frozen projections run), early stopping on the dev metric (accuracy;
-    the best epoch's weights are kept, and loaded into ``model``).  Returns canonical weights and
+    the best epoch's weights are kept, and loaded into ``model``; without dev examples every epoch
+    runs and the last is kept).  Returns canonical weights and
     a metrics record.  ``prepared``: the examples and features of this fine-tune when an earlier fit
     of it computed them (``prepare``)."""
     cfg = cfg or FinetuneConfig()
@@ -245,10 +246,11 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
             dev_m = evaluate(model, ex["dev"], feats["dev"])
             return {"epoch": epoch + 1, "loss": round(fit.last_loss, 4), "dev": dev_m}
 
-        # Without a dev set the score is the last batch's loss.
-        _, best_state, history = early_stopping(
-            cfg.epochs, cfg.patience, run_epoch, lambda r: r["dev"]["accuracy"] if r["dev"] else -r["loss"],
-            lambda: copy.deepcopy(model.weights()))
+        # Without a dev set nothing tells the epochs apart (a batch's loss is no measure of one): every
+        # epoch runs and the last is kept.
+        score = (lambda r: r["dev"]["accuracy"]) if ex["dev"] else (lambda r: r["epoch"])
+        _, best_state, history = early_stopping(cfg.epochs, cfg.patience, run_epoch, score,
+                                                lambda: copy.deepcopy(model.weights()))
     model.load(best_state)
     metrics = {"train": evaluate(model, labelled, feats["train"][:len(labelled)]),  # the labelled come first
                "dev": evaluate(model, ex["dev"], feats["dev"]),

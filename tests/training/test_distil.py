@@ -92,6 +92,31 @@ def tiny_lookup(tmp_path):
     return bert, load_tokenizer(default_spec().model_dir), PlotLookup([PlotVersion("root", store, enc)], policy="compute")
 
 
+def test_a_fine_tune_without_dev_examples_runs_every_epoch_and_keeps_the_last(tiny_lookup):
+    """Labels at random, a high rate and a patience of one epoch: what a batch's loss does from one
+    epoch to the next is noise, and without a dev split the fine-tune neither stops on it nor keeps
+    an earlier epoch: the weights it returns are those after its last step."""
+    bert, tok, lookup = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
+    gen = torch.Generator().manual_seed(0)
+    words = ["day", "film", "meal", "story", "song", "game", "book", "trip"]
+    rows = [{"text": f"the {a} and the {b}", "label": ("neg", "pos")[int(torch.randint(2, (1,), generator=gen))]}
+            for a in words for b in words[:4]]
+    cfg = FinetuneConfig(epochs=6, lr=1e-1, batch_size=8, patience=1)
+    for seed in range(3):
+        model = tenant_model(bert, L_LOW, spec, None, seed)
+        last = {}
+
+        def snapshot(fraction, info, model=model, last=last):
+            if fraction == 1.0 and not info.get("done"):  # after the last step, before the kept epoch loads
+                last.update({k: v.clone() for k, v in model.weights().items()})
+
+        weights, metrics = fit(model, lookup, tok, rows, [], None, replace(cfg, seed=seed), progress=False,
+                               on_progress=snapshot)
+        assert metrics["epochs_run"] == cfg.epochs and metrics["dev"] is None
+        assert weights.keys() == last.keys() and all(torch.equal(weights[k], last[k]) for k in last)
+
+
 @pytest.mark.parametrize("reader", ["plot", "full-context"])
 def test_unlabeled_texts_carry_the_teachers_answers_into_the_student(tiny_lookup, reader):
     """The labelled texts say nothing about "wonderful" (all "neg"); the teacher answers "pos" for
