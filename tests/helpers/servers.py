@@ -20,8 +20,8 @@ from tests.conftest import tiny_bert
 ADMIN = "admin-secret-for-tests"
 TRAIN = [{"text": t, "label": "pos"} for t in ("a great film", "wonderful acting", "great fun", "superb story")] + \
         [{"text": t, "label": "neg"} for t in ("a dull film", "awful acting", "boring mess", "terrible story")]
-# A fine-tune that trains for about a minute on the tiny config: long enough for a test to act on it while
-# it runs (cancel it, kill its worker), however fast the machine.
+# A fine-tune that trains for minutes on the tiny config (without dev rows every one of its 50 epochs runs):
+# long enough for a test to act on it while it runs (cancel it, kill its worker), however fast the machine.
 LONG_JOB = {"training_data": {"train": TRAIN * 2000}, "epochs": 50}
 TAGS = [{"tokens": ["the", "dog", "runs"], "tags": ["D", "N", "V"]}, {"tokens": ["a", "cat", "sleeps"], "tags": ["D", "N", "V"]}]
 
