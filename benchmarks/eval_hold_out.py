@@ -2,11 +2,14 @@
 as its dev split (``"hold_out"``, ``hmi.data.hold_out``) against training on every row with
 nothing to choose by (the default), and against the same with texts without labels beside the
 rows (the lines of the task's domain corpus that a ``dataset`` job reads,
-``hmi.data.job_unlabeled``), side by side, as a new user meets it.
+``hmi.data.job_unlabeled``), side by side, as a new user meets it; and, as the last way, what the
+accuracy tables' tenants are given, through HTTP: the same rows, the task's own dev rows and the
+unlabeled texts (``eval_accuracy.py``'s distilled column, served ``auto``).
 
 A server on a temporary home sharing the prepared root (``hmi serve``'s defaults: distilled
 fine-tunes, ``serving: auto``, the root's miss policy) answers real HTTP requests: per task, a
-tenant of each way created from the same ``--train`` rows of its training split (no dev rows), then the
+tenant of each way created from the same ``--train`` rows of its training split (no dev rows but in
+the last way: up to ``--test`` rows of the task's dev split), then the
 task's test texts (up to ``--test``) sent to each through ``/v1/tenants/{tenant}/infer``; the
 table gives their test accuracy, what each job chose (pooling, learning rate, served on the
 windows or whole) and how long it took.
@@ -28,8 +31,10 @@ from benchmarks.cells import Cells  # noqa: E402
 from benchmarks.common import DOCS, finish, start, table  # noqa: E402
 from hmi.timelimit import EXIT_UNFINISHED, OutOfTime  # noqa: E402
 
-# training_data.hold_out: a tenth of the rows, or 0; the last way also sends training_data.unlabeled
-WAYS = ("held out", "every row trains", "every row trains, with unlabeled texts")
+# training_data.hold_out: a tenth of the rows, or 0; the last two ways also send training_data.unlabeled,
+# the last one the task's dev rows too
+WAYS = ("held out", "every row trains", "every row trains, with unlabeled texts",
+        "with the task's dev rows and unlabeled texts")
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment"]
 BATCH = 64  # texts per infer request
 
@@ -48,8 +53,10 @@ def tenant_cell(admin, task: str, way: str, n_train: int, n_test: int) -> dict:
     from hmi.data import job_unlabeled, load_task, task_labels
 
     data = {"train": load_task(task, "train", n_train), "hold_out": n_train // 10 if way == WAYS[0] else 0}
-    if way == WAYS[2]:
+    if way in WAYS[2:]:
         data["unlabeled"] = job_unlabeled({"dataset": task}, n_train)
+    if way == WAYS[3]:
+        data["dev"] = load_task(task, "dev", n_test)
     name = f"{task}-{WAYS.index(way)}"
     out = admin.create_tenant(name, task_labels(task), training_data=data, truncate=True)
     job = admin.wait_job(out["job"], timeout=None)
@@ -67,9 +74,9 @@ def tenant_cell(admin, task: str, way: str, n_train: int, n_test: int) -> dict:
 
 
 def first_setting(results: dict) -> str:
-    """What the tenants that trained on every row kept, in words ("the [CLS] vector, rate 0.003"):
+    """What the tenants that trained on every row without dev rows kept, in words ("the [CLS] vector, rate 0.003"):
     their one setting, read from the cells (several where tasks differ)."""
-    kept = sorted({(r["pooling"], r["lr"]) for ways in results.values() for way, r in ways.items() if way != WAYS[0]})
+    kept = sorted({(r["pooling"], r["lr"]) for ways in results.values() for way, r in ways.items() if way in WAYS[1:3]})
     words = {"cls": "the [CLS] vector", "mean": "the mean of the tokens"}
     return "; ".join(f"{words.get(p, p)}, rate {lr}" for p, lr in kept)
 
@@ -115,14 +122,17 @@ def main() -> None:
     text = (table(rows, ("task", "fine-tune", "test accuracy", "dev rows held out", "kept (pooling, rate)",
                          "served", "dev: teacher / windows", "job seconds"))
             + "\n\nAverage test accuracy: " + ", ".join(f"{w} {a}" for w, a in average.items())
-            + f". Each tenant: the first {args.train} rows of the task's training split, no dev rows, the server's "
+            + f". Each tenant: the first {args.train} rows of the task's training split, the server's "
             f"defaults (distil {cfg.distil}, serving {cfg.serving}), texts cut to the server's token limit; test "
             f"accuracy in % over up to {args.test} test texts answered through HTTP. Held out: a tenth of the rows "
             "(drawn with a fixed seed) is the dev split that chooses the teacher's and the served adapter's pooling, "
             "rate and epoch and auto's serving; every row trains: one setting (" + first_setting(results) + "), the "
             "last epoch, served on the windows; with unlabeled texts: the same, the teacher also answering the "
             "first lines of the task's domain corpus (four per training row, at most 2000; they hold no test text) "
-            "for the served adapter to learn from. Job seconds: the job's metrics.seconds, with whatever ran beside it (a "
+            "for the served adapter to learn from; with the task's dev rows: the same unlabeled texts and the first "
+            f"{args.test} rows of the task's dev split (what the accuracy tables' distilled tenants are given, "
+            f"but for texts cut at the server's {cfg.max_len} tokens where the tables cut at 64), which choose as the "
+            "held-out rows do. Job seconds: the job's metrics.seconds, with whatever ran beside it (a "
             "ratio within one run holds; the seconds themselves are the machine's of that moment).")
     command = ("python benchmarks/eval_hold_out.py" + (" --tiny" if args.tiny else " --quick" if args.quick else "")
                + (f" --tasks {args.tasks}" if tasks != TASKS else "")
