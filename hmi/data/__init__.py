@@ -113,6 +113,8 @@ def hold_out(train: list[dict], dev: list[dict], n: int | None = None) -> tuple[
     training on every row at the first setting, at three times the job's time
     (``docs/results/eval_hold_out.md``)."""
     n = 0 if dev or n is None else n
+    if n < 0:
+        raise ValueError(f"holding out {n} training rows: give a count of 0 or more")
     if not n:
         return train, dev, 0
     if n >= len(train):

@@ -153,3 +153,5 @@ def test_training_rows_held_out_as_dev_are_drawn_once_each_the_same_every_time_a
     assert len(hold_out(rows[:8], [], 3)[1]) == 3
     with pytest.raises(ValueError, match="leaves none to train on"):
         hold_out(rows[:8], [], 8)
+    with pytest.raises(ValueError, match="a count of 0 or more"):
+        hold_out(rows[:8], [], -1)
