@@ -201,36 +201,62 @@ class SharedRoot:
     @torch.no_grad()
     def run(self, tokenizer, texts: list[str], tenants: list[int]) -> torch.Tensor:
         enc = tokenizer(texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
-        cls = full_forward(self.bert, enc["input_ids"], enc["attention_mask"])[-1][:, :1]
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        cls = torch.empty(len(texts), 1, self.bert.config.hidden_size)
+        for rows, T in length_groups(mask):  # as the served upper layers run a batch (split_by_length)
+            cls[rows] = full_forward(self.bert, ids[rows, :T], mask[rows, :T])[-1][:, :1]
         idx = torch.tensor(tenants)
         return torch.baddbmm(self.heads_b[idx], cls, self.heads_w[idx])[:, 0]
+
+
+def length_groups(mask: torch.Tensor, grouped: bool = True) -> list[tuple[torch.Tensor, int]]:
+    """The rows of a right-padded batch (mask (B, T)) in the groups of similar length that the
+    scheduler's upper layers run them in (``split_by_length``), each with its longest length T_g:
+    a baseline that pads a batch of tweets beside reviews to the longest would spend time no
+    served path spends. ``grouped=False``: every row in one group, as wide as the batch."""
+    from hmi.scheduler.pipeline import PASS_OVERHEAD_TOKENS, split_by_length
+
+    if not grouped:
+        return [(torch.arange(mask.shape[0]), mask.shape[1])]
+    lengths = mask.sum(1).tolist()
+    groups = split_by_length(list(range(len(lengths))), lengths, PASS_OVERHEAD_TOKENS)
+    return [(torch.tensor(g), max(lengths[r] for r in g)) for g in groups]
 
 
 class FullContextLower:
     """The lower layers computed with full context (hBERT-adapter): stands where the PLOT lookup
     stands in hBERT, on the device the scheduler serves from (``SchedulerConfig.device``: a GPU
-    where there is one), handing the states back in host memory as a lookup does. Shapes: ids,
+    where there is one), handing the states back in host memory as a lookup does. A batch runs in
+    the groups of similar length the upper layers run it in (``length_groups``; a padding position
+    past its group's width holds zeros, masked as every padding position is), or, with
+    ``grouped=False``, as wide as the batch (the accuracy tables' cells were computed so; the two
+    differ by rounding only). Shapes: ids,
     mask (B, T) -> (B, T, H)."""
 
-    def __init__(self, bert, l_low: int, device: str = "auto"):
+    def __init__(self, bert, l_low: int, device: str = "auto", grouped: bool = True):
         import copy
 
         from hmi.scheduler.pipeline import pick_device
 
         self.device = pick_device(device)
         self.l_low = l_low
+        self.grouped = grouped
         self.bert = bert if self.device.type == "cpu" else copy.deepcopy(bert).to(self.device)
 
     @torch.no_grad()
     def merged(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
         from hmi.model.root import attention_mask
 
-        m = torch.from_numpy(mask).to(self.device)
-        h = self.bert.embeddings(input_ids=torch.from_numpy(ids).to(self.device))
-        ext = attention_mask(m, h.dtype, getattr(self.bert, "relative_bias", None))
-        for layer in self.bert.encoder.layer[:self.l_low]:
-            h = layer(h, ext)[0]
-        return h.cpu()
+        ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+        out = torch.zeros(*ids.shape, self.bert.config.hidden_size)
+        for rows, T in length_groups(mask_t, self.grouped):
+            m = mask_t[rows, :T].to(self.device)
+            h = self.bert.embeddings(input_ids=ids_t[rows, :T].to(self.device))
+            ext = attention_mask(m, h.dtype, getattr(self.bert, "relative_bias", None))
+            for layer in self.bert.encoder.layer[:self.l_low]:
+                h = layer(h, ext)[0]
+            out[rows, :T] = h.cpu()
+        return out
 
 
 def scheduler_rps(scheduler, texts, batches, warm: int) -> float:

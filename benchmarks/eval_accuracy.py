@@ -718,7 +718,7 @@ def main() -> None:
             cfg = FinetuneConfig(epochs=e, lr=lr, max_len=max_len, patience=e, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, distil.start if distil else None, cfg.seed)
-                return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu"), root.tokenizer,
+                return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu", grouped=False), root.tokenizer,
                            train, dev, test, cfg, progress=False, distil=distil)[1]
             lookup = PlotLookup(chain, policy=policy)
             if policy in LEARNED_POLICIES and learned_fingerprint(version.store.path) != learned_id:
