@@ -195,6 +195,8 @@ def test_distilled_adapters_are_a_point_at_the_learned_back_offs_requests_per_se
     assert out["configs"] == ["learned", "hBERT-adapter", "shared"]  # what was measured stays as it was
     # a server whose fine-tunes distil by default serves the distilled point; one that does not, the learned one
     assert (out["default_served"], out["default_served_gap_vs_full_ft"]) == ("learned, distilled", 84.0 + 1.5 - 84.5)
+    # and where the default stands against hBERT-adapter, whether or not it is the best point at 1.5x
+    assert (out["default_served_over_adapter"], out["default_served_gap_vs_adapter"]) == (1.9, 86.0 - 84.5)
     monkeypatch.setattr(bench_front.ServerConfig, "distil", False)
     bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
     assert (out["default_served"], out["default_served_gap_vs_full_ft"]) == ("learned", 84.0 + 1.5 - 82.5)

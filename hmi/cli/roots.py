@@ -354,7 +354,7 @@ def arguments(command: str, parser) -> None:
 def _calibrate_args(cal) -> None:
     cal.add_argument("--decoder", action="store_true", help="calibrate the hGPT decoder root (SmolLM2-135M) instead")
     cal.add_argument("--steps", type=int, default=None,
-                     help="default 600 (encoder; 800 for mpnet-base), 150 (decoder; 300 deeper than 2 layers)")
+                     help="default 600 (encoder; 1600 for mpnet-base), 150 (decoder; 300 deeper than 2 layers)")
     cal.add_argument("--batch-size", type=int, default=None, help="default 32 (encoder)")
     cal.add_argument("--lr", type=float, default=None, help="default 5e-4 (encoder; 3e-4 for mpnet-base)")
     cal.add_argument("--seed", type=int, default=0)
@@ -370,8 +370,9 @@ def _calibrate_args(cal) -> None:
                      help="the training steps' matrix products in bf16 where the CPU computes bf16 natively "
                           "(AVX512_BF16, AMX), fp32 elsewhere (default: the root's recipe, on for mpnet-base)")
     cal.add_argument("--corpus", default=None,
-                     help="the text to distil on: general (default: an equal share of every domain, 1.8M characters), "
-                          "all (every domain corpus, about 32M) or prepared corpus names joined by commas")
+                     help="the text to distil on: general (an equal share of every domain, 1.8M characters; the default "
+                          "root's recipe), all (every domain corpus, about 32M; mpnet-base's recipe) or prepared "
+                          "corpus names joined by commas")
     cal.add_argument("--eval-texts", type=int, default=256)
     cal.add_argument("--threads", type=int, default=0)
     cal.add_argument("--no-backoff", dest="backoff", action="store_false",

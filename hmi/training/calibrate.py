@@ -72,7 +72,7 @@ class CalibrationConfig:
     # one dropout mask for every position it stands for; no recipe uses it (docs/decisions.md).
     served_once: bool = False
     # The text distilled on (``hmi.data.corpus_texts``): ``general`` (the shipped recipe: an equal
-    # share of every domain, 1.8M characters) or ``all`` (every domain corpus, about 32M).
+    # share of every domain, 1.8M characters) or ``all`` (every domain corpus, about 32M: mpnet-base's).
     corpus: str = "general"
 
 
