@@ -20,10 +20,11 @@ the PLOT has kept, the hot tier):
   keep them);
 - ``compute+insert warm``: after also a stream of unlabeled text from the tasks' own domains
   (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain;
-- ``learned, distilled, auto`` (and ``learned+compute, distilled, auto``): tenants fine-tuned
-  with ``"serving": "auto"``: those of a task whose record chose whole (eval_accuracy's
-  served-auto column, ``res.tasks.*.serving``) served on the full root with their adapter in
-  every layer, the others on the learned back-off (with the uni-gram misses computed).
+- ``learned, distilled, auto`` (and ``learned+compute``, ``backoff``, ``backoff+hot, distilled,
+  auto``): tenants fine-tuned with ``"serving": "auto"``: those of a task whose record chose whole
+  (eval_accuracy's served-auto column of that miss policy's students, ``res.tasks.*.serving``)
+  served on the full root with their adapter in every layer, the others on the windows as that
+  configuration serves them.
 
 Accuracy is not measured here: it is the eval_accuracy record of the same root artifact (the fair
 bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-base 6+6,
@@ -74,6 +75,7 @@ from benchmarks.common import (  # noqa: E402
 from benchmarks.eval_accuracy import (  # noqa: E402
     ARTIFACT_FREE,
     HBERT_AUTO,
+    HBERT_AUTO_BACKOFF,
     HBERT_AUTO_COMPUTE,
     HBERT_BACKOFF_DISTILLED,
     HBERT_DISTILLED,
@@ -90,7 +92,8 @@ from hmi.services.server import ServerConfig  # noqa: E402
 TENANTS, B, MAX_LEN = 100, 32, 128
 # tenants served as `"serving": "auto"` chooses (whole_tasks), the others on a miss policy: config -> that policy
 AUTO, AUTO_COMPUTE = "learned, distilled, auto", "learned+compute, distilled, auto"
-AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute"}
+AUTO_BACKOFF, AUTO_HOT = "backoff, distilled, auto", "backoff+hot, distilled, auto"
+AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute", AUTO_BACKOFF: "backoff", AUTO_HOT: "backoff+hot"}
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
@@ -98,11 +101,13 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, 
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
           "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
           "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE,
-          "backoff, distilled": HBERT_BACKOFF_DISTILLED, AUTO: HBERT_AUTO, AUTO_COMPUTE: HBERT_AUTO_COMPUTE}
+          "backoff, distilled": HBERT_BACKOFF_DISTILLED, "backoff+hot, distilled": HBERT_BACKOFF_DISTILLED,
+          AUTO: HBERT_AUTO, AUTO_COMPUTE: HBERT_AUTO_COMPUTE, AUTO_BACKOFF: HBERT_AUTO_BACKOFF,
+          AUTO_HOT: HBERT_AUTO_BACKOFF}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
 SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
-             "backoff, distilled": "backoff"}
+             "backoff, distilled": "backoff", "backoff+hot, distilled": "backoff+hot"}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
@@ -505,7 +510,8 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     served = out["default_config"]
     if ServerConfig.distil:  # hmi serve's fine-tunes distil by default: what it serves is the distilled point
         served = next((c for c, like in SERVED_AS.items() if like == served and c in configs), served)
-        auto = {"learned, distilled": AUTO, "learned+compute, distilled": AUTO_COMPUTE}.get(served)
+        auto = {"learned, distilled": AUTO, "learned+compute, distilled": AUTO_COMPUTE,
+                "backoff, distilled": AUTO_BACKOFF}.get(served)
         if ServerConfig.serving == "auto" and auto in configs:
             served = auto  # and serve whole where the teacher leads on dev
     out["default_served"] = served

@@ -135,7 +135,9 @@ HBERT_FULL_DISTILLED = "hBERT, full-context lower layers, distilled"
 # per seed, from the two columns' cells (a table with both has it; AUTO_OF: the student -> the column)
 HBERT_AUTO = "hBERT, distilled, served auto"
 HBERT_AUTO_COMPUTE = "hBERT, uni-gram misses computed, distilled, served auto"
-AUTO_OF = {HBERT_DISTILLED: HBERT_AUTO, HBERT_DISTILLED_COMPUTE: HBERT_AUTO_COMPUTE}
+HBERT_AUTO_BACKOFF = "hBERT, back-off, distilled, served auto"
+AUTO_OF = {HBERT_DISTILLED: HBERT_AUTO, HBERT_DISTILLED_COMPUTE: HBERT_AUTO_COMPUTE,
+           HBERT_BACKOFF_DISTILLED: HBERT_AUTO_BACKOFF}
 # scheme -> miss policy served ("full": the full-context lower layers, no PLOT)
 DISTILLED = {HBERT_DISTILLED: "learned", HBERT_DISTILLED_COMPUTE: "learned+compute", HBERT_BACKOFF_DISTILLED: "backoff",
              HBERT_FULL_DISTILLED: "full"}
@@ -152,7 +154,8 @@ GAP_KEYS = [("hBERT", "avg_gap_vs_full_ft", "hBERT"),
             (HBERT_BACKOFF_DISTILLED, "avg_gap_backoff_distilled_vs_full_ft", "with the back-off, distilled"),
             (HBERT_AUTO, "avg_gap_served_auto_vs_full_ft", "distilled, served auto"),
             (HBERT_AUTO_COMPUTE, "avg_gap_served_auto_compute_vs_full_ft",
-             "with the uni-gram misses computed, distilled, served auto")]
+             "with the uni-gram misses computed, distilled, served auto"),
+            (HBERT_AUTO_BACKOFF, "avg_gap_served_auto_backoff_vs_full_ft", "with the back-off, distilled, served auto")]
 ALL_SCHEMES = [name for name, _, _ in SCHEMES] + ["hBERT", HBERT_EXACT, HBERT_LEARNED, HBERT_LEARNED_COMPUTE, HBERT_FULL,
                                                   HBERT_DISTILLED, HBERT_DISTILLED_COMPUTE, HBERT_BACKOFF_DISTILLED,
                                                   HBERT_FULL_DISTILLED]

@@ -330,3 +330,32 @@ def test_an_artifact_whose_records_hold_its_exact_windows_alone_gives_a_front_wi
     (tmp_path / "eval_accuracy_new_exact.md").unlink()
     with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact new with a column of"):
         bench_front.accuracy_record("new", None)
+
+
+def test_back_off_students_served_auto_are_points_with_and_without_the_hot_tier_and_the_default_where_it_backs_off(
+        tmp_path, monkeypatch):
+    """The back-off's distilled students served ``auto`` (the reviews tenants whole, as the record's
+    back-off served-auto column chose) are a point at the back-off's own measured mix and one at the
+    hot tier's; a root whose policy is the back-off serves the first by default."""
+    pages_in(tmp_path, monkeypatch)
+    write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(tmp_path, "eval_accuracy_partial_backoff-distilled", "l3",
+          {bench_front.HBERT_BACKOFF_DISTILLED: 82.0, bench_front.HBERT_AUTO_BACKOFF: 83.0})
+    page = tmp_path / "eval_accuracy_partial_backoff-distilled.md"
+    rec = json.loads(page.read_text().split("```json\n")[1].split("\n```")[0])
+    rec["tasks"]["review-sentiment"]["serving"] = {bench_front.HBERT_AUTO_BACKOFF: "whole"}
+    page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
+    acc = bench_front.accuracy_record("l3", None)[2]
+    assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO_BACKOFF) == ["review-sentiment"]
+    whole = ["review-sentiment"]
+    out = {**learned_run(), "default_config": "backoff",
+           "configs": ["backoff", "backoff+hot", bench_front.AUTO_BACKOFF, bench_front.AUTO_HOT, "hBERT-adapter", "shared"],
+           "whole_tasks": {bench_front.AUTO_BACKOFF: whole, bench_front.AUTO_HOT: whole}}
+    out["measured"] = {"backoff": [17.0], "backoff+hot": [18.0], bench_front.AUTO_BACKOFF: [14.0],
+                       bench_front.AUTO_HOT: [15.5], "hBERT-adapter": [10.0], "shared": [8.0]}
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    point = {p["config"]: p for p in out["points"]}
+    assert (point[bench_front.AUTO_HOT]["over_adapter"], point[bench_front.AUTO_HOT]["accuracy"]) == (1.55, 84.5)
+    assert point["backoff+hot, distilled"]["rps"] == 18.0 and point["backoff+hot, distilled"]["accuracy"] == 83.5
+    assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == (bench_front.AUTO_HOT, 1.5)
+    assert (out["default_served"], out["default_served_over_adapter"]) == (bench_front.AUTO_BACKOFF, 1.4)
