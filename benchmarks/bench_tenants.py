@@ -230,8 +230,7 @@ class FullContextLower:
     the groups of similar length the upper layers run it in (``length_groups``; a padding position
     past its group's width holds zeros, masked as every padding position is), or, with
     ``grouped=False``, as wide as the batch (the accuracy tables' cells were computed so; the two
-    differ by rounding only). Shapes: ids,
-    mask (B, T) -> (B, T, H)."""
+    differ by rounding only). Shapes: ids, mask (B, T) -> (B, T, H)."""
 
     def __init__(self, bert, l_low: int, device: str = "auto", grouped: bool = True):
         import copy

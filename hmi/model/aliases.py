@@ -21,8 +21,8 @@ class PackagedRoot:
     # This root's calibration recipe: what it changes of CalibrationConfig's defaults (docs/roots.md).
     calibration: dict = field(default_factory=dict)
     # What `--miss-policy auto` serves at the default split where the root PLOT has a learned
-    # back-off: the most accurate point at >= 1.5x hBERT-adapter's requests/s on this root's front
-    # (docs/front.md).
+    # back-off: the policy under which the default fine-tunes, served auto, give the most accurate
+    # point of this root's front that serves faster than hBERT-adapter (docs/front.md).
     miss_policy: str = "learned"
     # What a classification head reads on this root where the tenant names nothing: None, dev
     # chooses it ([CLS] or the mean of the tokens, ``dev_options``); a pooling, the one its accuracy
