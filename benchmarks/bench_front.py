@@ -510,8 +510,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     served = out["default_config"]
     if ServerConfig.distil:  # hmi serve's fine-tunes distil by default: what it serves is the distilled point
         served = next((c for c, like in SERVED_AS.items() if like == served and c in configs), served)
-        auto = {"learned, distilled": AUTO, "learned+compute, distilled": AUTO_COMPUTE,
-                "backoff, distilled": AUTO_BACKOFF}.get(served)
+        auto = next((a for a, policy in AUTO_POLICY.items() if policy == SERVED_AS.get(served)), None)
         if ServerConfig.serving == "auto" and auto in configs:
             served = auto  # and serve whole where the teacher leads on dev
     out["default_served"] = served
