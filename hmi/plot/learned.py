@@ -28,7 +28,7 @@ from torch import nn
 from hmi.io import atomic_write_bytes, sha256_file
 from hmi.model.aliases import auto_miss_policy
 from hmi.model.artifact import SHIPPED_DIR
-from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls
+from hmi.model.kernels import NATIVE_BF16, OneDnnLinear, bf16_matmuls, linear
 from hmi.plot.keys import bigram_backoff, pack, unigram_backoff, unpack
 from hmi.plot.store import PlotStore
 
@@ -102,6 +102,64 @@ class CentreTable:
         return self.rows[ids]
 
 
+class ProjectedBackoff:
+    """``LearnedBackoff.forward`` for serving, with its first layer split by its inputs.
+
+    The states of a missed window's neighbours ``l`` and ``r`` enter the first layer only through
+    ``W1_l · state(l)`` and ``W1_r · state(r)``, functions of one token each: they are computed the
+    first time a token is a neighbour (from its ``CentreTable`` row) and kept, and a window gathers
+    them.  The served rows enter through their own columns of ``W1``, each row over the windows
+    whose row is not zero (the back-off's left row is zero wherever it served, and its right row
+    too where a uni-gram served: a third to a half of the products are left out).  The result is
+    ``forward``'s with the first layer's sums in another order (fp32 accumulation either way); with
+    ``bf16`` the products round their operands to bf16 as ``forward`` does inside ``bf16_matmuls``.
+    Shapes: estimate(served (N, 3, H), l (N,), r (N,) token ids, from_bigram (N,)) -> (N, 3, H) float32."""
+
+    def __init__(self, model: LearnedBackoff, centres: CentreTable, bf16: bool):
+        h, w = model.hidden_size, model.inp.weight.detach()
+        self.model, self.centres, self.bf16 = model, centres, bf16 and NATIVE_BF16
+        self.w_rows = [w[:, k * h:(k + 1) * h].contiguous() for k in range(3)]  # (width, H) each
+        self.w_sides = w[:, 3 * h:5 * h].reshape(-1, 2, h).transpose(0, 1).contiguous()  # (2, width, H): l, r
+        flag = w[:, 5 * h].contiguous()
+        self.w_flag = flag.to(torch.bfloat16).float() if self.bf16 else flag  # a product's operand, rounded alike
+        self.bias = model.inp.bias.detach()
+        vocab = centres.rows.shape[0]
+        # W1_l · state(x) and W1_r · state(x) of token x (row x; pages taken as rows are written)
+        self.sides = [torch.zeros(vocab, model.width) for _ in range(2)]
+        self.known = np.zeros(vocab, dtype=bool)
+        self._lock = threading.Lock()
+
+    def side_terms(self, left: np.ndarray, right: np.ndarray) -> torch.Tensor:
+        """``W1_l · state(l) + W1_r · state(r)`` per window. Shapes: left, right (N,) int64 -> (N, width)."""
+        ids = np.concatenate([left, right])
+        if not self.known[ids].all():
+            with self._lock:
+                need = np.unique(ids[~self.known[ids]])
+                if need.size:
+                    states = torch.from_numpy(self.centres[need]).float()
+                    with bf16_matmuls(self.bf16):
+                        for table, w in zip(self.sides, self.w_sides):
+                            table[torch.from_numpy(need)] = linear(states, w, None)
+                    self.known[need] = True
+        terms = self.sides[0].index_select(0, torch.from_numpy(left))
+        return terms.add_(self.sides[1].index_select(0, torch.from_numpy(right)))
+
+    def estimate(self, served: torch.Tensor, left: np.ndarray, right: np.ndarray,
+                 from_bigram: torch.Tensor) -> torch.Tensor:
+        served = served.float()
+        hid = self.side_terms(left, right).add_(self.bias)
+        hid.add_(from_bigram.float()[:, None] * self.w_flag)
+        with bf16_matmuls(self.bf16):
+            for k, w in enumerate(self.w_rows):
+                rows = served[:, k].abs().amax(-1) > 0
+                if bool(rows.all()):
+                    hid.add_(linear(served[:, k].contiguous(), w, None))
+                elif bool(rows.any()):
+                    idx = rows.nonzero().squeeze(1)
+                    hid.index_add_(0, idx, linear(served[idx, k].contiguous(), w, None))
+            return served + self.model.out(F.gelu(hid)).view(served.shape)
+
+
 def neighbour_states(store: PlotStore, keys: np.ndarray, centres: CentreTable | None = None) -> np.ndarray:
     """The states of ``l`` and ``r`` alone for tri-gram ``keys`` ``(l, c, r)``: gathered from
     ``centres`` (a ``CentreTable`` of ``store``) where given, else read from the PLOT.
@@ -125,15 +183,24 @@ def served_backoff(store: PlotStore, keys: np.ndarray, withhold: np.ndarray | No
 
 
 def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: np.ndarray,
-             from_bigram: np.ndarray, bf16: bool | None = None, centres: CentreTable | None = None) -> np.ndarray:
+             from_bigram: np.ndarray, bf16: bool | None = None, centres: CentreTable | None = None,
+             projected: ProjectedBackoff | None = None) -> np.ndarray:
     """The model's states for missed windows ``keys`` given what the back-off served them, its
     products in bf16 where ``bf16`` (default ``SERVE_BF16``) and the CPU has it; the neighbours'
-    states from ``centres`` (a ``CentreTable`` of ``store``) where given, else from ``store``.
+    states from ``centres`` (a ``CentreTable`` of ``store``) where given, else from ``store``;
+    through ``projected`` (a ``ProjectedBackoff`` of ``model`` and ``centres``) where given and of
+    the same precision, else through ``model.forward`` (the reference).
     Shapes: keys (N,) uint64; served (N, 3, H) float16; from_bigram (N,) bool -> (N, 3, H) float16."""
+    use_bf16 = (SERVE_BF16 if bf16 is None else bf16) and NATIVE_BF16
+    if projected is not None and projected.bf16 == use_bf16:
+        w = unpack(keys)
+        with torch.no_grad():
+            out = projected.estimate(torch.from_numpy(served), w[:, 0], w[:, 2], torch.from_numpy(from_bigram))
+        return out.half().numpy()  # torch's conversion: numpy's rounds alike, several times slower
     context = neighbour_states(store, keys, centres)
     with torch.no_grad(), bf16_matmuls(SERVE_BF16 if bf16 is None else bf16):
         out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
-    return out.numpy().astype(np.float16)
+    return out.half().numpy()
 
 
 def trained(path: Path | str) -> bool:

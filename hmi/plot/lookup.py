@@ -42,6 +42,10 @@ POLICIES = ("backoff", "compute", "compute+insert", "learned", "learned+compute"
 LEARNED_POLICIES = ("learned", "learned+compute")  # the policies that serve a learned back-off
 
 
+# a version's learned back-off, its tokens' centre states, and the two as serving runs them
+Backoff = tuple[learned.LearnedBackoff, learned.CentreTable, learned.ProjectedBackoff]
+
+
 @dataclass
 class PlotVersion:
     """One node of a domain chain: its PLOT, the windowed encoder (lower layers, gate, merge)
@@ -51,20 +55,23 @@ class PlotVersion:
     store: PlotStore
     encoder: WindowedEncoder
     hot: HotTier | None = None
-    # its learned back-off and its tokens' centre states (``learned_backoff``), kept once per opened version
-    backoff: tuple[learned.LearnedBackoff, learned.CentreTable] | None = field(default=None, compare=False, repr=False)
+    # its learned back-off, its tokens' centre states and their projections (``learned_backoff``), kept
+    # once per opened version
+    backoff: Backoff | None = field(default=None, compare=False, repr=False)
 
 
-def learned_backoff(version: PlotVersion) -> tuple[learned.LearnedBackoff, learned.CentreTable] | None:
-    """The version's learned back-off and the ``learned.CentreTable`` of its PLOT, or None where it has
-    none; loaded at the first call and kept on the version, so the lookups of every domain whose
-    chain goes through it (the root's: all of them) share one copy."""
+def learned_backoff(version: PlotVersion) -> Backoff | None:
+    """The version's learned back-off, the ``learned.CentreTable`` of its PLOT and the
+    ``learned.ProjectedBackoff`` serving runs it through, or None where it has none; loaded at the
+    first call and kept on the version, so the lookups of every domain whose chain goes through it
+    (the root's: all of them) share one copy."""
     if version.backoff is None:
         model = learned.load(version.store.path)
         if model is None:
             return None
         vocab = version.encoder.lower.embeddings.word_embeddings.num_embeddings
-        version.backoff = (model, learned.CentreTable(version.store, vocab))
+        centres = learned.CentreTable(version.store, vocab)
+        version.backoff = (model, centres, learned.ProjectedBackoff(model, centres, learned.SERVE_BF16))
     return version.backoff
 
 
@@ -115,7 +122,7 @@ class PlotLookup:
         self.causal = bool(getattr(chain[0].encoder, "causal", False))
         self.hits: Counter = Counter()
         self._lock = threading.Lock()
-        self.learned: tuple[PlotVersion, tuple[learned.LearnedBackoff, np.ndarray]] | None = None
+        self.learned: tuple[PlotVersion, Backoff] | None = None
         if policy in LEARNED_POLICIES:
             if self.causal:
                 raise ValueError(f"the miss policy {policy!r} is for encoder PLOTs; a decoder's uses 'compute' or 'backoff'")
@@ -193,8 +200,9 @@ class PlotLookup:
                   hits: Counter) -> None:
         """The learned back-off's estimates of the missed tri-grams ``keys`` (U,), written over their
         back-off rows ``out[rows]`` (U, 3, H); ``from_bigram`` (U,) bool: whether the bi-gram served them."""
-        version, (model, centres) = self.learned
-        out[rows] = learned.estimate(model, version.store, keys, out[rows], from_bigram, centres=centres)
+        version, (model, centres, projected) = self.learned
+        out[rows] = learned.estimate(model, version.store, keys, out[rows], from_bigram, centres=centres,
+                                     projected=projected)
         hits["learned"] += int(rows.size)
 
     def _compute(self, keys: np.ndarray, out: np.ndarray, todo: np.ndarray, hits: Counter) -> None:

@@ -18,7 +18,7 @@ from hmi.cli import main
 from hmi.model import aliases
 from hmi.model.aliases import MPNET
 from hmi.model.hplm import WindowedEncoder
-from hmi.model.kernels import NATIVE_BF16
+from hmi.model.kernels import NATIVE_BF16, bf16_matmuls
 from hmi.plot import learned
 from hmi.plot.build import Selection, build, count_ngrams, plan_keys
 from hmi.plot.hot import HotTier
@@ -173,6 +173,60 @@ def test_the_bf16_estimate_keeps_the_fp32_estimate_where_the_cpu_multiplies_bf16
     assert not np.array_equal(fp32, bf16)  # the products did run in bf16
     cos = F.cosine_similarity(torch.from_numpy(fp32), torch.from_numpy(bf16), dim=-1)
     assert cos.min() > 0.999
+
+
+def forward_bound(model, served, context, from_bigram, bf16: bool) -> torch.Tensor:
+    """How far two computations of ``model.forward`` that sum its first layer's products in other
+    orders (fp32 accumulation) can end apart, per output entry: each first-layer sum of K terms
+    within 2 gamma_K of the sum of its terms' magnitudes (gamma_K = K u / (1 - K u), u = 2^-24),
+    carried through GELU (slope at most 1.13) and the second layer's magnitudes; in bf16 a GELU
+    output is rounded before the second product, so a moved input may move it by one bf16 step
+    (2^-7 relative); the final fp32 sum with the served rows may round one step apart.
+    Shapes: served (N, 3, H); context (N, 2, H); from_bigram (N,) -> (N, 3, H) float64."""
+    rnd = (lambda t: t.to(torch.bfloat16).double()) if bf16 else (lambda t: t.double())
+    x = rnd(torch.cat([served.flatten(1).float(), context.flatten(1).float(), from_bigram.float()[:, None]], 1))
+    w1, b1 = rnd(model.inp.weight.detach()), model.inp.bias.detach().double()
+    w2 = rnd(model.out.weight.detach())
+    k, u = x.shape[1] + 1, 2.0 ** -24
+    gamma = k * u / (1 - k * u)
+    d_hidden = 2 * gamma * (x.abs() @ w1.abs().T + b1.abs())
+    g = F.gelu(x @ w1.T + b1)
+    d_gelu = 1.13 * d_hidden + (2.0 ** -7 * g.abs() if bf16 else 0)
+    out = served.double() + (g @ w2.T + model.out.bias.detach().double()).view(served.shape)
+    return (d_gelu @ w2.abs().T).view(served.shape) + 2 * u * out.abs()
+
+
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not NATIVE_BF16, reason="the CPU does not multiply bf16 natively: serving stays in fp32"))])
+def test_the_projected_estimate_equals_the_model_forward_up_to_the_order_of_its_sums(trained, encoder, bf16):
+    """Serving's first layer from per-token terms and the non-zero served rows (ProjectedBackoff)
+    against the model's one product over every input, on windows the bi-gram served, windows a
+    uni-gram served, and windows whose left row is not zero (the rows a back-off leaves zero are
+    skipped only where they are)."""
+    store, _ = trained
+    model = learned.load(store.path)
+    keys = pack(unseen_windows(store))
+    served, from_bigram = learned.served_backoff(store, keys, withhold=np.arange(len(keys)) % 2 == 0)
+    assert 5 <= from_bigram.sum() <= len(keys) - 5  # both kinds of back-off (the bi-gram withheld from half)
+    served[::3, 0] = served[::3, 1]  # a non-zero left row in a third of the windows
+    centres = learned.CentreTable(store, VOCAB)
+    projected = learned.ProjectedBackoff(model, centres, bf16)
+    w = learned.unpack(keys)
+    context = torch.from_numpy(learned.neighbour_states(store, keys, centres))
+    served_t, flag = torch.from_numpy(served), torch.from_numpy(from_bigram)
+    with torch.no_grad(), bf16_matmuls(bf16):
+        want = model(served_t, context, flag).double()
+        bound = forward_bound(model, served_t, context, flag, bf16)
+    for part in (slice(0, len(keys) // 2), slice(None)):  # the per-token terms, computed once, then gathered
+        with torch.no_grad():
+            got = projected.estimate(served_t[part], w[part, 0], w[part, 2], flag[part]).double()
+        excess = (got - want[part]).abs() - bound[part]
+        assert excess.max() <= 0, f"{(excess > 0).sum()} entries outside the bound, by up to {excess.max():.3g}"
+    assert 0 < projected.known.sum() < VOCAB
+    # the lookup serves through the projection of its precision
+    version = PlotVersion("root", store, encoder)
+    lookup_projected = PlotLookup([version], policy="learned").learned[1][2]
+    assert lookup_projected.bf16 == (learned.SERVE_BF16 and NATIVE_BF16)
 
 
 def test_an_untrained_learned_backoff_serves_exactly_what_the_backoff_serves(tmp_path, plot, encoder):
