@@ -9,7 +9,10 @@ the training time, the cosine on the PLOT's held-out tri-grams (the training's o
 estimate's cost per missed window (the MLP and the neighbours' states, batches of 4,096; every cost
 timed in the same rounds, the median of 15), in the precision serving uses (bf16 products where the
 CPU multiplies bf16 natively; the PLOT's own model is also measured in fp32 there, and with its
-neighbours' states read from LMDB instead of the centre table).
+neighbours' states read from LMDB instead of the centre table).  The PLOT's own model is timed as
+serving runs it (``learned.ProjectedBackoff``: the neighbours' first-layer terms kept per token, the
+served rows that are zero skipped) and through its one first-layer product (``forward``, the
+reference), side by side.
 
 Usage: python benchmarks/bench_backoff.py [--quick] [--root mpnet-base --l-low 6] [--recipes 1600:1024,4800:1024]
 (``--quick``: one 400-step recipe on 200 texts.)
@@ -104,9 +107,12 @@ def main() -> None:
     batch = 4096
     timers: dict[str, object] = {}  # row name -> what one timed call runs, on ``batch`` missed windows
 
-    def measure(name: str, model, store_of_model, record: dict | None, bf16: bool | None = None) -> None:
+    def measure(name: str, model, store_of_model, record: dict | None, bf16: bool | None = None,
+                projected: bool = False) -> None:
         centres = learned.CentreTable(store_of_model, vocab) if model else None
-        est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16, centres)) \
+        proj = learned.ProjectedBackoff(model, centres, learned.SERVE_BF16 if bf16 is None else bf16) \
+            if projected else None
+        est = torch.from_numpy(learned.estimate(model, store_of_model, keys, served, from_bigram, bf16, centres, proj)) \
             if model else torch.from_numpy(served)
         cos = fidelity(est, exact)
         held = record["held_out_cosine_learned"] if record else None
@@ -121,7 +127,7 @@ def main() -> None:
                                   "held_out_cosine_plot": held}
         if model is not None:
             timers[name] = lambda: learned.estimate(model, store_of_model, keys[:batch], served[:batch],
-                                                    from_bigram[:batch], bf16, centres)
+                                                    from_bigram[:batch], bf16, centres, proj)
 
     measure("back-off (no model)", None, store, None)
 
@@ -136,7 +142,11 @@ def main() -> None:
     if own is not None:
         record_own = json.loads((Path(store.path) / learned.CONFIG).read_text())
         name = f"the PLOT's model ({record_own['steps']} steps, width {record_own['width']})"
-        measure(name + (", bf16 products (served)" if learned.SERVE_BF16 else ""), own, store, record_own)
+        precision = ", bf16 products" if learned.SERVE_BF16 else ""
+        served_row = name + precision + ", as served (first layer split by input)"
+        forward_row = name + precision + ", one first-layer product (the reference)"
+        measure(served_row, own, store, record_own, projected=True)
+        measure(forward_row, own, store, record_own)
         # side by side: the neighbours' states read from LMDB per window instead of the centre table
         lmdb_row = name + ", neighbours read from LMDB"
         rows.append([lmdb_row, "-", "-", "same", "same", "-"])
@@ -170,6 +180,7 @@ def main() -> None:
     result["compute_us_per_window"] = round(seconds[exact_row] / n * 1e6, 2)
     if own is not None:
         result["estimate_us_per_window_lmdb_neighbours"] = round(seconds[lmdb_row] / n * 1e6, 2)
+        result["served_over_reference_speed"] = round(seconds[forward_row] / seconds[served_row], 2)
 
     split = f"{root.l_low}+{root.bert.config.num_hidden_layers - root.l_low}"
     text = (f"Root {root.artifact_id} (split {split}), its root PLOT; {len(keys):,} distinct tri-grams of real "

@@ -93,6 +93,9 @@ class Group:
     pool: object  # hmi.adapters.pool.SlotPool
     all_rows: bool = False  # the group covers the whole batch in order (no gather/scatter needed)
     plan: SegmentPlan | None = None  # segment_plan(slots), made on the host with the group
+    # the pool's layer that layer ``li`` of the pass reads: li + offset (a ``whole`` tenant's pool holds
+    # every layer of the root, so in a pass of the upper layers its layers start at the split)
+    offset: int = 0
 
 
 class GroupSites(Sites):
@@ -118,7 +121,7 @@ class GroupSites(Sites):
             hit = [i for i, site in enumerate(sites) if p.kind == "lora" and site in p.targets]
             if not hit:
                 continue
-            xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li)
+            xs, lw = x if g.all_rows else x.index_select(0, g.rows), p.layer(li + g.offset)
             for i in hit:
                 delta = batched_lora(xs, g.slots, lw[f"{sites[i]}_A"], lw[f"{sites[i]}_B"], p.scaling, g.plan)
                 if not g.all_rows:
@@ -134,7 +137,7 @@ class GroupSites(Sites):
         ffn).  Shapes: t (B, T, D) -> (B, T, D)."""
         for g in self.groups:
             if g.pool.kind == "ia3":
-                s = g.pool.layer(li)[site].index_select(0, g.slots).unsqueeze(1)
+                s = g.pool.layer(li + g.offset)[site].index_select(0, g.slots).unsqueeze(1)
                 t = t * s if g.all_rows else t.index_copy(0, g.rows, t.index_select(0, g.rows) * s)
         return t
 
@@ -151,7 +154,7 @@ class GroupSites(Sites):
         for g in groups:
             if g.pool.kind != "bottleneck":
                 continue
-            lw = g.pool.layer(li)
+            lw = g.pool.layer(li + g.offset)
             rows_h = h if g.all_rows else h.index_select(0, g.rows)
             rows_pre = pre if g.all_rows else pre.index_select(0, g.rows)
             out = norm(rows_pre + batched_bottleneck(rows_h, g.slots, lw["down_w"], lw["down_b"],

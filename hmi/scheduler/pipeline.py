@@ -5,9 +5,9 @@
 * A (residency, a staging worker or a CUDA copy stream): copy the batch's missing adapters into
   the device pools layer by layer; C of layer l starts once layer l has landed.
 * C (compute, one thread): the shared upper layers with batched adapters, then the heads (the rows
-  of ``whole`` tenants, which stage R gave the root's embeddings, run every layer of the root with
-  their adapters instead, in passes of their own); their
-  linear layers' products in bf16 with fp32 accumulation when ``upper_precision`` is ``bf16``
+  of ``whole`` tenants, which stage R gave the root's embeddings, first run the lower layers of the
+  root with their adapters, in passes of their own, then join the other rows in the upper layers);
+  their linear layers' products in bf16 with fp32 accumulation when ``upper_precision`` is ``bf16``
   (CPUs that multiply bf16 natively; everything else, the PLOT values included, stays fp32).
   A batch of long and short texts runs in groups of similar length (``split_by_length``).
 
@@ -123,7 +123,9 @@ class Scheduler:
         self._bf16 = self.cfg.upper_precision == "bf16"
         every = torch.nn.ModuleList(bert.encoder.layer)
         self.all_layers = copy.deepcopy(every).to(self.device) if self.device.type != "cpu" else every
-        self.layers = self.all_layers[l_low:]  # what every tenant but a whole one runs
+        self.l_low = l_low
+        self.lower_layers = self.all_layers[:l_low]  # what a whole tenant's rows run first
+        self.layers = self.all_layers[l_low:]  # what every row runs
         bias = getattr(bert, "relative_bias", None)
         self.relative_bias = copy.deepcopy(bias).to(self.device) if bias is not None and self.device.type != "cpu" else bias
         self.store = store
@@ -264,50 +266,94 @@ class Scheduler:
                     fail(r, exc)
 
     def compute(self, p: Prepared) -> None:
-        """Stages A and C for one prepared batch, split when it holds more tenants than slots, by
-        the layers its rows run (``whole`` tenants' rows: every layer), and into groups of similar
-        length where padding to the longest would cost more."""
+        """Stages A and C for one prepared batch, split when it holds more tenants than slots, and
+        into groups of similar length where padding to the longest would cost more: the rows of
+        ``whole`` tenants through the lower layers first (passes of their own), then every row
+        through the upper layers."""
         lengths = p.mask.sum(1).tolist()
+        hidden = p.hidden.to(self.device, non_blocking=True)  # each row's input to the pass it runs next
         for pool_rows in split_by_pools(p.entries, self.hidden, self.cfg.pool_slots):
-            groups = []
-            for part in split_whole(pool_rows, p.entries):
-                groups += split_by_length(part, lengths, PASS_OVERHEAD_TOKENS) if self.cfg.length_groups else [part]
-            self.stats["length_groups"] += len(groups) - 1
-            for rows in groups:
-                if self.cfg.batched_adapters:
-                    self._compute_rows(p, rows)
-                else:
-                    by_tenant = defaultdict(list)
-                    for r in rows:
-                        by_tenant[p.entries[r].name].append(r)
-                    for tenant_rows in by_tenant.values():
-                        self._compute_rows(p, tenant_rows)
+            lower = self._passes([r for r in pool_rows if p.entries[r].whole], lengths, p.entries)
+            upper = self._passes(pool_rows, lengths, p.entries)
+            self.stats["length_groups"] += len(lower) + len(upper) - 1
+            for rows in lower:
+                self._lower_rows(p, hidden, rows)
+            for rows in upper:
+                self._compute_rows(p, hidden, rows)
         self.stats["batches"] += 1
         self.stats["requests"] += len(p.requests)
 
-    def _compute_rows(self, p: Prepared, rows: list[int]) -> None:
+    def _passes(self, rows: list[int], lengths: list[int], entries: list[TenantEntry]) -> list[list[int]]:
+        """``rows`` as the passes that run them: groups of similar length (``split_by_length``), each
+        split by tenant where adapters are not batched (``entries``: the batch's, one per row)."""
+        if not rows:
+            return []
+        groups = split_by_length(rows, lengths, PASS_OVERHEAD_TOKENS) if self.cfg.length_groups else [rows]
+        if self.cfg.batched_adapters:
+            return groups
+        out = []
+        for group in groups:
+            by_tenant = defaultdict(list)
+            for r in group:
+                by_tenant[entries[r].name].append(r)
+            out += list(by_tenant.values())
+        return out
+
+    def _rows_in(self, p: Prepared, hidden: torch.Tensor, rows: list[int]):
+        """The pass's entries, inputs (n, T, H) and mask (n, T), T its longest row, on the device."""
         entries = [p.entries[r] for r in rows]
-        every_row = len(rows) == len(p.requests)
-        idx = torch.tensor(rows)
-        hidden = (p.hidden if every_row else p.hidden.index_select(0, idx)).to(self.device, non_blocking=True)
-        mask = (p.mask if every_row else p.mask.index_select(0, idx)).to(self.device, non_blocking=True)
+        if len(rows) == len(p.requests):
+            x, mask = hidden, p.mask.to(self.device, non_blocking=True)
+        else:
+            idx = torch.tensor(rows)
+            x = hidden.index_select(0, idx.to(hidden.device))
+            mask = p.mask.index_select(0, idx).to(self.device, non_blocking=True)
         T = int(mask.sum(1).max())
-        hidden, mask = hidden[:, :T], mask[:, :T]
+        return entries, x[:, :T], mask[:, :T]
+
+    def _acquire(self, p: Prepared, rows: list[int], entries: list[TenantEntry], whole_offset: int):
+        """The pass's residency (``whole`` pools read from their layer ``whole_offset`` on), or None
+        with its requests failed when the pools cannot hold its tenants."""
         with self.tracer.span("A:acquire", p.batch_id):
             try:
-                res = self.residency.acquire(entries, p.weights, pipelined=self.cfg.pipeline_swap)
+                res = self.residency.acquire(entries, p.weights, pipelined=self.cfg.pipeline_swap,
+                                             whole_offset=whole_offset)
             except PoolExhaustedError as exc:
                 for r in rows:
                     fail(p.requests[r], exc)
-                return
+                return None
         self.stats["adapters_loaded"] += res.loaded
-        embed = [p.requests[r].embed for r in rows]
-        full_root = entries[0].whole  # a pass runs one kind (split_whole)
+        return res
+
+    def _lower_rows(self, p: Prepared, hidden: torch.Tensor, rows: list[int]) -> None:
+        """The lower layers of the root, each ``whole`` tenant with its adapter, on those rows'
+        embeddings; their states are written over their rows of ``hidden`` (B, T, H)."""
+        entries, x, mask = self._rows_in(p, hidden, rows)
+        res = self._acquire(p, rows, entries, 0)
+        if res is None:
+            return
         try:
-            with self.tracer.span("C:whole" if full_root else "C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
+            with self.tracer.span("C:lower", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad(), bf16_matmuls(self._bf16):
-                    out = upper_forward(self.all_layers if full_root else self.layers, hidden, mask, res.groups,
-                                        before_layer=res.wait_layer,
+                    out = upper_forward(self.lower_layers, x, mask, res.groups, before_layer=res.wait_layer,
+                                        relative_bias=self.relative_bias)
+        finally:
+            self.residency.release(res)
+        hidden[torch.tensor(rows, device=hidden.device), :out.shape[1]] = out
+
+    def _compute_rows(self, p: Prepared, hidden: torch.Tensor, rows: list[int]) -> None:
+        entries, x, mask = self._rows_in(p, hidden, rows)
+        res = self._acquire(p, rows, entries, self.l_low)
+        if res is None:
+            return
+        embed = [p.requests[r].embed for r in rows]
+        # a whole tenant's pool holds every layer: upper layer li waits for its layer li + the split
+        shift = self.l_low if any(e.whole for e in entries) else 0
+        try:
+            with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
+                with torch.no_grad(), bf16_matmuls(self._bf16):
+                    out = upper_forward(self.layers, x, mask, res.groups,
+                                        before_layer=lambda li: res.wait_layer(li + shift),
                                         relative_bias=self.relative_bias)
                     res.wait_head()
                     logits = vectors = None
@@ -346,13 +392,6 @@ def split_by_pools(entries: list[TenantEntry], hidden: int, pool_slots: int) -> 
     if current:
         parts.append(current)
     return parts
-
-
-def split_whole(rows: list[int], entries: list[TenantEntry]) -> list[list[int]]:
-    """``rows`` as the rows that run the upper layers, then those that run every layer (``whole``
-    tenants'); an empty part is left out."""
-    parts = [[r for r in rows if not entries[r].whole], [r for r in rows if entries[r].whole]]
-    return [part for part in parts if part]
 
 
 def split_by_length(rows: list[int], lengths: list[int], overhead: int) -> list[list[int]]:

@@ -124,14 +124,16 @@ class ResidencyManager:
         for p in list(self.pools.values()):
             p.evict(tenant)
 
-    def acquire(self, rows_entries: list[TenantEntry], weights: dict, pipelined: bool) -> Residency:
+    def acquire(self, rows_entries: list[TenantEntry], weights: dict, pipelined: bool,
+                whole_offset: int = 0) -> Residency:
         """Pins slots for the batch's tenants and starts copying what is not resident.
 
         With ``pipelined`` the copies proceed layer by layer in the background; otherwise they
         finish before this returns.  Rows of the root itself (``ROOT``: no spec) join no group:
-        the upper layers run on them without an adapter.  The batch waits layer by layer over its
-        pools' layers (all of them where its tenants are ``whole``; one pass runs one kind).
-        """
+        the upper layers run on them without an adapter.  The groups of ``whole`` tenants' pools
+        (every layer of the root) read their layers from ``whole_offset`` on (``Group.offset``: the
+        split, in a pass of the upper layers); ``layer_ready`` counts the pools' layers, the most
+        of any (a pass that reads whole pools from the split waits for layer li + split)."""
         by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
         for row, e in enumerate(rows_entries):
             if e.spec is None:
@@ -153,7 +155,8 @@ class ResidencyManager:
                 slot_list = [slots[n] for n in names]
                 groups.append(Group(torch.tensor(rows, device=self.device),
                                     torch.tensor(slot_list, device=self.device), p,
-                                    all_rows=len(rows) == len(rows_entries), plan=segment_plan(slot_list)))
+                                    all_rows=len(rows) == len(rows_entries), plan=segment_plan(slot_list),
+                                    offset=whole_offset if rows_entries[rows[0]].whole else 0))
         except Exception:
             for p, slots in acquired:
                 p.release(slots)

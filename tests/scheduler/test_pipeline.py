@@ -334,3 +334,26 @@ def test_a_whole_tenant_in_a_mixed_batch_answers_as_the_full_root_with_its_libra
         else:
             probs = torch.softmax(logits[i], -1)
             assert [g["scores"][c] for c in spec.labels] == pytest.approx(probs.tolist(), abs=1e-4)
+
+
+def test_a_whole_tenants_rows_run_the_lower_layers_alone_and_the_upper_layers_in_the_pass_of_the_others(world):
+    """Its lower layers (with its adapter) in a pass of their own, then one pass of the upper layers
+    for every row of the batch: the upper layers are not run twice. Answers: as alone."""
+    from hmi.training.finetune import initial_weights
+
+    bert, tok, adapters, tenants, lookup = world
+    spec = AdapterSpec("lora", rank=4, labels=("x", "y"), whole=True)
+    g = torch.Generator().manual_seed(5)
+    adapters.save("whole", spec, {k: v + 0.2 * torch.randn(v.shape, generator=g)
+                                  for k, v in initial_weights(bert.config, L_LOW, spec, 5).items()})
+    mixed = FixedTenants({**tenants.entries, "whole": TenantEntry("whole", spec)}, lookup)
+    s = Scheduler(bert, L_LOW, tok, adapters, mixed, mixed, SchedulerConfig(length_groups=False, trace=True))
+    pairs = [("whole", TEXTS[0]), ("t1", TEXTS[1]), ("whole", TEXTS[2]), ("t2", TEXTS[3])]
+    alone = [s.infer([pair])[0] for pair in pairs]
+    s.tracer.events.clear()
+    got = s.infer(pairs)
+    s.shutdown()
+    passes = [(e["name"], e["args"]["size"]) for e in s.tracer.events if e["cat"] == "C"]
+    assert passes == [("C:lower", 2), ("C:upper", 4)]
+    for a, b in zip(got, alone):
+        same(a, b)
