@@ -81,6 +81,12 @@ class Residency:
         if self.error is not None:
             raise RuntimeError(f"adapter copy failed: {self.error}") from self.error
 
+    def settle(self) -> None:
+        """Waits until every copy this batch started has landed or failed (what a pass that read
+        fewer layers than were copied, or stopped early, left in flight)."""
+        for ready in self.layer_ready + [self.head_ready]:
+            ready.wait(self.compute_stream)
+
 
 class ResidencyManager:
     """Pools per adapter signature, created on first use; one staging worker.  A pool holds
@@ -193,6 +199,9 @@ class ResidencyManager:
                 pool.evict_slot(slot)
 
     def release(self, res: Residency) -> None:
+        """Unpins the batch's slots once its copies have landed: a later batch that finds a tenant
+        resident reads its weights without waiting for this batch's copies."""
+        res.settle()
         for p, slots in res.acquired:
             p.release(slots)
 

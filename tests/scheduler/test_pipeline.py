@@ -357,3 +357,36 @@ def test_a_whole_tenants_rows_run_the_lower_layers_alone_and_the_upper_layers_in
     assert passes == [("C:lower", 2), ("C:upper", 4)]
     for a, b in zip(got, alone):
         same(a, b)
+
+
+def test_a_whole_tenants_upper_layers_wait_for_the_copies_its_lower_pass_started(world, monkeypatch):
+    """The lower pass reads the first layers of a newly loaded whole tenant while the staging
+    thread still copies the others; the upper pass, which finds the tenant resident, must read
+    those layers only once they have landed. Slow copies of the upper layers make the race certain."""
+    from hmi.adapters.pool import SlotPool
+    from hmi.training.finetune import initial_weights
+
+    bert, tok, adapters, tenants, lookup = world
+    spec = AdapterSpec("bottleneck", labels=("x", "y"), whole=True)
+    g = torch.Generator().manual_seed(6)
+    adapters.save("slow", spec, {k: v + 0.2 * torch.randn(v.shape, generator=g)
+                                 for k, v in initial_weights(bert.config, L_LOW, spec, 6).items()})
+    mixed = FixedTenants({**tenants.entries, "slow": TenantEntry("slow", spec)}, lookup)
+    pairs = [("slow", TEXTS[0]), ("t1", TEXTS[1])]
+    sync = Scheduler(bert, L_LOW, tok, adapters, mixed, mixed, SchedulerConfig(pipeline_swap=False))
+    want = sync.infer(pairs)
+    sync.shutdown()
+    write = SlotPool.write_layer
+
+    def slow(self, slot, li, w, non_blocking=False):
+        if li >= L_LOW and len(self.layers) > L_LOW:
+            time.sleep(0.3)
+        return write(self, slot, li, w, non_blocking)
+
+    monkeypatch.setattr(SlotPool, "write_layer", slow)
+    s = Scheduler(bert, L_LOW, tok, adapters, mixed, mixed, SchedulerConfig(pipeline_swap=True))
+    s.infer(pairs[1:])  # the windowed tenant resident: the upper pass has nothing to copy of its own
+    got = s.infer(pairs)
+    s.shutdown()
+    for a, b in zip(got, want):
+        same(a, b)
