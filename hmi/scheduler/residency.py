@@ -47,6 +47,7 @@ class Ready:
     def __init__(self, event=None):
         self.flag = threading.Event()
         self.event = event
+        self.waited = False  # the compute stream is ordered after the copies already
 
     def signal(self, stream=None) -> None:
         if self.event is not None:
@@ -54,9 +55,12 @@ class Ready:
         self.flag.set()  # after record(): a waiter never sees an unrecorded event
 
     def wait(self, compute_stream: Callable[[], object] | None = None) -> None:
+        if self.waited:
+            return
         self.flag.wait()
         if self.event is not None:  # the compute stream waits on the device; the host does not block
             compute_stream().wait_event(self.event)
+        self.waited = True
 
 
 @dataclass
