@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_lengths.py [--quick]
 A server for many tenants mixes tasks in one batch: news articles cut at 128 tokens beside
 review sentences of 10 to 40. Padded to its longest, such a batch computes about twice the token
 rows it holds. The scheduler runs it as groups of similar length when that computes fewer token
-rows, counting each further pass as ``PASS_OVERHEAD_TOKENS`` (``hmi.scheduler.pipeline.
+rows, counting each further pass as ``PASS_OVERHEAD_TOKENS`` (``hmi.scheduler.compute.
 split_by_length``). Measured here, side by side through the scheduler (PLOT lookup, 100 tenants
 with bottleneck adapters, batches of 32, rounds interleaved, medians):
 
@@ -75,7 +75,8 @@ def main() -> None:
     from hmi.data import load_task
     from hmi.plot.lookup import PlotLookup
     from hmi.plot.paths import root_plot_path
-    from hmi.scheduler.pipeline import PASS_OVERHEAD_TOKENS, Scheduler, SchedulerConfig, split_by_length
+    from hmi.scheduler.compute import PASS_OVERHEAD_TOKENS, split_by_length
+    from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import FixedTenants, TenantEntry
 
     root, version = prepared_root()

@@ -214,7 +214,7 @@ def length_groups(mask: torch.Tensor, grouped: bool = True) -> list[tuple[torch.
     scheduler's upper layers run them in (``split_by_length``), each with its longest length T_g:
     a baseline that pads a batch of tweets beside reviews to the longest would spend time no
     served path spends. ``grouped=False``: every row in one group, as wide as the batch."""
-    from hmi.scheduler.pipeline import PASS_OVERHEAD_TOKENS, split_by_length
+    from hmi.scheduler.compute import PASS_OVERHEAD_TOKENS, split_by_length
 
     if not grouped:
         return [(torch.arange(mask.shape[0]), mask.shape[1])]

@@ -12,7 +12,8 @@ from hmi.model.hplm import WindowedEncoder
 from hmi.model.root import load_tokenizer
 from hmi.plot.lookup import PlotLookup, PlotVersion
 from hmi.plot.store import PlotMeta, PlotStore
-from hmi.scheduler.pipeline import Scheduler, SchedulerConfig, split_by_length
+from hmi.scheduler.compute import split_by_length
+from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
 from hmi.scheduler.types import FixedTenants, InferRequest, SchedulerClosedError, TenantEntry
 from hmi.training.finetune import tenant_model
 from tests.conftest import DEVICES
