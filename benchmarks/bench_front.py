@@ -10,7 +10,8 @@ twice in the run; the median round is the point.  Configurations of hBERT (the m
 the PLOT has kept, the hot tier):
 
 - ``backoff``: the paper's, the root PLOT as built (hot tier off, and on: ``backoff+hot``);
-- ``learned``: each missed tri-gram estimated by the root PLOT's learned back-off (when trained);
+- ``learned``: each missed tri-gram estimated by the root PLOT's learned back-off (when trained;
+  with the hot tier: ``learned+hot``);
 - ``learned+compute``: the same, with the misses whose back-off would reach the uni-gram computed
   (its accuracy: eval_accuracy's ``--schemes hBERT-learned-compute``, "-" where the record lacks it);
 - ``compute``: every miss computed, nothing kept;
@@ -20,8 +21,8 @@ the PLOT has kept, the hot tier):
   keep them);
 - ``compute+insert warm``: after also a stream of unlabeled text from the tasks' own domains
   (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain;
-- ``learned, distilled, auto`` (and ``learned+compute``, ``backoff``, ``backoff+hot, distilled,
-  auto``): tenants fine-tuned with ``"serving": "auto"``: those of a task whose record chose whole
+- ``learned, distilled, auto`` (and ``learned+compute``, ``learned+hot``, ``backoff``,
+  ``backoff+hot, distilled, auto``): tenants fine-tuned with ``"serving": "auto"``: those of a task whose record chose whole
   (eval_accuracy's served-auto column of that miss policy's students, ``res.tasks.*.serving``)
   served on the full root with their adapter in every layer, the others on the windows as that
   configuration serves them.
@@ -93,21 +94,26 @@ TENANTS, B, MAX_LEN = 100, 32, 128
 # tenants served as `"serving": "auto"` chooses (whole_tasks), the others on a miss policy: config -> that policy
 AUTO, AUTO_COMPUTE = "learned, distilled, auto", "learned+compute, distilled, auto"
 AUTO_BACKOFF, AUTO_HOT = "backoff, distilled, auto", "backoff+hot, distilled, auto"
-AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute", AUTO_BACKOFF: "backoff", AUTO_HOT: "backoff+hot"}
+AUTO_LEARNED_HOT = "learned+hot, distilled, auto"
+AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute", AUTO_BACKOFF: "backoff", AUTO_HOT: "backoff+hot",
+               AUTO_LEARNED_HOT: "learned+hot"}
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
-COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, "learned+compute": HBERT_LEARNED_COMPUTE,
+COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, "learned+hot": HBERT_LEARNED,
+          "learned+compute": HBERT_LEARNED_COMPUTE,
           "compute": HBERT_EXACT, "compute+insert cold": HBERT_EXACT, "compute+insert tenants": HBERT_EXACT,
           "compute+insert warm": HBERT_EXACT, "hBERT-adapter": "hBERT-adapter", "shared": "shared",
           "learned, distilled": HBERT_DISTILLED, "learned+compute, distilled": HBERT_DISTILLED_COMPUTE,
           "backoff, distilled": HBERT_BACKOFF_DISTILLED, "backoff+hot, distilled": HBERT_BACKOFF_DISTILLED,
+          "learned+hot, distilled": HBERT_DISTILLED,
           AUTO: HBERT_AUTO, AUTO_COMPUTE: HBERT_AUTO_COMPUTE, AUTO_BACKOFF: HBERT_AUTO_BACKOFF,
-          AUTO_HOT: HBERT_AUTO_BACKOFF}
+          AUTO_HOT: HBERT_AUTO_BACKOFF, AUTO_LEARNED_HOT: HBERT_AUTO}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
 SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
-             "backoff, distilled": "backoff", "backoff+hot, distilled": "backoff+hot"}
+             "backoff, distilled": "backoff", "backoff+hot, distilled": "backoff+hot",
+             "learned+hot, distilled": "learned+hot"}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
@@ -361,6 +367,7 @@ def main() -> None:
         learned.place_shipped(version.store, root)  # as `hmi serve` does before it serves
         if learned.load(version.store.path) is not None:
             lookups["learned"] = PlotLookup([version], "learned")
+            lookups["learned+hot"] = PlotLookup([hot_version], "learned")
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")
         else:
             out["learned"] = f"not measured: the root PLOT has no learned back-off (`hmi plot learn-backoff{root_flags(args)}`)"
@@ -494,6 +501,9 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
                  "accuracy": avg.get(col), "accuracy_column": col,
                  "per_task": {t: tasks[t].get(col) for t in TASKS}}
         point["over_adapter"] = round(point["rps"] / adapter_rps, 3)
+        # each round against hBERT-adapter's of the same round: what drifts between rounds cancels
+        point["over_adapter_paired"] = round(statistics.median(
+            [a / b for a, b in zip(measured[config], measured["hBERT-adapter"])]), 3)
         points.append(point)
     out["points"] = points
     out["over_adapter"] = {p["config"]: p["over_adapter"] for p in points}  # by name, for claims
@@ -532,17 +542,19 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     curve, kept_cost = out["hit_rate_curve"], out["tenant_windows_cost"]
     out["warm_hit_rate"] = curve[-1]["hit_rate"]
 
-    rows = [(p["config"], f"{p['rps']:.1f}", f"{p['over_adapter']:.2f}", f"{p['accuracy']:.2f}" if p["accuracy"] else "-",
+    rows = [(p["config"], f"{p['rps']:.1f}", f"{p['over_adapter']:.2f}", f"{p['over_adapter_paired']:.2f}",
+             f"{p['accuracy']:.2f}" if p["accuracy"] else "-",
              f"{p['accuracy'] - fair:+.2f}" if p["accuracy"] else "-",
              *(f"{p['per_task'][t]:.1f}" if p["per_task"][t] is not None else "-" for t in TASKS)) for p in points]
     low, up = out["split"]
     text = (f"Root: {out['root_name']}, split {low}+{up} (artifact {out['artifact']}); {TENANTS} tenants drawn "
             f"uniformly, batches of {B} texts of at most {MAX_LEN} tokens.\n\n"
-            + table(rows, ("configuration", "requests/s", "over hBERT-adapter", "avg accuracy", "vs fair bar",
-                           *TASKS)) + "\n\n")
+            + table(rows, ("configuration", "requests/s", "over hBERT-adapter", "round by round", "avg accuracy",
+                           "vs fair bar", *TASKS)) + "\n\n")
     text += (f"Requests / s: the median of {out['rounds']} rounds of {out['measured_batches']} measured batches each "
              "(after one), the configurations alternating, every round on texts of its own (test and dev texts of the "
-             f"four tasks, none twice). Accuracy: test accuracy in % from the record of "
+             "four tasks, none twice); over hBERT-adapter: the ratio of the medians; round by round: the median of "
+             f"the ratios to hBERT-adapter's requests/s in the same round. Accuracy: test accuracy in % from the record of "
              f"`docs/results/{out['accuracy_record']}.md`"
              + (f" (artifact {out['accuracy_artifact']}: the same recipe, {out['steps']} steps, calibrated on another "
                 f"machine, whose kernels round otherwise; this machine's calibration gave {out['artifact']}, whose "

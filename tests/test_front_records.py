@@ -4,6 +4,7 @@ hBERT-adapter) come from a record of another split of the same root only when it
 made the same way."""
 
 import json
+import statistics
 
 import pytest
 
@@ -359,3 +360,18 @@ def test_back_off_students_served_auto_are_points_with_and_without_the_hot_tier_
     assert point["backoff+hot, distilled"]["rps"] == 18.0 and point["backoff+hot, distilled"]["accuracy"] == 83.5
     assert (out["best_at_1_5x"], out["gap_to_adapter_at_1_5x"]) == (bench_front.AUTO_HOT, 1.5)
     assert (out["default_served"], out["default_served_over_adapter"]) == (bench_front.AUTO_BACKOFF, 1.4)
+
+
+def test_a_point_is_also_given_round_by_round_against_hbert_adapters_requests_per_second_in_the_same_round(
+        tmp_path, monkeypatch):
+    """The ratio of the medians and the median of the rounds' ratios: a round where the machine ran
+    slow for every configuration moves the first, not the second."""
+    distilled_pages(tmp_path, monkeypatch)
+    acc = bench_front.accuracy_record("l3", None)[2]
+    out = {**learned_run(), "rounds": 3,
+           "measured": {"learned": [19.0, 10.0, 21.0], "hBERT-adapter": [10.0, 5.0, 14.0], "shared": [8.0, 4.0, 9.0]}}
+    bench_front.report(out, acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    point = next(p for p in out["points"] if p["config"] == "learned")
+    assert point["over_adapter"] == round(19.0 / 10.0, 3)
+    assert point["over_adapter_paired"] == round(statistics.median([19.0 / 10.0, 10.0 / 5.0, 21.0 / 14.0]), 3) == 1.9
+    assert "round by round" in (tmp_path / "bench_front_trial.md").read_text()
