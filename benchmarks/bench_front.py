@@ -37,7 +37,7 @@ rounding: 0.0002 of pooled cosine, ``docs/results/bench_plot_formats.md``), so t
 how warm the PLOT is changes their speed alone.  Also the hit-rate curve: the share of the test
 texts' distinct tri-grams the PLOT holds as the stream goes on.
 
-Usage: python benchmarks/bench_front.py [--quick] [--stream N] [--rounds N] [--accuracy PAGE]
+Usage: python benchmarks/bench_front.py [--quick] [--stream N] [--rounds N] [--accuracy PAGE [--speed-only]]
                                         [--root minilm-l6|mpnet-base|PATH] [--l-low N]
 """
 
@@ -157,8 +157,9 @@ def plot_of(rec: dict) -> str:
 
 def same_recipe(rec: dict, served: dict) -> bool:
     """Whether an eval_accuracy record's artifact is another calibration of the served artifact's
-    recipe: the same root, split and calibration steps (``served``: those keys of the served one)."""
-    return all(rec.get(k) is not None and rec.get(k) == served.get(k) for k in RECIPE)
+    recipe: the same root, split and calibration steps (``served``: those keys of the served one;
+    without ``steps``, as ``--speed-only`` gives it, any calibration of the root and split)."""
+    return all(rec.get(k) is not None and rec.get(k) == served.get(k) for k in RECIPE if k in served)
 
 
 def accuracy_record(artifact: str, page: str | None, split_free_page: str | None = None,
@@ -303,6 +304,11 @@ def main() -> None:
                                            "(default: the finished one of this artifact with the most columns); "
                                            "it may hold another calibration of this artifact's recipe (root, split, "
                                            "steps), made on a machine whose kernels round otherwise")
+        ap.add_argument("--speed-only", action="store_true",
+                        help="with --accuracy: that record may hold a calibration of this root and split of any "
+                             "length; this artifact (a short calibration, say) gives the requests/s alone, which do not "
+                             "depend on the windows' values (the same PLOT keys from the same corpus, value sizes, "
+                             "layers and learned back-off width)")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -329,6 +335,11 @@ def main() -> None:
     root, version = prepared_root(root=args.root, l_low=args.l_low)
     served = {"root": root.spec.name, "l_low": root.spec.l_low,
               "steps": root.meta.get("calibration", {}).get("steps_done")}
+    if args.speed_only and not args.accuracy:
+        raise SystemExit("--speed-only needs --accuracy: the record of the calibration whose accuracy the points take")
+    steps = served["steps"]
+    if args.speed_only:
+        served.pop("steps")
     plot_from = plot_corpus(version.store)
     acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy, served=served, plot_from=plot_from)
     tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
@@ -337,7 +348,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
     lookups: dict = {}
     out: dict = {"root": root.spec.name, "root_source": root.spec.source, "l_low": l_low, "artifact": root.artifact_id,
-                 "steps": served["steps"], "plot_corpus": plot_from,
+                 "steps": steps, "plot_corpus": plot_from, "speed_only": args.speed_only,
                  "accuracy_record": acc_page, "accuracy_artifact": acc["root_artifact"],
                  "split_free_record": free_page,
                  "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
@@ -455,7 +466,8 @@ def main() -> None:
     command = ("python benchmarks/bench_front.py" + (" --quick" if args.quick else "")
                + (f" --stream {args.stream}" if args.stream is not None else "")
                + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
-               + (f" --accuracy {args.accuracy}" if args.accuracy else "") + root_flags(args))
+               + (f" --accuracy {args.accuracy}" if args.accuracy else "")
+               + (" --speed-only" if args.speed_only else "") + root_flags(args))
     try:
         # the page names the commit and date the record took when the measurement ended, before any output was written
         page = result_name("bench_front", args) + plot_page_suffix(plot_from)
@@ -556,7 +568,12 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              "four tasks, none twice); over hBERT-adapter: the ratio of the medians; round by round: the median of "
              f"the ratios to hBERT-adapter's requests/s in the same round. Accuracy: test accuracy in % from the record of "
              f"`docs/results/{out['accuracy_record']}.md`"
-             + (f" (artifact {out['accuracy_artifact']}: the same recipe, {out['steps']} steps, calibrated on another "
+             + (f" (artifact {out['accuracy_artifact']}, {acc.get('steps')} calibration steps; the requests/s were "
+                f"measured on {out['artifact']}, a calibration of the same root and split of {out['steps']} steps made "
+                "for them alone: requests/s do not depend on the windows' values, only on the PLOT's keys (the same "
+                "corpus), the values' sizes, the layers and the learned back-off's width)"
+                if out.get("speed_only") and out.get("accuracy_artifact", out["artifact"]) != out["artifact"] else
+                f" (artifact {out['accuracy_artifact']}: the same recipe, {out['steps']} steps, calibrated on another "
                 f"machine, whose kernels round otherwise; this machine's calibration gave {out['artifact']}, whose "
                 "windows cost the same to serve: the same PLOT keys, value sizes and layers)"
                 if out.get("accuracy_artifact", out["artifact"]) != out["artifact"] else "")
@@ -615,7 +632,8 @@ def render(name: str) -> None:
     out = json.loads(re.search(r"```json\n(.*?)\n```", page, re.S).group(1))
     command = re.search(r"Command: `(.*?)`", page).group(1)
     _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
-                                served={k: out.get(k) for k in RECIPE}, plot_from=out.get("plot_corpus", "general"))
+                                served={k: out.get(k) for k in RECIPE if k != "steps" or not out.get("speed_only")},
+                                plot_from=out.get("plot_corpus", "general"))
     where, when = page_header(page)  # the page keeps the machine and date it was measured on
     out["default_config"] = served_by_default(out)
     report(out, acc, name, command, (where, out.get("measured_at", when)))

@@ -75,6 +75,21 @@ def test_a_named_record_of_another_recipe_never_gives_the_accuracy(tmp_path, mon
         bench_front.accuracy_record("here", "eval_accuracy_grid", served=SERVED)
 
 
+@pytest.mark.parametrize("other", [{"root": "another==1"}, {"l_low": 2}, {"steps": 1600}])
+def test_for_speed_alone_a_named_record_of_the_root_and_split_gives_the_accuracy_whatever_its_steps(
+        tmp_path, monkeypatch, other):
+    """``--speed-only`` leaves the steps out of what must match (requests/s do not depend on the
+    windows' values); another root or split still never gives the accuracy."""
+    monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
+    write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT}, **other)
+    speed_only = {k: v for k, v in SERVED.items() if k != "steps"}
+    if "steps" in other:
+        assert bench_front.accuracy_record("here", "eval_accuracy_grid", served=speed_only)[2]["steps"] == 1600
+    else:
+        with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact here"):
+            bench_front.accuracy_record("here", "eval_accuracy_grid", served=speed_only)
+
+
 def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp_path, monkeypatch):
     """The path of a fresh run (no page header to keep) and ``--render``'s (the header kept)."""
     from benchmarks import common
