@@ -157,9 +157,22 @@ def plot_of(rec: dict) -> str:
 
 def same_recipe(rec: dict, served: dict) -> bool:
     """Whether an eval_accuracy record's artifact is another calibration of the served artifact's
-    recipe: the same root, split and calibration steps (``served``: those keys of the served one;
-    without ``steps``, as ``--speed-only`` gives it, any calibration of the root and split)."""
-    return all(rec.get(k) is not None and rec.get(k) == served.get(k) for k in RECIPE if k in served)
+    recipe: the same root, split and calibration steps (``served``: those keys of the served one)."""
+    return all(rec.get(k) is not None and rec.get(k) == served.get(k) for k in RECIPE)
+
+
+def speed_only_record(page: str, served: dict, plot_from: str) -> tuple[str, str | None, dict]:
+    """``--speed-only``: the accuracy of the named page's own artifact (its columns, and those other
+    pages of that artifact hold), which must be a calibration of the served root and split, of any
+    length (``served``: the served artifact's RECIPE keys)."""
+    found = dict(_records([RECORDS / f"{page}.md"]))
+    rec = found.get(page)
+    if rec is None:
+        raise SystemExit(f"--speed-only: no finished eval_accuracy page {page} in docs/results")
+    if (rec.get("root"), rec.get("l_low")) != (served["root"], served["l_low"]):
+        raise SystemExit(f"--speed-only: {page} is of {rec.get('root')} split at {rec.get('l_low')}, not of the served "
+                         f"{served['root']} split at {served['l_low']}")
+    return accuracy_record(rec["root_artifact"], page, plot_from=plot_from)
 
 
 def accuracy_record(artifact: str, page: str | None, split_free_page: str | None = None,
@@ -337,18 +350,16 @@ def main() -> None:
               "steps": root.meta.get("calibration", {}).get("steps_done")}
     if args.speed_only and not args.accuracy:
         raise SystemExit("--speed-only needs --accuracy: the record of the calibration whose accuracy the points take")
-    steps = served["steps"]
-    if args.speed_only:
-        served.pop("steps")
     plot_from = plot_corpus(version.store)
-    acc_page, free_page, acc = accuracy_record(root.artifact_id, args.accuracy, served=served, plot_from=plot_from)
+    acc_page, free_page, acc = (speed_only_record(args.accuracy, served, plot_from) if args.speed_only else
+                                accuracy_record(root.artifact_id, args.accuracy, served=served, plot_from=plot_from))
     tok, bert, l_low = root.tokenizer, root.bert, root.spec.l_low
     texts = request_texts(tok, seed=0)
     *traces, first = make_traces(texts, n_batches, rounds + 1, seed=1)  # the last: the process's first batches
     tmp = Path(tempfile.mkdtemp(prefix="hmi-bench-front-"))
     lookups: dict = {}
     out: dict = {"root": root.spec.name, "root_source": root.spec.source, "l_low": l_low, "artifact": root.artifact_id,
-                 "steps": steps, "plot_corpus": plot_from, "speed_only": args.speed_only,
+                 "steps": served["steps"], "plot_corpus": plot_from, "speed_only": args.speed_only,
                  "accuracy_record": acc_page, "accuracy_artifact": acc["root_artifact"],
                  "split_free_record": free_page,
                  "tenants": TENANTS, "rounds": rounds, "measured_batches": n_batches - 1, "stream_lines_per_domain": stream}
@@ -631,9 +642,11 @@ def render(name: str) -> None:
     page = (DOCS / f"{name}.md").read_text()
     out = json.loads(re.search(r"```json\n(.*?)\n```", page, re.S).group(1))
     command = re.search(r"Command: `(.*?)`", page).group(1)
-    _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
-                                served={k: out.get(k) for k in RECIPE if k != "steps" or not out.get("speed_only")},
-                                plot_from=out.get("plot_corpus", "general"))
+    if out.get("speed_only"):
+        _, _, acc = speed_only_record(out["accuracy_record"], out, out.get("plot_corpus", "general"))
+    else:
+        _, _, acc = accuracy_record(out["artifact"], out["accuracy_record"], out.get("split_free_record"),
+                                    served={k: out.get(k) for k in RECIPE}, plot_from=out.get("plot_corpus", "general"))
     where, when = page_header(page)  # the page keeps the machine and date it was measured on
     out["default_config"] = served_by_default(out)
     report(out, acc, name, command, (where, out.get("measured_at", when)))

@@ -76,18 +76,21 @@ def test_a_named_record_of_another_recipe_never_gives_the_accuracy(tmp_path, mon
 
 
 @pytest.mark.parametrize("other", [{"root": "another==1"}, {"l_low": 2}, {"steps": 1600}])
-def test_for_speed_alone_a_named_record_of_the_root_and_split_gives_the_accuracy_whatever_its_steps(
+def test_for_speed_alone_the_named_record_of_the_root_and_split_gives_its_own_artifacts_accuracy_whatever_its_steps(
         tmp_path, monkeypatch, other):
-    """``--speed-only`` leaves the steps out of what must match (requests/s do not depend on the
-    windows' values); another root or split still never gives the accuracy."""
+    """``--speed-only``: the named page's columns and those of other pages of its own artifact
+    (never of another calibration); another root or split never gives the accuracy."""
     monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
     write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT}, **other)
-    speed_only = {k: v for k, v in SERVED.items() if k != "steps"}
+    write(tmp_path, "eval_accuracy_partial_distilled", "elsewhere", {bench_front.HBERT_DISTILLED: 84.0}, **other)
+    write(tmp_path, "eval_accuracy_partial_old", "older", {bench_front.HBERT_AUTO: 80.0}, **other)
     if "steps" in other:
-        assert bench_front.accuracy_record("here", "eval_accuracy_grid", served=speed_only)[2]["steps"] == 1600
+        name, _, rec = bench_front.speed_only_record("eval_accuracy_grid", SERVED, "general")
+        assert (name, rec["root_artifact"], rec["steps"]) == ("eval_accuracy_grid", "elsewhere", 1600)
+        assert bench_front.HBERT_DISTILLED in rec["average"] and bench_front.HBERT_AUTO not in rec["average"]
     else:
-        with pytest.raises(SystemExit, match="no finished eval_accuracy record of artifact here"):
-            bench_front.accuracy_record("here", "eval_accuracy_grid", served=speed_only)
+        with pytest.raises(SystemExit, match="not of the served"):
+            bench_front.speed_only_record("eval_accuracy_grid", SERVED, "general")
 
 
 def test_a_run_just_measured_and_its_page_written_again_give_the_same_record(tmp_path, monkeypatch):
