@@ -165,8 +165,8 @@ def speed_only_record(page: str, served: dict, plot_from: str) -> tuple[str, str
     """``--speed-only``: the accuracy of the named page's own artifact (its columns, and those other
     pages of that artifact hold), which must be a calibration of the served root and split, of any
     length (``served``: the served artifact's RECIPE keys)."""
-    found = dict(_records([RECORDS / f"{page}.md"]))
-    rec = found.get(page)
+    path = RECORDS / f"{page}.md"
+    rec = dict(_records([path])).get(page) if path.is_file() else None
     if rec is None:
         raise SystemExit(f"--speed-only: no finished eval_accuracy page {page} in docs/results")
     if (rec.get("root"), rec.get("l_low")) != (served["root"], served["l_low"]):

@@ -84,6 +84,8 @@ def test_for_speed_alone_the_named_record_of_the_root_and_split_gives_its_own_ar
     write(tmp_path, "eval_accuracy_grid", "elsewhere", {**FREE, **HBERT}, **other)
     write(tmp_path, "eval_accuracy_partial_distilled", "elsewhere", {bench_front.HBERT_DISTILLED: 84.0}, **other)
     write(tmp_path, "eval_accuracy_partial_old", "older", {bench_front.HBERT_AUTO: 80.0}, **other)
+    with pytest.raises(SystemExit, match="no finished eval_accuracy page eval_accuracy_missing"):
+        bench_front.speed_only_record("eval_accuracy_missing", SERVED, "general")  # a page that is not there
     if "steps" in other:
         name, _, rec = bench_front.speed_only_record("eval_accuracy_grid", SERVED, "general")
         assert (name, rec["root_artifact"], rec["steps"]) == ("eval_accuracy_grid", "elsewhere", 1600)

@@ -198,7 +198,7 @@ def estimate(model: LearnedBackoff, store: PlotStore, keys: np.ndarray, served: 
             out = projected.estimate(torch.from_numpy(served), w[:, 0], w[:, 2], torch.from_numpy(from_bigram))
         return out.half().numpy()  # torch's conversion: numpy's rounds alike, several times slower
     context = neighbour_states(store, keys, centres)
-    with torch.no_grad(), bf16_matmuls(SERVE_BF16 if bf16 is None else bf16):
+    with torch.no_grad(), bf16_matmuls(use_bf16):
         out = model(torch.from_numpy(served), torch.from_numpy(context), torch.from_numpy(from_bigram))
     return out.half().numpy()
 

@@ -138,13 +138,11 @@ class Compute:
         if res is None:
             return
         embed = [p.requests[r].embed for r in rows]
-        # a whole tenant's pool holds every layer: upper layer li waits for its layer li + the split
-        shift = self.l_low if any(e.whole for e in entries) else 0
         try:
             with self.tracer.span("C:upper", p.batch_id, size=len(rows), loaded=res.loaded):
                 with torch.no_grad(), bf16_matmuls(self.cfg.bf16):
                     out = upper_forward(self.layers, x, mask, res.groups,
-                                        before_layer=lambda li: res.wait_layer(li + shift),
+                                        before_layer=res.wait_layer,
                                         relative_bias=self.relative_bias)
                     res.wait_head()
                     logits = vectors = None

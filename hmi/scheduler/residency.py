@@ -74,9 +74,13 @@ class Residency:
     loaded: int  # tenants copied host -> device for this batch
     compute_stream: Callable[[], object] | None = None
     error: BaseException | None = None  # set by the staging worker when a copy failed
+    # layer li of the pass reads layer li + offset of a pool (the groups' largest ``Group.offset``):
+    # it waits for that layer's copies, which land after those of every layer before it
+    offset: int = 0
 
     def wait_layer(self, li: int) -> None:
-        self.layer_ready[li].wait(self.compute_stream)
+        """Waits until the pools' weights that layer ``li`` of the pass reads have landed."""
+        self.layer_ready[li + self.offset].wait(self.compute_stream)
         if self.error is not None:
             raise RuntimeError(f"adapter copy failed: {self.error}") from self.error
 
@@ -143,7 +147,7 @@ class ResidencyManager:
         the upper layers run on them without an adapter.  The groups of ``whole`` tenants' pools
         (every layer of the root) read their layers from ``whole_offset`` on (``Group.offset``: the
         split, in a pass of the upper layers); ``layer_ready`` counts the pools' layers, the most
-        of any (a pass that reads whole pools from the split waits for layer li + split)."""
+        of any, and ``wait_layer(li)`` waits for layer li + that offset."""
         by_pool: dict[int, tuple[SlotPool, list[int]]] = {}
         for row, e in enumerate(rows_entries):
             if e.spec is None:
@@ -174,7 +178,7 @@ class ResidencyManager:
         new = (lambda: Ready(self.streams.new_event())) if self.cuda else Ready
         n_layers = max((len(p.layers) for p, _ in acquired), default=self.n_layers)
         res = Residency(groups, acquired, [new() for _ in range(n_layers)], new(), len(to_copy),
-                        self.streams.compute if self.cuda else None)
+                        self.streams.compute if self.cuda else None, offset=max((g.offset for g in groups), default=0))
         if pipelined and to_copy:
             self._stager.submit(self._copy, to_copy, res)
         else:
