@@ -98,6 +98,8 @@ GRIDS = {"dedicated": (1e-4, 5e-5, 2e-5), "shared": (3e-3, 1e-2, 1e-3), "compres
          "hBERT-adapter": GRID_LRS, ADAPTER_UPPER: GRID_LRS, "hBERT": GRID_LRS}
 # schemes whose learning rates a flag sets (--dedicated-lr, --shared-lr): scheme -> argparse attribute
 LR_FLAGS = {"dedicated": "dedicated_lr", "shared": "shared_lr"}
+# schemes --head-lr leaves alone: every weight at one rate, or the head alone
+HEAD_LR_FREE = ("dedicated", "shared", "compress")
 # Bumped when a cell's training changes, so that cells of earlier code are not read back.
 CELL_FORMAT = 1
 # Columns that read neither the windows nor the split (every weight of the root, its head alone, the first
@@ -271,7 +273,7 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
 
 def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bool, transfer: int,
              distil_weight: float, distil_epochs: int | None, branch: list | None = None,
-             distil_start: str = "new", probe_first: int = 0) -> dict:
+             distil_start: str = "new", probe_first: int = 0, head_lr: float | None = None) -> dict:
     """The key of a scheme's cells on a task (its pooling, learning rate and seed are added per cell):
     whatever else makes two runs of the scheme differ, so that a run reads back only its own cells.
     ``learned_id`` names the learned back-off a scheme reads (None: it reads none); ``distil_epochs`` the
@@ -280,8 +282,11 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
     PLOT fingerprint; None: the root PLOT alone, as every earlier run's key has it); ``distil_start``
     where a distilled student starts ("teacher": its teacher's upper layers; "new", as every earlier
     run's key has it); ``probe_first`` the epochs hBERT-adapter (and so every teacher) trains its head
-    alone first (0: none, as every earlier run's key has it)."""
+    alone first (0: none, as every earlier run's key has it); ``head_lr`` the head's own rate in the
+    adapter schemes (None: their learning rate, as every earlier run's key has it)."""
     key = {"task": task, "train": train, "scheme": label}
+    if head_lr is not None and label not in HEAD_LR_FREE:
+        key["head_lr"] = head_lr
     if branch is not None:
         key["branch"] = branch
     if probe_first and label == "hBERT-adapter":
@@ -299,6 +304,8 @@ def cell_key(task: str, train: int, label: str, learned_id: str | None, bf16: bo
             key["distil_start"] = distil_start
         if probe_first:
             key["teacher_probe_first"] = probe_first
+        if head_lr is not None:
+            key["teacher_head_lr"] = head_lr
     return key
 
 
@@ -463,6 +470,10 @@ def main() -> None:
                         help="hBERT-adapter, and so every distilled student's teacher: train the head alone for E "
                              "epochs first, then everything from there (LP-FT), dev choosing among all the epochs; "
                              "writes its own page (..._probe-first-E)")
+        ap.add_argument("--head-lr", type=float, metavar="LR",
+                        help="the adapter schemes (hBERT-adapter, and so every teacher, and every hBERT column): "
+                             "the head trains at LR while the adapters train at the grid's rate (default: the "
+                             "grid's rate for both); writes its own page (..._head-lr-LR)")
         ap.add_argument("--branches", action="store_true",
                         help="serve each task's PLOT columns on its domain's branch, as a tenant of that domain is "
                              "(the chain branch -> root; create it first with `hmi domain create DOMAIN --corpus "
@@ -491,6 +502,8 @@ def main() -> None:
         raise SystemExit(f"--distil-epochs must be at least 1, got {args.distil_epochs}")
     if args.probe_first < 0:
         raise SystemExit(f"--probe-first must be 0 or more epochs, got {args.probe_first}")
+    if args.head_lr is not None and args.head_lr <= 0:
+        raise SystemExit(f"--head-lr must be positive, got {args.head_lr:g}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         raise SystemExit(f"--max-minutes must be positive, got {args.max_minutes:g}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -609,6 +622,8 @@ def main() -> None:
                  + (f" hBERT-adapter (and so every teacher) trains its head alone for {args.probe_first} epochs at "
                     f"lr {PROBE_LR:g} first, then everything from there (LP-FT), dev choosing among all "
                     f"{epochs + args.probe_first} epochs." if args.probe_first else "")
+                 + (f" The adapter schemes' heads train at lr {args.head_lr:g} (their adapters at the rate "
+                    "given)." if args.head_lr is not None else "")
                  + (" Each distilled student starts from its teacher: the teacher's adapter of the upper "
                     f"{n_layers - l_low} layers and its head (`Distillation.start`), not a new one."
                     if distils and args.distil_start == "teacher" else ""))
@@ -664,6 +679,9 @@ def main() -> None:
         if args.probe_first:
             page += f"_probe-first-{args.probe_first}"
             res["probe_first_epochs"] = args.probe_first
+        if args.head_lr is not None:
+            page += f"_head-lr-{args.head_lr:g}"
+            res["head_lr"] = args.head_lr
         if reads_learned:
             res["learned_backoff"] = learned_id
             res["learned_backoff_bf16"] = SERVE_BF16
@@ -693,6 +711,7 @@ def main() -> None:
                + (f" --distil-epochs {distil_epochs}" if distils and distil_epochs else "")
                + (f" --distil-start {args.distil_start}" if distils and args.distil_start != "new" else "")
                + (f" --probe-first {args.probe_first}" if args.probe_first else "")
+               + (f" --head-lr {args.head_lr:g}" if args.head_lr is not None else "")
                + (" --branches" if tree is not None else "")
                + root_flags(args))
         if len(done) < len(tasks):
@@ -718,7 +737,7 @@ def main() -> None:
 
         def hbert(spec, lr, seed, policy, distil=None):
             e = distil_epochs if distil is not None and distil_epochs else epochs
-            cfg = FinetuneConfig(epochs=e, lr=lr, max_len=max_len, patience=e, seed=seed)
+            cfg = FinetuneConfig(epochs=e, lr=lr, head_lr=args.head_lr, max_len=max_len, patience=e, seed=seed)
             if policy == "full":  # the same trainer on the full-context lower layers' output
                 model = tenant_model(root.bert, root.spec.l_low, spec, distil.start if distil else None, cfg.seed)
                 return fit(model, FullContextLower(root.bert, root.spec.l_low, "cpu", grouped=False), root.tokenizer,
@@ -733,7 +752,8 @@ def main() -> None:
 
         def full(spec, lr, seed, mode):
             return train_full_context(root.bert, spec, ex["train"], ex["dev"], ex["test"], mode, epochs, lr, seed=seed,
-                                      l_low=l_low, probe_epochs=args.probe_first if mode == "adapter" else 0)
+                                      l_low=l_low, probe_epochs=args.probe_first if mode == "adapter" else 0,
+                                      head_lr=args.head_lr if mode in ("adapter", "upper") else None)
 
         def cell(run, spec, lr, seed) -> dict:
             t0 = time.time()
@@ -743,7 +763,7 @@ def main() -> None:
         teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
 
         teacher_key = cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer, args.distil_weight,
-                               None, probe_first=args.probe_first)
+                               None, probe_first=args.probe_first, head_lr=args.head_lr)
 
         def teacher_setting(seed) -> tuple[str, float]:
             """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's (its pooling its students')."""
@@ -776,7 +796,7 @@ def main() -> None:
                 key = cell_key(task, len(train), label, learned_id if reads else None, SERVE_BF16, args.transfer,
                                args.distil_weight, distil_epochs,
                                [branch["name"], branch["plot"]] if branch and on_plot else None, args.distil_start,
-                               args.probe_first)
+                               args.probe_first, args.head_lr)
                 # a distilled student at its teacher's pooling, as a tenant's fine-tune trains it
                 options = (lambda seed, label=label: [(teacher_setting(seed)[0], lr) for lr in lrs[label]]
                            ) if label in DISTILLED else [(p, lr) for p in poolings for lr in lrs[label]]

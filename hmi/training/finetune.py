@@ -25,7 +25,7 @@ from hmi.model.hplm import UpperLayers
 from hmi.plot.lookup import PlotLookup
 from hmi.training.distil import Distillation
 from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
-from hmi.training.fit import Fit, early_stopping
+from hmi.training.fit import Fit, early_stopping, head_groups
 
 NAME = "tenant"
 # The learning rates dev chooses among, with the pooling of a classification head (``dev_options``): the
@@ -40,6 +40,7 @@ class FinetuneConfig:
     epochs: int = 4
     batch_size: int = 32
     lr: float = 1e-3
+    head_lr: float | None = None  # the head's own rate (None: lr, as for the adapter)
     weight_decay: float = 0.01
     max_len: int = 128
     patience: int = 2
@@ -229,7 +230,10 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
-    with Fit(model.parameters(), steps_per_epoch * cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay,
+    head = model.head_parameters()
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    with Fit(head_groups(body, head, cfg.head_lr), steps_per_epoch * cfg.epochs, lr=cfg.lr,
+             weight_decay=cfg.weight_decay,
              desc="fine-tune", progress=progress, should_stop=should_stop, on_progress=on_progress,
              report_every=5) as fit:
 

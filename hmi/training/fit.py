@@ -47,13 +47,15 @@ class Cancelled(RuntimeError):
 class Fit:
     """Optimizer steps with their bookkeeping; ``with Fit(...) as fit:`` closes the bar."""
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], total: int, *, lr: float, weight_decay: float = 0.0,
+    def __init__(self, params: Iterable[torch.nn.Parameter] | Iterable[dict], total: int, *, lr: float,
+                 weight_decay: float = 0.0,
                  clip: float | None = None, schedule: Callable[[int], float] | None = None, desc: str = "train",
                  progress: bool = True, should_stop: Callable[[], bool] | None = None,
                  on_progress: Callable[[float, dict], None] | None = None, report_every: int = 1, start: int = 0):
-        self.params = [p for p in params]
+        groups = list(params)  # tensors, or torch's parameter groups (dicts with a "params" list and options)
+        self.params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
         self.total, self.step_count, self.clip = total, start, clip
-        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.opt = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule is not None else None
         self.should_stop, self.on_progress, self.report_every = should_stop, on_progress, report_every
         self.bar = tqdm(total=total, initial=start, desc=desc, unit="step", disable=not progress)
@@ -110,6 +112,16 @@ class Fit:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def head_groups(body: list[torch.nn.Parameter], head: list[torch.nn.Parameter],
+                head_lr: float | None) -> list[torch.nn.Parameter] | list[dict]:
+    """What :class:`Fit` trains when a classification or tagging head learns at a rate of its own
+    (``head_lr``; None: the body's rate, one group): the body's parameters (adapters, or all of a
+    model's) in one group at the fit's rate, the head's in another at ``head_lr``."""
+    if head_lr is None:
+        return body + head
+    return [{"params": body}, {"params": head, "lr": head_lr}]
 
 
 def early_stopping(epochs: int, patience: int, run_epoch: Callable[[int], dict], score: Callable[[dict], float],

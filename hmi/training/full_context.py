@@ -23,7 +23,7 @@ from hmi.adapters.spec import AdapterSpec
 from hmi.model.root import full_forward
 from hmi.training.examples import IGNORE, Example, encode, pad, score_batches
 from hmi.training.finetune import FinetuneConfig, dev_options
-from hmi.training.fit import Fit, early_stopping
+from hmi.training.fit import Fit, early_stopping, head_groups
 
 MODES = ("full", "adapter", "upper", "head", "compress")
 COMPRESS_LAYERS = 2
@@ -109,13 +109,15 @@ class FullContextModel:
 
     def train(self, ex_train: list[Example], ex_dev: list[Example], epochs: int, lr: float, seed: int = 0,
               on_progress: Callable[[float, dict], None] | None = None,
-              should_stop: Callable[[], bool] | None = None, probe_epochs: int = 0) -> float | None:
+              should_stop: Callable[[], bool] | None = None, probe_epochs: int = 0,
+              head_lr: float | None = None) -> float | None:
         """AdamW for ``epochs`` epochs of batches of 32 in a seeded order, every epoch run; the best
         epoch on dev accuracy is kept (loaded), without dev examples the last.  With ``probe_epochs``
         (modes "adapter" and "upper"), the head alone is trained first for that many epochs at
         ``PROBE_LR``, the adapters still at their start, and the training goes on from there (LP-FT,
-        Kumar et al., 2022): the probe's epochs are among those dev chooses from.  Returns the kept
-        epoch's dev accuracy (None without dev examples)."""
+        Kumar et al., 2022): the probe's epochs are among those dev chooses from.  ``head_lr``: the
+        head's rate while the rest trains at ``lr`` (None: ``lr``).  Returns the kept epoch's dev
+        accuracy (None without dev examples)."""
         if probe_epochs and self.mode not in ("adapter", "upper"):
             raise ValueError(f"a probe first is for the adapter modes, not {self.mode!r}")
         rng, steps = np.random.default_rng(seed), -(-len(ex_train) // BATCH)
@@ -127,7 +129,9 @@ class FullContextModel:
                 continue
             for p in adapters:  # frozen while the head is probed: nothing flows back through the root then
                 p.requires_grad_(not probing)
-            with Fit(self.parameters(), (epochs + probe_epochs) * steps, lr=rate, weight_decay=0.01, progress=False,
+            body = [p for p in self.model.parameters() if p.requires_grad]
+            params = head_groups(body, list(self.head.parameters()), None if probing else head_lr)
+            with Fit(params, (epochs + probe_epochs) * steps, lr=rate, weight_decay=0.01, progress=False,
                      start=done, on_progress=on_progress, should_stop=should_stop, report_every=5) as fit:
 
                 def run_epoch(epoch: int, fit=fit, first=done // steps) -> dict:
@@ -172,12 +176,12 @@ class FullContextModel:
 
 def train_full_context(bert, spec: AdapterSpec, ex_train: list[Example], ex_dev: list[Example],
                        ex_test: list[Example], mode: str, epochs: int, lr: float, seed: int = 0, l_low: int = 0,
-                       probe_epochs: int = 0) -> dict:
-    """A reference scheme trained and scored (``probe_epochs``: ``FullContextModel.train``'s):
+                       probe_epochs: int = 0, head_lr: float | None = None) -> dict:
+    """A reference scheme trained and scored (``probe_epochs``, ``head_lr``: ``FullContextModel.train``'s):
     ``{"dev": {"accuracy"}, "test": metrics, "teacher": the trained model's answers, "upper": its
     ``upper_weights``}``."""
     m = FullContextModel(bert, spec, mode, l_low, seed)
-    best = m.train(ex_train, ex_dev, epochs, lr, seed, probe_epochs=probe_epochs)
+    best = m.train(ex_train, ex_dev, epochs, lr, seed, probe_epochs=probe_epochs, head_lr=head_lr)
     return {"dev": {"accuracy": best}, "test": m.evaluate(ex_test), "teacher": m.answers, "upper": m.upper_weights}
 
 
@@ -209,7 +213,7 @@ def train_teacher(bert, tokenizer, spec: AdapterSpec, train: list[dict], dev: li
         m = FullContextModel(bert, s, "adapter", 0, cfg.seed)
         part = None if on_progress is None else (
             lambda f, info, i=i: on_progress((i + f) / len(options), {**info, "setting": i + 1, "settings": len(options)}))
-        acc = m.train(ex_train, ex_dev, cfg.epochs, rate, cfg.seed, part, should_stop)
+        acc = m.train(ex_train, ex_dev, cfg.epochs, rate, cfg.seed, part, should_stop, head_lr=cfg.head_lr)
         tried.append([pooling, rate, acc])
         if best is None or (acc is not None and acc > best[0]):
             best = (acc, m, pooling, rate)

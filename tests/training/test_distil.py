@@ -250,6 +250,32 @@ def test_a_probe_first_trains_the_head_alone_and_the_adapters_go_on_from_the_pro
         FullContextModel(bert, spec, "head", 0).train(exs, exs, 1, 1e-2, probe_epochs=1)
 
 
+def test_a_head_rate_of_its_own_moves_the_head_alone_when_the_adapters_rate_is_zero(tiny_lookup):
+    """``head_lr`` (a tenant's fine-tune, ``FinetuneConfig.head_lr``, and a full-context model's
+    ``train``): the head trains at its own rate, the adapters at the fine-tune's. At an adapter rate
+    of 0 the adapters stay at their start and the head moves; without a head rate it stays too."""
+    from hmi.training.examples import encode
+    from hmi.training.full_context import FullContextModel
+
+    bert, tok, lookup = tiny_lookup
+    spec = AdapterSpec("bottleneck", labels=("neg", "pos"), reduction_factor=4, pooling="mean")
+    rows = [{"text": f"{s} {w} {n}", "label": "pos" if w == "wonderful" else "neg"}
+            for s in ("the", "my", "our", "his") for w in ("wonderful", "plain") for n in ("day", "film")]
+    for head_lr in (None, 3e-2):
+        model = tenant_model(bert, L_LOW, spec, None, 0)
+        start = model.weights()
+        weights, _ = fit(model, lookup, tok, rows, [], None,
+                         FinetuneConfig(epochs=2, lr=0.0, head_lr=head_lr, batch_size=8), progress=False)
+        heads = [k for k in start if k.startswith("head.")]
+        assert heads and all(torch.equal(weights[k], start[k]) for k in start if k not in heads)
+        assert any(not torch.equal(weights[k], start[k]) for k in heads) == (head_lr is not None)
+        m = FullContextModel(bert, spec, "adapter", 0, seed=0)
+        first = {k: v.clone() for k, v in m.model.state_dict().items()}, m.head.weight.detach().clone()
+        m.train(encode(tok, rows, spec, 16), [], 2, 0.0, seed=0, head_lr=head_lr)
+        assert all(torch.equal(v, first[0][k]) for k, v in m.model.state_dict().items())
+        assert (not torch.equal(m.head.weight, first[1])) == (head_lr is not None)
+
+
 def test_a_teacher_with_dev_examples_is_trained_at_each_pooling_and_rate_and_the_best_on_dev_is_kept(tiny_lookup):
     """As the accuracy tables choose hBERT-adapter's: (cls, mean) x GRID_LRS for classification,
     the rates alone for tagging, in that order, the first of equal dev accuracies kept; the kept

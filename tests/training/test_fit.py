@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hmi.training.fit import Cancelled, Fit, early_stopping
+from hmi.training.fit import Cancelled, Fit, early_stopping, head_groups
 
 
 def _quadratic():
@@ -31,6 +31,33 @@ def test_fit_matches_a_plain_adamw_loop_step_for_step():
             ((ref - 1.0) ** 2).sum().backward()
             opt.step()
     assert torch.equal(w.detach(), ref.detach())
+
+
+def test_a_head_of_its_own_rate_steps_as_a_second_adamw_at_that_rate_and_is_clipped_with_the_body():
+    """``head_groups``: AdamW is per parameter, so the body at the fit's rate and the head at its own
+    are two plain AdamW loops, step for step; clipping takes the norm over both groups together."""
+    body, head = torch.nn.Parameter(torch.tensor([3.0, -2.0])), torch.nn.Parameter(torch.tensor([0.5]))
+    ref_b, ref_h = (torch.nn.Parameter(t.detach().clone()) for t in (body, head))
+    opts = [torch.optim.AdamW([ref_b], lr=0.1, weight_decay=0.01), torch.optim.AdamW([ref_h], lr=0.7, weight_decay=0.01)]
+    assert head_groups([body], [head], None) == [body, head]
+
+    def loss(b, h):
+        return ((b - 1.0) ** 2).sum() + ((h + 2.0) ** 2).sum()
+
+    with Fit(head_groups([body], [head], 0.7), 5, lr=0.1, weight_decay=0.01, progress=False) as fit:
+        for _ in range(5):
+            fit.step(loss(body, head))
+            for o in opts:
+                o.zero_grad()
+            loss(ref_b, ref_h).backward()
+            for o in opts:
+                o.step()
+    assert torch.equal(body.detach(), ref_b.detach()) and torch.equal(head.detach(), ref_h.detach())
+    grads = []
+    clipped = Fit(head_groups([body], [head], 0.7), 1, lr=0.1, clip=1e-3, progress=False)
+    clipped.opt.step = lambda: grads.extend(p.grad.clone() for p in clipped.params)
+    clipped.step(loss(body, head))
+    assert abs(float(torch.cat(grads).norm()) - 1e-3) < 1e-9
 
 
 def test_a_cancelled_fit_raises_before_the_next_step():
