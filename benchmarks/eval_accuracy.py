@@ -32,6 +32,7 @@ Usage: python benchmarks/eval_accuracy.py [--quick] [--train N] [--test N] [--ex
                                           [--root minilm-l6|mpnet-base|PATH] [--l-low N]
                                           [--grid|--no-grid] [--seeds N] [--transfer N] [--distil-weight W]
                                           [--distil-epochs E] [--distil-start new|teacher] [--probe-first E]
+                                          [--head-lr LR]
                                           [--branches] [--max-minutes M] [--report-only] [--fresh]
 
 ``--branches`` serves each task's PLOT columns on its domain's branch (news, reviews, social,
