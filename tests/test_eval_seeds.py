@@ -146,6 +146,21 @@ def test_a_probe_first_keys_the_adapter_column_and_its_students_apart_and_none_k
         {"task": "news-topic", "train": 640, "scheme": "shared"}
 
 
+def test_a_head_rate_keys_the_adapter_columns_and_their_students_apart_and_leaves_the_others_and_none_alone():
+    adapter = cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None)
+    distilled = cell_key("news-topic", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None)
+    assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None, head_lr=None) == adapter
+    assert cell_key("news-topic", 640, "hBERT-adapter", None, True, 2000, 0.5, None, head_lr=0.01) == \
+        {**adapter, "head_lr": 0.01}
+    # a student trains its own head at that rate, and its teacher trained its head at it too
+    assert cell_key("news-topic", 640, HBERT_DISTILLED, "d92b6e3db6f4b6c2", True, 2000, 0.5, None, head_lr=0.01) == \
+        {**distilled, "head_lr": 0.01, "teacher_head_lr": 0.01}
+    # every weight at one rate, or the head alone: the same column whatever the flag
+    for scheme in ("shared", "dedicated", "compress"):
+        assert cell_key("news-topic", 640, scheme, None, True, 2000, 0.5, None, head_lr=0.01) == \
+            {"task": "news-topic", "train": 640, "scheme": scheme}
+
+
 def test_a_table_of_another_artifact_adopts_only_the_columns_that_never_read_the_windows():
     from benchmarks.eval_accuracy import ARTIFACT_FREE, artifact_free
 
