@@ -46,17 +46,19 @@ class TenantModel:
             self.pool.write(0, {k: v.to(self.dtype) for k, v in weights.items()})
 
     def parameters(self) -> list[torch.Tensor]:
-        """The adapter's and head's tensors (the pool's one slot), made trainable: the adapter's
-        first, then the head's (``head_parameters``)."""
-        params = [t for layer in self.pool.layers for t in layer.values()] + self.head_parameters()
-        return [p.requires_grad_(True) for p in params]
+        """The adapter's and head's tensors (the pool's one slot), made trainable, in that order."""
+        return self.adapter_parameters() + self.head_parameters()
+
+    def adapter_parameters(self) -> list[torch.Tensor]:
+        """The adapter's tensors of every layer, made trainable."""
+        return [t.requires_grad_(True) for layer in self.pool.layers for t in layer.values()]
 
     def head_parameters(self) -> list[torch.Tensor]:
-        """The head's tensors (the last of ``parameters``)."""
+        """The head's tensors, made trainable."""
         params = [self.pool.head_w, self.pool.head_b]
         if self.pool.head_layers > 1:
             params += [self.pool.head_hidden_w, self.pool.head_hidden_b]
-        return params
+        return [p.requires_grad_(True) for p in params]
 
     def sites(self, group: Group, mask: torch.Tensor, train: bool) -> GroupSites:
         """Where the frozen projections run: here, on the root's own modules."""

@@ -230,12 +230,9 @@ def fit(model: TenantModel, lookup, tokenizer, train: list[dict], dev: list[dict
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
     steps_per_epoch = (len(ex["train"]) + cfg.batch_size - 1) // cfg.batch_size
-    head = model.head_parameters()
-    body = [p for p in model.parameters() if all(p is not h for h in head)]
-    with Fit(head_groups(body, head, cfg.head_lr), steps_per_epoch * cfg.epochs, lr=cfg.lr,
-             weight_decay=cfg.weight_decay,
-             desc="fine-tune", progress=progress, should_stop=should_stop, on_progress=on_progress,
-             report_every=5) as fit:
+    with Fit(head_groups(model.adapter_parameters(), model.head_parameters(), cfg.head_lr),
+             steps_per_epoch * cfg.epochs, lr=cfg.lr, weight_decay=cfg.weight_decay, desc="fine-tune",
+             progress=progress, should_stop=should_stop, on_progress=on_progress, report_every=5) as fit:
 
         def run_epoch(epoch: int) -> dict:
             order = rng.permutation(len(ex["train"]))

@@ -129,8 +129,7 @@ class FullContextModel:
                 continue
             for p in adapters:  # frozen while the head is probed: nothing flows back through the root then
                 p.requires_grad_(not probing)
-            body = [p for p in self.model.parameters() if p.requires_grad]
-            params = head_groups(body, list(self.head.parameters()), None if probing else head_lr)
+            params = head_groups([] if probing else adapters, list(self.head.parameters()), None if probing else head_lr)
             with Fit(params, (epochs + probe_epochs) * steps, lr=rate, weight_decay=0.01, progress=False,
                      start=done, on_progress=on_progress, should_stop=should_stop, report_every=5) as fit:
 
