@@ -58,7 +58,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -83,6 +83,9 @@ from hmi.training.distil import Distillation  # noqa: E402
 from hmi.training.finetune import GRID_LRS  # noqa: E402
 from hmi.training.full_context import COMPRESS_LAYERS, PROBE_LR, train_full_context  # noqa: E402
 from hmi.training.serving import WHOLE_MARGIN  # noqa: E402
+
+if TYPE_CHECKING:
+    from hmi.adapters.spec import AdapterSpec
 
 # The upper layers' adapters on the full-context root, trained as hBERT-adapter is (the adapters
 # library's model): what the lower layers' adapters are worth there (on request: --schemes
@@ -255,8 +258,8 @@ def scheme_descriptions(columns: list[str], lrs: dict, n_layers: int, l_low: int
         HBERT_DISTILLED: f"the learned back-off's adapters trained on the training texts and {transfer} unlabeled "
                          "lines of the task's domain corpus against the answers of hBERT-adapter (the adapters in all "
                          f"{n_layers} layers of the full-context root, its pooling and learning rate chosen on dev, "
-                         "trained again with the same seed) as well as the labels, at the teacher's pooling (as a "
-                         "tenant's distilled fine-tune trains)"
+                         "the model of that cell, or one trained alike where the cell was read back) as well as the "
+                         "labels, at the teacher's pooling (as a tenant's distilled fine-tune trains)"
                          + (f" (the teacher's answers weighted {weight:g}, the labels {1 - weight:g})"
                             if weight != DISTIL_WEIGHT else "") + " (`hmi.training.distil`)",
         HBERT_DISTILLED_COMPUTE: "the same distillation (the same teacher) with the uni-gram misses computed "
@@ -375,6 +378,31 @@ def kept_teacher(cells: Cells, key: dict, train: Callable[[], dict]) -> tuple[Ca
                              lambda: [t.float() for t in model()["teacher"](examples)])
 
     return answers, model
+
+
+class TrainedAdapters:
+    """hBERT-adapter's models (``train_full_context``'s dicts) as this invocation trained them for the
+    cells a distilled column's teacher is chosen among, kept until the teacher is chosen: the chosen
+    one is the teacher, not trained again (the training is seeded, so training it again gives the
+    same model; a run continued after a stop, whose cells are read back, does train it again).
+    ``train(spec, lr, seed)`` trains one."""
+
+    def __init__(self, train: Callable[[AdapterSpec, float, int], dict]):
+        self.train, self.kept = train, {}
+
+    def trained_for_cell(self, spec: AdapterSpec, lr: float, seed: int) -> dict:
+        """Trains the model of a cell and keeps it for ``teacher``."""
+        self.kept[(spec, lr, seed)] = out = self.train(spec, lr, seed)
+        return out
+
+    def teacher(self, spec: AdapterSpec, lr: float, seed: int) -> Callable[[], dict]:
+        """``kept_teacher``'s ``train`` for the teacher at (``spec``, ``lr``) of ``seed``: the kept model
+        where its cell ran in this invocation, else one trained on call. The seed's other kept models
+        are let go."""
+        chosen = self.kept.pop((spec, lr, seed), None)
+        for k in [k for k in self.kept if k[2] == seed]:
+            del self.kept[k]
+        return lambda: chosen if chosen is not None else self.train(spec, lr, seed)
 
 
 def served_auto(teacher: list[dict], student: list[dict]) -> list[tuple[str, float]]:
@@ -762,6 +790,7 @@ def main() -> None:
             return {"dev": out["dev"]["accuracy"], "test": out["test"]["accuracy"], "seconds": round(time.time() - t0, 1)}
 
         teachers: dict[int, Distillation] = {}  # seed -> hBERT-distilled's teacher and texts, trained on first use
+        adapters = TrainedAdapters(lambda spec, lr, seed: full(spec, lr, seed, "adapter"))
 
         teacher_key = cell_key(task, len(train), "hBERT-adapter", None, SERVE_BF16, args.transfer, args.distil_weight,
                                None, probe_first=args.probe_first, head_lr=args.head_lr)
@@ -770,13 +799,13 @@ def main() -> None:
             """hBERT-adapter's (pooling, learning rate) chosen on dev: the teacher's (its pooling its students')."""
             options = [(p, lr) for p in poolings for lr in lrs["hBERT-adapter"]]
             return seeded_cells(cells, teacher_key, [seed], options,
-                                lambda o, sd: cell(lambda *a: full(*a, "adapter"), specs[o[0]], o[1], sd))[0][0]
+                                lambda o, sd: cell(adapters.trained_for_cell, specs[o[0]], o[1], sd))[0][0]
 
         def distillation(seed) -> Distillation:
             if seed not in teachers:
                 pool, lr = teacher_setting(seed)
                 answers, model = kept_teacher(cells, {**teacher_key, "seed": seed, "pooling": pool, "lr": lr},
-                                              lambda: full(specs[pool], lr, seed, "adapter"))
+                                              adapters.teacher(specs[pool], lr, seed))
                 teachers[seed] = Distillation(answers,
                                               load_corpus(TASK_DOMAIN[task], args.transfer) if args.transfer else [],
                                               weight=args.distil_weight,

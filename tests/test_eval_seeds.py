@@ -213,3 +213,34 @@ def test_a_distilled_columns_teacher_is_trained_once_and_its_answers_read_back_a
     assert all(torch.equal(a, b) for a, b in zip(again(exs), first)) and trained == [1]
     other = again([Example([7], 0)])
     assert trained == [1, 1] and other[0].tolist() == [7.0, 2.0] and model()["teacher"] is not None
+
+
+def test_a_teacher_whose_cell_ran_in_the_same_invocation_is_that_cells_model_not_trained_again(tmp_path):
+    """``TrainedAdapters``: hBERT-adapter's cells of a seed keep their models until the distilled
+    column's teacher is chosen among them; the chosen one answers as the teacher without a second
+    training, the seed's others are let go, and a teacher whose cell was read back (a run continued
+    after a stop) is trained on first use."""
+    import torch
+
+    from benchmarks.eval_accuracy import TrainedAdapters, kept_teacher
+    from hmi.adapters.spec import AdapterSpec
+    from hmi.training.examples import Example
+
+    trained = []
+
+    def train(spec, lr, seed):
+        trained.append((lr, seed))
+        return {"dev": {"accuracy": lr}, "teacher": lambda exs: [torch.tensor([lr, float(seed)]) for _ in exs]}
+
+    spec = AdapterSpec.for_task("classification", ("a", "b"), pooling="mean")
+    adapters = TrainedAdapters(train)
+    cells = {lr: adapters.trained_for_cell(spec, lr, 1) for lr in (3e-3, 1e-3)}  # seed 1's cells
+    assert trained == [(3e-3, 1), (1e-3, 1)]
+    chosen = adapters.teacher(spec, 3e-3, 1)
+    assert chosen() is cells[3e-3] and trained == [(3e-3, 1), (1e-3, 1)] and adapters.kept == {}
+    answers, _ = kept_teacher(Cells("bench", {"c": 1}, home=tmp_path), {"seed": 1, "lr": 3e-3}, chosen)
+    with torch.no_grad():
+        assert torch.equal(answers([Example([1, 2], 0)])[0], torch.tensor([3e-3, 1.0])) and len(trained) == 2
+    read_back = adapters.teacher(spec, 1e-3, 2)  # seed 2's cells were read back: nothing kept
+    assert len(trained) == 2
+    assert read_back()["dev"]["accuracy"] == 1e-3 and trained[-1] == (1e-3, 2)
