@@ -395,3 +395,11 @@ def test_a_point_is_also_given_round_by_round_against_hbert_adapters_requests_pe
     assert point["over_adapter"] == round(19.0 / 10.0, 3)
     assert point["over_adapter_paired"] == round(statistics.median([19.0 / 10.0, 10.0 / 5.0, 21.0 / 14.0]), 3) == 1.9
     assert "round by round" in (tmp_path / "bench_front_trial.md").read_text()
+
+
+def test_a_gap_the_best_point_and_the_default_share_is_stated_once_seed_by_seed():
+    shared = {"gap_to_adapter_at_1_5x_per_seed": [0.9, 0.56], "default_served_gap_vs_adapter_per_seed": [0.9, 0.56]}
+    assert [key for key, _ in bench_front._per_seed_gaps(shared)] == ["gap_to_adapter_at_1_5x"]
+    apart = {**shared, "default_served_gap_vs_adapter_per_seed": [0.54, 0.21]}
+    assert [key for key, _ in bench_front._per_seed_gaps(apart)] == ["gap_to_adapter_at_1_5x",
+                                                                     "default_served_gap_vs_adapter"]
