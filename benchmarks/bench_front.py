@@ -628,15 +628,13 @@ def _per_seed_gaps(out: dict) -> list[tuple[str, str]]:
     """The per-seed gaps the page states (key, what it is): the best point's and the default's to
     hBERT-adapter said once where they are the same figures (the best at 1.5x serves the default's
     fine-tunes)."""
-    gaps = [("gap_to_adapter_at_1_5x", "Gap to hBERT-adapter"),
-            ("default_served_gap_vs_full_ft", "Gap of the default to the fair bar"),
-            ("default_served_gap_vs_adapter", "Gap of the default to hBERT-adapter")]
-    gaps = [(key, what) for key, what in gaps if key + "_per_seed" in out]
-    best, default = (out.get(k + "_per_seed") for k in ("gap_to_adapter_at_1_5x", "default_served_gap_vs_adapter"))
-    if best is not None and best == default:
-        gaps = [(key, "Gap to hBERT-adapter of the best at 1.5x and of the default (the same fine-tunes)" if key == "gap_to_adapter_at_1_5x"
-                 else what) for key, what in gaps if key != "default_served_gap_vs_adapter"]
-    return gaps
+    same = out.get("gap_to_adapter_at_1_5x_per_seed") == out.get("default_served_gap_vs_adapter_per_seed")
+    gaps = [("gap_to_adapter_at_1_5x", "Gap to hBERT-adapter of the best at 1.5x and of the default (the same "
+             "fine-tunes)" if same else "Gap to hBERT-adapter"),
+            ("default_served_gap_vs_full_ft", "Gap of the default to the fair bar")]
+    if not same:
+        gaps.append(("default_served_gap_vs_adapter", "Gap of the default to hBERT-adapter"))
+    return [(key, what) for key, what in gaps if key + "_per_seed" in out]
 
 
 def _below(task: str, points: float, acc: dict) -> str:
