@@ -26,6 +26,10 @@ the PLOT has kept, the hot tier):
   (eval_accuracy's served-auto column of that miss policy's students, ``res.tasks.*.serving``)
   served on the full root with their adapter in every layer, the others on the windows as that
   configuration serves them.
+- ``--branches`` adds ``learned, on branches`` and ``learned, distilled, auto, on branches``: the
+  same, each tenant served on its task's domain branch (news, reviews, social, literature: made
+  by ``hmi domain create``), the chain branch -> root PLOT, their accuracy from the record of
+  ``eval_accuracy.py --branches`` (every task on its branch).
 
 Accuracy is not measured here: it is the eval_accuracy record of the same root artifact (the fair
 bar: every scheme's learning rate chosen on dev; ``make paper-table`` for mpnet-base 6+6,
@@ -37,7 +41,7 @@ rounding: 0.0002 of pooled cosine, ``docs/results/bench_plot_formats.md``), so t
 how warm the PLOT is changes their speed alone.  Also the hit-rate curve: the share of the test
 texts' distinct tri-grams the PLOT holds as the stream goes on.
 
-Usage: python benchmarks/bench_front.py [--quick] [--stream N] [--rounds N] [--accuracy PAGE [--speed-only]]
+Usage: python benchmarks/bench_front.py [--quick] [--stream N] [--rounds N] [--accuracy PAGE [--speed-only]] [--branches]
                                         [--root minilm-l6|mpnet-base|PATH] [--l-low N]
 """
 
@@ -85,7 +89,7 @@ from benchmarks.eval_accuracy import (  # noqa: E402
     HBERT_LEARNED,
     HBERT_LEARNED_COMPUTE,
 )
-from hmi.data import is_tagging  # noqa: E402
+from hmi.data import TASK_DOMAIN, is_tagging  # noqa: E402
 from hmi.model.aliases import auto_miss_policy  # noqa: E402
 from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
@@ -95,8 +99,12 @@ TENANTS, B, MAX_LEN = 100, 32, 128
 AUTO, AUTO_COMPUTE = "learned, distilled, auto", "learned+compute, distilled, auto"
 AUTO_BACKOFF, AUTO_HOT = "backoff, distilled, auto", "backoff+hot, distilled, auto"
 AUTO_LEARNED_HOT = "learned+hot, distilled, auto"
+# ``--branches``: configurations whose tenants are each served on its task's domain branch (the chain branch ->
+# root, as `hmi domain create` makes it and a tenant of that domain is served), named with this suffix
+BRANCHES = ", on branches"
+LEARNED_BRANCHES, AUTO_BRANCHES = "learned" + BRANCHES, AUTO + BRANCHES
 AUTO_POLICY = {AUTO: "learned", AUTO_COMPUTE: "learned+compute", AUTO_BACKOFF: "backoff", AUTO_HOT: "backoff+hot",
-               AUTO_LEARNED_HOT: "learned+hot"}
+               AUTO_LEARNED_HOT: "learned+hot", AUTO_BRANCHES: LEARNED_BRANCHES}
 TASKS = ["news-topic", "review-sentiment", "tweet-sentiment", "pos-tagging"]
 TRAIN_PER_TASK = 640  # the tenants' training texts: eval_accuracy's fair bar trains on 640 per task
 # each configuration's column of the eval_accuracy record
@@ -108,12 +116,15 @@ COLUMN = {"backoff": "hBERT", "backoff+hot": "hBERT", "learned": HBERT_LEARNED, 
           "backoff, distilled": HBERT_BACKOFF_DISTILLED, "backoff+hot, distilled": HBERT_BACKOFF_DISTILLED,
           "learned+hot, distilled": HBERT_DISTILLED,
           AUTO: HBERT_AUTO, AUTO_COMPUTE: HBERT_AUTO_COMPUTE, AUTO_BACKOFF: HBERT_AUTO_BACKOFF,
-          AUTO_HOT: HBERT_AUTO_BACKOFF, AUTO_LEARNED_HOT: HBERT_AUTO}
+          AUTO_HOT: HBERT_AUTO_BACKOFF, AUTO_LEARNED_HOT: HBERT_AUTO,
+          # the columns of the accuracy record whose PLOT columns were served on the branches (eval_accuracy --branches)
+          LEARNED_BRANCHES: HBERT_LEARNED + BRANCHES, "learned, distilled" + BRANCHES: HBERT_DISTILLED + BRANCHES,
+          AUTO_BRANCHES: HBERT_AUTO + BRANCHES}
 # Configurations served exactly as a measured one, their adapters trained otherwise (the fine-tune's
 # distillation): that one's requests/s, their own accuracy.
 SERVED_AS = {"learned, distilled": "learned", "learned+compute, distilled": "learned+compute",
              "backoff, distilled": "backoff", "backoff+hot, distilled": "backoff+hot",
-             "learned+hot, distilled": "learned+hot"}
+             "learned+hot, distilled": "learned+hot", "learned, distilled" + BRANCHES: LEARNED_BRANCHES}
 RECORDS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the accuracy records read (DOCS is where this run writes)
 NEEDED = ("dedicated", "shared", "hBERT-adapter", "hBERT", HBERT_EXACT)
 # Columns that never read the windows (every weight of the root, its head alone, adapters on the full-context
@@ -125,7 +136,7 @@ RECIPE = ("root", "l_low", "steps")  # what two calibrations of one recipe share
 # The columns that read the windows (every one but the split-free): taken from a page of their own when the
 # front's record lacks them (those eval_accuracy measures only on request, and a windowed column that
 # another run of the artifact measured); a column no page holds leaves its points without accuracy.
-OPTIONAL = tuple(dict.fromkeys(c for c in COLUMN.values() if c not in SPLIT_FREE))
+OPTIONAL = tuple(dict.fromkeys(c for c in COLUMN.values() if c not in SPLIT_FREE and not c.endswith(BRANCHES)))
 
 
 def _records(pages: list[Path]) -> list[tuple[str, dict]]:
@@ -186,8 +197,10 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     on the windows' values. When the artifact's pages lack the split-free columns (``SPLIT_FREE``),
     they come from a comparable page of another split or calibration of the same root. Only pages
     of a root PLOT built from ``plot_from`` count."""
-    found = [(name, rec) for name, rec in _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
+    every = [(name, rec) for name, rec in _records(sorted(RECORDS.glob("eval_accuracy*.md")))  # every page read once
              if plot_of(rec) == plot_from]
+    found = [(name, rec) for name, rec in every if not rec.get("branches")]  # the root PLOT's columns
+    branched = [(name, rec) for name, rec in every if rec.get("branches")]
     complete = [(name, rec) for name, rec in found if any(c in rec["average"] for c in WINDOWED)]
     mine = [(name, rec) for name, rec in complete if page in (None, name)
             and (rec.get("root_artifact") == artifact or (page is not None and served and same_recipe(rec, served)))]
@@ -202,7 +215,8 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
                        r.get("lr_grid", False), len(r["average"])))
     name, rec = max(mine, key=lambda m: rank(m[1]))
     if all(c in rec["average"] for c in NEEDED):
-        return name, None, with_seeds(with_optional(rec, found, artifact, served), found, artifact, served)
+        return name, None, with_branches(with_seeds(with_optional(rec, found, artifact, served), found, artifact, served),
+                                         branched, artifact, served)
     others = [(n, r) for n, r in found if split_free_page in (None, n)
               and all(c in r["average"] for c in SPLIT_FREE) and _comparable(r, rec)]
     if not others:
@@ -211,7 +225,8 @@ def accuracy_record(artifact: str, page: str | None, split_free_page: str | None
     free_name, free = max(others, key=lambda m: (m[1].get("lr_grid", False), len(m[1]["average"])))
     merged = {**rec, "average": {**{c: free["average"][c] for c in SPLIT_FREE}, **rec["average"]},
               "tasks": {t: {**{c: free["tasks"][t][c] for c in SPLIT_FREE}, **rec["tasks"][t]} for t in TASKS}}
-    return name, free_name, with_seeds(with_optional(merged, found, artifact, served), found, artifact, served)
+    return name, free_name, with_branches(with_seeds(with_optional(merged, found, artifact, served), found, artifact,
+                                                     served), branched, artifact, served)
 
 
 def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, served: dict | None) -> dict:
@@ -227,6 +242,27 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
             rec = with_columns(rec, *max(more, key=lambda m: (m[1].get("root_artifact") == artifact,
                                                                m[1].get("lr_grid", False))), [col])
     return rec
+
+
+def with_branches(rec: dict, branched: list[tuple[str, dict]], artifact: str, served: dict | None) -> dict:
+    """``rec`` with the windowed columns of a comparable record whose PLOT columns were served on each
+    task's domain branch (eval_accuracy ``--branches``) of the served artifact or of another
+    calibration of its recipe, each named with ``BRANCHES`` (``column_records`` names the page), the
+    record's task -> branch in ``branches``; the record of the most seeds (its columns are their means)."""
+    mine = [(n, r) for n, r in branched if _comparable(r, rec)
+            and (r.get("root_artifact") == artifact or (served and same_recipe(r, served)))]
+    if not mine:
+        return rec
+    name, r = max(mine, key=lambda m: (m[1].get("root_artifact") == artifact, m[1].get("seeds", 1), len(m[1]["average"])))
+    cols = [c for c in r["average"] if c not in ARTIFACT_FREE]
+    renamed = {"root_artifact": r.get("root_artifact"),
+               "average": {c + BRANCHES: r["average"][c] for c in cols},
+               "tasks": {t: {**{c + BRANCHES: r["tasks"][t][c] for c in cols},
+                             "serving": {c + BRANCHES: m for c, m in r["tasks"][t].get("serving", {}).items()}}
+                         for t in TASKS}}
+    out = with_columns(rec, name, renamed, [c + BRANCHES for c in cols])
+    seeds = {c + BRANCHES: r["seeds"] for c in cols} if r.get("seeds", 1) > 1 else {}
+    return {**out, "branches": r["branches"], "column_seeds": {**rec.get("column_seeds", {}), **seeds}}
 
 
 def with_columns(rec: dict, name: str, other: dict, cols: list[str]) -> dict:
@@ -273,6 +309,12 @@ def make_traces(texts: dict[str, list[str]], n_batches: int, n: int, seed: int) 
             used[task] += 1
         out.append(([tenants[i * B:(i + 1) * B].tolist() for i in range(n_batches)], reqs))
     return out
+
+
+def domain_of(config: str, tenant: int) -> str:
+    """The domain a configuration serves tenant number ``tenant`` in (its task's, ``t % 4``, on
+    branches; the root's otherwise)."""
+    return TASK_DOMAIN[TASKS[tenant % len(TASKS)]] if config.endswith(BRANCHES) else "root"
 
 
 def whole_tasks(acc: dict, column: str) -> list[str]:
@@ -322,6 +364,10 @@ def main() -> None:
                              "length; this artifact (a short calibration, say) gives the requests/s alone, which do not "
                              "depend on the windows' values (the same PLOT keys from the same corpus, value sizes, "
                              "layers and learned back-off width)")
+        ap.add_argument("--branches", action="store_true",
+                        help="also serve each tenant on its task's domain branch (news, reviews, social, literature: "
+                             "`hmi domain create DOMAIN --corpus DOMAIN` first): the points '" + LEARNED_BRANCHES
+                             + "' and '" + AUTO_BRANCHES + "', whose accuracy is the record of eval_accuracy --branches")
         root_options(ap)
 
     args = start(__doc__, options)
@@ -335,7 +381,7 @@ def main() -> None:
 
     from hmi.adapters.spec import AdapterSpec
     from hmi.adapters.store import AdapterStore
-    from hmi.data import TASK_DOMAIN, load_corpus, load_task
+    from hmi.data import load_corpus, load_task
     from hmi.plot import learned
     from hmi.plot.build import plot_corpus
     from hmi.plot.hot import attach_hot_tier
@@ -344,8 +390,13 @@ def main() -> None:
     from hmi.plot.lookup import PlotLookup, PlotVersion
     from hmi.scheduler.pipeline import Scheduler, SchedulerConfig
     from hmi.scheduler.types import FixedTenants, TenantEntry
+    from hmi.version_tree.tree import VersionTree
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
+    tree = VersionTree(root, root_version=version) if args.branches else None
+    if tree is not None and (missing := sorted({TASK_DOMAIN[t] for t in TASKS} - set(tree.nodes()))):
+        raise SystemExit(f"--branches serves each task's tenants on its domain's branch, and this root has none for "
+                         f"{', '.join(missing)}: create each with `hmi domain create DOMAIN --corpus DOMAIN{root_flags(args)}`")
     served = {"root": root.spec.name, "l_low": root.spec.l_low,
               "steps": root.meta.get("calibration", {}).get("steps_done")}
     if args.speed_only and not args.accuracy:
@@ -393,6 +444,14 @@ def main() -> None:
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")
         else:
             out["learned"] = f"not measured: the root PLOT has no learned back-off (`hmi plot learn-backoff{root_flags(args)}`)"
+        # --branches: each domain's chain (its branch, then the root PLOT), as a tenant of that domain is served
+        chains = {} if tree is None or "learned" not in lookups else {
+            d: PlotLookup([tree.version(n) for n in tree.chain(d)], "learned") for d in sorted({TASK_DOMAIN[t] for t in TASKS})}
+        if chains:
+            lookups[LEARNED_BRANCHES] = lookups["learned"]  # never read: every tenant's domain has its chain
+            out["branches"] = {t: {"domain": TASK_DOMAIN[t], "entries": tree.nodes()[TASK_DOMAIN[t]].plot.get("entries"),
+                                   "plot": (tree.version(TASK_DOMAIN[t]).store.get_record("build") or {}).get("fingerprint")}
+                               for t in TASKS}
         train = [r["text"] if "text" in r else " ".join(r["tokens"])
                  for task in TASKS for r in load_task(task, "train", TRAIN_PER_TASK)]
         curve, kept_cost = [], {}
@@ -434,21 +493,23 @@ def main() -> None:
             auto_entries = {}
             for i in range(TENANTS):
                 name, is_whole = f"t{i:05d}", TASKS[i % len(TASKS)] in on_full
-                auto_entries[name] = TenantEntry(name, whole if is_whole else spec)
+                auto_entries[name] = TenantEntry(name, whole if is_whole else spec, domain_of(config, i))
                 auto_store.save(name, auto_entries[name].spec, (whole_variants if is_whole else variants)[i % 8])
                 auto_store.load(name)
             served_auto[config] = (auto_entries, auto_store)
             lookups[config] = lookups[policy]
         full_lower = FullContextLower(bert, l_low)
         shared = SharedRoot(bert, TENANTS)
+        on_branches = {n: replace(e, domain=domain_of(LEARNED_BRANCHES, i)) for i, (n, e) in enumerate(entries.items())}
 
         def rps(config: str, trace) -> float:
             batches, reqs = trace
             if config == "shared":
                 return direct_rps(shared, tok, reqs, batches, 1)
             lower = full_lower if config == "hBERT-adapter" else lookups[config]
-            ents, adapters = served_auto.get(config, (entries, store))
-            s = Scheduler(bert, l_low, tok, adapters, FixedTenants(ents), FixedTenants(ents, lower),
+            branched = config.endswith(BRANCHES)
+            ents, adapters = served_auto.get(config, (on_branches if branched else entries, store))
+            s = Scheduler(bert, l_low, tok, adapters, FixedTenants(ents), FixedTenants(ents, lower, chains if branched else {}),
                           SchedulerConfig(max_batch=B, pool_slots=64, pipeline_retrieval=config != "hBERT-adapter"))
             try:
                 return scheduler_rps(s, reqs, batches, 1)
@@ -457,7 +518,7 @@ def main() -> None:
 
         configs = list(lookups) + ["hBERT-adapter", "shared"]
         # the process's first batches pay one-off costs (kernels, allocator, first PLOT pages)
-        for config in ("backoff", "hBERT-adapter"):
+        for config in ("backoff", "hBERT-adapter", *([LEARNED_BRANCHES] if chains else [])):  # the branches' first pages
             rps(config, first)
         measured: dict = {c: [] for c in configs}
         for r in range(rounds):
@@ -478,7 +539,7 @@ def main() -> None:
                + (f" --stream {args.stream}" if args.stream is not None else "")
                + (f" --rounds {args.rounds}" if args.rounds else "") + (f" --batches {args.batches}" if args.batches else "")
                + (f" --accuracy {args.accuracy}" if args.accuracy else "")
-               + (" --speed-only" if args.speed_only else "") + root_flags(args))
+               + (" --speed-only" if args.speed_only else "") + (" --branches" if args.branches else "") + root_flags(args))
     try:
         # the page names the commit and date the record took when the measurement ended, before any output was written
         page = result_name("bench_front", args) + plot_page_suffix(plot_from)
@@ -553,6 +614,19 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     out["default_served_over_adapter"] = default["over_adapter"]
     out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[served]] < tasks[t]["shared"]]
     out["below_shared_by"] = {t: round(tasks[t]["shared"] - tasks[t][COLUMN[served]], 2) for t in out["below_shared_on"]}
+    # the same fine-tunes served with each tenant on its task's domain branch, where the run measured them
+    # and a record gives their accuracy
+    branched = next((p for p in points if p["config"] == served + BRANCHES and p["accuracy"] is not None), None)
+    for key in [k for k in out if k.startswith(("default_on_branches", "below_shared_on_branches", "below_shared_by_branches"))]:
+        out.pop(key)  # a page written again from a record whose branch columns are gone
+    if branched:
+        col = COLUMN[branched["config"]]
+        out.update({"default_on_branches": branched["config"], "default_on_branches_over_adapter": branched["over_adapter"],
+                    "default_on_branches_gap_vs_full_ft": round(fair - branched["accuracy"], 2),
+                    "default_on_branches_gap_vs_adapter": round(avg["hBERT-adapter"] - branched["accuracy"], 2),
+                    "below_shared_on_branches": [t for t in TASKS if tasks[t][col] < tasks[t]["shared"]]})
+        out["below_shared_by_branches"] = {t: round(tasks[t]["shared"] - tasks[t][col], 2)
+                                           for t in out["below_shared_on_branches"]}
     # the same gaps seed by seed, where one record of several seeds holds both columns
     for key, point, bar in (("gap_to_adapter_at_1_5x", best, "hBERT-adapter"),
                             ("default_served_gap_vs_full_ft", default, "dedicated"),
@@ -611,6 +685,22 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              f"{', '.join(_below(t, out['below_shared_by'][t], tasks[t]) for t in out['below_shared_on']) or 'no task'}."
              + "".join(f" {what} seed by seed: {', '.join(str(g) for g in out[key + '_per_seed'])}."
                        for key, what in _per_seed_gaps(out)) + "\n\n")
+    if "branches" in out:
+        text += (f"Configurations '...{BRANCHES}': each task's tenants served on its domain's branch ("
+                 + "; ".join(f"{t}: {b['domain']}, {b['entries']:,} entries" for t, b in out["branches"].items())
+                 + "), the chain branch -> root PLOT with the root's learned back-off for what neither holds, as "
+                 "`hmi domain create` makes a branch and a tenant of its domain is served; the accuracy of those points "
+                 "is the record of eval_accuracy `--branches` named above (the same fine-tunes, their windows on the "
+                 "branches)."
+                 + (f" Served by default on the branches ({out['default_on_branches']}): "
+                    f"{out['default_on_branches_over_adapter']:.2f}x hBERT-adapter's requests/s, "
+                    f"{out['default_on_branches_gap_vs_adapter']} points under hBERT-adapter and "
+                    f"{out['default_on_branches_gap_vs_full_ft']} under the fair bar; below the frozen root with a head "
+                    "on " + (", ".join(_below(t, out["below_shared_by_branches"][t], tasks[t])
+                                      for t in out["below_shared_on_branches"]) or "no task") + "."
+                    if "default_on_branches" in out else f" The default's fine-tunes on the branches ('{served + BRANCHES}') "
+                    "are no point of this run: it needs a finished record of eval_accuracy --branches with all four "
+                    "tasks, which it did not have.") + "\n\n")
     text += ("### Hit rate of the test texts' distinct tri-grams in the PLOT\n\n"
              + table([(c["stream_lines"], "yes" if c["tenant_texts"] else "no", f"{c['hit_rate']:.3f}") for c in curve],
                      ("unlabeled lines per domain kept", "tenants' training texts kept", "hit rate")) + "\n\n")

@@ -403,3 +403,84 @@ def test_a_gap_the_best_point_and_the_default_share_is_stated_once_seed_by_seed(
     apart = {**shared, "default_served_gap_vs_adapter_per_seed": [0.54, 0.21]}
     assert [key for key, _ in bench_front._per_seed_gaps(apart)] == ["gap_to_adapter_at_1_5x",
                                                                      "default_served_gap_vs_adapter"]
+
+
+def branch_pages(folder, monkeypatch):
+    """In ``folder``, read from there: a table of every column, the root PLOT's distilled and
+    served-auto columns (78.0 + the task's index, no task whole) and a two-seed record of eval_accuracy ``--branches`` whose
+    served-auto column scores 85.0 + the task's index, review-sentiment's tenants whole."""
+    from hmi.data import TASK_DOMAIN
+
+    pages_in(folder, monkeypatch)
+    write(folder, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
+    write(folder, "eval_accuracy_partial_auto", "l3", {bench_front.HBERT_AUTO: 78.0, bench_front.HBERT_DISTILLED: 78.0})
+    columns = {bench_front.HBERT_AUTO: 85.0, bench_front.HBERT_DISTILLED: 84.0, "shared": 70.0, "hBERT-adapter": 90.0}
+    write(folder, "eval_accuracy_partial_branches", "l3", columns, seeds=2,
+          branches={t: TASK_DOMAIN[t] for t in TASKS}, average_per_seed={c: [v, v + 3.0] for c, v in columns.items()})
+    page = folder / "eval_accuracy_partial_branches.md"
+    rec = json.loads(page.read_text().split("```json\n")[1].split("\n```")[0])
+    rec["tasks"]["review-sentiment"]["serving"] = {bench_front.HBERT_AUTO: ["whole", "whole"]}
+    page.write_text(f"# branches\n\n```json\n{json.dumps(rec)}\n```\n")
+
+
+def test_a_record_served_on_branches_gives_columns_of_their_own_and_never_the_root_plots(tmp_path, monkeypatch):
+    """A record of eval_accuracy --branches is comparable to the root PLOT's tables (the same root,
+    tasks and grid), and of more seeds; its windowed columns are the branches' points, so they come
+    under names of their own, and none of its columns replaces the root PLOT's."""
+    branch_pages(tmp_path, monkeypatch)
+    _, _, acc = bench_front.accuracy_record("l3", None)
+    on_branches = bench_front.HBERT_AUTO + bench_front.BRANCHES
+    assert acc["average"][bench_front.HBERT_AUTO] == 79.5 and acc["average"]["shared"] == 80.5  # the root PLOT's
+    assert (acc["average"][on_branches], acc["tasks"]["news-topic"][on_branches]) == (86.5, 85.0)
+    assert acc["column_records"][on_branches] == ["eval_accuracy_partial_branches", "l3"]
+    assert acc["column_seeds"][on_branches] == 2 and bench_front.HBERT_AUTO not in acc.get("column_seeds", {})
+    assert bench_front.HBERT_DISTILLED + bench_front.BRANCHES in acc["average"]
+    assert "shared" + bench_front.BRANCHES not in acc["average"]  # never read the windows: the root PLOT's stand
+    # each served-auto column whole where its own record chose it
+    assert bench_front.whole_tasks(acc, bench_front.COLUMN[bench_front.AUTO_BRANCHES]) == ["review-sentiment"]
+    assert bench_front.whole_tasks(acc, bench_front.COLUMN[bench_front.AUTO]) == []
+
+
+def test_the_default_on_branches_is_a_point_of_its_own_with_its_gaps_and_the_tasks_it_serves_under_the_frozen_root(
+        tmp_path, monkeypatch):
+    branch_pages(tmp_path, monkeypatch)
+    acc = bench_front.accuracy_record("l3", None)[2]
+    out = {**learned_run(), "configs": ["learned", bench_front.AUTO, bench_front.LEARNED_BRANCHES,
+                                        bench_front.AUTO_BRANCHES, "hBERT-adapter", "shared"],
+           "whole_tasks": {bench_front.AUTO: [], bench_front.AUTO_BRANCHES: ["review-sentiment"]},
+           "branches": {t: {"domain": d, "entries": 1000, "plot": "f"} for t, d in acc["branches"].items()}}
+    out["measured"].update({bench_front.AUTO: [15.0], bench_front.LEARNED_BRANCHES: [18.0],
+                            bench_front.AUTO_BRANCHES: [16.0]})
+    bench_front.report(json.loads(json.dumps(out)), acc, "bench_front_trial", "python benchmarks/bench_front.py")
+    record = json.loads((tmp_path / "bench_front_trial.md").read_text().split("```json\n")[1].split("\n```")[0])
+    # the root PLOT's default (78.0 + index) is under the frozen root (79.0 + index) on every task; on branches on none
+    assert (record["default_served"], record["below_shared_on"]) == (bench_front.AUTO, TASKS)
+    assert record["default_on_branches"] == bench_front.AUTO_BRANCHES
+    assert (record["default_on_branches_over_adapter"], record["below_shared_on_branches"]) == (1.6, [])
+    assert record["default_on_branches_gap_vs_full_ft"] == 85.5 - 86.5
+    assert record["default_on_branches_gap_vs_adapter"] == 86.0 - 86.5
+    # the distilled fine-tunes on every tenant's windows are served as the branches' learned back-off is
+    point = next(p for p in record["points"] if p["config"] == "learned, distilled" + bench_front.BRANCHES)
+    assert (point["rps"], point["accuracy"]) == (18.0, 85.5)
+    assert (record["best_at_1_5x"], record["gap_to_adapter_at_1_5x"]) == (bench_front.AUTO_BRANCHES, -0.5)
+    # a page written again from a record that has lost its branch columns says so and keeps no stale keys
+    (tmp_path / "eval_accuracy_partial_branches.md").unlink()
+    out["whole_tasks"].pop(bench_front.AUTO_BRANCHES)
+    out["configs"].remove(bench_front.AUTO_BRANCHES)
+    bench_front.report(record | {"configs": out["configs"], "whole_tasks": out["whole_tasks"]},
+                       bench_front.accuracy_record("l3", None)[2], "bench_front_trial", "python benchmarks/bench_front.py")
+    page = (tmp_path / "bench_front_trial.md").read_text()
+    assert "default_on_branches" not in page and "below_shared_on_branches" not in page
+    assert "are no point of this run" in page
+
+
+def test_on_branches_each_tenant_is_served_through_the_chain_of_its_tasks_domain():
+    from hmi.data import TASK_DOMAIN
+    from hmi.scheduler.types import FixedTenants
+
+    chains = {TASK_DOMAIN[t]: f"chain of {TASK_DOMAIN[t]}" for t in TASKS}
+    served = FixedTenants({}, "root PLOT", chains)
+    for tenant in range(8):
+        task = TASKS[tenant % 4]  # the task the traces give tenant t: t % 4
+        assert served.lookup_for(bench_front.domain_of(bench_front.AUTO_BRANCHES, tenant)) == f"chain of {TASK_DOMAIN[task]}"
+        assert served.lookup_for(bench_front.domain_of(bench_front.AUTO, tenant)) == "root PLOT"

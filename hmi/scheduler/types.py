@@ -60,11 +60,13 @@ class LookupSource(Protocol):
 
 @dataclass
 class FixedTenants:
-    """A fixed set of tenants, all served through one PLOT lookup: a ``TenantView`` and a
-    ``LookupSource`` for a scheduler outside a server (benchmarks, tests)."""
+    """A fixed set of tenants served through one PLOT lookup, or a domain's tenants through the
+    lookup of that domain's chain where ``domains`` has one: a ``TenantView`` and a ``LookupSource``
+    for a scheduler outside a server (benchmarks, tests)."""
 
     entries: dict[str, TenantEntry]
     lookup: object = None
+    domains: dict = field(default_factory=dict)  # domain -> the lookup of its chain (branch -> ... -> root)
 
     def entry(self, tenant: str) -> TenantEntry:
         e = self.entries.get(tenant)
@@ -77,7 +79,7 @@ class FixedTenants:
         return e.weight if e is not None else 1.0
 
     def lookup_for(self, domain: str):
-        return self.lookup
+        return self.domains.get(domain, self.lookup)
 
 
 @dataclass
