@@ -340,9 +340,24 @@ def copy_plot(src, dst: Path):
     return PlotStore(dst, readonly=False)
 
 
-def hit_rate(store, keys: np.ndarray) -> float:
-    """The share of ``keys`` (distinct tri-grams) ``store`` holds."""
-    return float(store.get_many(keys)[1].mean()) if len(keys) else 0.0
+def hit_rate(store, keys: np.ndarray, *more) -> float:
+    """The share of ``keys`` (distinct tri-grams) ``store`` holds, or one of the PLOTs ``more`` (the
+    rest of a chain)."""
+    if not len(keys):
+        return 0.0
+    held = store.get_many(keys)[1].astype(bool)
+    for other in more:
+        held |= other.get_many(keys)[1].astype(bool)
+    return float(held.mean())
+
+
+def asked_of(traces) -> dict[str, list[str]]:
+    """Per task, the texts the traces send its tenants (tenant ``t`` serves task ``t % 4``)."""
+    out: dict[str, list[str]] = {t: [] for t in TASKS}
+    for batches, reqs in traces:
+        for tenant, text in zip((t for batch in batches for t in batch), reqs):
+            out[TASKS[tenant % len(TASKS)]].append(text)
+    return out
 
 
 def main() -> None:
@@ -449,9 +464,15 @@ def main() -> None:
             d: PlotLookup([tree.version(n) for n in tree.chain(d)], "learned") for d in sorted({TASK_DOMAIN[t] for t in TASKS})}
         if chains:
             lookups[LEARNED_BRANCHES] = lookups["learned"]  # never read: every tenant's domain has its chain
-            out["branches"] = {t: {"domain": TASK_DOMAIN[t], "entries": tree.nodes()[TASK_DOMAIN[t]].plot.get("entries"),
-                                   "plot": (tree.version(TASK_DOMAIN[t]).store.get_record("build") or {}).get("fingerprint")}
-                               for t in TASKS}
+            asked, out["branches"] = asked_of(traces), {}
+            for t in TASKS:
+                d, keys = TASK_DOMAIN[t], windows_of(asked[t])
+                out["branches"][t] = {"domain": d, "entries": tree.nodes()[d].plot.get("entries"),
+                                      "plot": (tree.version(d).store.get_record("build") or {}).get("fingerprint"),
+                                      # the share of the task's asked distinct tri-grams the root PLOT holds, and its chain
+                                      "hit_rate_root": round(hit_rate(version.store, keys), 4),
+                                      "hit_rate_chain": round(hit_rate(chains[d].chain[0].store, keys,
+                                                                       *(v.store for v in chains[d].chain[1:])), 4)}
         train = [r["text"] if "text" in r else " ".join(r["tokens"])
                  for task in TASKS for r in load_task(task, "train", TRAIN_PER_TASK)]
         curve, kept_cost = [], {}
@@ -687,7 +708,10 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
                        for key, what in _per_seed_gaps(out)) + "\n\n")
     if "branches" in out:
         text += (f"Configurations '...{BRANCHES}': each task's tenants served on its domain's branch ("
-                 + "; ".join(f"{t}: {b['domain']}, {b['entries']:,} entries" for t, b in out["branches"].items())
+                 + "; ".join(f"{t}: {b['domain']}, {b['entries']:,} entries"
+                             + (f", holding with the root PLOT {b['hit_rate_chain']:.1%} of the distinct tri-grams its "
+                                f"tenants were asked, against the root PLOT's {b['hit_rate_root']:.1%}"
+                                if "hit_rate_chain" in b else "") for t, b in out["branches"].items())
                  + "), the chain branch -> root PLOT with the root's learned back-off for what neither holds, as "
                  "`hmi domain create` makes a branch and a tenant of its domain is served; the accuracy of those points "
                  "is the record of eval_accuracy `--branches` named above (the same fine-tunes, their windows on the "

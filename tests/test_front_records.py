@@ -6,6 +6,7 @@ made the same way."""
 import json
 import statistics
 
+import numpy as np
 import pytest
 
 from benchmarks import bench_front
@@ -484,3 +485,23 @@ def test_on_branches_each_tenant_is_served_through_the_chain_of_its_tasks_domain
         task = TASKS[tenant % 4]  # the task the traces give tenant t: t % 4
         assert served.lookup_for(bench_front.domain_of(bench_front.AUTO_BRANCHES, tenant)) == f"chain of {TASK_DOMAIN[task]}"
         assert served.lookup_for(bench_front.domain_of(bench_front.AUTO, tenant)) == "root PLOT"
+
+
+def test_a_chain_holds_a_tri_gram_when_any_of_its_plots_does_and_each_task_is_asked_its_own_texts(tmp_path):
+    from hmi.plot.store import PlotMeta, PlotStore
+
+    stores = []
+    for name, held in (("root", [1, 2]), ("branch", [2, 3, 4])):
+        store = PlotStore(tmp_path / name, meta=PlotMeta("a", 3, 8), readonly=False)
+        store.put_many(np.array(held, dtype=np.uint64), np.ones((len(held), 3, 8), dtype=np.float32))
+        stores.append(store)
+    asked = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.uint64)
+    assert bench_front.hit_rate(stores[0], asked) == 2 / 8
+    assert bench_front.hit_rate(stores[1], asked, stores[0]) == 4 / 8  # 2 held by both counts once
+    for store in stores:
+        store.close()
+    texts = {t: [f"{t} {i}" for i in range(40)] for t in TASKS}
+    traces = bench_front.make_traces(texts, 1, 2, seed=0)
+    asked_texts = bench_front.asked_of(traces)
+    assert sum(map(len, asked_texts.values())) == 2 * bench_front.B
+    assert all(text.startswith(task) for task, sent in asked_texts.items() for text in sent)
