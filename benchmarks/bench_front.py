@@ -88,6 +88,7 @@ from benchmarks.eval_accuracy import (  # noqa: E402
     HBERT_EXACT,
     HBERT_LEARNED,
     HBERT_LEARNED_COMPUTE,
+    task_chain,
 )
 from hmi.data import TASK_DOMAIN, is_tagging  # noqa: E402
 from hmi.model.aliases import auto_miss_policy  # noqa: E402
@@ -340,14 +341,13 @@ def copy_plot(src, dst: Path):
     return PlotStore(dst, readonly=False)
 
 
-def hit_rate(store, keys: np.ndarray, *more) -> float:
-    """The share of ``keys`` (distinct tri-grams) ``store`` holds, or one of the PLOTs ``more`` (the
-    rest of a chain)."""
+def hit_rate(keys: np.ndarray, *stores) -> float:
+    """The share of ``keys`` (distinct tri-grams) that one of the PLOTs ``stores`` (one, or a chain's) holds."""
     if not len(keys):
         return 0.0
-    held = store.get_many(keys)[1].astype(bool)
-    for other in more:
-        held |= other.get_many(keys)[1].astype(bool)
+    held = np.zeros(len(keys), dtype=bool)
+    for store in stores:
+        held |= store.get_many(keys)[1].astype(bool)
     return float(held.mean())
 
 
@@ -408,10 +408,9 @@ def main() -> None:
     from hmi.version_tree.tree import VersionTree
 
     root, version = prepared_root(root=args.root, l_low=args.l_low)
+    # --branches: each task's chain (its domain's branch, then the root PLOT) and the branch; refused here if missing
     tree = VersionTree(root, root_version=version) if args.branches else None
-    if tree is not None and (missing := sorted({TASK_DOMAIN[t] for t in TASKS} - set(tree.nodes()))):
-        raise SystemExit(f"--branches serves each task's tenants on its domain's branch, and this root has none for "
-                         f"{', '.join(missing)}: create each with `hmi domain create DOMAIN --corpus DOMAIN{root_flags(args)}`")
+    branch_of = {t: task_chain(tree, version, t, root_flags(args)) for t in TASKS} if tree is not None else {}
     served = {"root": root.spec.name, "l_low": root.spec.l_low,
               "steps": root.meta.get("calibration", {}).get("steps_done")}
     if args.speed_only and not args.accuracy:
@@ -459,20 +458,17 @@ def main() -> None:
             lookups["learned+compute"] = PlotLookup([version], "learned+compute")
         else:
             out["learned"] = f"not measured: the root PLOT has no learned back-off (`hmi plot learn-backoff{root_flags(args)}`)"
-        # --branches: each domain's chain (its branch, then the root PLOT), as a tenant of that domain is served
-        chains = {} if tree is None or "learned" not in lookups else {
-            d: PlotLookup([tree.version(n) for n in tree.chain(d)], "learned") for d in sorted({TASK_DOMAIN[t] for t in TASKS})}
+        # each domain's tenants served through its chain, as a tenant of that domain is
+        chains = {TASK_DOMAIN[t]: PlotLookup(chain, "learned") for t, (chain, _) in branch_of.items()} if "learned" in lookups else {}
         if chains:
             lookups[LEARNED_BRANCHES] = lookups["learned"]  # never read: every tenant's domain has its chain
             asked, out["branches"] = asked_of(traces), {}
-            for t in TASKS:
-                d, keys = TASK_DOMAIN[t], windows_of(asked[t])
-                out["branches"][t] = {"domain": d, "entries": tree.nodes()[d].plot.get("entries"),
-                                      "plot": (tree.version(d).store.get_record("build") or {}).get("fingerprint"),
+            for t, (chain, branch) in branch_of.items():
+                keys = windows_of(asked[t])
+                out["branches"][t] = {"domain": branch["name"], "entries": branch["entries"], "plot": branch["plot"],
                                       # the share of the task's asked distinct tri-grams the root PLOT holds, and its chain
-                                      "hit_rate_root": round(hit_rate(version.store, keys), 4),
-                                      "hit_rate_chain": round(hit_rate(chains[d].chain[0].store, keys,
-                                                                       *(v.store for v in chains[d].chain[1:])), 4)}
+                                      "hit_rate_root": round(hit_rate(keys, version.store), 4),
+                                      "hit_rate_chain": round(hit_rate(keys, *(v.store for v in chain)), 4)}
         train = [r["text"] if "text" in r else " ".join(r["tokens"])
                  for task in TASKS for r in load_task(task, "train", TRAIN_PER_TASK)]
         curve, kept_cost = [], {}
@@ -480,7 +476,7 @@ def main() -> None:
             plot = copy_plot(version.store, tmp / f"plot-{state}")
             lk = PlotLookup([PlotVersion("root", plot, version.encoder)], "compute+insert", keeper=Keeper())
             if state == "cold":
-                curve.append({"stream_lines": 0, "tenant_texts": False, "hit_rate": round(hit_rate(plot, test_keys), 4)})
+                curve.append({"stream_lines": 0, "tenant_texts": False, "hit_rate": round(hit_rate(test_keys, plot), 4)})
             if state in ("tenants", "warm"):
                 t0, before = time.perf_counter(), len(plot)
                 keep_texts(lk, tok, train, MAX_LEN, chunk=256)
@@ -488,14 +484,14 @@ def main() -> None:
                              "bytes": (len(plot) - before) * plot.meta.value_bytes,
                              "seconds": round(time.perf_counter() - t0, 1)}
                 if state == "tenants":
-                    curve.append({"stream_lines": 0, "tenant_texts": True, "hit_rate": round(hit_rate(plot, test_keys), 4)})
+                    curve.append({"stream_lines": 0, "tenant_texts": True, "hit_rate": round(hit_rate(test_keys, plot), 4)})
             if state == "warm":
                 lines = {task: load_corpus(TASK_DOMAIN[task], stream) for task in TASKS}
                 step = max(1, stream // 4)
                 for s in range(0, stream, step):
                     keep_texts(lk, tok, [ln for task in TASKS for ln in lines[task][s:s + step]], MAX_LEN, chunk=256)
                     curve.append({"stream_lines": min(stream, s + step), "tenant_texts": True,
-                                  "hit_rate": round(hit_rate(plot, test_keys), 4)})
+                                  "hit_rate": round(hit_rate(test_keys, plot), 4)})
                     print(f"stream: {curve[-1]['stream_lines']} of {stream} lines per domain kept, hit rate "
                           f"{curve[-1]['hit_rate']}", flush=True)
             lookups[f"compute+insert {state}"] = lk
@@ -630,24 +626,14 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
             served = auto  # and serve whole where the teacher leads on dev
     out["default_served"] = served
     default = next(p for p in points if p["config"] == served)
-    out["default_served_gap_vs_full_ft"] = round(fair - default["accuracy"], 2)
-    out["default_served_gap_vs_adapter"] = round(avg["hBERT-adapter"] - default["accuracy"], 2)
-    out["default_served_over_adapter"] = default["over_adapter"]
-    out["below_shared_on"] = [t for t in TASKS if tasks[t][COLUMN[served]] < tasks[t]["shared"]]
-    out["below_shared_by"] = {t: round(tasks[t]["shared"] - tasks[t][COLUMN[served]], 2) for t in out["below_shared_on"]}
+    out.update(standing(default, acc, "default_served", ""))
     # the same fine-tunes served with each tenant on its task's domain branch, where the run measured them
     # and a record gives their accuracy
     branched = next((p for p in points if p["config"] == served + BRANCHES and p["accuracy"] is not None), None)
     for key in [k for k in out if k.startswith(("default_on_branches", "below_shared_on_branches", "below_shared_by_branches"))]:
         out.pop(key)  # a page written again from a record whose branch columns are gone
     if branched:
-        col = COLUMN[branched["config"]]
-        out.update({"default_on_branches": branched["config"], "default_on_branches_over_adapter": branched["over_adapter"],
-                    "default_on_branches_gap_vs_full_ft": round(fair - branched["accuracy"], 2),
-                    "default_on_branches_gap_vs_adapter": round(avg["hBERT-adapter"] - branched["accuracy"], 2),
-                    "below_shared_on_branches": [t for t in TASKS if tasks[t][col] < tasks[t]["shared"]]})
-        out["below_shared_by_branches"] = {t: round(tasks[t]["shared"] - tasks[t][col], 2)
-                                           for t in out["below_shared_on_branches"]}
+        out.update({"default_on_branches": branched["config"], **standing(branched, acc, "default_on_branches", "_branches")})
     # the same gaps seed by seed, where one record of several seeds holds both columns
     for key, point, bar in (("gap_to_adapter_at_1_5x", best, "hBERT-adapter"),
                             ("default_served_gap_vs_full_ft", default, "dedicated"),
@@ -700,10 +686,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
     text += (f"Best configuration at >= 1.5x hBERT-adapter's requests/s: {out['best_at_1_5x']}, "
              f"gap to hBERT-adapter {out['gap_to_adapter_at_1_5x']} points. Served by default ({served}"
              + (": the miss policy and distilled fine-tunes" if served in SERVED_AS else "") + "): "
-             f"{out['default_served_over_adapter']:.2f}x hBERT-adapter's requests/s, "
-             f"{out['default_served_gap_vs_adapter']} points under hBERT-adapter and "
-             f"{out['default_served_gap_vs_full_ft']} under the fair bar; below the frozen root with a head on "
-             f"{', '.join(_below(t, out['below_shared_by'][t], tasks[t]) for t in out['below_shared_on']) or 'no task'}."
+             + standing_text(out, tasks, "default_served", "")
              + "".join(f" {what} seed by seed: {', '.join(str(g) for g in out[key + '_per_seed'])}."
                        for key, what in _per_seed_gaps(out)) + "\n\n")
     if "branches" in out:
@@ -717,11 +700,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
                  "is the record of eval_accuracy `--branches` named above (the same fine-tunes, their windows on the "
                  "branches)."
                  + (f" Served by default on the branches ({out['default_on_branches']}): "
-                    f"{out['default_on_branches_over_adapter']:.2f}x hBERT-adapter's requests/s, "
-                    f"{out['default_on_branches_gap_vs_adapter']} points under hBERT-adapter and "
-                    f"{out['default_on_branches_gap_vs_full_ft']} under the fair bar; below the frozen root with a head "
-                    "on " + (", ".join(_below(t, out["below_shared_by_branches"][t], tasks[t])
-                                      for t in out["below_shared_on_branches"]) or "no task") + "."
+                    + standing_text(out, tasks, "default_on_branches", "_branches")
                     if "default_on_branches" in out else f" The default's fine-tunes on the branches ('{served + BRANCHES}') "
                     "are no point of this run: it needs a finished record of eval_accuracy --branches with all four "
                     "tasks, which it did not have.") + "\n\n")
@@ -749,6 +728,27 @@ def _per_seed_gaps(out: dict) -> list[tuple[str, str]]:
     if not same:
         gaps.append(("default_served_gap_vs_adapter", "Gap of the default to hBERT-adapter"))
     return [(key, what) for key, what in gaps if key + "_per_seed" in out]
+
+
+def standing(point: dict, acc: dict, name: str, suffix: str) -> dict:
+    """The keys of where a served point stands (``name``: what it is, ``suffix``: that of its
+    below-shared keys): its requests/s over hBERT-adapter's, its gaps to the fair bar and to
+    hBERT-adapter, and the tasks it serves under the frozen root with a head, by how much."""
+    avg, tasks, col = acc["average"], acc["tasks"], point["accuracy_column"]
+    below = [t for t in TASKS if tasks[t][col] < tasks[t]["shared"]]
+    return {f"{name}_gap_vs_full_ft": round(avg["dedicated"] - point["accuracy"], 2),
+            f"{name}_gap_vs_adapter": round(avg["hBERT-adapter"] - point["accuracy"], 2),
+            f"{name}_over_adapter": point["over_adapter"],
+            f"below_shared_on{suffix}": below,
+            f"below_shared_by{suffix}": {t: round(tasks[t]["shared"] - tasks[t][col], 2) for t in below}}
+
+
+def standing_text(out: dict, tasks: dict, name: str, suffix: str) -> str:
+    """The page's sentence of ``standing``'s keys in ``out``."""
+    below = out[f"below_shared_by{suffix}"]
+    return (f"{out[name + '_over_adapter']:.2f}x hBERT-adapter's requests/s, {out[name + '_gap_vs_adapter']} points "
+            f"under hBERT-adapter and {out[name + '_gap_vs_full_ft']} under the fair bar; below the frozen root with a "
+            f"head on {', '.join(_below(t, below[t], tasks[t]) for t in below) or 'no task'}.")
 
 
 def _below(task: str, points: float, acc: dict) -> str:

@@ -496,8 +496,8 @@ def test_a_chain_holds_a_tri_gram_when_any_of_its_plots_does_and_each_task_is_as
         store.put_many(np.array(held, dtype=np.uint64), np.ones((len(held), 3, 8), dtype=np.float32))
         stores.append(store)
     asked = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.uint64)
-    assert bench_front.hit_rate(stores[0], asked) == 2 / 8
-    assert bench_front.hit_rate(stores[1], asked, stores[0]) == 4 / 8  # 2 held by both counts once
+    assert bench_front.hit_rate(asked, stores[0]) == 2 / 8
+    assert bench_front.hit_rate(asked, *stores) == 4 / 8  # 2 held by both counts once
     for store in stores:
         store.close()
     texts = {t: [f"{t} {i}" for i in range(40)] for t in TASKS}
