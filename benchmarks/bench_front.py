@@ -245,6 +245,15 @@ def with_optional(rec: dict, found: list[tuple[str, dict]], artifact: str, serve
     return rec
 
 
+def _branch_cost(branch: dict) -> str:
+    """What making a branch took, as its version tree recorded it (empty for a record without it)."""
+    secs = branch.get("seconds") or {}
+    if "mib" not in branch or None in (secs.get("further_pretraining"), secs.get("plot")):
+        return ""
+    took = [f"{s / 60:.0f} min" if s >= 60 else f"{s:.0f} s" for s in (secs["further_pretraining"], secs["plot"])]
+    return f" ({branch['mib']:,} MiB; made in {took[0]} of distillation and {took[1]} of PLOT build)"
+
+
 def with_branches(rec: dict, branched: list[tuple[str, dict]], artifact: str, served: dict | None) -> dict:
     """``rec`` with the windowed columns of a comparable record whose PLOT columns were served on each
     task's domain branch (eval_accuracy ``--branches``) of the served artifact or of another
@@ -466,6 +475,7 @@ def main() -> None:
             for t, (chain, branch) in branch_of.items():
                 keys = windows_of(asked[t])
                 out["branches"][t] = {"domain": branch["name"], "entries": branch["entries"], "plot": branch["plot"],
+                                      "mib": branch["mib"], "seconds": branch["seconds"],
                                       # the share of the task's asked distinct tri-grams the root PLOT holds, and its chain
                                       "hit_rate_root": round(hit_rate(keys, version.store), 4),
                                       "hit_rate_chain": round(hit_rate(keys, *(v.store for v in chain)), 4)}
@@ -691,7 +701,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
                        for key, what in _per_seed_gaps(out)) + "\n\n")
     if "branches" in out:
         text += (f"Configurations '...{BRANCHES}': each task's tenants served on its domain's branch ("
-                 + "; ".join(f"{t}: {b['domain']}, {b['entries']:,} entries"
+                 + "; ".join(f"{t}: {b['domain']}, {b['entries']:,} entries" + _branch_cost(b)
                              + (f", holding with the root PLOT {b['hit_rate_chain']:.1%} of the distinct tri-grams its "
                                 f"tenants were asked, against the root PLOT's {b['hit_rate_root']:.1%}"
                                 if "hit_rate_chain" in b else "") for t, b in out["branches"].items())

@@ -341,7 +341,9 @@ def task_chain(tree, version, task: str, flags: str) -> tuple[list, dict | None]
     chain = [tree.version(name) for name in tree.chain(domain)]
     built = chain[0].store.get_record("build") or {}
     return chain, {"name": domain, "plot": built.get("fingerprint"), "entries": node.plot.get("entries"),
-                   "mib": round(node.plot.get("file_bytes", 0) / 2**20), "further_pretraining": summary(node.fpt)}
+                   "mib": round(node.plot.get("file_bytes", 0) / 2**20), "further_pretraining": summary(node.fpt),
+                   # what making the branch took (`hmi domain create`, as recorded in the version tree)
+                   "seconds": {"further_pretraining": node.fpt.get("seconds"), "plot": node.plot.get("build_seconds")}}
 
 
 def seeded_cells(cells: Cells, key: dict, seeds, options, train) -> list[tuple[tuple, dict]]:

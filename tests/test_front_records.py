@@ -449,11 +449,15 @@ def test_the_default_on_branches_is_a_point_of_its_own_with_its_gaps_and_the_tas
     out = {**learned_run(), "configs": ["learned", bench_front.AUTO, bench_front.LEARNED_BRANCHES,
                                         bench_front.AUTO_BRANCHES, "hBERT-adapter", "shared"],
            "whole_tasks": {bench_front.AUTO: [], bench_front.AUTO_BRANCHES: ["review-sentiment"]},
-           "branches": {t: {"domain": d, "entries": 1000, "plot": "f"} for t, d in acc["branches"].items()}}
+           "branches": {t: {"domain": d, "entries": 1000, "plot": "f", "mib": 3,
+                            "seconds": {"further_pretraining": 3780.0, "plot": 540.0}} for t, d in acc["branches"].items()}}
     out["measured"].update({bench_front.AUTO: [15.0], bench_front.LEARNED_BRANCHES: [18.0],
                             bench_front.AUTO_BRANCHES: [16.0]})
     bench_front.report(json.loads(json.dumps(out)), acc, "bench_front_trial", "python benchmarks/bench_front.py")
     record = json.loads((tmp_path / "bench_front_trial.md").read_text().split("```json\n")[1].split("\n```")[0])
+    # what each branch cost to make, from its version tree
+    assert "1,000 entries (3 MiB; made in 63 min of distillation and 9 min of PLOT build)" in (
+        tmp_path / "bench_front_trial.md").read_text()
     # the root PLOT's default (78.0 + index) is under the frozen root (79.0 + index) on every task; on branches on none
     assert (record["default_served"], record["below_shared_on"]) == (bench_front.AUTO, TASKS)
     assert record["default_on_branches"] == bench_front.AUTO_BRANCHES
