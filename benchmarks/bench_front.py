@@ -23,9 +23,9 @@ the PLOT has kept, the hot tier):
   (their prepared corpora, which hold no dev or test text), ``--stream`` lines per domain;
 - ``learned, distilled, auto`` (and ``learned+compute``, ``learned+hot``, ``backoff``,
   ``backoff+hot, distilled, auto``): tenants fine-tuned with ``"serving": "auto"``: those of a task whose record chose whole
-  (eval_accuracy's served-auto column of that miss policy's students, ``res.tasks.*.serving``)
-  served on the full root with their adapter in every layer, the others on the windows as that
-  configuration serves them.
+  (eval_accuracy's served-auto column of that miss policy's students, ``res.tasks.*.serving``; a
+  task's tenants in turn as its seeds chose, where they differ) served on the full root with their
+  adapter in every layer, the others on the windows as that configuration serves them.
 - ``--branches`` adds ``learned, on branches`` and ``learned, distilled, auto, on branches``: the
   same, each tenant served on its task's domain branch (news, reviews, social, literature: made
   by ``hmi domain create``), the chain branch -> root PLOT, their accuracy from the record of
@@ -96,7 +96,7 @@ from hmi.model.root import ROOT_PACKAGE  # noqa: E402
 from hmi.services.server import ServerConfig  # noqa: E402
 
 TENANTS, B, MAX_LEN = 100, 32, 128
-# tenants served as `"serving": "auto"` chooses (whole_tasks), the others on a miss policy: config -> that policy
+# tenants served as `"serving": "auto"` chooses (whole_modes), the others on a miss policy: config -> that policy
 AUTO, AUTO_COMPUTE = "learned, distilled, auto", "learned+compute, distilled, auto"
 AUTO_BACKOFF, AUTO_HOT = "backoff, distilled, auto", "backoff+hot, distilled, auto"
 AUTO_LEARNED_HOT = "learned+hot, distilled, auto"
@@ -327,17 +327,31 @@ def domain_of(config: str, tenant: int) -> str:
     return TASK_DOMAIN[TASKS[tenant % len(TASKS)]] if config.endswith(BRANCHES) else "root"
 
 
-def whole_tasks(acc: dict, column: str) -> list[str]:
-    """The tasks whose tenants ``"serving": "auto"`` serves on the full root in the accuracy record
-    ``acc`` (the served-auto ``column``'s choice, ``tasks.*.serving``: one mode, or one per seed;
-    whole when most seeds chose it)."""
-    out = []
+def whole_modes(acc: dict, column: str) -> dict[str, list[str]]:
+    """Per task whose tenants ``"serving": "auto"`` serves on the full root on some seed of the
+    accuracy record ``acc`` (the served-auto ``column``'s choice, ``tasks.*.serving``: one mode, or
+    one per seed), the mode of each seed: a task's tenants are served as its seeds chose, in turn
+    (``served_whole``), so the requests/s are of the mix the column's mean scores."""
+    out = {}
     for t in TASKS:
         modes = acc["tasks"][t].get("serving", {}).get(column, "windows")
-        modes = [modes] if isinstance(modes, str) else modes
-        if 2 * modes.count("whole") > len(modes):
-            out.append(t)
+        modes = [modes] if isinstance(modes, str) else list(modes)
+        if "whole" in modes:
+            out[t] = modes
     return out
+
+
+def served_whole(modes: dict[str, list[str]], tenant: int) -> bool:
+    """Whether the front's ``tenant`` (its task ``TASKS[tenant % 4]``, the k-th tenant of that task for
+    k = tenant // 4) is served whole: as seed ``k % seeds`` of its task chose (``whole_modes``)."""
+    chosen = modes.get(TASKS[tenant % len(TASKS)])
+    return chosen is not None and chosen[(tenant // len(TASKS)) % len(chosen)] == "whole"
+
+
+def whole_share(modes: dict[str, list[str]]) -> dict[str, float]:
+    """Of each task served whole on some seed, the share of its tenants served whole (``served_whole``)."""
+    of_task = {t: [i for i in range(TENANTS) if TASKS[i % len(TASKS)] == t] for t in modes}
+    return {t: round(sum(served_whole(modes, i) for i in rows) / len(rows), 4) for t, rows in of_task.items()}
 
 
 def copy_plot(src, dst: Path):
@@ -515,11 +529,13 @@ def main() -> None:
         for config, policy in AUTO_POLICY.items():
             if policy not in lookups or COLUMN[config] not in acc["average"]:
                 continue
-            on_full = out.setdefault("whole_tasks", {})[config] = whole_tasks(acc, COLUMN[config])
+            modes = whole_modes(acc, COLUMN[config])
+            out.setdefault("whole_tasks", {})[config] = list(modes)
+            out.setdefault("whole_share", {})[config] = whole_share(modes)
             auto_store = AdapterStore(tmp / f"adapters-{policy}-auto", host_cache_mb=1024)
             auto_entries = {}
             for i in range(TENANTS):
-                name, is_whole = f"t{i:05d}", TASKS[i % len(TASKS)] in on_full
+                name, is_whole = f"t{i:05d}", served_whole(modes, i)
                 auto_entries[name] = TenantEntry(name, whole if is_whole else spec, domain_of(config, i))
                 auto_store.save(name, auto_entries[name].spec, (whole_variants if is_whole else variants)[i % 8])
                 auto_store.load(name)
@@ -592,16 +608,28 @@ def with_seeds(rec: dict, found: list[tuple[str, dict]], artifact: str, served: 
             "per_seed": {c: r["average_per_seed"][c] for c in cols}}
 
 
+def shares_of(out: dict, config: str) -> dict[str, float]:
+    """The share of each task's tenants the run served whole in ``config`` (a record from before
+    ``whole_share`` served every tenant of the tasks it names whole)."""
+    return out.get("whole_share", {}).get(config) or {t: 1.0 for t in out["whole_tasks"][config]}
+
+
+def whole_text(shares: dict[str, float]) -> str:
+    """``whole_share``'s tasks in words: 'the tenants of A, 50% of the tenants of B'."""
+    parts = [f"the tenants of {t}" if share == 1 else f"{share:.0%} of the tenants of {t}" for t, share in shares.items()]
+    return ", ".join(parts) or "the tenants of no task"
+
+
 def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str] | None = None) -> None:
     """The page and record of a run: its measured requests/s (``out["measured"]``) against the
     accuracy record ``acc``, and the keys derived from both (``header``: the machine and date of
     the run, kept by a page written again)."""
     configs = out["configs"] + [c for c, like in SERVED_AS.items() if like in out["configs"] and COLUMN[c] in acc["average"]]
-    for c in (c for c in AUTO_POLICY if c in configs):  # its requests/s hold only for the tasks it served whole
-        if (chosen := whole_tasks(acc, COLUMN[c])) != out["whole_tasks"][c]:
-            raise SystemExit(f"'{c}' was measured with the tenants of {', '.join(out['whole_tasks'][c]) or 'no task'} "
-                             f"served whole, but the accuracy record now chooses {', '.join(chosen) or 'no task'}: "
-                             "measure the front again (a --render cannot)")
+    for c in (c for c in AUTO_POLICY if c in configs):  # its requests/s hold only for the tenants it served whole
+        chosen, was = whole_share(whole_modes(acc, COLUMN[c])), shares_of(out, c)
+        if chosen != was:
+            raise SystemExit(f"'{c}' was measured with {whole_text(was)} served whole, but the accuracy record now "
+                             f"chooses {whole_text(chosen)}: measure the front again (a --render cannot)")
     measured = {**out["measured"], **{c: out["measured"][SERVED_AS[c]] for c in configs if c in SERVED_AS}}
     adapter_rps = statistics.median(measured["hBERT-adapter"])
     avg, tasks = acc["average"], acc["tasks"]
@@ -689,7 +717,7 @@ def report(out: dict, acc: dict, name: str, command: str, header: tuple[str, str
              "windows (column 'hBERT, exact windows'), however warm the PLOT is."
              + "".join(f" {c}: served as {like} is, the adapters trained otherwise, so its requests/s are {like}'s."
                        for c, like in SERVED_AS.items() if c in configs)
-             + "".join(f" {c}: the tenants of {', '.join(out['whole_tasks'][c]) or 'no task'} served on the full root "
+             + "".join(f" {c}: {whole_text(shares_of(out, c))} served on the full root "
                        "with their adapter in every layer (as `\"serving\": \"auto\"` chose for those tasks), the "
                        f"others as '{AUTO_POLICY[c]}, distilled'; its accuracy is column '{COLUMN[c]}'."
                        for c in AUTO_POLICY if c in configs) + "\n\n")

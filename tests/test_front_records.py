@@ -283,9 +283,11 @@ def test_a_record_of_a_root_plot_built_from_other_text_gives_only_the_front_of_s
     assert name == "eval_accuracy_grid_plot-all" and acc["average"][distilled] == 91.5
 
 
-def test_the_served_auto_column_comes_with_the_tasks_it_served_whole_and_those_tenants_are_whole(tmp_path, monkeypatch):
+def test_the_served_auto_column_serves_each_tasks_tenants_whole_as_its_seeds_chose_in_turn(tmp_path, monkeypatch):
     """The front's ``learned, distilled, auto`` point serves on the full root the tenants of the tasks
-    that the record's served-auto column chose whole (most of its seeds), the others on the windows."""
+    that the record's served-auto column chose whole, the others on the windows; where the seeds of a
+    task chose otherwise, its tenants in turn as each seed did, so the requests/s are of the mix the
+    column's mean over seeds scores."""
     monkeypatch.setattr(bench_front, "RECORDS", tmp_path)
     write(tmp_path, "eval_accuracy_grid", "l3", {**FREE, **HBERT})
     write(tmp_path, "eval_accuracy_partial_auto", "l3", {bench_front.HBERT_AUTO: 83.0})
@@ -298,9 +300,18 @@ def test_the_served_auto_column_comes_with_the_tasks_it_served_whole_and_those_t
     page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
     _, _, acc = bench_front.accuracy_record("l3", None)
     assert acc["column_records"] == {bench_front.HBERT_AUTO: ["eval_accuracy_partial_auto", "l3"]}
-    # a tie of seeds stays on the windows; another served-auto column's choice is its own
-    assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO) == ["review-sentiment", "pos-tagging"]
-    assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO_COMPUTE) == []
+    modes = bench_front.whole_modes(acc, bench_front.HBERT_AUTO)
+    assert modes == {"review-sentiment": ["whole", "whole"], "tweet-sentiment": ["whole", "windows"],
+                     "pos-tagging": ["whole"]}
+    # tweets' 25 tenants (2, 6, ..., 98) in turn as seed 0 (whole) and seed 1 (windows) chose: 13 whole
+    assert [bench_front.served_whole(modes, i) for i in (2, 6, 10, 98)] == [True, False, True, True]
+    assert not any(bench_front.served_whole(modes, i) for i in range(0, 100, 4))  # news: windows
+    assert all(bench_front.served_whole(modes, i) for i in range(1, 100, 4))
+    assert bench_front.whole_share(modes) == {"review-sentiment": 1.0, "tweet-sentiment": 0.52, "pos-tagging": 1.0}
+    assert bench_front.whole_text(bench_front.whole_share(modes)) == (
+        "the tenants of review-sentiment, 52% of the tenants of tweet-sentiment, the tenants of pos-tagging")
+    # another served-auto column's choice is its own
+    assert bench_front.whole_modes(acc, bench_front.HBERT_AUTO_COMPUTE) == {}
 
 
 def test_a_served_auto_point_is_not_written_again_once_its_record_serves_other_tasks_whole(tmp_path, monkeypatch):
@@ -321,8 +332,14 @@ def test_a_served_auto_point_is_not_written_again_once_its_record_serves_other_t
                        "python benchmarks/bench_front.py")
     rec["tasks"]["tweet-sentiment"]["serving"] = {bench_front.HBERT_AUTO: "whole"}  # the record's run went on
     page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
-    with pytest.raises(SystemExit, match="served whole, but the accuracy record now chooses review-sentiment, "
-                                         "tweet-sentiment"):
+    with pytest.raises(SystemExit, match="with the tenants of review-sentiment served whole, but the accuracy record "
+                                         "now chooses the tenants of review-sentiment, the tenants of tweet-sentiment"):
+        bench_front.render("bench_front_trial")
+    # so is one whose seeds now part: half of a task's tenants served whole is another mix
+    rec["tasks"]["tweet-sentiment"]["serving"] = {bench_front.HBERT_AUTO: "windows"}
+    rec["tasks"]["review-sentiment"]["serving"] = {bench_front.HBERT_AUTO: ["whole", "windows"]}
+    page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
+    with pytest.raises(SystemExit, match="now chooses 52% of the tenants of review-sentiment"):
         bench_front.render("bench_front_trial")
 
 
@@ -368,7 +385,7 @@ def test_back_off_students_served_auto_are_points_with_and_without_the_hot_tier_
     rec["tasks"]["review-sentiment"]["serving"] = {bench_front.HBERT_AUTO_BACKOFF: "whole"}
     page.write_text(f"# auto\n\n```json\n{json.dumps(rec)}\n```\n")
     acc = bench_front.accuracy_record("l3", None)[2]
-    assert bench_front.whole_tasks(acc, bench_front.HBERT_AUTO_BACKOFF) == ["review-sentiment"]
+    assert list(bench_front.whole_modes(acc, bench_front.HBERT_AUTO_BACKOFF)) == ["review-sentiment"]
     whole = ["review-sentiment"]
     out = {**learned_run(), "default_config": "backoff",
            "configs": ["backoff", "backoff+hot", bench_front.AUTO_BACKOFF, bench_front.AUTO_HOT, "hBERT-adapter", "shared"],
@@ -438,8 +455,8 @@ def test_a_record_served_on_branches_gives_columns_of_their_own_and_never_the_ro
     assert bench_front.HBERT_DISTILLED + bench_front.BRANCHES in acc["average"]
     assert "shared" + bench_front.BRANCHES not in acc["average"]  # never read the windows: the root PLOT's stand
     # each served-auto column whole where its own record chose it
-    assert bench_front.whole_tasks(acc, bench_front.COLUMN[bench_front.AUTO_BRANCHES]) == ["review-sentiment"]
-    assert bench_front.whole_tasks(acc, bench_front.COLUMN[bench_front.AUTO]) == []
+    assert list(bench_front.whole_modes(acc, bench_front.COLUMN[bench_front.AUTO_BRANCHES])) == ["review-sentiment"]
+    assert bench_front.whole_modes(acc, bench_front.COLUMN[bench_front.AUTO]) == {}
 
 
 def test_the_default_on_branches_is_a_point_of_its_own_with_its_gaps_and_the_tasks_it_serves_under_the_frozen_root(
