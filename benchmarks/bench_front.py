@@ -530,7 +530,6 @@ def main() -> None:
             if policy not in lookups or COLUMN[config] not in acc["average"]:
                 continue
             modes = whole_modes(acc, COLUMN[config])
-            out.setdefault("whole_tasks", {})[config] = list(modes)
             out.setdefault("whole_share", {})[config] = whole_share(modes)
             auto_store = AdapterStore(tmp / f"adapters-{policy}-auto", host_cache_mb=1024)
             auto_entries = {}
@@ -611,7 +610,9 @@ def with_seeds(rec: dict, found: list[tuple[str, dict]], artifact: str, served: 
 def shares_of(out: dict, config: str) -> dict[str, float]:
     """The share of each task's tenants the run served whole in ``config`` (a record from before
     ``whole_share`` served every tenant of the tasks it names whole)."""
-    return out.get("whole_share", {}).get(config) or {t: 1.0 for t in out["whole_tasks"][config]}
+    if "whole_share" in out:
+        return out["whole_share"][config]
+    return {t: 1.0 for t in out["whole_tasks"][config]}
 
 
 def whole_text(shares: dict[str, float]) -> str:
