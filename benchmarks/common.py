@@ -108,7 +108,7 @@ def cpu_kind() -> str:
 def machine() -> str:
     import torch
 
-    from hmi.model.kernels import NATIVE_BF16
+    from hmi.model.kernels import BF16_UNIT
 
     info = {}
     try:
@@ -122,7 +122,7 @@ def machine() -> str:
     if "cpu family" in info:
         cpu += f", family {info['cpu family']} model {info.get('model', '?')}"
     isa = torch.backends.cpu.get_cpu_capability()  # the vector instructions torch's kernels use (AVX2, AVX512, ...)
-    isa += " with native bf16" if NATIVE_BF16 else ""
+    isa += f" with native bf16 ({BF16_UNIT})" if BF16_UNIT else ""
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return f"{os.cpu_count()} CPU cores ({cpu}, {isa}){gpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
 

@@ -74,6 +74,22 @@ def _native_bf16() -> bool:
 
 
 NATIVE_BF16 = _native_bf16()
+
+
+def bf16_unit(flags: set[str], native: bool, isa_cap: str | None) -> str | None:
+    """Which unit multiplies the bf16 products: ``"AMX"`` (tiles: its own order of sums) where the CPU
+    has AMX and oneDNN's ISA cap (``ONEDNN_MAX_CPU_ISA``, ``None``: no cap) allows it, else
+    ``"AVX512_BF16"`` (dot products in vector registers) where ``native``; ``None`` without native bf16.
+    Runs in bf16 repeat bit for bit only on the same unit."""
+    if not native:
+        return None
+    cap = (isa_cap or "ALL").upper()
+    amx_allowed = cap in ("ALL", "DEFAULT") or "AMX" in cap
+    return "AMX" if amx_allowed and {"amx_bf16", "amx_tile"} <= flags else "AVX512_BF16"
+
+
+BF16_UNIT = bf16_unit(cpu_flags(), NATIVE_BF16,
+                      os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA"))
 _BF16 = ContextVar("hmi_bf16_matmuls", default=False)
 
 

@@ -34,7 +34,7 @@ from hmi.home import hmi_home
 from hmi.io import atomic_write_text, atomic_write_with
 from hmi.model.artifact import Root, artifact_config, load_windowed, point_at, roots_dir, save_artifact
 from hmi.model.hplm import HPLM
-from hmi.model.kernels import bf16_matmuls
+from hmi.model.kernels import BF16_UNIT, bf16_matmuls
 from hmi.model.root import attention_mask, full_forward, mean_pool, weights_fingerprint
 from hmi.plot.build import count_ngrams
 from hmi.plot.keys import bigram_backoff, pack, served_keys, unpack
@@ -354,7 +354,7 @@ def calibrate(root: Root, train_texts: list[str], eval_texts: list[str], cfg: Ca
     meta = {"calibration": {**asdict(cfg), "steps_done": step,
                             "train_seconds_this_run": round(seconds - spent_before, 1),
                             "train_seconds": round(seconds, 1),
-                            "bf16_matmuls": bf16,
+                            "bf16_matmuls": bf16, "bf16_unit": BF16_UNIT if bf16 else None,
                             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
                             "cpu_capability": torch.backends.cpu.get_cpu_capability()},
             "quality": {"before": before, "after": after, "eval_texts": len(eval_texts)}}

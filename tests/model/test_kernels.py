@@ -171,3 +171,14 @@ def test_bf16_is_not_native_where_onednn_is_held_below_avx512_bf16():
     out = subprocess.run([sys.executable, "-c", "from hmi.model.kernels import NATIVE_BF16; print(NATIVE_BF16)"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_the_bf16_unit_is_amx_only_where_the_cpu_has_tiles_and_onednns_cap_allows_them():
+    """Calibrations in bf16 repeat bit for bit only on the same unit (AMX tiles sum in another order
+    than AVX512_BF16's dot products), so the artifact records which one ran."""
+    amx = {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
+    assert kernels.bf16_unit(amx, True, None) == "AMX"
+    assert kernels.bf16_unit(amx, True, "avx512_core_amx") == "AMX"
+    assert kernels.bf16_unit(amx, True, "AVX512_CORE_BF16") == "AVX512_BF16"
+    assert kernels.bf16_unit({"avx512f", "avx512_bf16"}, True, None) == "AVX512_BF16"
+    assert kernels.bf16_unit(amx, False, None) is None  # no native bf16 (e.g. oneDNN held to AVX2)
