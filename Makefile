@@ -117,9 +117,9 @@ calibrate: setup
 
 # The paper's split measured end to end (docs/roots.md): mpnet-base 6+6 calibrated (its recipe's 1,600
 # steps: hours on 2 cores, docs/roots.md says how many on which machine), its root PLOT, its learned
-# back-off, then the accuracy table with every learning rate chosen on dev (hours). Every step continues where it stopped or returns at once when
-# done, and the table reads its finished runs back from docs/results/cells/: the same command after a stop,
-# or in a fresh home, goes on.
+# back-off, then the accuracy table with every learning rate chosen on dev (hours). Every step continues
+# where it stopped or returns at once when done, and the table reads its finished runs back from
+# docs/results/cells/: the same command after a stop, or in a fresh home, goes on.
 PAPER_ROOT := --root mpnet-base --l-low 6
 paper-table: setup
 	HF_HUB_OFFLINE=1 $(BIN)/hmi prepare $(PAPER_ROOT)
